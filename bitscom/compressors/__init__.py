@@ -1,0 +1,19 @@
+"""Gradient compressors, one algorithm family per module, and the registry.
+
+``bitscom.compressors.get(name, **settings)`` builds one by name; the classes are also
+importable directly (``bitscom.compressors.FP16Compressor``).
+"""
+
+from .base import BucketLayout, Comm, Compressor, State, TensorSlot, drive
+from .casting import BF16Compressor, Compression, FP16Compressor, NoneCompressor
+from .registry import get, names, register
+
+register("none", NoneCompressor)
+register("fp16", FP16Compressor)
+register("bf16", BF16Compressor)
+
+__all__ = [
+    "BucketLayout", "Comm", "Compressor", "State", "TensorSlot", "drive",
+    "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
+    "get", "names", "register",
+]

@@ -1,0 +1,91 @@
+"""Lossless and casting compressors: none (fp32 all-reduce), fp16 and bf16.
+
+These are Horovod's ``Compression.none`` / ``Compression.fp16`` and the bf16 variant.
+Casting halves the bytes on the wire. To keep fp16 from overflowing when N large gradients
+are summed, the cast tensor is divided by the world size *before* the all-reduce (as
+PyTorch's ``fp16_compress_hook`` does), so the sum on the wire is already the average.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import BucketLayout, Comm, Compressor, State
+
+__all__ = ["NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
+
+
+@dataclass(frozen=True)
+class NoneCompressor(Compressor):
+    """Plain all-reduce in the gradient's own dtype (S-SGD). One round, no state.
+
+    Example::
+
+        opt = bitscom.DistributedOptimizer(opt, compression=bitscom.Compression.none)
+    """
+
+    name = "none"
+
+    def reduce(self, flat, layout, state, comm):
+        yield comm.all_reduce(flat)
+        flat.div_(comm.size)
+
+    def wire_bytes(self, layout: BucketLayout, world_size: int) -> int:
+        return layout.numel * torch.empty((), dtype=layout.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class _CastCompressor(Compressor):
+    """All-reduce a copy cast to ``wire_dtype``, pre-divided by the world size."""
+
+    wire_dtype = torch.float16
+
+    def reduce(self, flat, layout, state, comm):
+        if flat.dtype == self.wire_dtype:
+            wire = flat.div_(comm.size)
+        else:
+            wire = flat.to(self.wire_dtype).div_(comm.size)
+        yield comm.all_reduce(wire)
+        if wire is not flat:
+            flat.copy_(wire)
+
+    def wire_bytes(self, layout: BucketLayout, world_size: int) -> int:
+        return layout.numel * torch.empty((), dtype=self.wire_dtype).element_size()
+
+
+@dataclass(frozen=True)
+class FP16Compressor(_CastCompressor):
+    """Send gradients as IEEE fp16: 2 bytes per element, ~3 significant digits, range ±65504.
+
+    Values below ~6e-8 flush to zero and above 65504 (after dividing by the world size)
+    become Inf, which AMP's GradScaler then sees. Example::
+
+        opt = bitscom.DistributedOptimizer(opt, compression=bitscom.Compression.fp16)
+    """
+
+    name = "fp16"
+    wire_dtype = torch.float16
+
+
+@dataclass(frozen=True)
+class BF16Compressor(_CastCompressor):
+    """Send gradients as bfloat16: 2 bytes per element, fp32's range, ~2 significant digits.
+
+    Never overflows or underflows where fp32 would not, at the price of 8 mantissa bits.
+    Example::
+
+        opt = bitscom.DistributedOptimizer(opt, compression=bitscom.Compression.bf16)
+    """
+
+    name = "bf16"
+    wire_dtype = torch.bfloat16
+
+
+class Compression:
+    """Horovod-style names for the casting compressors: ``Compression.none/fp16/bf16``."""
+
+    none = NoneCompressor()
+    fp16 = FP16Compressor()
+    bf16 = BF16Compressor()

@@ -1,0 +1,48 @@
+"""Compressors by name, for scripts and command lines: ``get("acpsgd", rank=4)``.
+
+A dict filled by :func:`register`, not an if/elif factory: each compressor module registers
+its own class, so adding one touches one file.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+from .base import Compressor
+
+_REGISTRY: Dict[str, Callable[..., Compressor]] = {}
+
+
+def register(name: str, factory: Callable[..., Compressor]) -> None:
+    """Make ``factory`` available as ``get(name, **kwargs)``."""
+    if name in _REGISTRY and _REGISTRY[name] is not factory:
+        raise ValueError(f"compressor name {name!r} is already registered to {_REGISTRY[name]!r}")
+    _REGISTRY[name] = factory
+
+
+def names() -> list:
+    """The registered compressor names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get(name: str, **kwargs) -> Compressor:
+    """Build the compressor registered as ``name`` with its settings.
+
+    Example::
+
+        comp = bitscom.compressors.get("fp16")
+        comp = bitscom.compressors.get("acpsgd", rank=4)
+    """
+    if isinstance(name, Compressor):
+        if kwargs:
+            raise ValueError(f"settings {sorted(kwargs)} given with a compressor instance {name!r}")
+        return name
+    key = str(name).lower()
+    if key in ("ssgd", "s-sgd", "allreduce"):
+        key = "none"
+    if key not in _REGISTRY:
+        raise ValueError(f"unknown compressor {name!r}; registered names are {names()}")
+    try:
+        return _REGISTRY[key](**kwargs)
+    except TypeError as err:
+        raise TypeError(f"bad settings for compressor {key!r}: {err}") from None

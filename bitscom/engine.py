@@ -1,0 +1,120 @@
+"""The reduction engine: drives each bucket's compressor rounds without blocking backward.
+
+Why two process groups. Collectives on one group must be issued in the same order on every
+rank. First rounds are launched from backward hooks in bucket order — the same order
+everywhere. Later rounds (PowerSGD's Q, low-bit's all-gather) become possible when earlier
+work *completes*, which happens at different moments on different ranks; issuing them on
+the first-round group would interleave them differently per rank and mix bytes or hang.
+So later rounds go to a second group, and there in a fixed order too: bucket k issues a
+later round only once every bucket before it has finished all of its rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .compressors.base import BucketLayout, Comm, Compressor, State, is_completed, wait
+
+__all__ = ["Reducer"]
+
+
+@dataclass
+class _Flight:
+    index: int
+    rounds: Iterator
+    comm: Comm
+    work: object = None
+    done: bool = False
+
+
+class Reducer:
+    """Runs one compressor over a fixed list of bucket layouts, step after step.
+
+    ``launch(i, flat)`` must be called in increasing ``i`` within a step (the optimizer
+    guarantees it); ``poll()`` advances buckets whose work completed; ``wait_all()``
+    finishes every bucket and returns the bytes this rank sent.
+
+    Example::
+
+        reducer = Reducer(compressor, layouts, group)
+        for i, flat in enumerate(flats):
+            reducer.launch(i, flat)
+        sent = reducer.wait_all()
+    """
+
+    def __init__(self, compressor: Compressor, layouts: Sequence[BucketLayout],
+                 group: Optional[dist.ProcessGroup] = None,
+                 later_group: Optional[dist.ProcessGroup] = None):
+        self.compressor = compressor
+        self.layouts = list(layouts)
+        self.group = group
+        self.later_group = later_group
+        self.states: List[State] = [compressor.init_state(l) for l in self.layouts]
+        self._flights: List[_Flight] = []
+
+    @property
+    def in_flight(self) -> bool:
+        return any(not f.done for f in self._flights)
+
+    def launch(self, index: int, flat: torch.Tensor) -> None:
+        """Start bucket ``index``'s reduction: runs it up to (and issuing) its first round."""
+        if self._flights and self._flights[-1].index >= index:
+            raise RuntimeError(f"bucket {index} launched out of order after bucket "
+                               f"{self._flights[-1].index}")
+        comm = Comm(self.group, self.later_group)
+        rounds = self.compressor.reduce(flat, self.layouts[index], self.states[index], comm)
+        flight = _Flight(index, rounds, comm)
+        self._flights.append(flight)
+        self._step(flight)
+
+    def _step(self, flight: _Flight) -> None:
+        try:
+            flight.work = next(flight.rounds)
+            flight.comm.mark_yield()
+        except StopIteration:
+            flight.work, flight.done = None, True
+
+    def poll(self, block: bool = False) -> None:
+        """Advance buckets whose current work completed (all of them with ``block=True``).
+
+        Bucket order is kept for later rounds: a bucket that has not finished stops every
+        bucket after it from issuing later rounds.
+        """
+        for flight in self._flights:
+            while not flight.done:
+                if not block and not is_completed(flight.work):
+                    break
+                wait(flight.work)
+                self._step(flight)
+            if not flight.done:
+                return
+
+    def wait_all(self) -> int:
+        """Finish every launched bucket; return the bytes sent and reset for the next step."""
+        try:
+            self.poll(block=True)
+        except BaseException:
+            self._flights = []
+            raise
+        sent = sum(f.comm.bytes_sent for f in self._flights)
+        self._flights = []
+        return sent
+
+    def state_dict(self) -> dict:
+        return {"states": [s.state_dict() for s in self.states],
+                "compressor": self.compressor.fingerprint()}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state["states"]
+        if len(saved) != len(self.states):
+            raise ValueError(f"checkpoint holds compressor state for {len(saved)} buckets, "
+                             f"this plan has {len(self.states)}")
+        if state.get("compressor") not in (None, self.compressor.fingerprint()):
+            raise ValueError(f"checkpoint compressor {state['compressor']} differs from "
+                             f"{self.compressor.fingerprint()}")
+        for s, d in zip(self.states, saved):
+            s.load_state_dict(d)

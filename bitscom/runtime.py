@@ -1,0 +1,292 @@
+"""Process-group setup: find who we are from the launcher, start torch.distributed, build groups.
+
+This is the one place in bitscom that reads environment variables, because launchers
+communicate only through them:
+
+* torchrun / torch.distributed.run: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+  MASTER_ADDR, MASTER_PORT;
+* Open MPI (mpirun): OMPI_COMM_WORLD_RANK/_SIZE/_LOCAL_RANK/_LOCAL_SIZE;
+* MPICH / Intel MPI (hydra): PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS;
+* Slurm (srun): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE /
+  SLURM_TASKS_PER_NODE, SLURM_NODELIST;
+* none of these: a single process (world size 1; every collective is a no-op).
+
+Under MPI without MASTER_ADDR, rank 0's address and a free port are shared with mpi4py, so
+``mpirun -np 8 python train.py`` needs nothing else.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+           "cross_rank", "cross_size", "world_group", "intra_group", "inter_group", "device",
+           "LaunchInfo", "discover"]
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Who this process is, as the launcher said."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    launcher: str
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+
+
+def _int(env, *names, default=None):
+    for n in names:
+        if n in env and env[n] != "":
+            return int(str(env[n]).split("(")[0].split(",")[0])
+    return default
+
+
+def discover(env=None) -> LaunchInfo:
+    """Read the launcher's environment (a dict for tests; ``os.environ`` by default).
+
+    Example::
+
+        info = bitscom.runtime.discover()   # LaunchInfo(rank=0, size=1, ..., launcher='none')
+    """
+    env = os.environ if env is None else env
+    addr = env.get("MASTER_ADDR")
+    port = _int(env, "MASTER_PORT")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        size = _int(env, "WORLD_SIZE")
+        return LaunchInfo(_int(env, "RANK"), size, _int(env, "LOCAL_RANK", default=0),
+                          _int(env, "LOCAL_WORLD_SIZE", default=size), "torchrun", addr, port)
+    if "OMPI_COMM_WORLD_RANK" in env:
+        size = _int(env, "OMPI_COMM_WORLD_SIZE")
+        return LaunchInfo(_int(env, "OMPI_COMM_WORLD_RANK"), size,
+                          _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", default=0),
+                          _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", default=size), "mpi", addr, port)
+    if "PMI_RANK" in env and "PMI_SIZE" in env:
+        size = _int(env, "PMI_SIZE")
+        return LaunchInfo(_int(env, "PMI_RANK"), size, _int(env, "MPI_LOCALRANKID", default=0),
+                          _int(env, "MPI_LOCALNRANKS", default=size), "mpi", addr, port)
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        size = _int(env, "SLURM_NTASKS")
+        local = _int(env, "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", default=size)
+        if addr is None and "SLURM_NODELIST" in env:
+            addr = _first_slurm_host(env["SLURM_NODELIST"])
+        if port is None:
+            port = 29500 + _int(env, "SLURM_JOB_ID", default=0) % 20000
+        return LaunchInfo(_int(env, "SLURM_PROCID"), size, _int(env, "SLURM_LOCALID", default=0),
+                          local, "slurm", addr, port)
+    return LaunchInfo(0, 1, 0, 1, "none", addr, port)
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, check=True, timeout=30).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    head = nodelist.split(",")[0]
+    if "[" in head:
+        prefix, rest = head.split("[", 1)
+        head = prefix + rest.split("-")[0].split(",")[0].rstrip("]")
+    return head
+
+
+def _mpi_rendezvous(info: LaunchInfo) -> tuple:
+    """Rank 0 picks an address and a free port; mpi4py broadcasts them to every rank."""
+    try:
+        from mpi4py import MPI
+    except ImportError as err:
+        raise RuntimeError("launched by mpirun without MASTER_ADDR/MASTER_PORT: install the "
+                           "'mpi' extra (pip install bitscom[mpi]) so rank 0 can share its "
+                           "address, or export MASTER_ADDR and MASTER_PORT") from err
+    payload = None
+    if info.rank == 0:
+        addr = info.master_addr or _my_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        payload = (addr, info.master_port or port)
+    return MPI.COMM_WORLD.bcast(payload, root=0)
+
+
+def _my_address() -> str:
+    host = socket.gethostname()
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return "127.0.0.1"
+
+
+class _Runtime:
+    def __init__(self):
+        self.info: Optional[LaunchInfo] = None
+        self.owns_pg = False
+        self.world = None
+        self.intra = None
+        self.inter = None
+        self.device = torch.device("cpu")
+
+
+_rt = _Runtime()
+
+
+def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta] = None,
+         device: Optional[str] = None) -> LaunchInfo:
+    """Start torch.distributed from the launcher's environment and build bitscom's groups.
+
+    ``backend`` defaults to ``nccl`` when CUDA is available and ``gloo`` otherwise; the CUDA
+    device is set from the local rank. Calling ``init()`` again is harmless. If the process
+    group already exists (the user called ``init_process_group``), it is adopted.
+
+    Example::
+
+        import bitscom
+        bitscom.init()
+        print(bitscom.rank(), bitscom.size(), bitscom.local_rank())
+    """
+    if _rt.info is not None:
+        return _rt.info
+    info = discover()
+    use_cuda = (device == "cuda") or (device is None and torch.cuda.is_available())
+    if backend is None:
+        backend = "nccl" if use_cuda else "gloo"
+    if backend not in ("nccl", "gloo", "mpi") and backend not in dist.Backend.backend_list:
+        raise ValueError(f"backend {backend!r} is not known; use 'nccl', 'gloo' or a registered backend")
+    if use_cuda and torch.cuda.is_available():
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        _rt.device = torch.device("cuda", torch.cuda.current_device())
+    if dist.is_initialized():
+        info = LaunchInfo(dist.get_rank(), dist.get_world_size(), info.local_rank,
+                          info.local_size if info.size == dist.get_world_size() else dist.get_world_size(),
+                          info.launcher if info.size == dist.get_world_size() else "external")
+    elif info.size > 1:
+        kwargs = {"backend": backend, "rank": info.rank, "world_size": info.size}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        if info.launcher == "torchrun":
+            kwargs["init_method"] = "env://"
+        else:
+            addr, port = (info.master_addr, info.master_port)
+            if info.launcher == "mpi" and (addr is None or port is None):
+                addr, port = _mpi_rendezvous(info)
+            if addr is None or port is None:
+                raise RuntimeError(f"launcher {info.launcher!r} gave no MASTER_ADDR/MASTER_PORT; "
+                                   "export both")
+            kwargs["init_method"] = f"tcp://{addr}:{port}"
+        dist.init_process_group(**kwargs)
+        _rt.owns_pg = True
+    _rt.info = info
+    if dist.is_initialized():
+        _rt.world = dist.group.WORLD
+        _build_node_groups(info)
+    return info
+
+
+def _build_node_groups(info: LaunchInfo) -> None:
+    """Intra-node groups (ranks of one node) and inter-node groups (same local rank).
+
+    Ranks of a node must be contiguous (torchrun, ``mpirun --map-by slot``, Slurm block
+    distribution); this is checked, since wrong groups would silently mix bytes.
+    """
+    size, local = info.size, info.local_size
+    if local < 1 or size % local != 0:
+        raise RuntimeError(f"world size {size} is not a multiple of the local size {local}")
+    layout = [None] * size
+    dist.all_gather_object(layout, (info.local_rank, local))
+    for r, (lr, ls) in enumerate(layout):
+        if ls != local or lr != r % local:
+            raise RuntimeError(f"rank {r} reports local rank {lr} of {ls}; bitscom needs the ranks "
+                               f"of a node to be contiguous with equal local sizes "
+                               f"(use mpirun --map-by slot); layout seen: {layout}")
+    nodes = size // local
+    for n in range(nodes):
+        g = dist.new_group(list(range(n * local, (n + 1) * local)))
+        if info.rank // local == n:
+            _rt.intra = g
+    for lr in range(local):
+        g = dist.new_group(list(range(lr, size, local)))
+        if info.rank % local == lr:
+            _rt.inter = g
+
+
+def shutdown() -> None:
+    """Destroy the process group bitscom created (if it created it) and forget the groups."""
+    if _rt.owns_pg and dist.is_initialized():
+        dist.destroy_process_group()
+    _rt.__init__()
+
+
+def is_initialized() -> bool:
+    return _rt.info is not None
+
+
+def _info() -> LaunchInfo:
+    if _rt.info is None:
+        raise RuntimeError("bitscom is not initialized: call bitscom.init() first")
+    return _rt.info
+
+
+def rank() -> int:
+    """This process's rank in the world."""
+    return _info().rank
+
+
+def size() -> int:
+    """Number of processes in the world."""
+    return _info().size
+
+
+def local_rank() -> int:
+    """Rank within this node."""
+    return _info().local_rank
+
+
+def local_size() -> int:
+    """Number of processes on this node."""
+    return _info().local_size
+
+
+def cross_rank() -> int:
+    """Index of this node (rank of this process among processes with its local rank)."""
+    info = _info()
+    return info.rank // info.local_size
+
+
+def cross_size() -> int:
+    """Number of nodes."""
+    info = _info()
+    return info.size // info.local_size
+
+
+def world_group():
+    """The world process group (None when running as a single process)."""
+    _info()
+    return _rt.world
+
+
+def intra_group():
+    """The process group of this node's ranks (None for a single process)."""
+    _info()
+    return _rt.intra
+
+
+def inter_group():
+    """The process group of ranks with this local rank, one per node (None for a single process)."""
+    _info()
+    return _rt.inter
+
+
+def device() -> torch.device:
+    """The device bitscom selected for this rank (CUDA from the local rank, else CPU)."""
+    return _rt.device
