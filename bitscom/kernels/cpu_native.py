@@ -1,0 +1,5 @@
+"""Placeholder until the native CPU loop lands."""
+
+
+def available() -> bool:
+    return False

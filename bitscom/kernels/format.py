@@ -1,0 +1,129 @@
+"""Constants, sizes, validation and the counter hash shared by every kernel implementation.
+
+Everything that decides *bytes* lives here once, so the torch reference, the native CPU loop and
+the CUDA kernels cannot drift apart: code ranges, packing groups, wire sizes and the
+stochastic-rounding key schedule. See ``bitscom.quantization`` for the format description.
+"""
+from __future__ import annotations
+
+import math
+
+SUPPORTED_BITS = (1, 2, 4, 8, 12, 16)
+MIN_BLOCK_SIZE = 32
+MAX_BLOCK_SIZE = 65536
+SCALE_BYTES = 2  # one bfloat16 per block
+HADAMARD_BLOCK = 32
+
+MASK32 = 0xFFFFFFFF
+# Distinct odd constants so seed halves and index halves do not collide (digits of pi).
+SEED_SALT_LO = 0x243F6A88
+SEED_SALT_HI = 0x85A308D3
+
+
+def qmax(bits: int) -> int:
+    """Largest signed level of a width: codes are ``q + qmax`` with ``q`` in ``[-qmax, qmax]``.
+
+    For 1 bit there is no zero level; it returns 1 (levels -1 and +1).
+    """
+    return 1 if bits == 1 else (1 << (bits - 1)) - 1
+
+
+def group(bits: int) -> tuple[int, int]:
+    """(elements, bytes) of the smallest whole-byte group of codes: 8/b elems->1 byte, 12: 2->3, 16: 1->2."""
+    if bits <= 8:
+        return 8 // bits, 1
+    if bits == 12:
+        return 2, 3
+    return 1, 2
+
+
+def check_bits(bits) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported; allowed widths are {SUPPORTED_BITS}")
+    return bits
+
+
+def check_block_size(block_size) -> int:
+    if (isinstance(block_size, bool) or not isinstance(block_size, int)
+            or block_size < MIN_BLOCK_SIZE or block_size > MAX_BLOCK_SIZE
+            or block_size & (block_size - 1)):
+        raise ValueError(
+            f"block_size={block_size!r} is not allowed; use a power of two from {MIN_BLOCK_SIZE} "
+            f"to {MAX_BLOCK_SIZE} (e.g. 128)")
+    return block_size
+
+
+def check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+        raise ValueError(f"seed={seed!r} must be an int in [0, 2**64)")
+    return seed
+
+
+def check_index_offset(index_offset) -> int:
+    if isinstance(index_offset, bool) or not isinstance(index_offset, int) or not 0 <= index_offset < 2 ** 62:
+        raise ValueError(f"index_offset={index_offset!r} must be an int in [0, 2**62)")
+    return index_offset
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    """Blocks covering ``numel`` elements; the last one is zero-padded."""
+    return -(-numel // block_size)
+
+
+def payload_bytes(numel: int, bits: int, block_size: int) -> int:
+    """Packed code bytes for ``numel`` elements: whole blocks, ``block_size * bits / 8`` bytes each.
+
+    Always even (block_size >= 32), so a bfloat16 scale array placed right after it stays aligned.
+    """
+    return num_blocks(numel, block_size) * block_size * bits // 8
+
+
+def scale_bytes(numel: int, block_size: int) -> int:
+    """Bytes of the bfloat16 scales for ``numel`` elements."""
+    return num_blocks(numel, block_size) * SCALE_BYTES
+
+
+def wire_bytes(numel: int, bits: int, block_size: int) -> int:
+    """Exact bytes one quantized tensor of ``numel`` elements puts on the wire: payload + scales.
+
+    Example::
+
+        >>> wire_bytes(1024, 4, 128)  # 512 payload + 8 scales * 2 bytes
+        528
+    """
+    check_bits(bits)
+    check_block_size(block_size)
+    if numel < 0:
+        raise ValueError(f"numel={numel!r} must be >= 0")
+    return payload_bytes(numel, bits, block_size) + scale_bytes(numel, block_size)
+
+
+def bits_per_element(bits: int, block_size: int) -> float:
+    """Asymptotic wire cost: ``bits + 16 / block_size`` (4-bit, 128 blocks -> 4.125)."""
+    return bits + 8 * SCALE_BYTES / block_size
+
+
+def fmix32(h: int) -> int:
+    """MurmurHash3 32-bit finalizer (a bijection on uint32), the mixer of the counter hash."""
+    h &= MASK32
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & MASK32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & MASK32
+    h ^= h >> 16
+    return h
+
+
+def seed_keys(seed: int) -> tuple[int, int]:
+    """Two 32-bit keys from a 64-bit seed; element ``i`` then draws
+
+    ``h = fmix32(fmix32(lo32(i) ^ k1) ^ hi32(i) ^ k2)``, ``r = h >> 8`` (24 uniform bits),
+    so the random number depends only on (seed, global index): reproducible on any device,
+    any sharding, and no generator state is touched.
+    """
+    seed = check_seed(seed)
+    return fmix32((seed & MASK32) ^ SEED_SALT_LO), fmix32((seed >> 32) ^ SEED_SALT_HI)
+
+
+def log2(n: int) -> int:
+    return int(math.log2(n))

@@ -1,0 +1,172 @@
+"""Eager torch implementation of the hot loops: the portable path and the byte-exact reference.
+
+Runs on any device. Every arithmetic step is an IEEE-exact or correctly rounded elementwise op
+(division, rint, floor, one multiply, additions in a fixed order), which is why the native CPU
+loop and the CUDA kernels can reproduce its bytes exactly. It is slow on CPU (a chain of
+kernels, each a pass over memory); ``cpu_native`` is the fast CPU path.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import format as fmt
+
+_M32 = fmt.MASK32
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """(h * c) mod 2**32 for int64 h in [0, 2**32) without int64 overflow (16-bit split)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (h * lo + (((h * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def uniform24(seed: int, index_offset: int, count: int, device) -> torch.Tensor:
+    """24-bit counter-hash integers (as float32, exact) for global indices offset..offset+count-1."""
+    k1, k2 = fmt.seed_keys(seed)
+    idx = torch.arange(count, dtype=torch.int64, device=device) + index_offset
+    h = _fmix32((idx & _M32) ^ k1)
+    h = _fmix32(h ^ (idx >> 32) ^ k2)
+    return (h >> 8).to(torch.float32)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Little-endian bit stream: code i occupies stream bits [i*b, (i+1)*b); ceil(n*b/8) bytes."""
+    n = codes.numel()
+    g, gb = fmt.group(bits)
+    c = codes.reshape(-1).to(torch.int64)
+    c = F.pad(c, (0, (-n) % g)).view(-1, g)
+    w = c[:, 0].clone()
+    for j in range(1, g):
+        w |= c[:, j] << (j * bits)
+    out = torch.stack([(w >> (8 * k)) & 0xFF for k in range(gb)], dim=1) if gb > 1 else w.unsqueeze(1)
+    return out.to(torch.uint8).reshape(-1)[: (n * bits + 7) // 8]
+
+
+def unpack_codes(payload: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: the first ``count`` codes as int32."""
+    g, gb = fmt.group(bits)
+    ngroups = -(-count // g)
+    p = payload.reshape(-1)[: ngroups * gb].to(torch.int64)
+    p = F.pad(p, (0, ngroups * gb - p.numel())).view(ngroups, gb)
+    w = p[:, 0].clone()
+    for k in range(1, gb):
+        w |= p[:, k] << (8 * k)
+    mask = (1 << bits) - 1
+    c = torch.stack([(w >> (j * bits)) & mask for j in range(g)], dim=1) if g > 1 else w.unsqueeze(1)
+    return c.reshape(-1)[:count].to(torch.int32)
+
+
+def _tree_sum(a: torch.Tensor) -> torch.Tensor:
+    """Row sums by the contiguous-halves tree ((a0+a1)+(a2+a3))+...: a fixed order every path copies."""
+    while a.shape[1] > 1:
+        a = a.reshape(a.shape[0], a.shape[1] // 2, 2)
+        a = a[..., 0] + a[..., 1]
+    return a[:, 0]
+
+
+def _stored_scales(raw: torch.Tensor, amax: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """Round fp32 scales *up* to bfloat16 (int bit ops, so exact on every device).
+
+    Rounding up keeps |x| / scale <= qmax, so no code clips. Non-zero blocks get at least the
+    smallest bf16 subnormal; an overflow clamps to the largest finite bf16; non-finite -> NaN.
+    Returns int64 bf16 bit patterns.
+    """
+    raw = torch.where(finite, raw, torch.zeros_like(raw))
+    b = raw.view(torch.int32).to(torch.int64)
+    b = ((b + 0xFFFF) >> 16)
+    b = torch.where((b == 0) & (amax > 0), torch.ones_like(b), b)
+    b = torch.where(b >= 0x7F80, torch.full_like(b, 0x7F7F), b)
+    return torch.where(finite, b, torch.full_like(b, 0x7FC0))
+
+
+def quantize_pack(x: torch.Tensor, bits: int, block_size: int, stochastic: bool, seed: int,
+                  index_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat float32 ``x`` -> (payload uint8 [payload_bytes], scales bfloat16 [nblocks])."""
+    n = x.numel()
+    nb = fmt.num_blocks(n, block_size)
+    xp = F.pad(x.reshape(-1).to(torch.float32), (0, nb * block_size - n)).view(nb, block_size)
+    finite = torch.isfinite(xp).all(dim=1)
+    ax = xp.abs()
+    amax = ax.amax(dim=1) if nb else ax.sum(dim=1)
+    qm = fmt.qmax(bits)
+    if bits == 1 and not stochastic:
+        raw = _tree_sum(ax) / block_size
+    else:
+        raw = amax / qm
+    sbits = _stored_scales(raw, amax, finite)
+    s = (sbits << 16).to(torch.int32).view(torch.float32)
+    live = (finite & (sbits > 0)).unsqueeze(1)
+    if bits == 1 and not stochastic:
+        u = (xp < 0).to(torch.int64)
+    else:
+        y = xp / s.unsqueeze(1)
+        if stochastic:
+            r = uniform24(seed, index_offset, nb * block_size, x.device).view(nb, block_size)
+        if bits == 1:
+            t = (1.0 - y) * 0.5
+            u = (r < t * 16777216.0).to(torch.int64)
+        else:
+            if stochastic:
+                fl = torch.floor(y)
+                q = fl + (r < (y - fl) * 16777216.0).to(torch.float32)
+            else:
+                q = torch.round(y)
+            u = q.clamp(-qm, qm).to(torch.int64) + qm
+    zero = 0 if bits == 1 else qm
+    u = torch.where(live, u, torch.full_like(u, zero))
+    payload = pack_codes(u, bits)
+    scales = sbits.to(torch.int16).view(torch.bfloat16)
+    return payload, scales
+
+
+def dequantize_rows(payloads: torch.Tensor, scales: torch.Tensor, numel: int, bits: int,
+                    block_size: int) -> torch.Tensor:
+    """[P, bytes] payloads and [P, nblocks] scales -> float32 [P, numel] values."""
+    nb = fmt.num_blocks(numel, block_size)
+    P = payloads.shape[0]
+    pb = fmt.payload_bytes(numel, bits, block_size)
+    codes = unpack_codes(payloads[:, :pb].reshape(-1), bits, P * nb * block_size)
+    codes = codes.view(P, nb, block_size)
+    s = scales[:, :nb].to(torch.float32).unsqueeze(2)
+    if bits == 1:
+        v = (1 - 2 * codes).to(torch.float32) * s
+    else:
+        v = (codes - fmt.qmax(bits)).to(torch.float32) * s
+    return v.view(P, nb * block_size)[:, :numel]
+
+
+def unpack_dequantize(payload, scales, numel, bits, block_size, out):
+    v = dequantize_rows(payload.reshape(1, -1), scales.reshape(1, -1), numel, bits, block_size)[0]
+    out.copy_(v)
+    return out
+
+
+def unpack_dequantize_accumulate(payloads, scales, numel, bits, block_size, out, accumulate):
+    """out = [out +] v_0 + v_1 + ... + v_{P-1}, added left to right in float32."""
+    v = dequantize_rows(payloads, scales, numel, bits, block_size)
+    start = 0
+    if not accumulate:
+        out.copy_(v[0])
+        start = 1
+    for p in range(start, v.shape[0]):
+        out.add_(v[p])
+    return out
+
+
+def dequantize_sum_requantize(payloads, scales, numel, bits, block_size, out_bits, alpha,
+                              stochastic, seed, index_offset, sum_out):
+    """Sum of P dequantized shards (left to right), times alpha, requantized to ``out_bits``."""
+    acc = sum_out if sum_out is not None else torch.empty(numel, dtype=torch.float32, device=payloads.device)
+    unpack_dequantize_accumulate(payloads, scales, numel, bits, block_size, acc, False)
+    if alpha != 1.0:
+        acc.mul_(alpha)
+    return quantize_pack(acc, out_bits, block_size, stochastic, seed, index_offset)
