@@ -1,0 +1,153 @@
+"""Sign compression: EF-SignSGD (Karimireddy et al. 2019) and signSGD with majority vote
+(Bernstein et al. 2018/2019).
+
+Why a scale: a bare sign throws away the gradient's magnitude, so SGD's learning rate would
+have to be retuned. Sending one fp32 scale per bucket, ``s = ‖x‖₁ / d`` (the mean absolute
+value), makes ``s · sign(x)`` the best scaled-sign approximation of ``x`` in the ℓ2 sense
+given the signs, and keeps dense-SGD learning rates usable.
+
+Wire format, per rank and bucket: the d sign bits packed 8 per byte (bit ``i % 8`` of byte
+``i // 8`` is element i, least significant bit first — the low-bit format's order; a set bit
+means negative, so ``+0`` and ``-0`` both read as +), followed by the 4 bytes of the fp32
+scale: ``ceil(d / 8) + 4`` bytes, sent with one ``all_gather`` (signs cannot be summed on
+the wire). fp32 all-reduce costs ``4·d``: about 32× more.
+
+EF-SignSGD (``majority_vote=False``), per bucket and step:
+
+1. ``x = g + e``; 2. ``s = ‖x‖₁ / d``; 3. all-gather (bits, s);
+4. average: ``(1/N) Σ_r s_r · sign_r``, summed in rank order on every rank (bitwise
+   identical); 5. ``e = x − s · sign(x)``.
+
+Majority vote (``majority_vote=True``): steps 1–3 as above; then
+``result = sign(Σ_r sign_r) · (1/N) Σ_r s_r`` — the elementwise vote times the ranks' mean
+scale (a tie, possible for even N, gives 0). Bernstein et al. use ``lr · sign(vote)``; the
+mean scale makes the update's size match the gradient's, so learning rates tuned for
+S-SGD carry over. Error feedback in this mode is worker-side only: ``e = x − s · sign(x)``
+compensates what this rank's message lost, not what the vote lost (the worker half of the
+double error feedback of Zheng et al. 2019 / 1-bit Adam). It is off by default there
+(``error_feedback=None`` means on for EF-SignSGD, off for majority vote) because the vote
+already rounds and the paper's convergence argument is for plain signs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .base import BucketLayout, Comm, Compressor
+from .error_feedback import ErrorFeedback
+
+__all__ = ["SignSGD", "pack_signs", "unpack_signs"]
+
+_BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """Pack ``x < 0`` into uint8, 8 elements per byte, least significant bit first.
+
+    Example::
+
+        pack_signs(torch.tensor([-1., 2., 3., 4., 5., 6., 7., -8.]))   # tensor([129], dtype=uint8)
+    """
+    x = x.reshape(-1)
+    d = x.numel()
+    bits = torch.zeros(-(-d // 8) * 8, dtype=torch.uint8, device=x.device)
+    bits[:d] = x < 0                     # NaN compares False: reads as +, its scale is NaN
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=x.device)
+    return (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+
+
+def unpack_signs(packed: torch.Tensor, numel: int, dtype=torch.float32) -> torch.Tensor:
+    """Inverse of :func:`pack_signs`: ``numel`` values of ±1 in ``dtype``.
+
+    Example::
+
+        unpack_signs(torch.tensor([129], dtype=torch.uint8), 8)   # [-1, 1, 1, 1, 1, 1, 1, -1]
+    """
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=packed.device)
+    negative = (packed.reshape(-1, 1) & weights).ne(0).reshape(-1)[:numel]
+    return 1 - 2 * negative.to(dtype)
+
+
+@dataclass(frozen=True)
+class SignSGD(Compressor):
+    """One bit per gradient entry plus one fp32 scale per bucket, with error feedback.
+
+    Args:
+        error_feedback: keep ``x − s·sign(x)`` and add it to the next gradient. Needed for
+            EF-SignSGD to converge like SGD (plain scaled sign is biased). ``None`` (the
+            default) means on without majority vote and off with it.
+        majority_vote: ``False``: average the ranks' scaled signs (EF-SignSGD, keeps
+            magnitude information across ranks). ``True``: take the elementwise majority of
+            the signs times the mean scale (signSGD with majority vote; robust to a minority
+            of bad ranks, but the update of every entry has the same size).
+
+    Example::
+
+        opt = bitscom.DistributedOptimizer(opt, compression=bitscom.compressors.SignSGD())
+    """
+
+    error_feedback: Optional[bool] = None
+    majority_vote: bool = False
+
+    name = "signsgd"
+
+    def __post_init__(self):
+        if not isinstance(self.majority_vote, bool):
+            raise TypeError(f"SignSGD majority_vote must be a bool, got {self.majority_vote!r}")
+        if self.error_feedback is not None and not isinstance(self.error_feedback, bool):
+            raise TypeError(f"SignSGD error_feedback must be a bool or None, got {self.error_feedback!r}")
+
+    @property
+    def uses_error_feedback(self) -> bool:
+        """The effective setting: ``error_feedback`` with ``None`` resolved."""
+        if self.error_feedback is None:
+            return not self.majority_vote
+        return self.error_feedback
+
+    def init_state(self, layout: BucketLayout) -> ErrorFeedback:
+        return ErrorFeedback.for_layout(layout, enabled=self.uses_error_feedback)
+
+    @staticmethod
+    def encode(x: torch.Tensor) -> torch.Tensor:
+        """The wire record of ``x``: packed signs then the fp32 scale ``‖x‖₁/d``, as uint8."""
+        packed = pack_signs(x)
+        scale = x.abs().mean(dtype=torch.float32).reshape(1)
+        return torch.cat([packed, scale.view(torch.uint8)])
+
+    @staticmethod
+    def decode(record: torch.Tensor, numel: int):
+        """``(signs ±1 fp32, scale fp32 0-d)`` of one wire record."""
+        nbytes = -(-numel // 8)
+        scale = record[nbytes:nbytes + 4].clone().view(torch.float32)[0]     # clone: 4-byte aligned
+        return unpack_signs(record[:nbytes], numel), scale
+
+    def reduce(self, flat, layout, state, comm: Comm):
+        numel = flat.numel()
+        if numel == 0:
+            return
+        x = state.compensate(flat)
+        record = self.encode(x)
+        signs, scale = self.decode(record, numel)
+        state.update(signs * scale)
+        gathered = torch.empty(comm.size * record.numel(), dtype=torch.uint8, device=flat.device)
+        yield comm.all_gather(gathered, record)
+        gathered = gathered.view(comm.size, -1)
+        acc = torch.zeros(numel, dtype=torch.float32, device=flat.device)
+        scale_sum = torch.zeros((), dtype=torch.float32, device=flat.device)
+        for r in range(comm.size):                              # fixed order: bitwise identical
+            signs, scale = self.decode(gathered[r], numel)
+            if self.majority_vote:
+                acc += signs
+                scale_sum += scale
+            else:
+                acc.add_(signs * scale)
+        if self.majority_vote:
+            flat.copy_(acc.sign_().mul_(scale_sum / comm.size))
+        else:
+            flat.copy_(acc.div_(comm.size))
+
+    def wire_bytes(self, layout: BucketLayout, world_size: int) -> int:
+        return -(-layout.numel // 8) + 4

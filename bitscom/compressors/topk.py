@@ -1,0 +1,117 @@
+"""Top-k sparsification with error feedback (Aji & Heafield 2017; Stich et al. 2018).
+
+Why all-gather and not all-reduce: each rank keeps a different set of coordinates, so the
+sparse vectors cannot be summed on the wire. With the same k on every rank every message has
+the same size, so one ``all_gather`` of fixed-size (values, indices) records suffices and no
+size exchange round is needed.
+
+Algorithm, per bucket and step:
+
+1. ``x = g + e`` (error feedback, :class:`~bitscom.compressors.error_feedback.ErrorFeedback`);
+2. pick the ``k = ceil(ratio · numel)`` entries of largest ``|x|``;
+3. all-gather one record per rank: k fp32 values followed by k indices (int32 while the
+   bucket has < 2³¹ elements, else int64), in one buffer;
+4. every rank adds rank 0's values into a zero dense buffer, then rank 1's, … (indices are
+   unique within a rank, so each addition is a gather-add-scatter with no races) — the same
+   order everywhere, hence bitwise-identical results — and divides by N;
+5. ``e = x − (x at the chosen indices)``: the sent entries are zeroed in the residual.
+
+Wire cost per rank and step: ``k · (4 + 4)`` bytes (``k · (4 + 8)`` for buckets of ≥ 2³¹
+elements), against ``4 · numel`` for fp32 all-reduce. The receive side grows with N (each
+rank receives N·k records), which is top-k's weakness on many ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+from .base import BucketLayout, Comm, Compressor
+from .error_feedback import ErrorFeedback
+
+__all__ = ["TopK"]
+
+_INT32_LIMIT = 2 ** 31 - 1
+
+
+@dataclass(frozen=True)
+class TopK(Compressor):
+    """Send the ``ratio`` fraction of largest-magnitude gradient entries (values + indices).
+
+    Args:
+        ratio: fraction of each bucket's entries sent, in (0, 1]. Smaller sends less
+            (``8·k`` bytes vs ``4·numel``) but delays more of the gradient in the residual;
+            0.01 (100× fewer values, 50× fewer bytes) is the common setting, and needs
+            error feedback to converge like SGD. 1 sends everything (exact, 2× fp32's bytes).
+        error_feedback: keep the unsent entries and add them to the next gradient. Without
+            it the small coordinates are never updated.
+
+    Example::
+
+        opt = bitscom.DistributedOptimizer(opt, compression=bitscom.compressors.TopK(ratio=0.01))
+    """
+
+    ratio: float = 0.01
+    error_feedback: bool = True
+
+    name = "topk"
+
+    def __post_init__(self):
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) \
+                or not 0.0 < float(self.ratio) <= 1.0 or math.isnan(float(self.ratio)):
+            raise ValueError(f"TopK ratio must be a number in (0, 1], got {self.ratio!r}")
+        if not isinstance(self.error_feedback, bool):
+            raise TypeError(f"TopK error_feedback must be a bool, got {self.error_feedback!r}")
+
+    def k_for(self, numel: int) -> int:
+        """Entries sent for a bucket of ``numel`` elements: ``ceil(ratio · numel)``, at least 1.
+
+        The ratio is read as the nearest fraction with a denominator ≤ 10⁹, so 0.01 × 100
+        is exactly 1 and not 2 through binary rounding.
+        """
+        if numel == 0:
+            return 0
+        exact = Fraction(self.ratio).limit_denominator(10 ** 9) * numel
+        return max(1, min(numel, math.ceil(exact)))
+
+    @staticmethod
+    def _index_dtype(numel: int) -> torch.dtype:
+        return torch.int32 if numel <= _INT32_LIMIT else torch.int64
+
+    def init_state(self, layout: BucketLayout) -> ErrorFeedback:
+        return ErrorFeedback.for_layout(layout, enabled=self.error_feedback)
+
+    def compress(self, x: torch.Tensor, k: int):
+        """``(values, indices)`` of the ``k`` largest ``|x|`` (fp32 values, int64 indices)."""
+        indices = x.abs().topk(k, sorted=False).indices
+        return x[indices], indices
+
+    def reduce(self, flat, layout, state, comm: Comm):
+        numel = flat.numel()
+        k = self.k_for(numel)
+        if k == 0:
+            return
+        x = state.compensate(flat)
+        values, indices = self.compress(x, k)
+        index_dtype = self._index_dtype(numel)
+        words = 1 if index_dtype == torch.int32 else 2          # int32 words per index
+        record = torch.empty(k * (1 + words), dtype=torch.int32, device=flat.device)
+        record[:k] = values.view(torch.int32)
+        record[k:] = indices.to(index_dtype).view(torch.int32)
+        state.update_sparse(indices, values)
+        gathered = torch.empty(comm.size * record.numel(), dtype=torch.int32, device=flat.device)
+        yield comm.all_gather(gathered, record)
+        gathered = gathered.view(comm.size, -1)
+        dense = torch.zeros(numel, dtype=torch.float32, device=flat.device)
+        for r in range(comm.size):                              # fixed order: bitwise identical
+            vals = gathered[r, :k].view(torch.float32)
+            idx = gathered[r, k:].contiguous().view(index_dtype).long()
+            dense.index_put_((idx,), dense[idx] + vals)
+        flat.copy_(dense.div_(comm.size))
+
+    def wire_bytes(self, layout: BucketLayout, world_size: int) -> int:
+        k = self.k_for(layout.numel)
+        return k * (4 + (4 if self._index_dtype(layout.numel) == torch.int32 else 8))

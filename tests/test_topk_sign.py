@@ -1,0 +1,287 @@
+"""TopK and SignSGD: exactness, error-feedback invariant, packing, cross-rank identity, errors.
+
+Single-process tests drive N simulated ranks in lockstep through a fake Comm (each rank's
+all-gather input is collected, then every output is filled), so the multi-rank arithmetic is
+checked without processes; the gloo tests check the real thing on 2 and 4 ranks.
+"""
+import math
+
+import pytest
+import torch
+
+import bitscom
+from bitscom.compressors import BucketLayout, SignSGD, TopK, get, names
+from bitscom.compressors.error_feedback import ErrorFeedback
+from bitscom.compressors.signsgd import pack_signs, unpack_signs
+
+
+class FakeComm:
+    """One simulated rank's Comm: records all-gathers for :func:`lockstep` to complete."""
+
+    def __init__(self, rank, size, log):
+        self.rank, self.size, self.log, self.bytes_sent = rank, size, log, 0
+
+    def all_gather(self, output, input):
+        self.bytes_sent += input.numel() * input.element_size()
+        self.log.append((self.rank, output, input.clone()))
+        return None
+
+    def mark_yield(self):
+        pass
+
+
+def lockstep(compressor, flats, states, layout):
+    """Run ``compressor.reduce`` for every simulated rank; returns bytes sent per rank."""
+    world, log = len(flats), []
+    comms = [FakeComm(r, world, log) for r in range(world)]
+    gens = [compressor.reduce(f, layout, s, c) for f, s, c in zip(flats, states, comms)]
+    live = list(range(world))
+    while live:
+        log.clear()
+        still = []
+        for r in live:
+            try:
+                next(gens[r])
+                still.append(r)
+            except StopIteration:
+                pass
+        if log:
+            inputs = torch.cat([inp for _, _, inp in sorted(log, key=lambda t: t[0])])
+            for _, out, _ in log:
+                out.copy_(inputs)
+        live = still
+    return [c.bytes_sent for c in comms]
+
+
+def grads(world, numel, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=g) for _ in range(world)]
+
+
+def layout_for(numel):
+    return BucketLayout.for_tensor(torch.zeros(numel))
+
+
+# ---------------------------------------------------------------- TopK
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_topk_ratio_one_is_exact_average(world):
+    numel = 1000
+    gs = grads(world, numel)
+    comp, layout = TopK(ratio=1.0), layout_for(numel)
+    flats = [g.clone() for g in gs]
+    states = [comp.init_state(layout) for _ in gs]
+    lockstep(comp, flats, states, layout)
+    ref = torch.stack([g.double() for g in gs]).mean(0)
+    for f in flats:
+        assert torch.equal(f, flats[0])
+        torch.testing.assert_close(f.double(), ref, rtol=2e-7, atol=1e-7)
+    if world == 2:          # one fp32 rounding of an exact sum, halving exact: bitwise
+        assert torch.equal(flats[0], ref.float())
+    for s in states:
+        assert torch.count_nonzero(s.residual) == 0
+
+
+@pytest.mark.parametrize("comp", [TopK(ratio=0.05), SignSGD(), SignSGD(majority_vote=True, error_feedback=True)])
+def test_error_feedback_invariant(comp):
+    numel, world = 777, 2
+    layout = layout_for(numel)
+    states = [comp.init_state(layout) for _ in range(world)]
+    for step in range(4):
+        gs = grads(world, numel, seed=step + 10)
+        olds = [s.residual.clone() for s in states]
+        inputs = [g + e for g, e in zip(gs, olds)]
+        flats = [g.clone() for g in gs]
+        lockstep(comp, flats, states, layout)
+        for x, s in zip(inputs, states):
+            sent = transmitted(comp, x)
+            torch.testing.assert_close(sent + s.residual, x, rtol=1e-6, atol=1e-6)
+            assert torch.count_nonzero(s.residual) > 0
+
+
+def transmitted(comp, x):
+    """D(C(x)) computed independently of the compressor's reduce()."""
+    if isinstance(comp, TopK):
+        k = comp.k_for(x.numel())
+        idx = x.abs().topk(k).indices
+        out = torch.zeros_like(x)
+        out[idx] = x[idx]
+        return out
+    return torch.where(x < 0, -1.0, 1.0) * x.abs().mean()
+
+
+def test_topk_sparse_result_and_bytes():
+    numel, world = 1000, 2
+    comp, layout = TopK(ratio=0.01), layout_for(numel)
+    gs = grads(world, numel, seed=3)
+    flats = [g.clone() for g in gs]
+    states = [comp.init_state(layout) for _ in gs]
+    sent = lockstep(comp, flats, states, layout)
+    assert comp.k_for(numel) == 10 and sent == [80, 80] == [comp.wire_bytes(layout, 2)] * 2
+    expect = torch.zeros(numel)
+    for g in gs:
+        idx = g.abs().topk(10).indices
+        expect[idx] += g[idx]
+    torch.testing.assert_close(flats[0], expect / 2)
+
+
+def test_topk_k_rounding():
+    assert TopK(ratio=0.01).k_for(100) == 1
+    assert TopK(ratio=0.01).k_for(101) == 2
+    assert TopK(ratio=0.3).k_for(10) == 3
+    assert TopK(ratio=1e-6).k_for(10) == 1
+    assert TopK(ratio=1).k_for(7) == 7
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.5, float("nan"), "0.1", True])
+def test_topk_ratio_validation_names_value(bad):
+    with pytest.raises(ValueError, match=r"ratio.*\(0, 1\].*" + repr(bad).replace("(", r"\(")[:3]):
+        TopK(ratio=bad)
+    with pytest.raises(ValueError, match="ratio"):
+        get("topk", ratio=bad)
+
+
+def test_fp16_bucket_keeps_fp32_residual():
+    numel, world = 300, 2
+    comp, layout = TopK(ratio=0.1), BucketLayout.for_tensor(torch.zeros(numel, dtype=torch.float16))
+    gs = [g.half() for g in grads(world, numel, seed=5)]
+    flats = [g.clone() for g in gs]
+    states = [comp.init_state(layout) for _ in gs]
+    lockstep(comp, flats, states, layout)
+    assert flats[0].dtype == torch.float16 and states[0].residual.dtype == torch.float32
+    torch.testing.assert_close(states[0].residual + transmitted(comp, gs[0].float()), gs[0].float())
+
+
+# ---------------------------------------------------------------- SignSGD
+
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 63, 1001])
+def test_sign_packing_roundtrip(count):
+    x = torch.randn(count, generator=torch.Generator().manual_seed(count))
+    packed = pack_signs(x)
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(count / 8)
+    assert torch.equal(unpack_signs(packed, count), torch.where(x < 0, -1.0, 1.0))
+
+
+def test_sign_bit_order_documented():
+    x = torch.tensor([-1., 2, 3, 4, 5, 6, 7, -8, 0.0, -0.0, -1])
+    assert pack_signs(x).tolist() == [0x81, 0x04]       # LSB first; +0 and -0 read as +
+
+
+def test_signsgd_average_and_bytes():
+    numel, world = 100, 3
+    comp, layout = SignSGD(), layout_for(numel)
+    gs = grads(world, numel, seed=7)
+    flats = [g.clone() for g in gs]
+    states = [comp.init_state(layout) for _ in gs]
+    sent = lockstep(comp, flats, states, layout)
+    assert sent == [math.ceil(numel / 8) + 4] * world == [comp.wire_bytes(layout, world)] * world
+    expect = sum(transmitted(comp, g) for g in gs) / world
+    torch.testing.assert_close(flats[0], expect)
+    assert all(torch.equal(f, flats[0]) for f in flats)
+
+
+def test_signsgd_majority_vote():
+    gs = [torch.tensor([1., -2, 3, -4]), torch.tensor([2., -1, -3, 4]), torch.tensor([3., 1, -1, -4])]
+    comp, layout = SignSGD(majority_vote=True), layout_for(4)
+    assert not comp.uses_error_feedback and SignSGD().uses_error_feedback
+    flats = [g.clone() for g in gs]
+    states = [comp.init_state(layout) for _ in gs]
+    lockstep(comp, flats, states, layout)
+    scale = sum(g.abs().mean() for g in gs) / 3
+    torch.testing.assert_close(flats[1], torch.tensor([1., -1, -1, -1]) * scale)
+    two = [gs[0].clone(), -gs[0].clone()]                # a tie gives 0
+    lockstep(comp, two, [comp.init_state(layout)] * 2, layout)
+    assert torch.count_nonzero(two[0]) == 0
+
+
+def test_signsgd_nan_propagates():
+    comp, layout = SignSGD(), layout_for(16)
+    flats = [torch.ones(16), torch.ones(16)]
+    flats[0][3] = float("nan")
+    lockstep(comp, flats, [comp.init_state(layout) for _ in flats], layout)
+    assert torch.isnan(flats[1]).all()
+
+
+def test_sign_settings_validation():
+    with pytest.raises(TypeError, match="majority_vote"):
+        SignSGD(majority_vote="yes")
+    with pytest.raises(TypeError, match="error_feedback"):
+        SignSGD(error_feedback=1)
+
+
+# ---------------------------------------------------------------- shared pieces
+
+def test_registry_names_and_errors():
+    assert {"none", "fp16", "bf16", "topk", "signsgd"} <= set(names())
+    assert get("topk", ratio=0.5) == TopK(ratio=0.5)
+    assert get("signsgd", majority_vote=True) == SignSGD(majority_vote=True)
+    with pytest.raises(ValueError, match=r"unknown compressor 'nope'.*topk"):
+        get("nope")
+
+
+def test_error_feedback_checkpoint_and_mismatch():
+    ef = ErrorFeedback(5)
+    ef.compensate(torch.arange(5.))
+    ef.update(torch.ones(5))
+    saved = ef.state_dict()
+    other = ErrorFeedback(5)
+    other.load_state_dict(saved)
+    assert torch.equal(other.residual, torch.arange(5.) - 1)
+    with pytest.raises(ValueError, match="6 elements"):
+        ErrorFeedback(6).load_state_dict(saved)
+    with pytest.raises(ValueError, match="error_feedback"):
+        ErrorFeedback(5, enabled=False).load_state_dict(saved)
+    with pytest.raises(RuntimeError, match="layout changed"):
+        ErrorFeedback(5).compensate(torch.zeros(4))
+
+
+# ---------------------------------------------------------------- real ranks (gloo)
+
+def _identical_across_ranks(rank, world, name, settings):
+    import torch.distributed as dist
+    from bitscom.compressors.base import Comm, drive
+    comp = get(name, **settings)
+    layout = BucketLayout.for_tensor(torch.zeros(4099))
+    state = comp.init_state(layout)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        flat = torch.randn(4099, generator=g)
+        comm = Comm(dist.group.WORLD)
+        drive(comp.reduce(flat, layout, state, comm), comm)
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(t, gathered[0]) for t in gathered), comm.bytes_sent
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name,settings", [("topk", {"ratio": 0.01}), ("signsgd", {}),
+                                           ("signsgd", {"majority_vote": True})])
+def test_bitwise_identical_across_ranks(pools, world, name, settings):
+    results = pools.run(world, _identical_across_ranks, name, settings)
+    comp, layout = get(name, **settings), BucketLayout.for_tensor(torch.zeros(4099))
+    assert all(same for same, _ in results)
+    assert all(sent == comp.wire_bytes(layout, world) for _, sent in results)
+
+
+def test_distributed_optimizer_runs_topk_and_sign(pools):
+    assert all(pools.run(2, _optimizer_steps))
+
+
+def _optimizer_steps(rank, world):
+    import torch.distributed as dist
+    for comp in (TopK(ratio=0.1), SignSGD()):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        bitscom.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = bitscom.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(), compression=comp)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 8, generator=g)).square().mean().backward()
+            opt.step()
+        assert opt.comm_stats()["bytes_sent"] == sum(comp.wire_bytes(l, world) for l in opt.bucket_layouts)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        assert torch.equal(gathered[0], gathered[1])
+    return True
