@@ -1,0 +1,143 @@
+"""ACP-SGD: alternating compressed PowerSGD (Zhang et al., ICDCS 2023).
+
+PowerSGD needs two dependent all-reduces per step (P, then Q), which serializes
+communication and keeps it from overlapping backward like plain S-SGD does. ACP-SGD sends
+*one* factor per step and alternates, warm-starting each step from the factor reduced in
+the step before, so a bucket costs a single all-reduce and buckets overlap backward as in
+S-SGD (the paper uses 25 MB buckets, bitscom's default).
+
+One step of a bucket (steps counted from ``start_iter``; the 1st, 3rd, … are P steps):
+
+1. With error feedback, M ← M + E.
+2. P step: orthogonalize Q (the reduced Q of the last step; drawn from the bucket's own
+   generator on the first step, identical on every rank) and compute the local P = M Q.
+   Q step: orthogonalize P (the reduced P of the last step) and compute the local Q = Mᵀ P.
+3. E ← M − P Qᵀ from the *local* factors, before the reduction, as the paper's algorithm.
+4. All-reduce one fused buffer: the step's factors of every compressed matrix of the bucket
+   plus, in its tail, the uncompressed tensors (1-D, or too small to shrink by
+   ``min_compression_rate``); divide by N.
+5. M ≈ P Qᵀ with the reduced factor: the average, identical on every rank. The reduced
+   factor is kept as the next step's warm start.
+
+On gradients of rank ≤ r the subspace is found after one P and one Q step, and from then on
+the reduction is exact (with error feedback, once the first step's residual is paid back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .base import BucketLayout, Comm, Compressor
+from .lowrank import LowRankPlan, LowRankState, check_low_rank_settings, orthogonalize, \
+    random_factors
+
+__all__ = ["ACPSGD", "ACPSGDState"]
+
+
+class ACPSGDState(LowRankState):
+    """Per-bucket ACP-SGD memory (see :class:`~bitscom.compressors.lowrank.LowRankState`):
+    ``p`` holds the P factors and ``q`` the Q factors, each followed by the uncompressed
+    tail, so each is its step's fused buffer, all-reduced in place; the reduced factor stays
+    there as the next step's warm start."""
+
+    def __init__(self, layout: BucketLayout, plan: LowRankPlan, seed: int, error_feedback: bool):
+        super().__init__(layout, plan, seed, error_feedback, q_tail=True)
+
+
+@dataclass(frozen=True)
+class ACPSGD(Compressor):
+    """Rank-r ACP-SGD: one fused all-reduce per bucket per step, alternating P and Q.
+
+    Wire cost per bucket (fp32: × 4 bytes), alternating:
+    P steps ``Σ n_i·r_i + uncompressed numel``, Q steps ``Σ m_i·r_i + uncompressed numel``.
+
+    Example::
+
+        comp = bitscom.compressors.ACPSGD(rank=4)
+        opt = bitscom.DistributedOptimizer(opt, model.named_parameters(), compression=comp)
+    """
+
+    rank: int = 4
+    """Approximation rank r: bytes and accuracy grow with r (the paper uses 4 for CNNs, 32 for BERT)."""
+    start_iter: int = 0
+    """Plain all-reduce steps first (0 as in the paper); full bytes during them."""
+    min_compression_rate: float = 2
+    """Send a matrix uncompressed unless its step's factor is this many times smaller overall."""
+    error_feedback: bool = True
+    """Carry what was not sent into the next step: needed for accuracy; one bucket-sized buffer."""
+    warm_start: bool = True
+    """Start each P step from the last reduced Q (False: a fresh random Q, much worse)."""
+    orthogonalization: str = "auto"
+    """Gram–Schmidt ("gram_schmidt": fast for thin r, half-safe), "qr" (larger r) or "auto"."""
+    batch_same_shape: bool = True
+    """One bmm per group of same-shaped matrices: fewer kernel launches; may copy to batch."""
+    seed: int = 0
+    """Seed of the initial Q (with the bucket index); must match on ranks (checked)."""
+
+    name = "acpsgd"
+
+    def __post_init__(self):
+        check_low_rank_settings(self.rank, self.min_compression_rate, self.seed,
+                                self.orthogonalization)
+        if isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int) \
+                or self.start_iter < 0:
+            raise ValueError(f"start_iter must be an int >= 0, got {self.start_iter!r}")
+
+    def plan(self, layout: BucketLayout) -> LowRankPlan:
+        """Which slots of ``layout`` are compressed, and the fused buffer sizes."""
+        return LowRankPlan(layout, self.rank, self.min_compression_rate, self.batch_same_shape)
+
+    def init_state(self, layout: BucketLayout) -> ACPSGDState:
+        return ACPSGDState(layout, self.plan(layout), self.seed, self.error_feedback)
+
+    def wire_bytes(self, layout: BucketLayout, world_size: int, step: Optional[int] = None) -> int:
+        """Bytes one rank sends for step ``step`` (0-based) of ``layout``; without ``step``,
+        the mean of a P step and a Q step (the steady-state cost per step)."""
+        plan = self.plan(layout)
+        p_bytes = (plan.p_numel + plan.uncompressed_numel) * 4
+        q_bytes = (plan.q_numel + plan.uncompressed_numel) * 4
+        if step is None:
+            return (p_bytes + q_bytes) // 2
+        if step < self.start_iter:
+            return layout.numel * torch.empty((), dtype=layout.dtype).element_size()
+        return p_bytes if (step - self.start_iter) % 2 == 0 else q_bytes
+
+    def reduce(self, flat, layout, state: ACPSGDState, comm: Comm):
+        step, state.step = state.step, state.step + 1
+        if step < self.start_iter:
+            yield comm.all_reduce(flat)
+            flat.div_(comm.size)
+            return
+        plan, ef = state.plan, state.ef
+        x = ef.compensate(flat)                      # M + E, fp32; read-only until ef.update
+        p_all, q_all = state.p[:plan.p_numel], state.q[:plan.q_numel]
+        send_p = (step - self.start_iter) % 2 == 0
+        fresh = send_p and (not state.ready or not self.warm_start)
+        if fresh:
+            random_factors(q_all, plan.groups, "q", state.generator, self.orthogonalization)
+            state.ready = True
+        for g in plan.groups:
+            mat, p, q = g.load(x), g.p(p_all), g.q(q_all)
+            if send_p:
+                if not fresh:
+                    orthogonalize(q, self.orthogonalization)
+                torch.bmm(mat, q, out=p)
+            else:
+                orthogonalize(p, self.orthogonalization)
+                torch.bmm(mat.transpose(1, 2), p, out=q)
+            if ef.enabled:                           # flat is free: x holds the input
+                g.store(flat, torch.bmm(p, q.transpose(1, 2)))
+        wire = state.p if send_p else state.q
+        tail = wire[wire.numel() - plan.uncompressed_numel:]
+        plan.gather_uncompressed(x, tail)
+        # flat = local decoded (uncompressed slots: the input itself, sent exactly) → E = x − flat
+        ef.update(flat)
+        yield comm.all_reduce(wire)
+
+        wire.div_(comm.size)
+        plan.scatter_uncompressed(tail, flat)
+        for g in plan.groups:
+            g.store(flat, torch.bmm(g.p(p_all), g.q(q_all).transpose(1, 2)))

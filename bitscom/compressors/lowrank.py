@@ -1,0 +1,264 @@
+"""Shared machinery of the low-rank compressors (PowerSGD, ACP-SGD).
+
+Both view each gradient of a bucket as a matrix M of shape (shape[0], -1), approximate it
+by factors P (n × r) and Q (m × r) with M ≈ P Qᵀ, and send factors instead of M. What they
+share lives here, once:
+
+* :class:`LowRankPlan` — which slots of a bucket are compressed (grouped by matrix shape so
+  same-shaped matrices go through one ``bmm``) and which travel uncompressed (1-D tensors
+  and matrices that would not shrink by ``min_compression_rate``), plus where each factor
+  sits in the fused P and Q buffers. A pure function of the layout, so identical on ranks.
+* :func:`orthogonalize` — Gram–Schmidt or QR on a batch of (n × r) factors, in place.
+* :func:`random_factors` — the initial Q, drawn from a state-owned CPU generator (the same
+  bytes on every rank and every device; the global RNG is never touched).
+* :func:`bucket_generator` — that generator, seeded from ``seed`` and the bucket index.
+* :class:`LowRankState` — the per-bucket memory both keep (step, factors, residual, generator).
+
+Factors and the uncompressed tail travel in fp32 whatever the gradient dtype: the error
+feedback residual is fp32 (see :mod:`.error_feedback`) and orthogonalizing half-precision
+factors underflows. Wire cost is therefore 4 bytes per factor element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .base import BucketLayout, State
+from .error_feedback import ErrorFeedback
+
+__all__ = ["ORTHOGONALIZATIONS", "MatrixGroup", "LowRankPlan", "LowRankState", "orthogonalize",
+           "random_factors", "bucket_generator", "check_low_rank_settings"]
+
+ORTHOGONALIZATIONS = ("auto", "gram_schmidt", "qr")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def check_low_rank_settings(rank, min_compression_rate, seed, orthogonalization=None) -> None:
+    """Constructor validation shared by the low-rank compressors (ValueError naming the value)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be an int >= 1, got {rank!r}")
+    if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float)) \
+            or not min_compression_rate > 0:
+        raise ValueError(f"min_compression_rate must be a number > 0, got {min_compression_rate!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    if orthogonalization is not None and orthogonalization not in ORTHOGONALIZATIONS:
+        raise ValueError(f"orthogonalization must be one of {ORTHOGONALIZATIONS}, "
+                         f"got {orthogonalization!r}")
+
+
+@dataclass(frozen=True)
+class MatrixGroup:
+    """Same-shaped matrices of one bucket, processed as one (B, n, m) batch.
+
+    ``offsets`` are the slots' offsets in the flat bucket; ``p_offset``/``q_offset`` where
+    the group's (B, n, r) and (B, m, r) factors start in the fused factor buffers.
+    """
+
+    n: int
+    m: int
+    r: int
+    offsets: Tuple[int, ...]
+    p_offset: int
+    q_offset: int
+
+    @property
+    def batch(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def _stride(self) -> Optional[int]:
+        """Distance between consecutive slots when evenly spaced (a zero-copy batch view)."""
+        if self.batch == 1:
+            return self.n * self.m
+        steps = {b - a for a, b in zip(self.offsets, self.offsets[1:])}
+        return steps.pop() if len(steps) == 1 else None
+
+    def load(self, flat: torch.Tensor) -> torch.Tensor:
+        """The (B, n, m) batch of this group's matrices in ``flat``: a view when the slots
+        are evenly spaced (always for B = 1), else a stacked copy (see :meth:`store`)."""
+        stride = self._stride
+        if stride is not None:
+            return flat.as_strided((self.batch, self.n, self.m), (stride, self.m, 1),
+                                   flat.storage_offset() + self.offsets[0])
+        size = self.n * self.m
+        return torch.stack([flat[o:o + size].view(self.n, self.m) for o in self.offsets])
+
+    def store(self, flat: torch.Tensor, value: torch.Tensor) -> None:
+        """Write a (B, n, m) batch back into this group's slots of ``flat``."""
+        stride = self._stride
+        if stride is not None:
+            self.load(flat).copy_(value)
+            return
+        size = self.n * self.m
+        for o, v in zip(self.offsets, value):
+            flat[o:o + size].view(self.n, self.m).copy_(v)
+
+    def p(self, buf: torch.Tensor) -> torch.Tensor:
+        """This group's P factors, a (B, n, r) view into the fused P buffer."""
+        return buf[self.p_offset:self.p_offset + self.batch * self.n * self.r].view(
+            self.batch, self.n, self.r)
+
+    def q(self, buf: torch.Tensor) -> torch.Tensor:
+        """This group's Q factors, a (B, m, r) view into the fused Q buffer."""
+        return buf[self.q_offset:self.q_offset + self.batch * self.m * self.r].view(
+            self.batch, self.m, self.r)
+
+
+class LowRankPlan:
+    """How one bucket is split into compressed matrix groups and uncompressed runs.
+
+    A slot is compressed when it has at least 2 dimensions and
+    ``(n + m) * r * min_compression_rate < n * m`` with ``r = min(n, m, rank)`` (PyTorch's
+    ``_should_compress``); everything else is averaged exactly, in the tail of the same
+    fused buffer as the factors. ``p_numel``/``q_numel`` are the fused factor sizes,
+    ``uncompressed_numel`` the tail's size.
+
+    Example::
+
+        plan = LowRankPlan(layout, rank=4, min_compression_rate=2, batch_same_shape=True)
+        plan.p_numel, plan.q_numel, plan.uncompressed_numel
+    """
+
+    def __init__(self, layout: BucketLayout, rank: int, min_compression_rate: float,
+                 batch_same_shape: bool = True):
+        by_shape: dict = {}
+        runs: List[List[int]] = []
+        for slot in layout.slots:
+            n = slot.shape[0] if len(slot.shape) >= 2 else 0
+            m = slot.numel // n if n else 0
+            r = min(n, m, rank)
+            if n and m and (n + m) * r * min_compression_rate < n * m:
+                key = (n, m) if batch_same_shape else (n, m, slot.offset)
+                by_shape.setdefault(key, []).append(slot.offset)
+            elif slot.numel:
+                if runs and runs[-1][0] + runs[-1][1] == slot.offset:
+                    runs[-1][1] += slot.numel
+                else:
+                    runs.append([slot.offset, slot.numel])
+        groups, p_off, q_off = [], 0, 0
+        for key, offsets in by_shape.items():
+            n, m = key[0], key[1]
+            r = min(n, m, rank)
+            groups.append(MatrixGroup(n, m, r, tuple(offsets), p_off, q_off))
+            p_off += len(offsets) * n * r
+            q_off += len(offsets) * m * r
+        self.groups: Tuple[MatrixGroup, ...] = tuple(groups)
+        self.runs: Tuple[Tuple[int, int], ...] = tuple((o, k) for o, k in runs)
+        self.p_numel = p_off
+        self.q_numel = q_off
+        self.uncompressed_numel = sum(k for _, k in self.runs)
+        self.compressed_numel = sum(g.batch * g.n * g.m for g in self.groups)
+
+    def gather_uncompressed(self, flat: torch.Tensor, tail: torch.Tensor) -> None:
+        """Copy the uncompressed slots of ``flat`` into ``tail`` (length uncompressed_numel)."""
+        at = 0
+        for offset, numel in self.runs:
+            tail[at:at + numel].copy_(flat[offset:offset + numel])
+            at += numel
+
+    def scatter_uncompressed(self, tail: torch.Tensor, flat: torch.Tensor) -> None:
+        """Inverse of :meth:`gather_uncompressed`."""
+        at = 0
+        for offset, numel in self.runs:
+            flat[offset:offset + numel].copy_(tail[at:at + numel])
+            at += numel
+
+
+def _gram_schmidt(x: torch.Tensor) -> None:
+    """Modified Gram–Schmidt over the columns of each (n × r) matrix of ``x``, in place.
+
+    An all-zero column (an unused parameter's gradient) stays zero instead of becoming NaN:
+    the norm is clamped to the dtype's smallest normal number before dividing.
+    """
+    tiny = torch.finfo(x.dtype).tiny
+    cols = x.shape[2]
+    for i in range(cols):
+        col = x[:, :, i:i + 1]
+        col.div_(torch.linalg.vector_norm(col, dim=1, keepdim=True).clamp_min_(tiny))
+        if i + 1 < cols:
+            rest = x[:, :, i + 1:]
+            rest.sub_(torch.sum(col * rest, dim=1, keepdim=True) * col)
+
+
+def orthogonalize(x: torch.Tensor, method: str = "auto") -> None:
+    """Orthonormalize the columns of each matrix in the (B, n, r) batch ``x``, in place.
+
+    ``auto`` picks Gram–Schmidt for r ≤ 2 or half precision (QR has no half kernels and is
+    slower for thin matrices) and QR otherwise. ``qr`` on half precision runs in fp32.
+    """
+    if x.numel() == 0:
+        return
+    if method == "auto":
+        method = "gram_schmidt" if x.shape[2] <= 2 or x.dtype in _HALF else "qr"
+    if method == "gram_schmidt":
+        _gram_schmidt(x)
+    elif method == "qr":
+        work = x.float() if x.dtype in _HALF else x
+        q, _ = torch.linalg.qr(work)
+        x.copy_(q)
+    else:
+        raise ValueError(f"orthogonalization must be one of {ORTHOGONALIZATIONS}, got {method!r}")
+
+
+def bucket_generator(seed: int, index: int) -> torch.Generator:
+    """A CPU generator for bucket ``index``, seeded identically on every rank."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed((seed * 1_000_003 + index) % (2 ** 63))
+    return gen
+
+
+def random_factors(buf: torch.Tensor, groups: Sequence[MatrixGroup], which: str,
+                   generator: torch.Generator, method: str) -> None:
+    """Fill the ``which`` ("p" or "q") factors of ``groups`` in ``buf`` with orthonormalized
+    standard-normal draws from ``generator`` (drawn on the CPU in fp32, so every device and
+    dtype sees the same numbers)."""
+    draw = torch.randn(buf.numel(), generator=generator, dtype=torch.float32)
+    buf.copy_(draw)
+    for g in groups:
+        orthogonalize(getattr(g, which)(buf), method)
+
+
+class LowRankState(State):
+    """Per-bucket memory of a low-rank compressor, checkpointable.
+
+    ``step`` counts reductions (plain warm-up ones included); ``ready`` says the factors hold
+    a warm start; ``p`` is the P factors followed by the uncompressed tail (the fused round-1
+    buffer), ``q`` the Q factors, followed by a tail too when ``q_tail`` (ACP-SGD sends Q
+    steps with the uncompressed tensors); ``generator`` draws the initial Q; ``ef`` is the
+    shared :class:`ErrorFeedback` residual.
+    """
+
+    def __init__(self, layout: BucketLayout, plan: LowRankPlan, seed: int,
+                 error_feedback: bool, q_tail: bool = False):
+        self._plan = plan
+        self.step = 0
+        self.ready = False
+        tail = plan.uncompressed_numel
+        self.p = torch.zeros(plan.p_numel + tail, dtype=torch.float32, device=layout.device)
+        self.q = torch.zeros(plan.q_numel + (tail if q_tail else 0), dtype=torch.float32,
+                             device=layout.device)
+        self.generator = bucket_generator(seed, layout.index)
+        self.ef = ErrorFeedback.for_layout(layout, enabled=error_feedback)
+
+    @property
+    def plan(self) -> LowRankPlan:
+        return self._plan
+
+    def state_dict(self) -> dict:
+        out = {k: v for k, v in super().state_dict().items() if k != "ef"}
+        out["ef"] = self.ef.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        self.ef.load_state_dict(state.pop("ef"))
+        for key in ("p", "q"):
+            if state[key].numel() != getattr(self, key).numel():
+                raise ValueError(f"checkpoint factor buffer {key!r} has {state[key].numel()} "
+                                 f"elements, this bucket {getattr(self, key).numel()}; load it "
+                                 "into the same bucket plan and rank")
+        super().load_state_dict(state)

@@ -1,0 +1,131 @@
+"""PowerSGD (Vogels et al., NeurIPS 2019) as PyTorch's ``powerSGD_hook`` runs it.
+
+One step of a bucket, after ``start_iter`` plain all-reduce steps:
+
+1. With error feedback, add the residual kept from the last step: M ← M + E.
+2. Orthogonalize Q (on the first compressed step, or every step without warm start, draw
+   it from the bucket's own generator: identical on every rank).
+3. P = M Q for every compressed matrix, into one fused buffer whose tail carries the
+   uncompressed tensors (1-D ones, and those that would not shrink by
+   ``min_compression_rate``); all-reduce it (round 1).
+4. Average the tail into place; orthogonalize the summed P (its scale does not matter).
+5. Q = Mᵀ P (local); the residual E = M − P Qᵀ is computed here, from the local Q, as in
+   the paper's algorithm; all-reduce the fused Q buffer (round 2).
+6. M ≈ P Qᵀ / N: the average, identical on every rank.
+
+Only Σ_i (M_i + E_i) enters P and Q, so computing E from the local Q (the paper) or from
+the averaged Q (PyTorch) gives the same trajectory in exact arithmetic; the local form
+makes E exactly "what this rank failed to send" and is ready before round 2 completes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .base import BucketLayout, Comm, Compressor
+from .lowrank import LowRankPlan, LowRankState, check_low_rank_settings, orthogonalize, \
+    random_factors
+
+__all__ = ["PowerSGD", "PowerSGDState"]
+
+
+class PowerSGDState(LowRankState):
+    """Per-bucket PowerSGD memory (see :class:`~bitscom.compressors.lowrank.LowRankState`):
+    ``p`` is the fused round-1 buffer (P factors, then the uncompressed tail), ``q`` the
+    fused Q factors."""
+
+
+@dataclass(frozen=True)
+class PowerSGD(Compressor):
+    """Rank-r PowerSGD with error feedback and warm start: two fused all-reduces per bucket.
+
+    Wire cost of one compressed step, per bucket (fp32: × 4 bytes):
+    ``Σ n_i·r_i + Σ m_i·r_i + uncompressed numel`` elements, with ``r_i = min(n_i, m_i, rank)``.
+
+    Example::
+
+        comp = bitscom.compressors.PowerSGD(rank=2, start_iter=100)
+        opt = bitscom.DistributedOptimizer(opt, model.named_parameters(), compression=comp)
+    """
+
+    rank: int = 1
+    """Approximation rank r: bytes grow linearly with r, and so does accuracy (try 1, 2, 4…)."""
+    start_iter: int = 10
+    """Plain all-reduce steps first: protects the sensitive early phase, costs full bytes."""
+    min_compression_rate: float = 2
+    """Send a matrix uncompressed unless factors are this many times smaller (saves compute)."""
+    error_feedback: bool = True
+    """Carry what was not sent into the next step: needed for accuracy; one bucket-sized buffer."""
+    warm_start: bool = True
+    """Reuse last step's Q (one power iteration per step accumulates); no extra bytes."""
+    orthogonalization: str = "auto"
+    """Gram–Schmidt ("gram_schmidt": fast for thin r, half-safe), "qr" (larger r) or "auto"."""
+    batch_same_shape: bool = True
+    """One bmm per group of same-shaped matrices: fewer kernel launches; may copy to batch."""
+    seed: int = 0
+    """Seed of the initial Q (with the bucket index); must match on ranks (checked)."""
+
+    name = "powersgd"
+
+    def __post_init__(self):
+        check_low_rank_settings(self.rank, self.min_compression_rate, self.seed,
+                                self.orthogonalization)
+        if isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int) \
+                or self.start_iter < 0:
+            raise ValueError(f"start_iter must be an int >= 0, got {self.start_iter!r}")
+
+    def plan(self, layout: BucketLayout) -> LowRankPlan:
+        """Which slots of ``layout`` are compressed, and the fused buffer sizes."""
+        return LowRankPlan(layout, self.rank, self.min_compression_rate, self.batch_same_shape)
+
+    def init_state(self, layout: BucketLayout) -> PowerSGDState:
+        return PowerSGDState(layout, self.plan(layout), self.seed, self.error_feedback)
+
+    def wire_bytes(self, layout: BucketLayout, world_size: int, step: Optional[int] = None) -> int:
+        """Bytes one rank sends for one step of ``layout`` (a compressed step unless
+        ``step`` < ``start_iter``)."""
+        if step is not None and step < self.start_iter:
+            return layout.numel * torch.empty((), dtype=layout.dtype).element_size()
+        plan = self.plan(layout)
+        return (plan.p_numel + plan.q_numel + plan.uncompressed_numel) * 4
+
+    def reduce(self, flat, layout, state: PowerSGDState, comm: Comm):
+        step, state.step = state.step, state.step + 1
+        if step < self.start_iter:
+            yield comm.all_reduce(flat)
+            flat.div_(comm.size)
+            return
+        plan, ef = state.plan, state.ef
+        x = ef.compensate(flat)                      # M + E, fp32; read-only until ef.update
+        pbuf, tail = state.p[:plan.p_numel], state.p[plan.p_numel:]
+        if not state.ready or not self.warm_start:
+            random_factors(state.q, plan.groups, "q", state.generator, self.orthogonalization)
+            state.ready = True
+        else:
+            for g in plan.groups:
+                orthogonalize(g.q(state.q), self.orthogonalization)
+        matrices = [g.load(x) for g in plan.groups]
+        for g, mat in zip(plan.groups, matrices):
+            torch.bmm(mat, g.q(state.q), out=g.p(pbuf))
+        plan.gather_uncompressed(x, tail)
+        yield comm.all_reduce(state.p)
+
+        for g, mat in zip(plan.groups, matrices):
+            p, q = g.p(pbuf), g.q(state.q)
+            orthogonalize(p, self.orthogonalization)
+            torch.bmm(mat.transpose(1, 2), p, out=q)
+            if ef.enabled:                           # flat is free: x holds the input
+                g.store(flat, torch.bmm(p, q.transpose(1, 2)))
+        del matrices
+        # flat = local decoded (uncompressed slots: the input itself, sent exactly) → E = x − flat
+        ef.update(flat)
+        tail.div_(comm.size)
+        plan.scatter_uncompressed(tail, flat)
+        yield comm.all_reduce(state.q)
+
+        state.q.div_(comm.size)
+        for g in plan.groups:
+            g.store(flat, torch.bmm(g.p(pbuf), g.q(state.q).transpose(1, 2)))
