@@ -6,6 +6,7 @@ The public face: re-exports only. See README.md for the tour.
 from . import compressors
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .compressors import Compression
+from .ddp import ddp_comm_hook
 from .ops import Average, ReduceOp, Sum
 from .optimizer import DistributedOptimizer
 from .runtime import (cross_rank, cross_size, init, inter_group, intra_group, is_initialized,

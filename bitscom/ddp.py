@@ -1,0 +1,211 @@
+"""A DDP communication hook that reduces each DDP bucket through any bitscom compressor.
+
+Why a scheduler and not one reduction per hook call: multi-round compressors (PowerSGD's P
+then Q, low-bit's all-to-all then all-gather) issue their later rounds when earlier work
+completes — at different moments on different ranks. The hook therefore drives compressors
+with the optimizer's own :class:`~bitscom.engine.Reducer`: a bucket's first round starts
+when DDP hands the bucket over (so it overlaps the rest of backward), later rounds go to a
+second process group in bucket order, and the hook of the *last* bucket finishes them all
+and completes every bucket's future. DDP waits on the futures only after the last hook, so
+that final blocking costs nothing.
+
+Per-bucket compressor state (error residuals, P/Q memory, generators) is keyed by DDP's
+bucket index. DDP rebuilds its buckets after the first iteration (in the order gradients
+became ready); a bucket index whose parameters change gets a fresh state then. The state
+is checkpointable with :meth:`DDPCommState.state_dict` / :meth:`DDPCommState.load_state_dict`.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import runtime
+from .agreement import check_agreement
+from .compressors import Compressor, get as get_compressor
+from .compressors.base import BucketLayout, TensorSlot
+from .engine import Reducer
+
+__all__ = ["ddp_comm_hook", "DDPCommState"]
+
+
+def _layout(bucket, index: int) -> BucketLayout:
+    """The bucket's layout from its gradients' shapes, so matrix compressors see matrices."""
+    flat = bucket.buffer()
+    slots, offset = [], 0
+    for j, grad in enumerate(bucket.gradients()):
+        slots.append(TensorSlot(f"ddp.bucket{index}.{j}", offset, grad.numel(), tuple(grad.shape)))
+        offset += grad.numel()
+    if offset != flat.numel():          # DDP packs gradients densely; fall back if that changes
+        slots = [TensorSlot(f"ddp.bucket{index}", 0, flat.numel(), (flat.numel(),))]
+    return BucketLayout(index, tuple(slots), flat.dtype, flat.device)
+
+
+class DDPCommState:
+    """What the hook keeps between calls: compressor, groups, per-bucket state, in-flight work.
+
+    Build it with :func:`ddp_comm_hook`. ``comm_stats()`` reports the bytes of the last
+    iteration. Example::
+
+        state, hook = bitscom.ddp_comm_hook(bitscom.compressors.get("topk", ratio=0.01))
+        ddp_model.register_comm_hook(state, hook)
+        ...
+        torch.save({"model": ddp_model.state_dict(), "comm": state.state_dict()}, path)
+        state.load_state_dict(torch.load(path)["comm"])
+    """
+
+    def __init__(self, compressor: Compressor, process_group, later_group):
+        self.compressor = compressor
+        self.process_group = process_group
+        # The core Reducer with layouts and states filled in lazily, per DDP bucket index.
+        self._reducer = Reducer(compressor, [], process_group, later_group)
+        self._keys: List[Optional[tuple]] = []
+        self._loaded: Dict[int, tuple] = {}       # index -> (shapes, state dict) awaiting a bucket
+        self._pending: List[Tuple[torch.futures.Future, torch.Tensor]] = []
+        self._stats = {"bytes_sent": 0, "dense_bytes": 0, "buckets": 0}
+
+    # -- per-bucket state ----------------------------------------------------------------
+    def _prepare(self, bucket) -> int:
+        index = bucket.index()
+        layout = _layout(bucket, index)
+        key = (tuple(id(p) for p in bucket.parameters()), layout)
+        while len(self._keys) <= index:
+            self._keys.append(None)
+            self._reducer.layouts.append(None)
+            self._reducer.states.append(None)
+        if self._keys[index] != key:               # first sight, or DDP rebuilt this bucket
+            state = self.compressor.init_state(layout)
+            saved = self._loaded.get(index)
+            if saved is not None and saved[0] == _shapes(layout):
+                state.load_state_dict(saved[1])
+                del self._loaded[index]
+            self._keys[index] = key
+            self._reducer.layouts[index] = layout
+            self._reducer.states[index] = state
+        return index
+
+    # -- the hook body -------------------------------------------------------------------
+    def _on_bucket(self, bucket) -> torch.futures.Future:
+        future = torch.futures.Future()
+        try:
+            index = self._prepare(bucket)
+            flat = bucket.buffer()
+            if index == 0 and self._pending:
+                raise RuntimeError("bitscom DDP hook: bucket 0 arrived while the previous "
+                                   "iteration's buckets were unfinished; the hook state is shared "
+                                   "by two models or an iteration was interrupted")
+            self._pending.append((future, flat))
+            self._reducer.launch(index, flat)
+            self._reducer.poll()
+            if bucket.is_last():
+                self._finish()
+        except BaseException as err:
+            self._fail(err)
+            raise
+        return future
+
+    def _finish(self) -> None:
+        sent = self._reducer.wait_all()
+        pending, self._pending = self._pending, []
+        self._stats = {"bytes_sent": sent,
+                       "dense_bytes": sum(flat.numel() * 4 for _, flat in pending),
+                       "buckets": len(pending)}
+        for future, flat in pending:
+            future.set_result(flat)
+
+    def _fail(self, err: BaseException) -> None:
+        pending, self._pending = self._pending, []
+        self._reducer._flights = []
+        for future, _ in pending:
+            if not future.done():
+                future.set_exception(RuntimeError(f"bitscom DDP hook failed: {err}"))
+
+    # -- public ----------------------------------------------------------------------------
+    @property
+    def bucket_states(self) -> list:
+        """The compressor state of each DDP bucket index seen so far (None: not seen yet)."""
+        return list(self._reducer.states)
+
+    def comm_stats(self) -> dict:
+        """Bytes of the last iteration: ``bytes_sent`` by this rank and ``dense_bytes`` (fp32)."""
+        stats = dict(self._stats)
+        stats["compression_ratio"] = (stats["dense_bytes"] / stats["bytes_sent"]
+                                      if stats["bytes_sent"] else float("nan"))
+        return stats
+
+    def state_dict(self) -> dict:
+        """Per-bucket compressor state with each bucket's gradient shapes, and the settings."""
+        buckets = {}
+        for i, (layout, state) in enumerate(zip(self._reducer.layouts, self._reducer.states)):
+            if state is not None:
+                buckets[i] = (_shapes(layout), state.state_dict())
+        for i, saved in self._loaded.items():       # loaded but not used yet: keep it
+            buckets.setdefault(i, saved)
+        return {"compressor": self.compressor.fingerprint(), "buckets": buckets}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict`'s output.
+
+        A bucket already seen with the same gradient shapes loads at once; otherwise the
+        saved state waits until DDP hands over a bucket of that index with those shapes (a
+        fresh DDP model builds its buckets during its first backward).
+        """
+        if state_dict.get("compressor") != self.compressor.fingerprint():
+            raise ValueError(f"checkpoint compressor {state_dict.get('compressor')} differs from "
+                             f"{self.compressor.fingerprint()}")
+        if self._pending:
+            raise RuntimeError("load_state_dict() called during backward; call it between iterations")
+        self._loaded = {}
+        for i, (shapes, saved) in state_dict["buckets"].items():
+            i = int(i)
+            if i < len(self._reducer.states) and self._reducer.states[i] is not None \
+                    and _shapes(self._reducer.layouts[i]) == tuple(shapes):
+                self._reducer.states[i].load_state_dict(saved)
+            else:
+                self._loaded[i] = (tuple(shapes), saved)
+
+
+def _shapes(layout: BucketLayout) -> tuple:
+    return tuple(tuple(s.shape) for s in layout.slots)
+
+
+def _hook(state, bucket):       # no annotations: DDP checks them and these would be strings
+    return state._on_bucket(bucket)
+
+
+def ddp_comm_hook(compressor="none", process_group=None):
+    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
+
+    Every rank must call it (it creates the second process group for later rounds and checks
+    that all ranks chose the same compressor settings).
+
+    Args:
+        compressor: a bitscom compressor (``bitscom.Compression.fp16``,
+            ``bitscom.compressors.PowerSGD(rank=2)``) or a registry name.
+        process_group: the DDP model's process group (default: the world group).
+
+    Example::
+
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        state, hook = bitscom.ddp_comm_hook(bitscom.compressors.get("signsgd"))
+        model.register_comm_hook(state, hook)
+    """
+    if isinstance(compressor, str):
+        compressor = get_compressor(compressor)
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"compressor must be a bitscom compressor or a registry name, got {compressor!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("ddp_comm_hook needs torch.distributed: call bitscom.init() (or "
+                           "torch.distributed.init_process_group) before building the hook")
+    if process_group is None:
+        process_group = runtime.world_group() if runtime.is_initialized() else None
+    if process_group is None:
+        process_group = dist.group.WORLD
+    later = None
+    if dist.get_world_size(process_group) > 1:
+        check_agreement({"compressor": compressor.fingerprint()}, process_group, "DDP comm hook")
+        later = dist.new_group(dist.get_process_group_ranks(process_group),
+                               use_local_synchronization=True)
+    return DDPCommState(compressor, process_group, later), _hook
