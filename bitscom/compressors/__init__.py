@@ -15,9 +15,16 @@ from .topk import TopK  # noqa: E402
 from .signsgd import SignSGD  # noqa: E402
 register("topk", TopK)
 register("signsgd", SignSGD)
+from .powersgd import PowerSGD  # noqa: E402
+from .acpsgd import ACPSGD  # noqa: E402
+register("powersgd", PowerSGD)
+register("acpsgd", ACPSGD)
+from .lowbit import LowBit  # noqa: E402
+register("lowbit", LowBit)
 
 __all__ = [
     "BucketLayout", "Comm", "Compressor", "State", "TensorSlot", "drive",
     "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
     "get", "names", "register",
+    "PowerSGD", "ACPSGD",
 ]
