@@ -142,7 +142,7 @@ _rt = _Runtime()
 
 
 def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta] = None,
-         device: Optional[str] = None) -> LaunchInfo:
+         device: Optional[str] = None, bitwidth: Optional[int] = None, **lowbit_options) -> LaunchInfo:
     """Start torch.distributed from the launcher's environment and build bitscom's groups.
 
     ``backend`` defaults to ``nccl`` when CUDA is available and ``gloo`` otherwise; the CUDA
@@ -157,6 +157,12 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
     """
     if _rt.info is not None:
         return _rt.info
+    if bitwidth is not None or lowbit_options:
+        # ``bitwidth=``/lowbit options: register the "lowbit" backend and start on it (see
+        # bitscom.register_lowbit_backend); imported here only, the backend sits above runtime.
+        from .backend import register_lowbit_backend
+        register_lowbit_backend(bitwidth=4 if bitwidth is None else bitwidth, **lowbit_options)
+        backend = "lowbit"
     info = discover()
     use_cuda = (device == "cuda") or (device is None and torch.cuda.is_available())
     if backend is None:
