@@ -1,0 +1,333 @@
+#!/usr/bin/env python3
+"""Training-step benchmark: S-SGD, torch's DDP hooks and bitscom compressors in one harness.
+
+Run on every rank by a launcher (scripts/perf.sh picks torchrun, mpirun, or the emulated
+cluster). Fake data, random init. After ``--warmup`` steps it times ``--nsteps`` steps (the
+slowest rank's time per step), then rank 0 prints the mean step time with a 95% confidence
+interval, throughput, bytes each rank hands to the network per step, peak memory, and the
+ideal step time max(compute, wire bytes / bandwidth), and appends one CSV row.
+
+``--opt`` values:
+
+* ``ssgd``          DDP, plain all-reduce of fp32 gradients (the S-SGD baseline)
+* ``ddp_fp16``      DDP + torch's ``fp16_compress_hook``
+* ``ddp_powersgd``  DDP + torch's ``powerSGD_hook`` (``--rank``; error feedback, warm start)
+* ``ddp_<name>``    DDP + ``bitscom.ddp_comm_hook`` with bitscom's compressor ``<name>``
+* ``<name>``        ``bitscom.DistributedOptimizer`` with compressor ``<name>`` from the registry:
+  none, fp16, bf16, lowbit (``--bits``), powersgd / acpsgd (``--rank``), topk (``--ratio``),
+  signsgd, ...
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import os
+import platform
+import resource
+import socket
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import models  # noqa: E402
+
+TORCH_HOOKS = ("ssgd", "ddp_fp16", "ddp_powersgd")
+# bitscom registry name -> which command-line settings it takes
+SETTINGS = {"lowbit": ("bits", "block_size"), "powersgd": ("rank",), "acpsgd": ("rank",),
+            "topk": ("ratio",)}
+CSV_FIELDS = ["time", "dnn", "opt", "rank", "bits", "ratio", "bs", "seq_len", "nworkers", "nodes",
+              "ranks_per_node", "threshold_mb", "bandwidth", "nsteps", "warmup", "iter_time_s",
+              "iter_ci95_s", "throughput", "bytes_sent", "dense_bytes", "compression_ratio",
+              "compute_time_s", "comm_time_ideal_s", "ideal_time_s", "peak_mem_mb", "params",
+              "device", "backend", "host", "torch", "status", "note"]
+# two-sided 97.5% Student t quantiles for 1..30 degrees of freedom
+_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def mean_ci95(xs):
+    """(mean, half-width of the 95% confidence interval of the mean)."""
+    n = len(xs)
+    m = sum(xs) / n
+    if n < 2:
+        return m, float("nan")
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
+    return m, t * sd / math.sqrt(n)
+
+
+def parse_rate(text):
+    if not text or str(text).lower() in ("none", "0", ""):
+        return None
+    import cluster
+    return cluster.parse_rate(text)
+
+
+# ---- analytic bytes for torch's own hooks (they do not count) ------------------------------------
+def powersgd_hook_bytes(params, rank: int, min_compression_rate: float = 2.0) -> int:
+    """Bytes torch's powerSGD_hook hands to all-reduce per step (after its warm-up iterations).
+
+    Mirrors ``powerSGD_hook``: vectors (ndim <= 1) are all-reduced uncompressed; a tensor
+    viewed as an n x m matrix (n = shape[0]) is compressed when (n + m) * r * 2 < n * m
+    (``min_compression_rate``=2), sending P (n x r) and Q (m x r); r = min(rank, n, m).
+    Otherwise it goes uncompressed. fp32 throughout.
+    """
+    total = 0
+    for p in params:
+        if p.ndim <= 1:
+            total += p.numel()
+            continue
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        r = min(rank, n, m)
+        if (n + m) * r * min_compression_rate < n * m:
+            total += (n + m) * r
+        else:
+            total += p.numel()
+    return total * 4
+
+
+def analytic_bytes(opt: str, params, rank: int) -> int:
+    numel = sum(p.numel() for p in params)
+    if opt == "ssgd":
+        return numel * 4
+    if opt == "ddp_fp16":
+        return numel * 2
+    return powersgd_hook_bytes(params, rank)
+
+
+# ---- the harness ---------------------------------------------------------------------------------
+def parse_args(argv=None):
+    env = os.environ.get
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--opt", default=env("opt", "ssgd"))
+    ap.add_argument("--dnn", default=env("dnn", "resnet50"), choices=list(models.MODELS))
+    ap.add_argument("--bs", type=int, default=int(env("bs", 32)), help="batch size per rank")
+    ap.add_argument("--seq-len", type=int, default=int(env("seq_len", 128)), help="transformers: tokens")
+    ap.add_argument("--rank", type=int, default=int(env("rank", 4)), help="PowerSGD / ACP-SGD rank")
+    ap.add_argument("--bits", type=int, default=int(env("bits", 4)), help="lowbit: bits per element")
+    ap.add_argument("--block-size", type=int, default=None, help="lowbit: elements per scale")
+    ap.add_argument("--ratio", type=float, default=float(env("ratio", 0.01)), help="topk: kept fraction")
+    ap.add_argument("--threshold", type=float, default=float(env("threshold", 25)),
+                    help="fusion threshold / DDP bucket cap, MB")
+    ap.add_argument("--nsteps", type=int, default=int(env("nsteps", 10)), help="timed steps")
+    ap.add_argument("--warmup", type=int, default=int(env("warmup", 3)), help="untimed steps first")
+    ap.add_argument("--compute-steps", type=int, default=int(env("compute_steps", 2)),
+                    help="steps timed without communication (before wrapping) for the ideal time; 0 = skip")
+    ap.add_argument("--bandwidth", default=env("bandwidth", ""),
+                    help="the link rate this run is under (recorded; used for the ideal time)")
+    ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--csv", default=env("csv", os.path.join(os.path.dirname(HERE), "results", "perf.csv")))
+    ap.add_argument("--note", default=env("note", ""), help="free text stored in the CSV row")
+    ap.add_argument("--device", default=env("device", "auto"), choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--check-only", action="store_true",
+                    help="only check that --opt exists in this build (exit 2 + a CSV row if not)")
+    a = ap.parse_args(argv)
+    if a.nsteps < 1 or a.warmup < 0:
+        ap.error(f"nsteps must be >= 1 and warmup >= 0, got {a.nsteps}, {a.warmup}")
+    if a.bs < 1:
+        ap.error(f"bs must be >= 1, got {a.bs}")
+    return a
+
+
+def opt_kind(opt: str, available) -> tuple:
+    """('torch', opt) | ('bitscom', name) | ('hook', name); SystemExit naming what exists."""
+    if opt in TORCH_HOOKS:
+        return "torch", opt
+    name = opt[4:] if opt.startswith("ddp_") else opt
+    if name in ("ssgd", "s-sgd", "allreduce"):
+        name = "none"
+    if name not in available:
+        raise SystemExit(f"opt={opt!r}: compressor {name!r} is not available in this build of bitscom; "
+                         f"available: {', '.join(TORCH_HOOKS)}, and bitscom's {', '.join(available)} "
+                         f"(as '<name>' for DistributedOptimizer or 'ddp_<name>' for the DDP hook)")
+    return ("hook" if opt.startswith("ddp_") else "bitscom"), name
+
+
+def compressor_kwargs(name: str, a) -> dict:
+    values = {"bits": a.bits, "block_size": a.block_size, "rank": a.rank, "ratio": a.ratio}
+    return {k: values[k] for k in SETTINGS.get(name, ()) if values[k] is not None}
+
+
+def write_row(path: str, row: dict):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerow({k: row.get(k, "") for k in CSV_FIELDS})
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    import bitscom
+    try:
+        kind, name = opt_kind(a.opt, bitscom.compressors.names())
+    except SystemExit as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {err}", file=sys.stderr)
+            write_row(a.csv, _base_row(a, int(os.environ.get("WORLD_SIZE", "1"))) | {"status": "unavailable",
+                                                                                         "note": str(err)[:200]})
+        return 2
+    if a.check_only:
+        return 0
+
+    bitscom.init(device=None if a.device == "auto" else a.device)
+    rank, size = bitscom.rank(), bitscom.size()
+    dev = bitscom.runtime.device()
+    in_cluster = bool(os.environ.get("BITSCOM_CLUSTER"))
+    # all emulated nodes share this machine's cores
+    sharers = size if in_cluster else bitscom.local_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, sharers)))
+    torch.manual_seed(1234 + rank)
+
+    wl = models.build(a.dnn, a.bs, a.seq_len)
+    model = wl.model.to(dev)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    batch = wl.make_batch(dev)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    # 1. compute alone (no hooks yet): what a step would cost with an infinitely fast network
+    compute = float("nan")
+    if a.compute_steps > 0:
+        local = torch.optim.SGD(params, lr=a.lr)
+        for i in range(a.compute_steps + 1):
+            sync()
+            t0 = time.perf_counter()
+            local.zero_grad()
+            wl.loss(model, batch).backward()
+            local.step()
+            sync()
+            if i > 0:       # the first one pays allocations
+                compute = (0 if math.isnan(compute) else compute) + (time.perf_counter() - t0) / a.compute_steps
+        del local
+        model.zero_grad(set_to_none=True)
+
+    # 2. wrap for data parallelism
+    stats = None
+    net = model
+    if kind in ("torch", "hook"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        net = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                  bucket_cap_mb=a.threshold)
+        if a.opt == "ddp_fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif a.opt == "ddp_powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+            state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=a.rank,
+                                     start_powerSGD_iter=2, min_compression_rate=2,
+                                     use_error_feedback=True, warm_start=True)
+            net.register_comm_hook(state, ps.powerSGD_hook)
+            a.warmup = max(a.warmup, 2)      # its first iterations are plain all-reduce
+        elif kind == "hook":
+            hook_state, hook = bitscom.ddp_comm_hook(bitscom.compressors.get(name, **compressor_kwargs(name, a)))
+            net.register_comm_hook(hook_state, hook)
+            stats = hook_state.comm_stats
+        opt = torch.optim.SGD(params, lr=a.lr, momentum=0.9)
+    else:
+        base = torch.optim.SGD(params, lr=a.lr, momentum=0.9)
+        opt = bitscom.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                           compression=bitscom.compressors.get(name, **compressor_kwargs(name, a)),
+                                           fusion_threshold_mb=a.threshold)
+        stats = opt.comm_stats
+        bitscom.broadcast_parameters(model.state_dict(), root_rank=0)
+
+    # 3. warm-up, then timed steps
+    def step():
+        opt.zero_grad()
+        wl.loss(net, batch).backward()
+        opt.step()
+
+    for _ in range(a.warmup):
+        step()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    if size > 1:
+        dist.barrier()
+    times = []
+    for _ in range(a.nsteps):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+
+    # 4. gather: the slowest rank's time per step; bytes; memory
+    t = torch.tensor(times, dtype=torch.float64)
+    if dev.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
+    if stats is not None:
+        st = stats()
+        sent, dense = st["bytes_sent"], st["dense_bytes"]
+    else:
+        sent, dense = analytic_bytes(a.opt, params, a.rank), sum(p.numel() for p in params) * 4
+    extra = torch.tensor([peak, compute if not math.isnan(compute) else -1.0, sent], dtype=torch.float64)
+    if size > 1:
+        t_cpu, extra_cpu = t.clone(), extra.clone()
+        dist.all_reduce(t_cpu, op=dist.ReduceOp.MAX)
+        dist.all_reduce(extra_cpu, op=dist.ReduceOp.MAX)
+        t, extra = t_cpu, extra_cpu
+    peak, compute, sent_max = extra.tolist()
+    compute = compute if compute >= 0 else float("nan")
+
+    if rank == 0:
+        mean, ci = mean_ci95(t.tolist())
+        rate = parse_rate(a.bandwidth)
+        # ring all-reduce: each rank's link carries 2(n-1)/n of the payload in each direction
+        comm_ideal = sent_max * 2 * (size - 1) / size / (rate / 8) if rate and size > 1 else float("nan")
+        ideal = max(compute, comm_ideal) if not math.isnan(comm_ideal) else compute
+        thr = a.bs * size / mean
+        nodes = size // max(1, bitscom.local_size())
+        row = _base_row(a, size) | {
+            "nodes": nodes, "ranks_per_node": bitscom.local_size(),
+            "iter_time_s": f"{mean:.5f}", "iter_ci95_s": f"{ci:.5f}", "throughput": f"{thr:.3f}",
+            "bytes_sent": int(sent_max), "dense_bytes": int(dense),
+            "compression_ratio": f"{dense / sent_max:.2f}" if sent_max else "",
+            "compute_time_s": f"{compute:.5f}", "comm_time_ideal_s": f"{comm_ideal:.5f}",
+            "ideal_time_s": f"{ideal:.5f}", "peak_mem_mb": f"{peak:.0f}", "params": wl.numel,
+            "device": str(dev), "backend": dist.get_backend() if size > 1 else "", "status": "ok"}
+        write_row(a.csv, row)
+        where = os.environ.get("BITSCOM_CLUSTER", "this machine")
+        settings = " ".join(f"{k}={v}" for k, v in compressor_kwargs(name, a).items()) if kind != "torch" else \
+            (f"rank={a.rank}" if a.opt == "ddp_powersgd" else "")
+        print(f"[perf] {a.dnn} ({wl.numel / 1e6:.1f}M params, {wl.source}), bs {a.bs}/rank, "
+              f"{size} rank(s) on {where}")
+        print(f"[perf] opt={a.opt} {settings} threshold={a.threshold:g}MB bandwidth={a.bandwidth or 'unshaped'}")
+        print(f"[perf] iteration time {mean * 1e3:.1f} ms +/- {ci * 1e3:.1f} ms (95% CI, {a.nsteps} steps), "
+              f"throughput {thr:.2f} samples/s")
+        print(f"[perf] bytes on the wire {sent_max / 1e6:.2f} MB/step/rank (fp32 {dense / 1e6:.2f} MB, "
+              f"{dense / sent_max if sent_max else float('nan'):.1f}x fewer), peak memory {peak:.0f} MB")
+        print(f"[perf] compute {compute * 1e3:.1f} ms, ideal comm {comm_ideal * 1e3:.1f} ms, "
+              f"ideal step {ideal * 1e3:.1f} ms -> {a.csv}")
+    bitscom.shutdown()
+    return 0
+
+
+def _base_row(a, size) -> dict:
+    return {"time": datetime.datetime.now().isoformat(timespec="seconds"), "dnn": a.dnn, "opt": a.opt,
+            "rank": a.rank, "bits": a.bits, "ratio": a.ratio, "bs": a.bs,
+            "seq_len": a.seq_len if a.dnn.startswith(("bert", "gpt")) else "", "nworkers": size,
+            "threshold_mb": a.threshold, "bandwidth": a.bandwidth or "none", "nsteps": a.nsteps,
+            "warmup": a.warmup, "host": socket.gethostname(), "torch": torch.__version__,
+            "note": a.note, "status": "", "device": "", "nodes": "", "ranks_per_node": ""} | \
+        {"python": platform.python_version()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
