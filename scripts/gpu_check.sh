@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One-shot GPU check of the low-bit kernels, for a session on a machine with an NVIDIA GPU:
+# installs CuPy (with NVRTC from the CUDA wheels) if missing, runs the GPU tests (CUDA bytes ==
+# torch bytes for RTN and SR, stream use, speed sanity), then the benchmark on the device.
+# Usage: bash scripts/gpu_check.sh [results-dir]     (from the repository root)
+set -euo pipefail
+out="${1:-results}"
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu_check_device.txt"
+python -c "import cupy" 2>/dev/null || pip install "cupy-cuda13x[ctk]" || pip install cupy-cuda13x
+python - <<'PY'
+import torch, cupy
+from bitscom import kernels as K
+print("torch", torch.__version__, "cuda", torch.version.cuda, "cupy", cupy.__version__,
+      "impl", K.implementation("cuda"))
+PY
+python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_quantization.py \
+    tests/test_quant_cuda_emulation.py 2>&1 | tee "$out/gpu_check_tests.txt"
+python scripts/bench_quantize.py --device cuda --max-pow2 28 --repeat 20 --out "$out" 2>&1 \
+    | tee "$out/gpu_check_bench.txt"
+python scripts/bench_quantize.py --device cuda --min-pow2 20 --max-pow2 28 --repeat 20 --stochastic \
+    --out "$out" 2>&1 | tee -a "$out/gpu_check_bench.txt"
+echo "GPU target: quant and dequant %copy >= 60 at 2^26..2^28 elements (see notes/readme_quantization.md)"
