@@ -180,6 +180,20 @@ def test_signsgd_average_and_bytes():
     assert all(torch.equal(f, flats[0]) for f in flats)
 
 
+def test_signsgd_scale_per_tensor():
+    from bitscom.compressors import TensorSlot
+    layout = BucketLayout(0, (TensorSlot("w", 0, 12, (3, 4)), TensorSlot("b", 12, 3, (3,))),
+                          torch.float32, torch.device("cpu"))
+    gs = [torch.cat([torch.randn(12), 1e-3 * torch.randn(3)]) for _ in range(2)]
+    comp = SignSGD()
+    flats = [g.clone() for g in gs]
+    sent = lockstep(comp, flats, [comp.init_state(layout) for _ in gs], layout)
+    assert sent == [2 + 8] * 2 == [comp.wire_bytes(layout, 2)] * 2
+    expect = sum(torch.cat([transmitted(comp, g[:12]), transmitted(comp, g[12:])]) for g in gs) / 2
+    torch.testing.assert_close(flats[0], expect)
+    assert flats[0][12:].abs().max() < 1e-2          # the bias keeps its own small scale
+
+
 def test_signsgd_majority_vote():
     gs = [torch.tensor([1., -2, 3, -4]), torch.tensor([2., -1, -3, 4]), torch.tensor([3., 1, -1, -4])]
     comp, layout = SignSGD(majority_vote=True), layout_for(4)

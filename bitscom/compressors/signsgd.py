@@ -2,29 +2,31 @@
 (Bernstein et al. 2018/2019).
 
 Why a scale: a bare sign throws away the gradient's magnitude, so SGD's learning rate would
-have to be retuned. Sending one fp32 scale per bucket, ``s = ‖x‖₁ / d`` (the mean absolute
+have to be retuned. Sending one fp32 scale per tensor, ``s = ‖x‖₁ / d`` (its mean absolute
 value), makes ``s · sign(x)`` the best scaled-sign approximation of ``x`` in the ℓ2 sense
-given the signs, and keeps dense-SGD learning rates usable.
+given the signs, and keeps dense-SGD learning rates usable. Per tensor (layer), as
+Karimireddy et al. do, not per bucket: a bucket mixes layers and biases whose magnitudes
+differ by orders, and one shared scale measurably hurts accuracy (notes/readme_compressors.md).
 
-Wire format, per rank and bucket: the d sign bits packed 8 per byte (bit ``i % 8`` of byte
-``i // 8`` is element i, least significant bit first — the low-bit format's order; a set bit
-means negative, so ``+0`` and ``-0`` both read as +), followed by the 4 bytes of the fp32
-scale: ``ceil(d / 8) + 4`` bytes, sent with one ``all_gather`` (signs cannot be summed on
-the wire). fp32 all-reduce costs ``4·d``: about 32× more.
+Wire format, per rank and bucket of d elements in T tensors: the d sign bits packed 8 per
+byte (bit ``i % 8`` of byte ``i // 8`` is element i, least significant bit first — the
+low-bit format's order; a set bit means negative, so ``+0`` and ``-0`` both read as +),
+followed by the T fp32 scales: ``ceil(d / 8) + 4·T`` bytes, sent with one ``all_gather``
+(signs cannot be summed on the wire). fp32 all-reduce costs ``4·d``: about 32× more.
 
 EF-SignSGD (``majority_vote=False``), per bucket and step:
 
-1. ``x = g + e``; 2. ``s = ‖x‖₁ / d``; 3. all-gather (bits, s);
+1. ``x = g + e``; 2. ``s_t = ‖x_t‖₁ / d_t`` for each tensor t; 3. all-gather (bits, s);
 4. average: ``(1/N) Σ_r s_r · sign_r``, summed in rank order on every rank (bitwise
    identical); 5. ``e = x − s · sign(x)``.
 
 Majority vote (``majority_vote=True``): steps 1–3 as above; then
 ``result = sign(Σ_r sign_r) · (1/N) Σ_r s_r`` — the elementwise vote times the ranks' mean
-scale (a tie, possible for even N, gives 0). Bernstein et al. use ``lr · sign(vote)``; the
-mean scale makes the update's size match the gradient's, so learning rates tuned for
-S-SGD carry over. Error feedback in this mode is worker-side only: ``e = x − s · sign(x)``
-compensates what this rank's message lost, not what the vote lost (the worker half of the
-double error feedback of Zheng et al. 2019 / 1-bit Adam). It is off by default there
+scale of the tensor (a tie, possible for even N, gives 0). Bernstein et al. use
+``lr · sign(vote)``; the mean scale makes the update's size match the gradient's, so
+learning rates tuned for S-SGD carry over. Error feedback in this mode is worker-side only:
+``e = x − s · sign(x)`` compensates what this rank's message lost, not what the vote lost
+(the worker half of the double error feedback of Zheng et al. 2019 / 1-bit Adam). It is off by default there
 (``error_feedback=None`` means on for EF-SignSGD, off for majority vote) because the vote
 already rounds and the paper's convergence argument is for plain signs.
 """
@@ -73,7 +75,7 @@ def unpack_signs(packed: torch.Tensor, numel: int, dtype=torch.float32) -> torch
 
 @dataclass(frozen=True)
 class SignSGD(Compressor):
-    """One bit per gradient entry plus one fp32 scale per bucket, with error feedback.
+    """One bit per gradient entry plus one fp32 scale per tensor, with error feedback.
 
     Args:
         error_feedback: keep ``x − s·sign(x)`` and add it to the next gradient. Needed for
@@ -111,43 +113,51 @@ class SignSGD(Compressor):
         return ErrorFeedback.for_layout(layout, enabled=self.uses_error_feedback)
 
     @staticmethod
-    def encode(x: torch.Tensor) -> torch.Tensor:
-        """The wire record of ``x``: packed signs then the fp32 scale ``‖x‖₁/d``, as uint8."""
-        packed = pack_signs(x)
-        scale = x.abs().mean(dtype=torch.float32).reshape(1)
-        return torch.cat([packed, scale.view(torch.uint8)])
+    def encode(x: torch.Tensor, sizes) -> torch.Tensor:
+        """The wire record of ``x``: packed signs, then one fp32 scale ``‖x_t‖₁/d_t`` per
+        tensor of ``sizes`` (element counts summing to ``x.numel()``), as uint8."""
+        scales = torch.stack([c.abs().sum() / max(c.numel(), 1) for c in x.split(list(sizes))])
+        return torch.cat([pack_signs(x), scales.float().view(torch.uint8)])
 
     @staticmethod
-    def decode(record: torch.Tensor, numel: int):
-        """``(signs ±1 fp32, scale fp32 0-d)`` of one wire record."""
+    def decode(record: torch.Tensor, sizes):
+        """``(signs ±1 fp32, per-tensor scales fp32)`` of one wire record."""
+        numel = sum(sizes)
         nbytes = -(-numel // 8)
-        scale = record[nbytes:nbytes + 4].clone().view(torch.float32)[0]     # clone: 4-byte aligned
-        return unpack_signs(record[:nbytes], numel), scale
+        scales = record[nbytes:].clone().view(torch.float32)     # clone: 4-byte aligned
+        return unpack_signs(record[:nbytes], numel), scales
+
+    @staticmethod
+    def _sizes(layout: BucketLayout, numel: int) -> tuple:
+        sizes = tuple(s.numel for s in layout.slots)
+        return sizes if sum(sizes) == numel and sizes else (numel,)
 
     def reduce(self, flat, layout, state, comm: Comm):
         numel = flat.numel()
         if numel == 0:
             return
+        sizes = self._sizes(layout, numel)
+        counts = torch.tensor(sizes, device=flat.device)
         x = state.compensate(flat)
-        record = self.encode(x)
-        signs, scale = self.decode(record, numel)
-        state.update(signs * scale)
+        record = self.encode(x, sizes)
+        signs, scales = self.decode(record, sizes)
+        state.update(signs * scales.repeat_interleave(counts))
         gathered = torch.empty(comm.size * record.numel(), dtype=torch.uint8, device=flat.device)
         yield comm.all_gather(gathered, record)
         gathered = gathered.view(comm.size, -1)
         acc = torch.zeros(numel, dtype=torch.float32, device=flat.device)
-        scale_sum = torch.zeros((), dtype=torch.float32, device=flat.device)
+        scale_sum = torch.zeros(len(sizes), dtype=torch.float32, device=flat.device)
         for r in range(comm.size):                              # fixed order: bitwise identical
-            signs, scale = self.decode(gathered[r], numel)
+            signs, scales = self.decode(gathered[r], sizes)
             if self.majority_vote:
                 acc += signs
-                scale_sum += scale
+                scale_sum += scales
             else:
-                acc.add_(signs * scale)
+                acc.add_(signs * scales.repeat_interleave(counts))
         if self.majority_vote:
-            flat.copy_(acc.sign_().mul_(scale_sum / comm.size))
+            flat.copy_(acc.sign_().mul_((scale_sum / comm.size).repeat_interleave(counts)))
         else:
             flat.copy_(acc.div_(comm.size))
 
     def wire_bytes(self, layout: BucketLayout, world_size: int) -> int:
-        return -(-layout.numel // 8) + 4
+        return -(-layout.numel // 8) + 4 * max(len(layout.slots), 1)
