@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import bitscom
-from bitscom.compressors import ACPSGD, PowerSGD
+from bitscom.compressors import PowerSGD
 from bitscom.compressors.base import BucketLayout, Comm, TensorSlot, drive
 from bitscom.compressors.lowrank import LowRankPlan, orthogonalize
 
@@ -76,7 +76,7 @@ def tol(ref: torch.Tensor, rel=2e-5) -> float:
     return rel * float(ref.abs().max()) + 1e-6
 
 
-def local_decoded(comp, plan, x, p, q, send_p):
+def local_decoded(plan, x, p, q, send_p):
     """What this rank's local factors decode to: P Pᵀ X (P shared, Q local) or X Q Qᵀ."""
     dec = x.clone()
     for g in plan.groups:
@@ -112,7 +112,7 @@ def check_steps(comp, results, world, first_compressed, alternating):
             continue
         for rank, rec in enumerate(recs):
             x = rec["input"] + rec["res_old"]
-            dec = local_decoded(comp, plan, x, rec["p"], rec["q"], send_p)
+            dec = local_decoded(plan, x, rec["p"], rec["q"], send_p)
             # error feedback: input + old residual = transmitted (local decode) + new residual
             err = (x - dec - rec["res_new"]).abs().max()
             assert err <= tol(x), f"EF invariant broken on rank {rank} step {step}: {err}"
