@@ -51,7 +51,7 @@ class ACPSGDState(LowRankState):
 class ACPSGD(Compressor):
     """Rank-r ACP-SGD: one fused all-reduce per bucket per step, alternating P and Q.
 
-    Wire cost per bucket (fp32: × 4 bytes), alternating:
+    Wire cost per bucket (× 4 bytes: factors travel in fp32), alternating:
     P steps ``Σ n_i·r_i + uncompressed numel``, Q steps ``Σ m_i·r_i + uncompressed numel``.
 
     Example::

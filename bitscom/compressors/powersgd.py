@@ -13,6 +13,8 @@ One step of a bucket, after ``start_iter`` plain all-reduce steps:
    the paper's algorithm; all-reduce the fused Q buffer (round 2).
 6. M ≈ P Qᵀ / N: the average, identical on every rank.
 
+Factors travel in fp32 whatever the gradient dtype (see :mod:`.lowrank`).
+
 Only Σ_i (M_i + E_i) enters P and Q, so computing E from the local Q (the paper) or from
 the averaged Q (PyTorch) gives the same trajectory in exact arithmetic; the local form
 makes E exactly "what this rank failed to send" and is ready before round 2 completes.
@@ -42,7 +44,7 @@ class PowerSGDState(LowRankState):
 class PowerSGD(Compressor):
     """Rank-r PowerSGD with error feedback and warm start: two fused all-reduces per bucket.
 
-    Wire cost of one compressed step, per bucket (fp32: × 4 bytes):
+    Wire cost of one compressed step, per bucket (× 4 bytes: factors travel in fp32):
     ``Σ n_i·r_i + Σ m_i·r_i + uncompressed numel`` elements, with ``r_i = min(n_i, m_i, rank)``.
 
     Example::
