@@ -226,11 +226,14 @@ def test_sign_settings_validation():
 # ---------------------------------------------------------------- shared pieces
 
 def test_registry_names_and_errors():
-    assert {"none", "fp16", "bf16", "topk", "signsgd"} <= set(names())
+    assert {"none", "fp16", "bf16", "lowbit", "powersgd", "acpsgd", "topk", "signsgd"} <= set(names())
+    assert get("acpsgd", rank=4).rank == 4
     assert get("topk", ratio=0.5) == TopK(ratio=0.5)
     assert get("signsgd", majority_vote=True) == SignSGD(majority_vote=True)
     with pytest.raises(ValueError, match=r"unknown compressor 'nope'.*topk"):
         get("nope")
+    with pytest.raises(TypeError, match="bad settings for compressor 'topk'"):
+        get("topk", ratoi=0.1)
 
 
 def test_error_feedback_checkpoint_and_mismatch():
