@@ -103,27 +103,45 @@ class Comm:
     def _count(self, tensor: torch.Tensor) -> None:
         self.bytes_sent += tensor.numel() * tensor.element_size()
 
+    @property
+    def _local(self) -> bool:
+        """No process group at all: a single process, where every collective is an identity."""
+        return self.group is None and not dist.is_initialized()
+
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM):
         """Sum (or ``op``) ``tensor`` in place over the group; returns the async work."""
+        if self._local:
+            return None
         self._count(tensor)
         return dist.all_reduce(tensor, op=op, group=self._pg(), async_op=True)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor):
         """``output`` (size × input.numel()) receives every rank's ``input``, in rank order."""
+        if self._local:
+            output.view(-1).copy_(input.view(-1))
+            return None
         self._count(input)
         return dist.all_gather_into_tensor(output, input, group=self._pg(), async_op=True)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor):
         """Equal splits: chunk j of ``input`` goes to rank j; chunk j of ``output`` comes from j."""
+        if self._local:
+            output.copy_(input)
+            return None
         self._count(input)
         return dist.all_to_all_single(output, input, group=self._pg(), async_op=True)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM):
+        if self._local:
+            output.view(-1).copy_(input.view(-1))
+            return None
         self._count(input)
         return dist.reduce_scatter_tensor(output, input, op=op, group=self._pg(), async_op=True)
 
     def broadcast(self, tensor: torch.Tensor, group_src: int = 0):
         """Broadcast from the rank with *group* rank ``group_src``."""
+        if self._local:
+            return None
         if self.rank == group_src:
             self._count(tensor)
         src = dist.get_global_rank(self._pg(), group_src) if self._pg() is not None else group_src
@@ -138,8 +156,10 @@ class State:
     """Mutable per-bucket compressor state.
 
     The default ``state_dict`` copies every public attribute (tensors cloned, a
-    ``torch.Generator`` saved as its state) so subclasses that only hold tensors, numbers
-    and generators need no code of their own.
+    ``torch.Generator`` saved as its state, a nested :class:`State` as its own state dict)
+    so subclasses that only hold tensors, numbers, generators and states need no code of
+    their own. Loading copies *into* the existing tensors, so views into them stay valid;
+    a saved tensor of another shape is an error, not a silent replacement.
     """
 
     def state_dict(self) -> dict:
@@ -151,6 +171,8 @@ class State:
                 value = value.detach().clone()
             elif isinstance(value, torch.Generator):
                 value = {"__generator_state__": value.get_state()}
+            elif isinstance(value, State):
+                value = {"__state__": value.state_dict()}
             elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
                 value = [v.detach().clone() for v in value]
             out[key] = value
@@ -161,19 +183,26 @@ class State:
             current = getattr(self, key, None)
             if isinstance(value, dict) and "__generator_state__" in value:
                 current.set_state(value["__generator_state__"])
+            elif isinstance(value, dict) and "__state__" in value:
+                current.load_state_dict(value["__state__"])
             elif isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
-                if current.shape == value.shape:
-                    current.copy_(value)
-                else:
-                    setattr(self, key, value.to(current.device, current.dtype))
-            elif isinstance(value, torch.Tensor) and current is not None and hasattr(current, "device"):
-                setattr(self, key, value.to(current.device))
+                _copy_checked(key, current, value)
             elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor) \
-                    and isinstance(current, list) and len(current) == len(value):
-                for c, v in zip(current, value):
-                    c.copy_(v)
+                    and isinstance(current, list):
+                if len(current) != len(value):
+                    raise ValueError(f"state {key!r}: checkpoint has {len(value)} tensors, "
+                                     f"this bucket has {len(current)}")
+                for i, (c, v) in enumerate(zip(current, value)):
+                    _copy_checked(f"{key}[{i}]", c, v)
             else:
                 setattr(self, key, value)
+
+
+def _copy_checked(key: str, current: torch.Tensor, value: torch.Tensor) -> None:
+    if current.shape != value.shape:
+        raise ValueError(f"state {key!r}: checkpoint tensor has shape {tuple(value.shape)}, this "
+                         f"bucket's has {tuple(current.shape)}; was the model or plan changed?")
+    current.copy_(value)
 
 
 class Compressor(abc.ABC):
@@ -206,8 +235,11 @@ class Compressor(abc.ABC):
             return f"{type(self).__name__}({fields})"
         return repr(self)
 
-    def wire_bytes(self, layout: BucketLayout, world_size: int) -> Optional[int]:
-        """Analytic bytes one reduction of ``layout`` sends from one rank, if known."""
+    def wire_bytes(self, layout: BucketLayout, world_size: int, step: Optional[int] = None) -> Optional[int]:
+        """Analytic bytes one reduction of ``layout`` sends from one rank, if known.
+
+        ``step`` matters for compressors whose traffic changes over time (warm-up steps,
+        ACP-SGD's alternating factors); ``None`` asks for the steady-state average."""
         return None
 
 

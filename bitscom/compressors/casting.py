@@ -32,7 +32,7 @@ class NoneCompressor(Compressor):
         yield comm.all_reduce(flat)
         flat.div_(comm.size)
 
-    def wire_bytes(self, layout: BucketLayout, world_size: int) -> int:
+    def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:
         return layout.numel * torch.empty((), dtype=layout.dtype).element_size()
 
 
@@ -51,7 +51,7 @@ class _CastCompressor(Compressor):
         if wire is not flat:
             flat.copy_(wire)
 
-    def wire_bytes(self, layout: BucketLayout, world_size: int) -> int:
+    def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:
         return layout.numel * torch.empty((), dtype=self.wire_dtype).element_size()
 
 
