@@ -86,6 +86,13 @@ def test_ddp_hook_trains_with_every_compressor(pools, name):
         assert results[0][2]["compression_ratio"] > 1.5
 
 
+@pytest.mark.parametrize("name", [n for n in ("powersgd", "lowbit") if n in names()])
+def test_ddp_hook_multi_round_on_four_ranks(pools, name):
+    # 4 ranks laid out as 2 nodes x 2: later rounds interleave across buckets and nodes
+    for same, losses, stats, nbuckets in pools.run(4, _train_with, name):
+        assert same and sum(losses[-3:]) < sum(losses[:3]) and nbuckets >= 2
+
+
 # ---------------------------------------------------------------- parity with plain DDP
 
 def _none_vs_plain(rank, world):
