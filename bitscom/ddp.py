@@ -73,17 +73,13 @@ class DDPCommState:
         key = (tuple(id(p) for p in bucket.parameters()), layout)
         while len(self._keys) <= index:
             self._keys.append(None)
-            self._reducer.layouts.append(None)
-            self._reducer.states.append(None)
         if self._keys[index] != key:               # first sight, or DDP rebuilt this bucket
-            state = self.compressor.init_state(layout)
+            state = self._reducer.set_bucket(index, layout)
             saved = self._loaded.get(index)
             if saved is not None and saved[0] == _shapes(layout):
                 state.load_state_dict(saved[1])
                 del self._loaded[index]
             self._keys[index] = key
-            self._reducer.layouts[index] = layout
-            self._reducer.states[index] = state
         return index
 
     # -- the hook body -------------------------------------------------------------------
@@ -117,7 +113,7 @@ class DDPCommState:
 
     def _fail(self, err: BaseException) -> None:
         pending, self._pending = self._pending, []
-        self._reducer._flights = []
+        self._reducer.abort()
         for future, _ in pending:
             if not future.done():
                 future.set_exception(RuntimeError(f"bitscom DDP hook failed: {err}"))

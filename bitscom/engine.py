@@ -56,6 +56,21 @@ class Reducer:
         self.states: List[State] = [compressor.init_state(l) for l in self.layouts]
         self._flights: List[_Flight] = []
 
+    def set_bucket(self, index: int, layout: BucketLayout, state: Optional[State] = None) -> State:
+        """Define (or redefine) bucket ``index``; for adapters that learn buckets lazily, like
+        DDP, which hands buckets over one by one and rebuilds them after the first iteration.
+        Returns the bucket's state (a fresh one unless ``state`` is given)."""
+        while len(self.layouts) <= index:
+            self.layouts.append(None)
+            self.states.append(None)
+        self.layouts[index] = layout
+        self.states[index] = self.compressor.init_state(layout) if state is None else state
+        return self.states[index]
+
+    def abort(self) -> None:
+        """Forget every launched bucket (after a failure); their work is not waited for."""
+        self._flights = []
+
     @property
     def in_flight(self) -> bool:
         return any(not f.done for f in self._flights)
@@ -98,7 +113,7 @@ class Reducer:
         try:
             self.poll(block=True)
         except BaseException:
-            self._flights = []
+            self.abort()
             raise
         sent = sum(f.comm.bytes_sent for f in self._flights)
         self._flights = []

@@ -27,6 +27,10 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns);
+# 2.11 and 2.12 only have the old one.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 __all__ = ["TensorSlot", "BucketLayout", "Comm", "State", "Compressor", "drive"]
 
 
@@ -121,7 +125,7 @@ class Comm:
             output.view(-1).copy_(input.view(-1))
             return None
         self._count(input)
-        return dist.all_gather_into_tensor(output, input, group=self._pg(), async_op=True)
+        return _all_gather_flat(output, input, group=self._pg(), async_op=True)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor):
         """Equal splits: chunk j of ``input`` goes to rank j; chunk j of ``output`` comes from j."""
