@@ -195,11 +195,16 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
     _rt.info = info
     if dist.is_initialized():
         _rt.world = dist.group.WORLD
-        _build_node_groups(info)
+        # Node groups use the plain backend even when the world is "lowbit": the hierarchical
+        # algorithms compress their stages themselves and must not be compressed twice.
+        world_backend = str(dist.get_backend())
+        if world_backend not in ("nccl", "gloo", "mpi"):
+            world_backend = "nccl" if _rt.device.type == "cuda" else "gloo"
+        _build_node_groups(info, world_backend)
     return info
 
 
-def _build_node_groups(info: LaunchInfo) -> None:
+def _build_node_groups(info: LaunchInfo, backend: str) -> None:
     """Intra-node groups (ranks of one node) and inter-node groups (same local rank).
 
     Ranks of a node must be contiguous (torchrun, ``mpirun --map-by slot``, Slurm block
@@ -217,11 +222,11 @@ def _build_node_groups(info: LaunchInfo) -> None:
                                f"(use mpirun --map-by slot); layout seen: {layout}")
     nodes = size // local
     for n in range(nodes):
-        g = dist.new_group(list(range(n * local, (n + 1) * local)))
+        g = dist.new_group(list(range(n * local, (n + 1) * local)), backend=backend)
         if info.rank // local == n:
             _rt.intra = g
     for lr in range(local):
-        g = dist.new_group(list(range(lr, size, local)))
+        g = dist.new_group(list(range(lr, size, local)), backend=backend)
         if info.rank % local == lr:
             _rt.inter = g
 

@@ -1,6 +1,7 @@
 """bitscom.init: launcher discovery, node groups, failure of a rank, mpirun and torchrun launches."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -97,7 +98,8 @@ def _mpi_or_torchrun_result():
 
 
 def _read_result(out: str):
-    lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+    # ranks share one stdout pipe, so lines can run together: match records, not lines
+    lines = re.findall(r"RESULT rank=\d+ launcher=\S+ world=\d+ local=\S+ [0-9a-f]{64}", out)
     assert len(lines) == 2, out
     return sorted(lines)
 
