@@ -40,7 +40,7 @@ import models  # noqa: E402
 
 TORCH_HOOKS = ("ssgd", "ddp_fp16", "ddp_powersgd")
 # bitscom registry name -> which command-line settings it takes
-SETTINGS = {"lowbit": ("bits", "block_size"), "powersgd": ("rank",), "acpsgd": ("rank",),
+SETTINGS = {"lowbit": ("bits", "block_size"), "powersgd": ("rank", "start_iter"), "acpsgd": ("rank", "start_iter"),
             "topk": ("ratio",)}
 CSV_FIELDS = ["time", "dnn", "opt", "rank", "bits", "ratio", "bs", "seq_len", "nworkers", "nodes",
               "ranks_per_node", "threshold_mb", "bandwidth", "nsteps", "warmup", "iter_time_s",
@@ -113,6 +113,9 @@ def parse_args(argv=None):
     ap.add_argument("--bs", type=int, default=int(env("bs", 32)), help="batch size per rank")
     ap.add_argument("--seq-len", type=int, default=int(env("seq_len", 128)), help="transformers: tokens")
     ap.add_argument("--rank", type=int, default=int(env("rank", 4)), help="PowerSGD / ACP-SGD rank")
+    ap.add_argument("--start-iter", type=int, default=int(env("start_iter", 0)),
+                    help="powersgd/acpsgd: dense steps before compressing (timed steps must come after; "
+                         "torch's hook needs 2)")
     ap.add_argument("--bits", type=int, default=int(env("bits", 4)), help="lowbit: bits per element")
     ap.add_argument("--block-size", type=int, default=None, help="lowbit: elements per scale")
     ap.add_argument("--ratio", type=float, default=float(env("ratio", 0.01)), help="topk: kept fraction")
@@ -131,6 +134,8 @@ def parse_args(argv=None):
     ap.add_argument("--check-only", action="store_true",
                     help="only check that --opt exists in this build (exit 2 + a CSV row if not)")
     a = ap.parse_args(argv)
+    if a.warmup < a.start_iter:
+        a.warmup = a.start_iter        # time the compressed steps, not the dense warm-up
     if a.nsteps < 1 or a.warmup < 0:
         ap.error(f"nsteps must be >= 1 and warmup >= 0, got {a.nsteps}, {a.warmup}")
     if a.bs < 1:
@@ -153,7 +158,8 @@ def opt_kind(opt: str, available) -> tuple:
 
 
 def compressor_kwargs(name: str, a) -> dict:
-    values = {"bits": a.bits, "block_size": a.block_size, "rank": a.rank, "ratio": a.ratio}
+    values = {"bits": a.bits, "block_size": a.block_size, "rank": a.rank, "ratio": a.ratio,
+              "start_iter": a.start_iter}
     return {k: values[k] for k in SETTINGS.get(name, ()) if values[k] is not None}
 
 
@@ -221,8 +227,14 @@ def main(argv=None) -> int:
     net = model
     if kind in ("torch", "hook"):
         from torch.nn.parallel import DistributedDataParallel as DDP
-        net = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                  bucket_cap_mb=a.threshold)
+        cap = a.threshold
+        if a.opt == "ddp_powersgd" and dist.get_backend() == "gloo":
+            # torch's powerSGD_hook chains its P/Q all-reduces in future callbacks; with gloo
+            # and several buckets those callbacks issue collectives in a rank-dependent order
+            # ("Received data size doesn't match expected size"). One bucket avoids that.
+            cap = max(cap, sum(p.numel() * p.element_size() for p in params) / 2**20 + 1)
+            a.note = (a.note + " " if a.note else "") + f"gloo: one DDP bucket ({cap:.0f} MB) for powerSGD_hook"
+        net = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, bucket_cap_mb=cap)
         if a.opt == "ddp_fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             net.register_comm_hook(None, default_hooks.fp16_compress_hook)
