@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from .base import BucketLayout, Comm, Compressor
-from .lowrank import LowRankPlan, LowRankState, check_low_rank_settings, orthogonalize, \
+from .lowrank import LowRankPlan, LowRankState, check_low_rank_settings, orthogonalize, project, \
     random_factors
 
 __all__ = ["ACPSGD", "ACPSGDState"]
@@ -119,25 +119,25 @@ class ACPSGD(Compressor):
         if fresh:
             random_factors(q_all, plan.groups, "q", state.generator, self.orthogonalization)
             state.ready = True
+        wire = state.p if send_p else state.q
+        tail = wire[wire.numel() - plan.uncompressed_numel:]
+        plan.gather_uncompressed(x, tail)
         for g in plan.groups:
             mat, p, q = g.load(x), g.p(p_all), g.q(q_all)
             if send_p:
                 if not fresh:
                     orthogonalize(q, self.orthogonalization)
-                torch.bmm(mat, q, out=p)
+                project(mat, q, p, transpose=False)
             else:
                 orthogonalize(p, self.orthogonalization)
-                torch.bmm(mat.transpose(1, 2), p, out=q)
-            if ef.enabled:                           # flat is free: x holds the input
-                g.store(flat, torch.bmm(p, q.transpose(1, 2)))
-        wire = state.p if send_p else state.q
-        tail = wire[wire.numel() - plan.uncompressed_numel:]
-        plan.gather_uncompressed(x, tail)
-        # flat = local decoded (uncompressed slots: the input itself, sent exactly) → E = x − flat
-        ef.update(flat)
+                project(mat, p, q, transpose=True)
+            if ef.enabled:                           # E = x − P Qᵀ from the local factors
+                g.sub_product(x, p, q)
+        if ef.enabled:                               # sent exactly: nothing left over
+            plan.zero_uncompressed(x)
         yield comm.all_reduce(wire)
 
         wire.div_(comm.size)
         plan.scatter_uncompressed(tail, flat)
         for g in plan.groups:
-            g.store(flat, torch.bmm(g.p(p_all), g.q(q_all).transpose(1, 2)))
+            g.set_product(flat, g.p(p_all), g.q(q_all))

@@ -29,7 +29,7 @@ import torch
 from .base import BucketLayout, State
 from .error_feedback import ErrorFeedback
 
-__all__ = ["ORTHOGONALIZATIONS", "MatrixGroup", "LowRankPlan", "LowRankState", "orthogonalize",
+__all__ = ["ORTHOGONALIZATIONS", "MatrixGroup", "LowRankPlan", "LowRankState", "orthogonalize", "project",
            "random_factors", "bucket_generator", "check_low_rank_settings"]
 
 ORTHOGONALIZATIONS = ("auto", "gram_schmidt", "qr")
@@ -97,6 +97,23 @@ class MatrixGroup:
         for o, v in zip(self.offsets, value):
             flat[o:o + size].view(self.n, self.m).copy_(v)
 
+    def set_product(self, flat: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
+        """``flat[group] = P Qᵀ``, written in place when the slots are contiguous."""
+        view = self.load(flat) if self._stride is not None else None
+        if view is not None and view.is_contiguous() and view.dtype == p.dtype:
+            torch.bmm(p, q.transpose(1, 2), out=view)
+        else:
+            self.store(flat, torch.bmm(p, q.transpose(1, 2)))
+
+    def sub_product(self, flat: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
+        """``flat[group] -= P Qᵀ`` (the error-feedback update), fused when the slots are a view."""
+        if self._stride is not None:
+            self.load(flat).baddbmm_(p, q.transpose(1, 2), alpha=-1)
+        else:
+            size = self.n * self.m
+            for o, pi, qi in zip(self.offsets, p, q):
+                flat[o:o + size].view(self.n, self.m).addmm_(pi, qi.t(), alpha=-1)
+
     def p(self, buf: torch.Tensor) -> torch.Tensor:
         """This group's P factors, a (B, n, r) view into the fused P buffer."""
         return buf[self.p_offset:self.p_offset + self.batch * self.n * self.r].view(
@@ -160,12 +177,31 @@ class LowRankPlan:
             tail[at:at + numel].copy_(flat[offset:offset + numel])
             at += numel
 
+    def zero_uncompressed(self, flat: torch.Tensor) -> None:
+        """Zero the uncompressed slots (their error-feedback residual: they are sent exactly)."""
+        for offset, numel in self.runs:
+            flat[offset:offset + numel].zero_()
+
     def scatter_uncompressed(self, tail: torch.Tensor, flat: torch.Tensor) -> None:
         """Inverse of :meth:`gather_uncompressed`."""
         at = 0
         for offset, numel in self.runs:
             flat[offset:offset + numel].copy_(tail[at:at + numel])
             at += numel
+
+
+def project(mat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor, transpose: bool) -> None:
+    """``out = M @ factor`` (``transpose=False``: P = M Q) or ``out = Mᵀ @ factor`` (Q = Mᵀ P).
+
+    Computed as ``(factorᵀ Mᵀ)ᵀ`` and ``(factorᵀ M)ᵀ``: with a skinny factor the BLAS kernels
+    run 3–7× faster this way round on CPUs (measured on a BERT-base bucket, one thread:
+    M Q 35 ms vs 10 ms, Mᵀ P 99 ms vs 15 ms), because the big matrix is streamed along its
+    rows once instead of being read column-wise.
+    """
+    if transpose:
+        out.copy_(torch.bmm(factor.transpose(1, 2), mat).transpose(1, 2))
+    else:
+        out.copy_(torch.bmm(factor.transpose(1, 2), mat.transpose(1, 2)).transpose(1, 2))
 
 
 def _gram_schmidt(x: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from .base import BucketLayout, Comm, Compressor
-from .lowrank import LowRankPlan, LowRankState, check_low_rank_settings, orthogonalize, \
+from .lowrank import LowRankPlan, LowRankState, check_low_rank_settings, orthogonalize, project, \
     random_factors
 
 __all__ = ["PowerSGD", "PowerSGDState"]
@@ -111,23 +111,23 @@ class PowerSGD(Compressor):
                 orthogonalize(g.q(state.q), self.orthogonalization)
         matrices = [g.load(x) for g in plan.groups]
         for g, mat in zip(plan.groups, matrices):
-            torch.bmm(mat, g.q(state.q), out=g.p(pbuf))
+            project(mat, g.q(state.q), g.p(pbuf), transpose=False)
         plan.gather_uncompressed(x, tail)
         yield comm.all_reduce(state.p)
 
         for g, mat in zip(plan.groups, matrices):
             p, q = g.p(pbuf), g.q(state.q)
             orthogonalize(p, self.orthogonalization)
-            torch.bmm(mat.transpose(1, 2), p, out=q)
-            if ef.enabled:                           # flat is free: x holds the input
-                g.store(flat, torch.bmm(p, q.transpose(1, 2)))
+            project(mat, p, q, transpose=True)
+            if ef.enabled:                           # E = x − P Qᵀ (local Q), in the residual
+                g.sub_product(x, p, q)
         del matrices
-        # flat = local decoded (uncompressed slots: the input itself, sent exactly) → E = x − flat
-        ef.update(flat)
+        if ef.enabled:                               # sent exactly: nothing left over
+            plan.zero_uncompressed(x)
         tail.div_(comm.size)
         plan.scatter_uncompressed(tail, flat)
         yield comm.all_reduce(state.q)
 
         state.q.div_(comm.size)
         for g in plan.groups:
-            g.store(flat, torch.bmm(g.p(pbuf), g.q(state.q).transpose(1, 2)))
+            g.set_product(flat, g.p(pbuf), g.q(state.q))
