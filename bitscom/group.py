@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import runtime
 from .collectives import (LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds,
                           reduce_scatter_rounds)
-from .compressors.base import Comm, _wait
+from .compressors.base import Comm, _all_gather_flat, _wait
 from .quantization import Quantized, dequantize, quantize
 
 __all__ = ["LowBitGroup", "LowBitWork"]
@@ -279,8 +279,7 @@ class LowBitGroup:
             lb.all_gather(out, shard)
         """
         if not (input.is_floating_point() and output.is_floating_point()):
-            return dist.all_gather_into_tensor(output, input, group=self.process_group,
-                                               async_op=async_op)
+            return _all_gather_flat(output, input, group=self.process_group, async_op=async_op)
         st, full_key = self._state("all_gather", key, input, self.config)
         comm = Comm(self.process_group)
         rounds = all_gather_rounds(output, input, comm, self.config, st, key=full_key)

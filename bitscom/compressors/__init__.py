@@ -1,30 +1,31 @@
 """Gradient compressors, one algorithm family per module, and the registry.
 
 ``bitscom.compressors.get(name, **settings)`` builds one by name; the classes are also
-importable directly (``bitscom.compressors.FP16Compressor``).
+importable directly (``bitscom.compressors.ACPSGD(rank=4)``).
 """
 
+from .acpsgd import ACPSGD
 from .base import BucketLayout, Comm, Compressor, State, TensorSlot, drive
 from .casting import BF16Compressor, Compression, FP16Compressor, NoneCompressor
+from .error_feedback import ErrorFeedback
+from .lowbit import LowBit
+from .powersgd import PowerSGD
 from .registry import get, names, register
+from .signsgd import SignSGD
+from .topk import TopK
 
 register("none", NoneCompressor)
 register("fp16", FP16Compressor)
 register("bf16", BF16Compressor)
-from .topk import TopK  # noqa: E402
-from .signsgd import SignSGD  # noqa: E402
-register("topk", TopK)
-register("signsgd", SignSGD)
-from .powersgd import PowerSGD  # noqa: E402
-from .acpsgd import ACPSGD  # noqa: E402
+register("lowbit", LowBit)
 register("powersgd", PowerSGD)
 register("acpsgd", ACPSGD)
-from .lowbit import LowBit  # noqa: E402
-register("lowbit", LowBit)
+register("topk", TopK)
+register("signsgd", SignSGD)
 
 __all__ = [
-    "BucketLayout", "Comm", "Compressor", "State", "TensorSlot", "drive",
+    "BucketLayout", "Comm", "Compressor", "State", "TensorSlot", "drive", "ErrorFeedback",
     "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
+    "LowBit", "PowerSGD", "ACPSGD", "TopK", "SignSGD",
     "get", "names", "register",
-    "PowerSGD", "ACPSGD",
 ]

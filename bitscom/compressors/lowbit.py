@@ -103,7 +103,7 @@ class LowBit(Compressor):
                        f"inter_size={dist.get_world_size(self.inter_group)}")
         return f"LowBit({fields})"
 
-    def wire_bytes(self, layout: BucketLayout, world_size: int) -> Optional[int]:
+    def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> Optional[int]:
         if self.hierarchical != "none" or world_size <= 1:
             return None
         return wire_bytes_all_reduce(layout.numel, world_size, self.config)

@@ -159,5 +159,5 @@ class SignSGD(Compressor):
         else:
             flat.copy_(acc.div_(comm.size))
 
-    def wire_bytes(self, layout: BucketLayout, world_size: int) -> int:
+    def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:
         return -(-layout.numel // 8) + 4 * max(len(layout.slots), 1)

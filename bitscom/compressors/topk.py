@@ -112,6 +112,6 @@ class TopK(Compressor):
             dense.index_put_((idx,), dense[idx] + vals)
         flat.copy_(dense.div_(comm.size))
 
-    def wire_bytes(self, layout: BucketLayout, world_size: int) -> int:
+    def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:
         k = self.k_for(layout.numel)
         return k * (4 + (4 if self._index_dtype(layout.numel) == torch.int32 else 8))
