@@ -174,6 +174,15 @@ class LowBitState:
         self.local_estimate = None
         self.global_estimate = None
         self.stage2_residual = None
+        self._workspace = None  # the padded send buffer, reused every step (not checkpointed)
+
+    def workspace(self, numel: int, device) -> torch.Tensor:
+        """A float32 scratch buffer of ``numel`` elements kept between steps: allocating a
+        bucket-sized buffer each step costs a page-faulting pass over it."""
+        t = self._workspace
+        if t is None or t.numel() != numel or t.device != torch.device(device):
+            t = self._workspace = torch.empty(numel, dtype=torch.float32, device=device)
+        return t
 
     def _buffer(self, name: str, numel: int, device) -> torch.Tensor:
         t = getattr(self, name)
@@ -401,11 +410,12 @@ def _unit(sizes: Sequence[int], cfg: LowBitConfig) -> int:
     return math.prod(sizes) * cfg.block_size
 
 
-def _pad(flat: torch.Tensor, unit: int, cfg: LowBitConfig) -> torch.Tensor:
+def _pad(flat: torch.Tensor, unit: int, cfg: LowBitConfig, state: "LowBitState") -> torch.Tensor:
     n = flat.numel()
     N = max(unit, -(-n // unit) * unit)
-    x = torch.zeros(N, dtype=torch.float32, device=flat.device)
+    x = state.workspace(N, flat.device)
     x[:n].copy_(flat.reshape(-1))
+    x[n:].zero_()
     if cfg.hadamard:
         x = _hadamard(x)
     return x
@@ -462,7 +472,7 @@ def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Option
     sizes = [comm.size] if hier == "none" else [intra.size, inter.size]
     state._bind(n)
     unit = _unit(sizes, cfg)
-    x = _pad(flat, unit, cfg)
+    x = _pad(flat, unit, cfg, state)
     N = x.numel()
     rank = _world_rank(comm if hier == "none" else intra)
     step, kid = state.step, key_id(key)
@@ -588,7 +598,7 @@ def all_gather_rounds(output: torch.Tensor, input: torch.Tensor, comm, cfg: LowB
         raise ValueError("error_feedback='ef21' is defined for all_reduce only; use 'ef' or 'none'")
     state = state if state is not None else LowBitState()
     m = max(cfg.block_size, -(-k // cfg.block_size) * cfg.block_size)
-    x = _pad(input, m, cfg)
+    x = _pad(input, m, cfg, state)
     state._bind(m)
     step = state.step
     state.step += 1
