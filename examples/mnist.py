@@ -40,7 +40,6 @@ OPTS = {
     "signsgd": ("signsgd", ()),
 }
 DEFAULT_OPT = "acpsgd"
-FALLBACK_OPT = "fp16"          # used only when the default is not in this build of bitscom
 
 MNIST_FILES = {"train_x": "train-images-idx3-ubyte", "train_y": "train-labels-idx1-ubyte",
                "test_x": "t10k-images-idx3-ubyte", "test_y": "t10k-labels-idx1-ubyte"}
@@ -138,25 +137,12 @@ def load_data(data_dir: str | None, test_size: int = 1000, seed: int = 0):
 
 
 # ---- compressor choice -------------------------------------------------------------------
-def resolve_opt(available, opt: str | None):
-    """(opt actually used, warning or None) for the asked ``opt`` given the registered names.
-
-    An explicitly asked compressor that this build lacks is an error (SystemExit with the
-    list of what exists); the default (``acpsgd``) falls back to fp16 with a warning, so the
-    newcomer's first command still trains.
-    """
-    explicit = opt is not None
+def resolve_opt(opt: str | None) -> str:
+    """The ``opt`` to train with (``acpsgd`` by default); an unknown name exits listing the choices."""
     opt = opt or DEFAULT_OPT
     if opt not in OPTS:
         raise SystemExit(f"unknown opt={opt!r}; choose one of {', '.join(OPTS)}")
-    if OPTS[opt][0] in available:
-        return opt, None
-    msg = (f"compressor {OPTS[opt][0]!r} (opt={opt}) is not available in this build of bitscom; "
-           f"available: {', '.join(available)}")
-    if explicit or OPTS[FALLBACK_OPT][0] not in available:
-        usable = [o for o, (n, _) in OPTS.items() if n in available]
-        raise SystemExit(f"error: {msg}. Use one of: opt={', opt='.join(usable)}")
-    return FALLBACK_OPT, f"[warning] {msg}. Falling back to opt={FALLBACK_OPT}."
+    return opt
 
 
 def make_compressor(bitscom, opt: str, settings: dict):
@@ -213,7 +199,7 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (smoke tests)")
     ap.add_argument("--check-opt", action="store_true",
-                    help="only check that --opt is available in this build, then exit (no training)")
+                    help="only check that --opt is a known name, then exit (no training)")
     ap.add_argument("--csv", default=None, help="append one row per epoch (loss, accuracy, bytes, time) here")
     ap.add_argument("--target", type=float, default=0.0, help="exit 1 if final test accuracy is below this")
     return ap.parse_args(argv)
@@ -222,9 +208,9 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     a = parse_args(argv)
     import bitscom
-    opt_name, warning = resolve_opt(bitscom.compressors.names(), a.opt)
+    opt_name = resolve_opt(a.opt)
     if a.check_opt:
-        print(warning or f"opt={opt_name}: available")
+        print(f"opt={opt_name}")
         return 0
     bitscom.init(device=None if a.device == "auto" else a.device)
     dev = bitscom.runtime.device()
@@ -242,8 +228,6 @@ def main(argv=None) -> int:
         torch.distributed.barrier()
     tx, ty, vx, vy, desc = load_data(a.data_dir, a.test_size)
     tx, ty, vx, vy = tx.to(dev), ty.to(dev), vx.to(dev), vy.to(dev)
-    if warning:
-        say(warning)
     comp, comp_kwargs = make_compressor(bitscom, opt_name, {"rank": a.rank, "bits": a.bits, "ratio": a.ratio})
 
     model = Net().to(dev)
