@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import runtime
 from .collectives import (LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds,
                           reduce_scatter_rounds)
-from .compressors.base import Comm, _all_gather_flat, _wait
+from .compressors.base import Comm, _all_gather_flat, _reduce_scatter_flat, _wait
 from .quantization import Quantized, dequantize, quantize
 
 __all__ = ["LowBitGroup", "LowBitWork"]
@@ -262,8 +262,8 @@ class LowBitGroup:
         """
         if not (input.is_floating_point() and output.is_floating_point()) \
                 or not (_is_sum(op) or _is_avg(op)):
-            w = dist.reduce_scatter_tensor(output, input, op=op, group=self.process_group,
-                                           async_op=async_op)
+            w = _reduce_scatter_flat(output, input, op=op, group=self.process_group,
+                                     async_op=async_op)
             return w
         st, full_key = self._state("reduce_scatter", key, input, self.config)
         comm = Comm(self.process_group)

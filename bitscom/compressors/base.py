@@ -27,9 +27,10 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns);
-# 2.11 and 2.12 only have the old one.
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names
+# warn on every call); 2.11 and 2.12 only have the old ones.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 __all__ = ["TensorSlot", "BucketLayout", "Comm", "State", "Compressor", "drive"]
 
@@ -140,7 +141,7 @@ class Comm:
             output.view(-1).copy_(input.view(-1))
             return None
         self._count(input)
-        return dist.reduce_scatter_tensor(output, input, op=op, group=self._pg(), async_op=True)
+        return _reduce_scatter_flat(output, input, op=op, group=self._pg(), async_op=True)
 
     def broadcast(self, tensor: torch.Tensor, group_src: int = 0):
         """Broadcast from the rank with *group* rank ``group_src``."""
