@@ -36,18 +36,26 @@ ORTHOGONALIZATIONS = ("auto", "gram_schmidt", "qr")
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def check_low_rank_settings(rank, min_compression_rate, seed, orthogonalization=None) -> None:
-    """Constructor validation shared by the low-rank compressors (ValueError naming the value)."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"rank must be an int >= 1, got {rank!r}")
-    if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float)) \
-            or not min_compression_rate > 0:
-        raise ValueError(f"min_compression_rate must be a number > 0, got {min_compression_rate!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-    if orthogonalization is not None and orthogonalization not in ORTHOGONALIZATIONS:
+def check_low_rank_settings(settings) -> None:
+    """Constructor validation shared by the low-rank compressors (ValueError naming the value).
+
+    ``settings`` is the compressor: its ``rank``, ``min_compression_rate``, ``seed``,
+    ``orthogonalization`` and ``start_iter`` are checked.
+    """
+    def _int(name, low):
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+    _int("rank", 1)
+    _int("seed", 0)
+    _int("start_iter", 0)
+    rate = settings.min_compression_rate
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+        raise ValueError(f"min_compression_rate must be a number > 0, got {rate!r}")
+    if settings.orthogonalization not in ORTHOGONALIZATIONS:
         raise ValueError(f"orthogonalization must be one of {ORTHOGONALIZATIONS}, "
-                         f"got {orthogonalization!r}")
+                         f"got {settings.orthogonalization!r}")
 
 
 @dataclass(frozen=True)

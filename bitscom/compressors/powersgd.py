@@ -73,11 +73,7 @@ class PowerSGD(Compressor):
     name = "powersgd"
 
     def __post_init__(self):
-        check_low_rank_settings(self.rank, self.min_compression_rate, self.seed,
-                                self.orthogonalization)
-        if isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int) \
-                or self.start_iter < 0:
-            raise ValueError(f"start_iter must be an int >= 0, got {self.start_iter!r}")
+        check_low_rank_settings(self)
 
     def plan(self, layout: BucketLayout) -> LowRankPlan:
         """Which slots of ``layout`` are compressed, and the fused buffer sizes."""
