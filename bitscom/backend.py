@@ -18,7 +18,6 @@ buffers are persistent, so every bucket keeps its own residual across steps.
 
 from __future__ import annotations
 
-import dataclasses
 from datetime import timedelta
 from typing import Optional
 

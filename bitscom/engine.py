@@ -11,7 +11,7 @@ later round only once every bucket before it has finished all of its rounds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence
 
 import torch

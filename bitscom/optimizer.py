@@ -17,7 +17,7 @@ Data path of one step:
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -170,7 +170,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             later = dist.new_group(ranks, use_local_synchronization=True)
         self._reducer = Reducer(compression, self._layouts, process_group, later)
         if self._size > 1:
-            for name, p in self._trainable:
+            for _, p in self._trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
 
     # -- delegation so schedulers, clipping helpers and AMP see a normal optimizer --------

@@ -14,4 +14,5 @@ python -m pip install -q --upgrade pip >/dev/null
 # A CPU build of torch keeps CI small; on a GPU machine install the CUDA build you want first.
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test,mpi,examples,bench]"
+python -m ruff check bitscom acpsgd tests scripts examples   # errors and likely bugs (ruff.toml)
 exec python -m pytest -q "$@"

@@ -5,7 +5,6 @@ unused parameters, exact resume, bad input."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import bitscom
 from bitscom.compressors import ACPSGD

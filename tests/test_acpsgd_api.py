@@ -27,7 +27,7 @@ def _seed_pattern(rank, world):
         target = torch.randint(0, 3, (16,), generator=g)
         train_loader.append((centers[target] + torch.randn(16, 20, generator=g), target))
     losses = []
-    for i, (data, target) in enumerate(train_loader):
+    for _i, (data, target) in enumerate(train_loader):
         optimizer.zero_grad()
         output = model(data)
         loss = criterion(output, target)

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import bitscom
 from bitscom.backend import register_lowbit_backend, registered_config
 from bitscom.collectives import LowBitConfig
 from distpool import free_port, worker_env
@@ -128,6 +127,6 @@ def test_bitscom_init_with_bitwidth_uses_lowbit():
     got = sorted(q.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(timeout=30)
-    for rank, backend, value in got:
+    for _rank, backend, value in got:
         assert backend == "lowbit", value
         assert abs(value - 3.0) < 0.03

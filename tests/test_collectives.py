@@ -1,7 +1,6 @@
 """Low-bit collectives (bitscom.collectives): error bounds vs float64, bitwise-identical ranks,
 padding, hierarchies on 2 nodes x 2, error feedback over steps, NaN, pipeline order."""
 
-import math
 
 import pytest
 import torch
@@ -121,7 +120,7 @@ def test_variants_identical_and_accurate(pools, world, n):
     res = pools.run(world, _variants_case, n)
     limits = {"sr": 0.35, "hadamard": 0.3, "1bit": 1.0, "chunked": 0.3, "ef": 1.2, "ef21": 0.3,
               "bf16": 0.05}
-    for name, (rel, same) in res[0].items():
+    for name, (rel, _same) in res[0].items():
         assert all(r[name][1] for r in res), f"{name}: ranks differ"
         assert rel < limits[name], f"{name}: relative error {rel:.3f}"
 

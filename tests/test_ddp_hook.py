@@ -185,7 +185,7 @@ def test_checkpoint_resume_is_exact_without_rebuild(pools, name):
 def test_checkpoint_waits_for_rebuilt_buckets(pools):
     # Default DDP rebuilds after its first iteration: saved states apply once buckets of the
     # saved shapes appear (the first resumed iteration runs with fresh state).
-    for exact, left in pools.run(2, _resume, "topk", False):
+    for _exact, left in pools.run(2, _resume, "topk", False):
         assert left == 0
 
 

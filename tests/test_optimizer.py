@@ -1,6 +1,5 @@
 """DistributedOptimizer: parity with a float64 single-process run, replicas, buckets, errors."""
 
-import os
 
 import pytest
 import torch

@@ -6,7 +6,6 @@ The harness maps CUDA intrinsics to host code: ``__f*_rn`` to plain IEEE float o
 emulates semantics, not speed; the GPU tests in test_kernels.py check the real device.
 """
 import ctypes
-import pathlib
 import shutil
 import subprocess
 
@@ -146,8 +145,8 @@ def test_cuda_kernels_emulated_match_torch(emu, bits, bs):
     for acc in (False, True):
         ref = K.unpack_dequantize_accumulate(pay, scl, n, bits, bs, out=base.clone(), accumulate=acc, impl="torch")
         out = base.clone()
-        g = fmt.group(bits)[0]
-        emu.emu_dequant_acc(ctypes.c_uint(-(-(-(-n // g)) // 256)), P(pay), ctypes.c_longlong(pay.stride(0)),
+        groups = -(-n // fmt.group(bits)[0])     # ceil-divisions: thread groups, then blocks
+        emu.emu_dequant_acc(ctypes.c_uint(-(-groups // 256)), P(pay), ctypes.c_longlong(pay.stride(0)),
                             P(scl), ctypes.c_longlong(scl.stride(0)), 3, ctypes.c_longlong(n), bits, bs, P(out),
                             int(acc))
         assert torch.equal(ref.view(torch.int32), out.view(torch.int32)), ("dequant", acc)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BucketLayout, Comm, Compressor, State
+from .base import BucketLayout, Compressor
 
 __all__ = ["NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
 

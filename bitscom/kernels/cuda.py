@@ -80,7 +80,8 @@ def unpack_dequantize_accumulate(payloads, scales, numel, bits, block_size, out,
     if numel == 0:
         return out
     g = fmt.group(bits)[0]
-    grid = -(-(-(-numel // g)) // THREADS)
+    groups = -(-numel // g)                     # ceil(numel / g) thread groups
+    grid = -(-groups // THREADS)                # ceil(groups / THREADS) blocks
     _launch("bq_dequant_acc", payloads.device, grid,
             [payloads, np.int64(payloads.stride(0)), scales.view(torch.int16), np.int64(scales.stride(0)),
              np.int32(payloads.shape[0]), np.int64(numel), np.int32(bits), np.int32(block_size), out,
