@@ -6,7 +6,12 @@ __all__ = ["ReduceOp", "Average", "Sum"]
 
 
 class ReduceOp(enum.Enum):
-    """How gradients of the ranks are combined: their average (the default) or their sum."""
+    """How gradients of the ranks are combined: their average (the default) or their sum.
+
+    Example::
+
+        opt = bitscom.DistributedOptimizer(opt, op=bitscom.Sum)
+    """
 
     AVERAGE = "average"
     SUM = "sum"

@@ -232,13 +232,25 @@ def _build_node_groups(info: LaunchInfo, backend: str) -> None:
 
 
 def shutdown() -> None:
-    """Destroy the process group bitscom created (if it created it) and forget the groups."""
+    """Destroy the process group bitscom created (if it created it) and forget the groups.
+
+    Example::
+
+        bitscom.init(); train(); bitscom.shutdown()
+    """
     if _rt.owns_pg and dist.is_initialized():
         dist.destroy_process_group()
     _rt.__init__()
 
 
 def is_initialized() -> bool:
+    """Whether :func:`init` ran in this process.
+
+    Example::
+
+        if not bitscom.is_initialized():
+            bitscom.init()
+    """
     return _rt.info is not None
 
 
@@ -249,33 +261,64 @@ def _info() -> LaunchInfo:
 
 
 def rank() -> int:
-    """This process's rank in the world."""
+    """This process's rank in the world.
+
+    Example::
+
+        if bitscom.rank() == 0:
+            torch.save(model.state_dict(), "ckpt.pt")
+    """
     return _info().rank
 
 
 def size() -> int:
-    """Number of processes in the world."""
+    """Number of processes in the world.
+
+    Example::
+
+        lr = 0.01 * bitscom.size()   # the usual linear scaling
+    """
     return _info().size
 
 
 def local_rank() -> int:
-    """Rank within this node."""
+    """Rank within this node (the CUDA device bitscom selected).
+
+    Example::
+
+        loader = make_loader(shard=bitscom.rank(), cache_dir=f"/tmp/cache{bitscom.local_rank()}")
+    """
     return _info().local_rank
 
 
 def local_size() -> int:
-    """Number of processes on this node."""
+    """Number of processes on this node.
+
+    Example::
+
+        torch.set_num_threads(os.cpu_count() // bitscom.local_size())
+    """
     return _info().local_size
 
 
 def cross_rank() -> int:
-    """Index of this node (rank of this process among processes with its local rank)."""
+    """Index of this node (rank of this process among processes with its local rank).
+
+    Example::
+
+        print(f"node {bitscom.cross_rank()} of {bitscom.cross_size()}")
+    """
     info = _info()
     return info.rank // info.local_size
 
 
 def cross_size() -> int:
-    """Number of nodes."""
+    """Number of nodes.
+
+    Example::
+
+        hierarchical = bitscom.cross_size() > 1
+    """
     info = _info()
     return info.size // info.local_size
 
@@ -287,13 +330,24 @@ def world_group():
 
 
 def intra_group():
-    """The process group of this node's ranks (None for a single process)."""
+    """The process group of this node's ranks (None for a single process).
+
+    Example::
+
+        LowBit(bits=4, hierarchical="two_level", intra_group=bitscom.intra_group(),
+               inter_group=bitscom.inter_group())
+    """
     _info()
     return _rt.intra
 
 
 def inter_group():
-    """The process group of ranks with this local rank, one per node (None for a single process)."""
+    """The process group of ranks with this local rank, one per node (None for a single process).
+
+    Example::
+
+        dist.all_reduce(node_sums, group=bitscom.inter_group())   # across nodes only
+    """
     _info()
     return _rt.inter
 

@@ -37,7 +37,13 @@ __all__ = ["TensorSlot", "BucketLayout", "Comm", "State", "Compressor", "drive"]
 
 @dataclass(frozen=True)
 class TensorSlot:
-    """Where one parameter's gradient lives inside its bucket's flat buffer."""
+    """Where one parameter's gradient lives inside its bucket's flat buffer.
+
+    Example::
+
+        for slot in layout.slots:
+            grad = flat[slot.offset:slot.end].view(slot.shape)
+    """
 
     name: str
     offset: int
@@ -54,6 +60,11 @@ class BucketLayout:
     """The identity and shape of one bucket: what per-bucket compressor state is built from.
 
     ``index`` is the bucket's position in the plan and keys every per-bucket state.
+
+    Example::
+
+        layout = BucketLayout.for_tensor(torch.zeros(1000))   # one slot, index 0
+        state = compressor.init_state(layout)
     """
 
     index: int
@@ -89,6 +100,12 @@ class Comm:
     Collectives issued before the compressor first yields go to ``group``; later ones go to
     ``later_group`` (when given). The engine uses that split to keep the order of collectives
     identical on every rank while later rounds of one bucket overlap first rounds of the next.
+
+    Example::
+
+        comm = Comm(group)
+        work = comm.all_reduce(buf)     # asynchronous; counted in comm.bytes_sent
+        work.wait()
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None,
@@ -165,6 +182,13 @@ class State:
     so subclasses that only hold tensors, numbers, generators and states need no code of
     their own. Loading copies *into* the existing tensors, so views into them stay valid;
     a saved tensor of another shape is an error, not a silent replacement.
+
+    Example::
+
+        class MyState(State):
+            def __init__(self, numel):
+                self.step = 0
+                self.residual = torch.zeros(numel)   # saved and restored automatically
     """
 
     def state_dict(self) -> dict:
@@ -220,6 +244,15 @@ class Compressor(abc.ABC):
     dtype); on normal exit it holds the *average* over the ranks of ``comm``, bitwise
     identical on every rank. Each ``yield`` hands back the work of collectives just issued
     through ``comm``; the generator is resumed only after that work completed.
+
+    Example::
+
+        @dataclass(frozen=True)
+        class Plain(Compressor):
+            name = "plain"
+            def reduce(self, flat, layout, state, comm):
+                yield comm.all_reduce(flat)
+                flat.div_(comm.size)
     """
 
     name = "base"

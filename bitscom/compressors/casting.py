@@ -84,7 +84,12 @@ class BF16Compressor(_CastCompressor):
 
 
 class Compression:
-    """Horovod-style names for the casting compressors: ``Compression.none/fp16/bf16``."""
+    """Horovod-style names for the casting compressors: ``Compression.none/fp16/bf16``.
+
+    Example::
+
+        opt = bitscom.DistributedOptimizer(opt, compression=bitscom.Compression.fp16)
+    """
 
     none = NoneCompressor()
     fp16 = FP16Compressor()
