@@ -17,6 +17,7 @@ Data path of one step:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Dict, List
 
 import torch
@@ -61,6 +62,17 @@ def _named_params(optimizer: torch.optim.Optimizer, named_parameters) -> List[tu
         raise ValueError(f"{len(unnamed)} optimizer parameter(s) (e.g. index {unnamed[0]}) are missing "
                          "from named_parameters; pass model.named_parameters() of the same model")
     return [(n, p) for n, p in named if id(p) in seen]
+
+
+def _forward_hook(ref, param) -> None:
+    opt = ref()
+    if opt is not None:
+        opt._hook(param)
+
+
+def _remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -170,8 +182,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             later = dist.new_group(ranks, use_local_synchronization=True)
         self._reducer = Reducer(compression, self._layouts, process_group, later)
         if self._size > 1:
+            # The hooks hold the optimizer weakly and are removed when it is collected, so a
+            # replaced optimizer (a new one built for the same model) stops reducing gradients.
+            this = weakref.ref(self)
             for _, p in self._trainable:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda param, this=this: _forward_hook(this, param)))
+            weakref.finalize(self, _remove_hooks, list(self._hooks))
 
     # -- delegation so schedulers, clipping helpers and AMP see a normal optimizer --------
     @property

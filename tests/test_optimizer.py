@@ -298,6 +298,32 @@ def _scheduler(rank, world):
     return opt.param_groups[0]["lr"]
 
 
+def _replaced(rank, world):
+    """A second optimizer built for the same model replaces the first one once it is dropped."""
+    import gc
+    model = make_model(seed=0)
+    first = bitscom.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    del first
+    gc.collect()
+    opt = bitscom.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters())
+    history = []
+    for step in range(2):
+        opt.zero_grad()
+        x, y = global_batch(step, world)
+        nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+        history.append(params_of(model))
+    return history, [], 1
+
+
+def test_replaced_optimizer_stops_reducing(pools):
+    results = pools.run(2, _replaced)
+    _assert_replicas_identical(results)
+    _assert_matches_reference(results, 2, 2)
+
+
 def test_lr_scheduler_works(pools):
     assert pools.run(2, _scheduler)[0] == 0.25
 
