@@ -53,7 +53,7 @@ HIERARCHIES = ("none", "leader", "two_level")
 DEFAULT_STAGE2_BITS = {1: 4, 2: 4, 4: 4, 8: 8, 12: 12, 16: 16, 32: 32}
 """Default width of the requantized reduced shard, per first-stage width: never below 4.
 
-Measured (notes/readme_lowbit.md, ``scripts/collective_compare.py``): requantizing a reduced
+Measured (README, "Low-bit collectives"; ``scripts/collective_compare.py``): requantizing a reduced
 shard at 1 or 2 bits has a relative error of 0.6-1.1 *by itself* (a ternary or sign code
 keeps little of a near-Gaussian sum, and stochastic rounding at 2 bits is worse than sending
 nothing), while 4 bits costs ~0.12 and 8 bits ~0.007. Stage 2 is not averaged over ranks,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-shot GPU check of the low-bit kernels, for a session on a machine with an NVIDIA GPU:
 # installs CuPy (with NVRTC from the CUDA wheels) if missing, runs the GPU tests (CUDA bytes ==
-# torch bytes for RTN and SR, stream use, speed sanity), then the benchmark on the device.
+# torch bytes for RTN and SR, stream use, speed sanity), the quantize benchmark on the device,
+# every compressor's compute on ResNet-50 buckets, and a one-GPU NCCL training run (offline).
 # Usage: bash scripts/gpu_check.sh [results-dir]     (from the repository root)
 set -euo pipefail
 out="${1:-results}"
@@ -20,4 +21,11 @@ python scripts/bench_quantize.py --device cuda --max-pow2 28 --repeat 20 --out "
     | tee "$out/gpu_check_bench.txt"
 python scripts/bench_quantize.py --device cuda --min-pow2 20 --max-pow2 28 --repeat 20 --stochastic \
     --out "$out" 2>&1 | tee -a "$out/gpu_check_bench.txt"
-echo "GPU target: quant and dequant %copy >= 60 at 2^26..2^28 elements (see notes/readme_quantization.md)"
+# Every compressor's arithmetic on the GPU (CuPy kernels for lowbit), ResNet-50 buckets, vs a copy
+python scripts/bench_compress.py --device cuda --dnn resnet50 --repeat 10 --csv "$out/bench_compress_cuda.csv" 2>&1 \
+    | tee "$out/gpu_check_compress.txt"
+# The NCCL path end to end on one GPU (world size 1: init, device placement, optimizer plumbing;
+# synthetic data, since the GPU machine has no network)
+python -m torch.distributed.run --standalone --nproc_per_node 1 scripts/perf.py --opt acpsgd --dnn resnet50 \
+    --bs 32 --nsteps 5 --warmup 2 --device cuda --csv "$out/perf_cuda.csv" 2>&1 | tail -n 6 | tee "$out/gpu_check_perf.txt"
+echo "GPU target: quant and dequant %copy >= 60 at 2^26..2^28 elements (README, 'Low-bit format and kernels')"

@@ -6,7 +6,7 @@ have to be retuned. Sending one fp32 scale per tensor, ``s = ‖x‖₁ / d`` (i
 value), makes ``s · sign(x)`` the best scaled-sign approximation of ``x`` in the ℓ2 sense
 given the signs, and keeps dense-SGD learning rates usable. Per tensor (layer), as
 Karimireddy et al. do, not per bucket: a bucket mixes layers and biases whose magnitudes
-differ by orders, and one shared scale measurably hurts accuracy (notes/readme_compressors.md).
+differ by orders, and one shared scale measurably hurts accuracy (README, "Top-k and sign compression").
 
 Wire format, per rank and bucket of d elements in T tensors: the d sign bits packed 8 per
 byte (bit ``i % 8`` of byte ``i // 8`` is element i, least significant bit first — the
