@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import runtime
+from .agreement import check_agreement
 from .collectives import (LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds,
                           reduce_scatter_rounds)
 from .compressors.base import Comm, _all_gather_flat, _reduce_scatter_flat, _wait
@@ -139,6 +140,11 @@ class LowBitGroup:
         self.inter_group = inter_group
         self._states: Dict[Any, LowBitState] = {}
         self._calls = 0
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+            # Ranks with different settings would exchange bytes of different formats: fail
+            # here, on every rank, with what differs.
+            check_agreement({"settings": repr(self.config), "simulate": simulate_quantization},
+                            process_group, "LowBitGroup settings")
 
     @property
     def bitwidth(self) -> int:

@@ -140,3 +140,17 @@ def test_bad_options_raise_clear_errors():
         bitscom.LowBitGroup(simulate_quantization="no")
     with pytest.raises(ValueError, match="block_size=48"):
         bitscom.LowBitGroup(block_size=48)
+
+
+def _mismatched(rank, world):
+    try:
+        bitscom.LowBitGroup(bitwidth=4 if rank == 0 else 8)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_mismatched_settings_raise_on_every_rank(pools):
+    msgs = pools.run(2, _mismatched, timeout=60)
+    assert msgs[0] is not None and msgs[0] == msgs[1]
+    assert "LowBitGroup settings" in msgs[0] and "bits=4" in msgs[0] and "bits=8" in msgs[0]
