@@ -72,6 +72,20 @@ def register_lowbit_backend(bitwidth: int = 4, error_feedback: str = "none", blo
     return cfg
 
 
+def _check_same_config(store, rank: int, size: int, config: LowBitConfig) -> None:
+    """Every rank publishes its settings in the group's store and compares them with all
+    others', so ranks registered with different options fail at group creation, each with
+    the same message, instead of exchanging bytes of different formats."""
+    mine = repr(config)
+    store.set(str(rank), mine)
+    seen = [store.get(str(r)).decode() for r in range(size)]
+    differ = [r for r in range(size) if seen[r] != seen[0]]
+    if differ:
+        raise RuntimeError(f"bitscom lowbit backend: ranks registered different options; rank 0 has "
+                           f"{seen[0]}, rank {differ[0]} has {seen[differ[0]]}. Call "
+                           "register_lowbit_backend with the same settings on every rank")
+
+
 def _create(dist_opts, pg_options):
     cfg = pg_options if isinstance(pg_options, LowBitConfig) else registered_config()
     if cfg is None:
@@ -144,6 +158,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
         self.config = config
         self.bytes_sent = 0
         self._rank, self._size = rank, size
+        _check_same_config(dist.PrefixStore("lowbit-config/", store), rank, size, config)
         self._inner = {"cpu": dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size,
                                                     timeout=timeout)}
         if torch.cuda.is_available() and dist.is_nccl_available():

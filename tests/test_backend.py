@@ -104,12 +104,12 @@ def test_reregistering_with_other_options_is_an_error():
         register_lowbit_backend(bitwidth=5)
 
 
-def _init_child(rank, world, port, q):
+def _init_child(rank, world, port, q, bits=(8, 8)):
     os.environ.update(worker_env(rank, world, port, world))
     torch.set_num_threads(1)
     import bitscom as bc
     try:
-        bc.init(bitwidth=8, error_feedback="ef")
+        bc.init(bitwidth=bits[rank], error_feedback="ef")
         x = torch.full((300,), float(rank + 1))
         dist.all_reduce(x)
         q.put((rank, dist.get_backend(), float(x.mean())))
@@ -130,3 +130,20 @@ def test_bitscom_init_with_bitwidth_uses_lowbit():
     for _rank, backend, value in got:
         assert backend == "lowbit", value
         assert abs(value - 3.0) < 0.03
+
+
+def test_ranks_with_different_options_fail_at_group_creation():
+    ctx = mp.get_context("spawn")
+    q, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_init_child, args=(r, 2, port, q, (4, 8)), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    for _rank, status, message in got:
+        assert status == "error", message
+        assert "ranks registered different options" in message and "bits=4" in message and "bits=8" in message
+    assert got[0][2] == got[1][2]
