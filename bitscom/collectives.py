@@ -518,10 +518,16 @@ def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Option
         else:
             _finite_(torch.sub(send, sent, out=sent))
     elif ef == "ef21":
-        if not (hier == "leader" and intra.rank != 0):
-            state.local_estimate.add_(_finite_(sent))
         g = state._buffer("global_estimate", N, x.device)
-        out = g.add_(out)
+        # ``out`` is identical on every rank, so all ranks agree whether this step was finite.
+        # A step with NaN/Inf (an overflow AMP will skip) shows in the result but moves neither
+        # estimate, keeping g the mean of the g_i and later steps finite.
+        if bool(torch.isfinite(out).all()):
+            if not (hier == "leader" and intra.rank != 0):
+                state.local_estimate.add_(sent)
+            out = g.add_(out)
+        else:
+            out = g + out
     if cfg.hadamard:
         out = _hadamard(out)
     flat.copy_(out[:n].view(flat.shape))

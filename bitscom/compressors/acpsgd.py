@@ -31,8 +31,8 @@ from typing import Optional
 import torch
 
 from .base import BucketLayout, Comm, Compressor
-from .lowrank import LowRankPlan, LowRankState, check_low_rank_settings, orthogonalize, project, \
-    random_factors
+from .lowrank import LowRankPlan, LowRankState, check_low_rank_settings, forget_if_nonfinite, \
+    orthogonalize, project, random_factors
 
 __all__ = ["ACPSGD", "ACPSGDState"]
 
@@ -111,9 +111,11 @@ class ACPSGD(Compressor):
         x = ef.compensate(flat)                      # M + E, fp32; read-only until ef.update
         p_all, q_all = state.p[:plan.p_numel], state.q[:plan.q_numel]
         send_p = (step - self.start_iter) % 2 == 0
-        fresh = send_p and (not state.ready or not self.warm_start)
+        # Fresh factors on the first step, after a non-finite step, and (P steps) without warm start.
+        fresh = not state.ready or (send_p and not self.warm_start)
         if fresh:
-            random_factors(q_all, plan.groups, "q", state.generator, self.orthogonalization)
+            which, buf = ("q", q_all) if send_p else ("p", p_all)
+            random_factors(buf, plan.groups, which, state.generator, self.orthogonalization)
             state.ready = True
         wire = state.p if send_p else state.q
         tail = wire[wire.numel() - plan.uncompressed_numel:]
@@ -125,7 +127,8 @@ class ACPSGD(Compressor):
                     orthogonalize(q, self.orthogonalization)
                 project(mat, q, p, transpose=False)
             else:
-                orthogonalize(p, self.orthogonalization)
+                if not fresh:
+                    orthogonalize(p, self.orthogonalization)
                 project(mat, p, q, transpose=True)
             if ef.enabled:                           # E = x − P Qᵀ from the local factors
                 g.sub_product(x, p, q)
@@ -137,3 +140,4 @@ class ACPSGD(Compressor):
         plan.scatter_uncompressed(tail, flat)
         for g in plan.groups:
             g.set_product(flat, g.p(p_all), g.q(q_all))
+        forget_if_nonfinite(wire, state)

@@ -30,7 +30,7 @@ from .base import BucketLayout, State
 from .error_feedback import ErrorFeedback
 
 __all__ = ["ORTHOGONALIZATIONS", "MatrixGroup", "LowRankPlan", "LowRankState", "orthogonalize", "project",
-           "random_factors", "bucket_generator", "check_low_rank_settings"]
+           "random_factors", "bucket_generator", "check_low_rank_settings", "forget_if_nonfinite"]
 
 ORTHOGONALIZATIONS = ("auto", "gram_schmidt", "qr")
 _HALF = (torch.float16, torch.bfloat16)
@@ -264,6 +264,17 @@ def random_factors(buf: torch.Tensor, groups: Sequence[MatrixGroup], which: str,
     buf.copy_(draw)
     for g in groups:
         orthogonalize(getattr(g, which)(buf), method)
+
+
+def forget_if_nonfinite(reduced: torch.Tensor, state: "LowRankState") -> None:
+    """After a step whose reduced factors hold NaN/Inf (an fp16 overflow on some rank, which
+    AMP's GradScaler will see in the output and skip), forget the residual and the warm start
+    so later steps start clean instead of carrying NaN forever. ``reduced`` is identical on
+    every rank, so every rank takes the same decision and draws the same fresh factors. The
+    check reads one small buffer (a host sync on GPUs, like GradScaler's own)."""
+    if not bool(torch.isfinite(reduced).all()):
+        state.ef.reset()
+        state.ready = False
 
 
 class LowRankState(State):

@@ -28,8 +28,8 @@ from typing import Optional
 import torch
 
 from .base import BucketLayout, Comm, Compressor
-from .lowrank import LowRankPlan, LowRankState, check_low_rank_settings, orthogonalize, project, \
-    random_factors
+from .lowrank import LowRankPlan, LowRankState, check_low_rank_settings, forget_if_nonfinite, \
+    orthogonalize, project, random_factors
 
 __all__ = ["PowerSGD", "PowerSGDState"]
 
@@ -127,3 +127,4 @@ class PowerSGD(Compressor):
         state.q.div_(comm.size)
         for g in plan.groups:
             g.set_product(flat, g.p(pbuf), g.q(state.q))
+        forget_if_nonfinite(state.q, state)

@@ -147,8 +147,10 @@ class SignSGD(Compressor):
         gathered = gathered.view(comm.size, -1)
         acc = torch.zeros(numel, dtype=torch.float32, device=flat.device)
         scale_sum = torch.zeros(len(sizes), dtype=torch.float32, device=flat.device)
+        gathered_scales = []
         for r in range(comm.size):                              # fixed order: bitwise identical
             signs, scales = self.decode(gathered[r], sizes)
+            gathered_scales.append(scales)
             if self.majority_vote:
                 acc += signs
                 scale_sum += scales
@@ -158,6 +160,8 @@ class SignSGD(Compressor):
             flat.copy_(acc.sign_().mul_((scale_sum / comm.size).repeat_interleave(counts)))
         else:
             flat.copy_(acc.div_(comm.size))
+        if not bool(torch.isfinite(torch.stack(gathered_scales)).all()):
+            state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
 
     def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:
         return -(-layout.numel // 8) + 4 * max(len(layout.slots), 1)

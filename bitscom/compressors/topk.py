@@ -111,6 +111,8 @@ class TopK(Compressor):
             idx = gathered[r, k:].contiguous().view(index_dtype).long()
             dense.index_put_((idx,), dense[idx] + vals)
         flat.copy_(dense.div_(comm.size))
+        if not bool(torch.isfinite(gathered[:, :k].view(torch.float32)).all()):
+            state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
 
     def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:
         k = self.k_for(layout.numel)
