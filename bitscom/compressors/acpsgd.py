@@ -30,8 +30,8 @@ from typing import Optional
 
 import torch
 
-from .base import BucketLayout, Comm, Compressor
-from .lowrank import LowRankPlan, LowRankState, check_low_rank_settings, forget_if_nonfinite, \
+from .base import BucketLayout, Comm
+from .lowrank import LowRankCompressor, LowRankPlan, LowRankState, forget_if_nonfinite, \
     orthogonalize, project, random_factors
 
 __all__ = ["ACPSGD", "ACPSGDState"]
@@ -48,7 +48,7 @@ class ACPSGDState(LowRankState):
 
 
 @dataclass(frozen=True)
-class ACPSGD(Compressor):
+class ACPSGD(LowRankCompressor):
     """Rank-r ACP-SGD: one fused all-reduce per bucket per step, alternating P and Q.
 
     Wire cost per bucket (× 4 bytes: factors travel in fp32), alternating:
@@ -64,27 +64,8 @@ class ACPSGD(Compressor):
     """Approximation rank r: bytes and accuracy grow with r (the paper uses 4 for CNNs, 32 for BERT)."""
     start_iter: int = 0
     """Plain all-reduce steps first (0 as in the paper); full bytes during them."""
-    min_compression_rate: float = 2
-    """Send a matrix uncompressed unless its step's factor is this many times smaller overall."""
-    error_feedback: bool = True
-    """Carry what was not sent into the next step: needed for accuracy; one bucket-sized buffer."""
-    warm_start: bool = True
-    """Start each P step from the last reduced Q (False: a fresh random Q, much worse)."""
-    orthogonalization: str = "auto"
-    """Gram–Schmidt ("gram_schmidt": fast for thin r, half-safe), "qr" (larger r) or "auto"."""
-    batch_same_shape: bool = True
-    """One bmm per group of same-shaped matrices: fewer kernel launches; may copy to batch."""
-    seed: int = 0
-    """Seed of the initial Q (with the bucket index); must match on ranks (checked)."""
 
     name = "acpsgd"
-
-    def __post_init__(self):
-        check_low_rank_settings(self)
-
-    def plan(self, layout: BucketLayout) -> LowRankPlan:
-        """Which slots of ``layout`` are compressed, and the fused buffer sizes."""
-        return LowRankPlan(layout, self.rank, self.min_compression_rate, self.batch_same_shape)
 
     def init_state(self, layout: BucketLayout) -> ACPSGDState:
         return ACPSGDState(layout, self.plan(layout), self.seed, self.error_feedback)

@@ -26,10 +26,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .base import BucketLayout, State
+from .base import BucketLayout, Compressor, State
 from .error_feedback import ErrorFeedback
 
-__all__ = ["ORTHOGONALIZATIONS", "MatrixGroup", "LowRankPlan", "LowRankState", "orthogonalize", "project",
+__all__ = ["ORTHOGONALIZATIONS", "LowRankCompressor", "MatrixGroup", "LowRankPlan", "LowRankState", "orthogonalize", "project",
            "random_factors", "bucket_generator", "check_low_rank_settings", "forget_if_nonfinite"]
 
 ORTHOGONALIZATIONS = ("auto", "gram_schmidt", "qr")
@@ -56,6 +56,36 @@ def check_low_rank_settings(settings) -> None:
     if settings.orthogonalization not in ORTHOGONALIZATIONS:
         raise ValueError(f"orthogonalization must be one of {ORTHOGONALIZATIONS}, "
                          f"got {settings.orthogonalization!r}")
+
+
+@dataclass(frozen=True)
+class LowRankCompressor(Compressor):
+    """Settings both low-rank compressors share (PowerSGD and ACP-SGD redeclare the defaults
+    of ``rank`` and ``start_iter``)."""
+
+    rank: int = 1
+    """Approximation rank r: bytes grow linearly with r, and so does fidelity (try 1, 2, 4…)."""
+    start_iter: int = 0
+    """Plain all-reduce steps first: protects the sensitive early phase, costs full bytes."""
+    min_compression_rate: float = 2
+    """Send a matrix uncompressed unless its factors are this many times smaller (saves compute)."""
+    error_feedback: bool = True
+    """Carry what was not sent into the next step: needed for accuracy; one bucket-sized buffer."""
+    warm_start: bool = True
+    """Reuse the last reduced factor (a power iteration spread over steps); no extra bytes."""
+    orthogonalization: str = "auto"
+    """Gram–Schmidt ("gram_schmidt": fast for thin r, half-safe), "qr" (larger r) or "auto"."""
+    batch_same_shape: bool = True
+    """One bmm per group of same-shaped matrices: fewer kernel launches; may copy to batch."""
+    seed: int = 0
+    """Seed of the initial factors (with the bucket index); must match on ranks (checked)."""
+
+    def __post_init__(self):
+        check_low_rank_settings(self)
+
+    def plan(self, layout: BucketLayout) -> "LowRankPlan":
+        """Which slots of ``layout`` are compressed, and the fused buffer sizes."""
+        return LowRankPlan(layout, self.rank, self.min_compression_rate, self.batch_same_shape)
 
 
 @dataclass(frozen=True)

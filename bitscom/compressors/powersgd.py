@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from .base import BucketLayout, Comm, Compressor
-from .lowrank import LowRankPlan, LowRankState, check_low_rank_settings, forget_if_nonfinite, \
+from .base import BucketLayout, Comm
+from .lowrank import LowRankCompressor, LowRankState, forget_if_nonfinite, \
     orthogonalize, project, random_factors
 
 __all__ = ["PowerSGD", "PowerSGDState"]
@@ -41,7 +41,7 @@ class PowerSGDState(LowRankState):
 
 
 @dataclass(frozen=True)
-class PowerSGD(Compressor):
+class PowerSGD(LowRankCompressor):
     """Rank-r PowerSGD with error feedback and warm start: two fused all-reduces per bucket.
 
     Wire cost of one compressed step, per bucket (× 4 bytes: factors travel in fp32):
@@ -56,28 +56,9 @@ class PowerSGD(Compressor):
     rank: int = 1
     """Approximation rank r: bytes grow linearly with r, and so does accuracy (try 1, 2, 4…)."""
     start_iter: int = 10
-    """Plain all-reduce steps first: protects the sensitive early phase, costs full bytes."""
-    min_compression_rate: float = 2
-    """Send a matrix uncompressed unless factors are this many times smaller (saves compute)."""
-    error_feedback: bool = True
-    """Carry what was not sent into the next step: needed for accuracy; one bucket-sized buffer."""
-    warm_start: bool = True
-    """Reuse last step's Q (one power iteration per step accumulates); no extra bytes."""
-    orthogonalization: str = "auto"
-    """Gram–Schmidt ("gram_schmidt": fast for thin r, half-safe), "qr" (larger r) or "auto"."""
-    batch_same_shape: bool = True
-    """One bmm per group of same-shaped matrices: fewer kernel launches; may copy to batch."""
-    seed: int = 0
-    """Seed of the initial Q (with the bucket index); must match on ranks (checked)."""
+    """Plain all-reduce steps first (torch's hook counts the same way); full bytes during them."""
 
     name = "powersgd"
-
-    def __post_init__(self):
-        check_low_rank_settings(self)
-
-    def plan(self, layout: BucketLayout) -> LowRankPlan:
-        """Which slots of ``layout`` are compressed, and the fused buffer sizes."""
-        return LowRankPlan(layout, self.rank, self.min_compression_rate, self.batch_same_shape)
 
     def init_state(self, layout: BucketLayout) -> PowerSGDState:
         return PowerSGDState(layout, self.plan(layout), self.seed, self.error_feedback)
