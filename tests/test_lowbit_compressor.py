@@ -106,3 +106,10 @@ def test_registry_and_bad_settings():
     with pytest.raises(ValueError, match="error_feedback='sometimes'"):
         LowBit(error_feedback="sometimes")
     assert "bits=4" in LowBit().fingerprint()
+
+
+def test_defaults_agree_with_the_collectives_config():
+    """LowBit mirrors LowBitConfig's settings; their defaults must not drift apart."""
+    from bitscom.collectives import LowBitConfig
+    from bitscom.compressors import LowBit
+    assert LowBit().config == LowBitConfig()

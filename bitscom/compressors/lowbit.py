@@ -69,13 +69,11 @@ class LowBit(Compressor):
 
     @property
     def config(self) -> LowBitConfig:
-        return LowBitConfig(bits=self.bits, stage2_bits=self.stage2_bits, block_size=self.block_size,
-                            stochastic_rounding=self.stochastic_rounding, hadamard=self.hadamard,
-                            error_feedback=self.error_feedback,
-                            stage2_error_feedback=self.stage2_error_feedback,
-                            hierarchy=self.hierarchical, intra_bits=self.intra_bits,
-                            local_quantize=self.local_quantize, chunk_size=self.chunk_size,
-                            seed=self.seed)
+        # Every LowBitConfig field has a same-named setting here, except ``hierarchy``, which the
+        # optimizer-facing API calls ``hierarchical``.
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(LowBitConfig)
+                  if f.name != "hierarchy"}
+        return LowBitConfig(hierarchy=self.hierarchical, **values)
 
     def init_state(self, layout: BucketLayout) -> LowBitState:
         return LowBitState()
