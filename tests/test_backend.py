@@ -19,7 +19,7 @@ def _group(bits=None):
     register_lowbit_backend(bitwidth=4)
     key = bits
     if key not in _GROUPS:
-        opts = None if bits is None else LowBitConfig(bits=bits)
+        opts = None if bits is None else LowBitConfig(bitwidth=bits)
         _GROUPS[key] = dist.new_group(backend="lowbit", pg_options=opts)
     return _GROUPS[key]
 
@@ -60,7 +60,7 @@ def test_plain_dist_calls(pools):
 
 
 def _per_group_options(rank, world):
-    return _group(bits=8).config.bits, _group().config.bits
+    return _group(bits=8).config.bitwidth, _group().config.bitwidth
 
 
 def test_group_options_override_registration(pools):
@@ -97,10 +97,10 @@ def test_ddp_trains_on_lowbit_backend(pools):
 def test_reregistering_with_other_options_is_an_error():
     register_lowbit_backend(bitwidth=4)
     register_lowbit_backend(bitwidth=4)  # same settings: fine
-    assert registered_config() == LowBitConfig(bits=4)
+    assert registered_config() == LowBitConfig(bitwidth=4)
     with pytest.raises(ValueError, match="already registered"):
         register_lowbit_backend(bitwidth=2)
-    with pytest.raises(ValueError, match="bits=5"):
+    with pytest.raises(ValueError, match="bitwidth=5"):
         register_lowbit_backend(bitwidth=5)
 
 
@@ -109,7 +109,7 @@ def _init_child(rank, world, port, q, bits=(8, 8)):
     torch.set_num_threads(1)
     import bitscom as bc
     try:
-        bc.init(bitwidth=bits[rank], error_feedback="ef")
+        bc.init(bitwidth=bits[rank], error_feedback=True)   # the seed's own call
         x = torch.full((300,), float(rank + 1))
         dist.all_reduce(x)
         q.put((rank, dist.get_backend(), float(x.mean())))
@@ -145,5 +145,5 @@ def test_ranks_with_different_options_fail_at_group_creation():
             p.kill()
     for _rank, status, message in got:
         assert status == "error", message
-        assert "ranks registered different options" in message and "bits=4" in message and "bits=8" in message
+        assert "ranks registered different options" in message and "bitwidth=4" in message and "bitwidth=8" in message
     assert got[0][2] == got[1][2]

@@ -32,7 +32,7 @@ def _async(rank, world):
     lb = bitscom.LowBitGroup(bitwidth=4)
     a, b = torch.randn(4096), torch.randn(4096)
     wa = lb.all_reduce(a, async_op=True, key="a")
-    first_in_flight = wa._work is not None and not wa.is_completed()
+    first_in_flight = wa.work is not None and not wa.is_completed()
     wb = lb.all_reduce(b, async_op=True, key="b")   # a second collective before waiting
     wb.wait()
     wa.wait()
@@ -90,14 +90,14 @@ def test_simulate_quantization_and_compress(pools):
 
 
 def _ef_state(rank, world):
-    lb = bitscom.LowBitGroup(bitwidth=2, error_feedback="ef", stage2_error_feedback=True)
+    lb = bitscom.LowBitGroup(bitwidth=2, error_feedback_mode="legacy", stage2_error_feedback=True)
     x = torch.randn(300, generator=torch.Generator().manual_seed(rank))
     for _ in range(3):
         lb.all_reduce(x.clone(), key="w")
     saved = lb.state_dict()
     y1 = x.clone()
     lb.all_reduce(y1, key="w")
-    lb2 = bitscom.LowBitGroup(bitwidth=2, error_feedback="ef", stage2_error_feedback=True)
+    lb2 = bitscom.LowBitGroup(bitwidth=2, error_feedback_mode="legacy", stage2_error_feedback=True)
     lb2.load_state_dict(saved)
     y2 = x.clone()
     lb2.all_reduce(y2, key="w")
@@ -118,7 +118,7 @@ def _hier(rank, world):
         y = x.clone()
         lb.all_reduce(y, local_group=bitscom.intra_group(), inter_group=bitscom.inter_group(), **kw)
         res.append(float((y.double() - exact).norm() / exact.norm()))
-    two = bitscom.LowBitGroup(bitwidth=4, hierarchy="two_level", intra_bits=8)
+    two = bitscom.LowBitGroup(bitwidth=4, hierarchy="two_level", intra_bitwidth=8)
     y = x.clone()
     work = two.all_reduce(y, async_op=True)
     work.wait()
@@ -132,10 +132,12 @@ def test_hierarchical_through_the_group(pools):
 
 
 def test_bad_options_raise_clear_errors():
-    with pytest.raises(ValueError, match="bits=3"):
+    with pytest.raises(ValueError, match="bitwidth=3"):
         bitscom.LowBitGroup(bitwidth=3)
-    with pytest.raises(ValueError, match="error_feedback='yes'"):
+    with pytest.raises(TypeError, match="error_feedback must be a bool.*'yes'"):
         bitscom.LowBitGroup(error_feedback="yes")
+    with pytest.raises(ValueError, match="error_feedback_mode='yes'"):
+        bitscom.LowBitGroup(error_feedback_mode="yes")
     with pytest.raises(TypeError, match="simulate_quantization"):
         bitscom.LowBitGroup(simulate_quantization="no")
     with pytest.raises(ValueError, match="block_size=48"):
@@ -153,4 +155,4 @@ def _mismatched(rank, world):
 def test_mismatched_settings_raise_on_every_rank(pools):
     msgs = pools.run(2, _mismatched, timeout=60)
     assert msgs[0] is not None and msgs[0] == msgs[1]
-    assert "LowBitGroup settings" in msgs[0] and "bits=4" in msgs[0] and "bits=8" in msgs[0]
+    assert "LowBitGroup settings" in msgs[0] and "bitwidth=4" in msgs[0] and "bitwidth=8" in msgs[0]
