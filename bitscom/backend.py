@@ -32,13 +32,14 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, _create_work_from_future
+from torch._C._distributed_c10d import AllgatherOptions
 
 from .collectives import (LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds,
                           reduce_scatter_rounds, same_size_rounds)
-from .comm import Comm, Rounds
+from .comm import Comm, Rounds, is_sum_or_avg
 
-__all__ = ["register_lowbit_backend", "LowBitProcessGroup", "registered_config", "BACKEND_NAME"]
+__all__ = ["register_lowbit_backend", "LowBitProcessGroup", "registered_config", "BACKEND_NAME",
+           "FutureWork", "InnerTransport"]
 
 BACKEND_NAME = "lowbit"
 _registered: dict = {}  # torch's backend registry is process-global; so is what we told it
@@ -160,6 +161,42 @@ class InnerTransport:
 _INNER = InnerTransport()
 
 
+class FutureWork(dist.Work):
+    """The work handle of a compressed collective: done when the driver thread completed its
+    future; ``wait()`` raises the collective's error (torch's future-backed work would drop it).
+
+    Example::
+
+        work = dist.all_reduce(t, group=lowbit_group, async_op=True); work.wait()
+    """
+
+    def __init__(self, future: torch.futures.Future):
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout=None) -> bool:
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.wait()
+        except Exception:  # noqa: BLE001
+            return False
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def result(self):
+        return self._future.wait()
+
+
 class _Driver:
     """One thread per group that runs compressed collectives' later rounds in call order."""
 
@@ -268,7 +305,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
             if self._driver is None:
                 self._driver = _Driver()
         self._driver.submit(_Counted(rounds, self), future, result, stream)
-        return _create_work_from_future(future)
+        return FutureWork(future)
 
     def allreduce(self, tensors, opts=None):
         if isinstance(tensors, torch.Tensor):
@@ -276,7 +313,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = dist.AllreduceOptions()
         op = opts.reduceOp
-        compress = (op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG) and \
+        compress = is_sum_or_avg(op) and \
             all(t.is_floating_point() for t in tensors) and "all_reduce" in self.config.backend_ops
         if not compress:
             return self._for(tensors).allreduce(tensors, opts)
@@ -297,7 +334,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
     def _lowbit_reduce_scatter(self, output, input, opts):
         op = opts.reduceOp
         if not ("reduce_scatter" in self.config.backend_ops and output.is_floating_point()
-                and input.is_floating_point() and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)):
+                and input.is_floating_point() and is_sum_or_avg(op)):
             return None
         average = op == dist.ReduceOp.AVG
         st = self._state("reduce_scatter", input)

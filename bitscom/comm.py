@@ -25,7 +25,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_flat", "reduce_scatter_flat", "resolve_group", "TorchTransport", "Comm",
+__all__ = ["all_gather_flat", "reduce_scatter_flat", "resolve_group", "is_sum_or_avg", "TorchTransport", "Comm",
            "Rounds", "drive", "wait", "is_completed"]
 
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -47,6 +47,20 @@ def resolve_group(group=None):
     if dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
     return None
+
+
+def is_sum_or_avg(op) -> bool:
+    """Whether a reduce op is SUM or AVG (what the low-bit collectives compute).
+
+    Compared with ``==``: the ``ReduceOp`` objects torch hands a backend in its options are
+    equal to, but not the same objects as, ``dist.ReduceOp.SUM``, so ``op in (SUM, AVG)`` is
+    False for them.
+
+    Example::
+
+        is_sum_or_avg(dist.AllreduceOptions().reduceOp)   # True
+    """
+    return op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG
 
 
 class TorchTransport:

@@ -22,7 +22,7 @@ from . import runtime
 from .agreement import check_agreement
 from .collectives import (LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds,
                           reduce_scatter_rounds, same_size_rounds)
-from .comm import Comm, Rounds, all_gather_flat, reduce_scatter_flat, resolve_group
+from .comm import Comm, Rounds, all_gather_flat, is_sum_or_avg, reduce_scatter_flat, resolve_group
 from .quantization import FULL_PRECISION, Quantized, dequantize, quantize
 
 __all__ = ["LowBitGroup", "LowBitWork"]
@@ -194,7 +194,7 @@ class LowBitGroup:
         """
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-        lowbit_op = op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+        lowbit_op = is_sum_or_avg(op)
         if not tensor.is_floating_point():
             if op == dist.ReduceOp.AVG:
                 raise TypeError(f"LowBitGroup.all_reduce with op=AVG needs a floating tensor, got "
@@ -239,7 +239,7 @@ class LowBitGroup:
         if isinstance(input, (list, tuple)):
             input = torch.cat([t.reshape(-1) for t in input])
         if not (input.is_floating_point() and output.is_floating_point()) \
-                or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                or not is_sum_or_avg(op):
             return reduce_scatter_flat(output, input, op=op, group=self.process_group, async_op=async_op)
         st, full_key = self._state("reduce_scatter", key, input, self.config)
         comm = Comm(self.process_group)
