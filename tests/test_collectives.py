@@ -320,3 +320,42 @@ def test_state_round_trip_and_numel_guard():
     assert other.step == 7 and torch.equal(other.residual.residual, st.residual.residual)
     with pytest.raises(ValueError, match="10 elements"):
         other.bind(11)
+
+
+_SINGLETONS = {}
+
+
+def _one_rank_per_node(rank, world):
+    """Leader hierarchy with one rank per node (issue 10 item 4): nothing is counted for the
+    1-member local groups; the bytes are exactly the flat inter-node all-reduce's."""
+    if "groups" not in _SINGLETONS:
+        _SINGLETONS["groups"] = [dist.new_group([r]) for r in range(world)]
+    intra, inter = Comm(_SINGLETONS["groups"][rank]), Comm(None)
+    cfg = LowBitConfig(bitwidth=4, hierarchy="leader")
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
+    y = x.clone()
+    drive(all_reduce_rounds(y, None, cfg, LowBitState(), intra=intra, inter=inter))
+    flat = x.clone()
+    drive(all_reduce_rounds(flat, Comm(None), LowBitConfig(bitwidth=4), LowBitState()))
+    return intra.bytes_sent, inter.bytes_sent, bitscom.collectives.wire_bytes_all_reduce(3000, world, cfg), \
+        torch.equal(y, flat)
+
+
+def test_one_member_groups_send_and_count_nothing(pools):
+    for intra_bytes, inter_bytes, flat_bytes, same in pools.run(2, _one_rank_per_node):
+        assert intra_bytes == 0 and inter_bytes == flat_bytes and same
+
+
+def _leader_local_stage(rank, world):
+    intra, inter = Comm(bitscom.intra_group()), Comm(bitscom.inter_group())
+    y = torch.randn(1500, generator=torch.Generator().manual_seed(rank))
+    drive(all_reduce_rounds(y, None, LowBitConfig(bitwidth=4, hierarchy="leader"), LowBitState(),
+                            intra=intra, inter=inter))
+    return intra.rank, intra.bytes_sent
+
+
+def test_leader_local_stage_is_a_reduce_to_the_leader(pools):
+    """The seed's pipeline A: local reduce to the leader (not an all-reduce) -> ... -> broadcast.
+    Padded to 1536 float32: a follower sends its buffer once (reduce), a leader once (broadcast)."""
+    for local_rank, sent in pools.run(4, _leader_local_stage):
+        assert sent == 1536 * 4, (local_rank, sent)
