@@ -326,8 +326,9 @@ class LowBitState:
             setattr(self, name, None if t is None else t.detach().clone().to(torch.float32))
 
 
-def _scatter_reduce(x, comm, codec, seed, offset, sent=None):
-    """Round: x [P*m] -> this rank's shard summed over the group (float32 [m]).
+def _scatter(x, comm, codec, seed, offset, sent=None):
+    """Round: quantize x [P*m] in P shards and all-to-all them; returns the received rows
+    (row j = this rank's shard from rank j).
 
     ``sent`` (optional, [P*m]) receives D(C(x)), what the wire actually carried (for EF).
     """
@@ -342,6 +343,13 @@ def _scatter_reduce(x, comm, codec, seed, offset, sent=None):
             codec.decode(send[j], m, sent[j * m:(j + 1) * m])
     recv = torch.empty_like(send)
     yield comm.all_to_all(recv.view(-1), send.view(-1))
+    return recv
+
+
+def _scatter_reduce(x, comm, codec, seed, offset, sent=None):
+    """Round: x [P*m] -> this rank's shard summed over the group (float32 [m])."""
+    recv = yield from _scatter(x, comm, codec, seed, offset, sent)
+    m = x.numel() // comm.size
     acc = torch.empty(m, dtype=torch.float32, device=x.device)
     codec.decode_sum(recv, m, acc)
     return acc
@@ -370,16 +378,25 @@ def _levels_rounds(x, levels, out_codec, alpha, seeds, offset, sent=None, stage2
     so every rank decodes identical bytes.
     """
     shard, off = x, offset
-    for k, (comm, codec) in enumerate(levels):
+    for k, (comm, codec) in enumerate(levels[:-1]):
         m = shard.numel() // comm.size
         shard = yield from _scatter_reduce(shard, comm, codec, seeds(k), off, sent if k == 0 else None)
         off += comm.rank * m
-    if alpha != 1.0:
-        shard.mul_(alpha)
-    m = shard.numel()
+    comm, codec = levels[-1]
+    m = shard.numel() // comm.size
+    last = len(levels) - 1
+    recv = yield from _scatter(shard, comm, codec, seeds(last), off, sent if last == 0 else None)
+    off += comm.rank * m
     R = out_codec.row_bytes(m)
     buf = torch.empty(R, dtype=torch.uint8, device=x.device)
-    _encode_with_feedback(shard, out_codec, buf, seeds(len(levels)), off, stage2_ef)
+    if stage2_ef is None:   # the fused dequantize-sum-scale-requantize kernel
+        codec.decode_sum_encode(recv, m, alpha, out_codec, buf, seeds(len(levels)), off)
+    else:
+        shard = torch.empty(m, dtype=torch.float32, device=x.device)
+        codec.decode_sum(recv, m, shard)
+        if alpha != 1.0:
+            shard.mul_(alpha)
+        _encode_with_feedback(shard, out_codec, buf, seeds(len(levels)), off, stage2_ef)
     for comm, _ in reversed(levels):
         gathered = torch.empty(comm.size * buf.numel(), dtype=torch.uint8, device=x.device)
         yield comm.all_gather(gathered, buf)

@@ -372,6 +372,26 @@ class Codec:
         kernels.unpack_dequantize_accumulate(payloads, scales, m, self.bits, self.block_size, out=out)
 
 
+    def decode_sum_encode(self, rows: torch.Tensor, m: int, alpha: float, out: "Codec",
+                          row: torch.Tensor, seed: int, offset: int) -> None:
+        """The reduce step of the two-stage all-reduce: decode and sum ``rows`` (this codec),
+        scale by ``alpha``, encode into ``row`` with codec ``out``. One fused kernel pass
+        (``kernels.dequantize_sum_requantize``) when both are low-bit; the same bytes as
+        :meth:`decode_sum`, ``*= alpha``, ``out.encode`` (tested)."""
+        if self.raw or out.raw or self.block_size != out.block_size:
+            acc = torch.empty(m, dtype=torch.float32, device=rows.device)
+            self.decode_sum(rows, m, acc)
+            if alpha != 1.0:
+                acc.mul_(alpha)
+            out.encode(acc, row, seed, offset)
+            return
+        payloads, scales = self._split(rows, m)
+        payload, out_scales = out._split(row, m)
+        kernels.dequantize_sum_requantize(payloads, scales, m, self.bits, self.block_size, out_bits=out.bits,
+                                          alpha=alpha, stochastic=out.stochastic, seed=seed,
+                                          index_offset=offset, payload=payload, out_scales=out_scales)
+
+
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _M64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
