@@ -23,7 +23,21 @@ import torch.distributed as dist
 from .comm import Comm, Rounds
 from .compressors.base import BucketLayout, Compressor, State
 
-__all__ = ["Reducer"]
+__all__ = ["Reducer", "comm_stats"]
+
+
+def comm_stats(bytes_sent: int, dense_bytes: int, **extra) -> dict:
+    """The byte report every face returns from ``comm_stats()``: ``bytes_sent`` (payload this
+    rank handed to the network), ``dense_bytes`` (what fp32 gradients would have cost) and
+    ``compression_ratio`` (their quotient; NaN before anything was sent), plus ``extra``.
+
+    Example::
+
+        comm_stats(1000, 32000, buckets=3)["compression_ratio"]   # 32.0
+    """
+    stats = dict(extra, bytes_sent=bytes_sent, dense_bytes=dense_bytes)
+    stats["compression_ratio"] = dense_bytes / bytes_sent if bytes_sent else float("nan")
+    return stats
 
 
 class Reducer:
