@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from datetime import timedelta
 from typing import Optional
 
@@ -208,9 +209,16 @@ class _Driver:
     def submit(self, rounds: Rounds, future: torch.futures.Future, result, stream=None) -> None:
         self._queue.put((rounds, future, result, stream))
 
+    def close(self) -> None:
+        """Let the thread end once the queued collectives finished (the group was dropped)."""
+        self._queue.put(None)
+
     def _run(self) -> None:
         while True:
-            rounds, future, result, stream = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            rounds, future, result, stream = item
             try:
                 if stream is not None:
                     with torch.cuda.stream(stream):
@@ -304,6 +312,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
         with self._lock:
             if self._driver is None:
                 self._driver = _Driver()
+                weakref.finalize(self, self._driver.close)   # no thread outlives its group
         self._driver.submit(_Counted(rounds, self), future, result, stream)
         return FutureWork(future)
 

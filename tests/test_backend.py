@@ -104,12 +104,15 @@ def test_reregistering_with_other_options_is_an_error():
         register_lowbit_backend(bitwidth=5)
 
 
-def _init_child(rank, world, port, q, bits=(8, 8)):
+def _init_child(rank, world, port, q, bits=(8, 8), settings=None):
     os.environ.update(worker_env(rank, world, port, world))
     torch.set_num_threads(1)
     import bitscom as bc
     try:
-        bc.init(bitwidth=bits[rank], error_feedback=True)   # the seed's own call
+        if settings is None:
+            bc.init(bitwidth=bits[rank], error_feedback=True)   # the seed's own call
+        else:
+            bc.init(**settings)
         x = torch.full((300,), float(rank + 1))
         dist.all_reduce(x)
         q.put((rank, dist.get_backend(), float(x.mean())))
@@ -374,3 +377,22 @@ def test_lowbit_world_runs_the_seed_usage():
         mean, gathered, rs, _ = value
         assert abs(mean - 3.0) < 0.03 and gathered == [0.0] * 3 + [1.0] * 3
         assert rs == [2 * (2 * rank), 2 * (2 * rank + 1)]
+
+
+def test_init_with_the_seed_error_feedback_mode():
+    """bitscom.init(bitwidth=4, error_feedback_mode="ef21_plus") raised TypeError before."""
+    ctx = mp.get_context("spawn")
+    q, port = ctx.Queue(), free_port()
+    settings = {"bitwidth": 4, "error_feedback_mode": "ef21_plus"}
+    procs = [ctx.Process(target=_init_child, args=(r, 2, port, q, (4, 4), settings), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    for _rank, backend, value in got:
+        assert backend == "lowbit", value
+        assert abs(value - 3.0) < 0.05
