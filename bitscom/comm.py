@@ -204,7 +204,12 @@ class Comm:
 
 
 def is_completed(work) -> bool:
-    """True when every handle in ``work`` finished (a list/tuple of handles is allowed)."""
+    """True when every handle in ``work`` finished (a list/tuple of handles is allowed).
+
+    Example::
+
+        if is_completed(rounds.work): ...
+    """
     if work is None:
         return True
     if isinstance(work, (list, tuple)):
@@ -215,7 +220,12 @@ def is_completed(work) -> bool:
 
 
 def wait(work) -> None:
-    """Block until every handle in ``work`` finished, raising its error if any."""
+    """Block until every handle in ``work`` finished, raising its error if any.
+
+    Example::
+
+        wait([comm.all_gather(out, inp), comm.all_reduce(buf)])
+    """
     if work is None:
         return
     if isinstance(work, (list, tuple)):
