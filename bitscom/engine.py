@@ -7,28 +7,37 @@ work *completes*, which happens at different moments on different ranks; issuing
 the first-round group would interleave them differently per rank and mix bytes or hang.
 So later rounds go to a second group, and there in a fixed order too: bucket k issues a
 later round only once every bucket before it has finished all of its rounds.
+
+That policy is this module's job: it builds each bucket's :class:`~bitscom.comm.Comm` with the
+later group, and the one round driver (:class:`~bitscom.comm.Rounds`) switches it after the
+first round.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .compressors.base import BucketLayout, Comm, Compressor, State, is_completed, wait
+from .comm import Comm, Rounds
+from .compressors.base import BucketLayout, Compressor, State
 
-__all__ = ["Reducer"]
+__all__ = ["Reducer", "comm_stats"]
 
 
-@dataclass
-class _Flight:
-    index: int
-    rounds: Iterator
-    comm: Comm
-    work: object = None
-    done: bool = False
+def comm_stats(bytes_sent: int, dense_bytes: int, **extra) -> dict:
+    """The byte report every face returns from ``comm_stats()``: ``bytes_sent`` (payload this
+    rank handed to the network), ``dense_bytes`` (what fp32 gradients would have cost) and
+    ``compression_ratio`` (their quotient; NaN before anything was sent), plus ``extra``.
+
+    Example::
+
+        comm_stats(1000, 32000, buckets=3)["compression_ratio"]   # 32.0
+    """
+    stats = dict(extra, bytes_sent=bytes_sent, dense_bytes=dense_bytes)
+    stats["compression_ratio"] = dense_bytes / bytes_sent if bytes_sent else float("nan")
+    return stats
 
 
 class Reducer:
@@ -54,7 +63,7 @@ class Reducer:
         self.group = group
         self.later_group = later_group
         self.states: List[State] = [compressor.init_state(l) for l in self.layouts]
-        self._flights: List[_Flight] = []
+        self._flights: List[Tuple[int, Rounds]] = []
 
     def set_bucket(self, index: int, layout: BucketLayout, state: Optional[State] = None) -> State:
         """Define (or redefine) bucket ``index``; for adapters that learn buckets lazily, like
@@ -73,25 +82,18 @@ class Reducer:
 
     @property
     def in_flight(self) -> bool:
-        return any(not f.done for f in self._flights)
+        return any(not r.done for _, r in self._flights)
 
     def launch(self, index: int, flat: torch.Tensor) -> None:
         """Start bucket ``index``'s reduction: runs it up to (and issuing) its first round."""
-        if self._flights and self._flights[-1].index >= index:
+        if self._flights and self._flights[-1][0] >= index:
             raise RuntimeError(f"bucket {index} launched out of order after bucket "
-                               f"{self._flights[-1].index}")
+                               f"{self._flights[-1][0]}")
         comm = Comm(self.group, self.later_group)
-        rounds = self.compressor.reduce(flat, self.layouts[index], self.states[index], comm)
-        flight = _Flight(index, rounds, comm)
-        self._flights.append(flight)
-        self._step(flight)
-
-    def _step(self, flight: _Flight) -> None:
-        try:
-            flight.work = next(flight.rounds)
-            flight.comm.mark_yield()
-        except StopIteration:
-            flight.work, flight.done = None, True
+        rounds = Rounds(self.compressor.reduce(flat, self.layouts[index], self.states[index], comm),
+                        [comm])
+        self._flights.append((index, rounds))
+        rounds.start()
 
     def poll(self, block: bool = False) -> None:
         """Advance buckets whose current work completed (all of them with ``block=True``).
@@ -99,13 +101,8 @@ class Reducer:
         Bucket order is kept for later rounds: a bucket that has not finished stops every
         bucket after it from issuing later rounds.
         """
-        for flight in self._flights:
-            while not flight.done:
-                if not block and not is_completed(flight.work):
-                    break
-                wait(flight.work)
-                self._step(flight)
-            if not flight.done:
+        for _, rounds in self._flights:
+            if not rounds.poll(block):
                 return
 
     def wait_all(self) -> int:
@@ -115,7 +112,7 @@ class Reducer:
         except BaseException:
             self.abort()
             raise
-        sent = sum(f.comm.bytes_sent for f in self._flights)
+        sent = sum(r.bytes_sent for _, r in self._flights)
         self._flights = []
         return sent
 

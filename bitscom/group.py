@@ -1,10 +1,13 @@
 """LowBitGroup: low-bit collectives for users who call collectives themselves.
 
-A thin adapter over :mod:`bitscom.collectives`: it holds the settings, one
-:class:`~bitscom.collectives.LowBitState` per key (error feedback, seeds) and drives the
-round generators, synchronously or through a :class:`LowBitWork` whose ``wait()`` drives
-the rounds still to come. Non-float tensors and reductions other than SUM/AVG take the exact
-``torch.distributed`` collective.
+A thin adapter over :mod:`bitscom.collectives`: it holds one
+:class:`~bitscom.collectives.LowBitConfig`, one :class:`~bitscom.collectives.LowBitState` per
+key (error feedback, seeds) and drives the round generators through
+:class:`~bitscom.comm.Rounds`, synchronously or as a :class:`LowBitWork` whose ``wait()``
+drives the rounds still to come. Every low-bit call first checks that all ranks passed the
+same element count (one all-gather of two integers), so a size mismatch is the same clear
+error on every rank instead of a gloo abort or a silently misaligned sum. Non-float tensors
+and reductions other than SUM/AVG take the exact ``torch.distributed`` collective.
 """
 
 from __future__ import annotations
@@ -18,49 +21,25 @@ import torch.distributed as dist
 from . import runtime
 from .agreement import check_agreement
 from .collectives import (LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds,
-                          reduce_scatter_rounds)
-from .compressors.base import Comm, _all_gather_flat, _reduce_scatter_flat, _wait
-from .quantization import Quantized, dequantize, quantize
+                          reduce_scatter_rounds, same_size_rounds)
+from .comm import Comm, Rounds, all_gather_flat, is_sum_or_avg, reduce_scatter_flat, resolve_group
+from .quantization import FULL_PRECISION, Quantized, dequantize, quantize
 
 __all__ = ["LowBitGroup", "LowBitWork"]
 
 
-class LowBitWork:
-    """Handle of an asynchronous low-bit collective.
+class LowBitWork(Rounds):
+    """Handle of an asynchronous low-bit collective (a :class:`~bitscom.comm.Rounds`).
 
     On return from the collective its first round is already in flight; ``wait()`` waits for
     it and drives the remaining rounds (issuing them in the order ``wait()`` calls happen, the
-    same on every rank as long as every rank waits in the same order).
+    same on every rank as long as every rank waits in the same order). ``bytes_sent`` counts
+    what this rank handed to the network.
+
+    Example::
+
+        work = lb.all_reduce(t, async_op=True, key="t"); ...; work.wait()
     """
-
-    def __init__(self, rounds, comms):
-        self._rounds = rounds
-        self._comms = comms
-        self._done = False
-        self._work = None
-        self._advance()
-
-    def _advance(self) -> None:
-        try:
-            self._work = next(self._rounds)
-        except StopIteration:
-            self._work, self._done = None, True
-        for c in self._comms:
-            c.mark_yield()
-
-    def is_completed(self) -> bool:
-        return self._done
-
-    def wait(self, timeout=None) -> bool:
-        while not self._done:
-            if self._work is not None:
-                _wait(self._work)
-            self._advance()
-        return True
-
-    @property
-    def bytes_sent(self) -> int:
-        return sum(c.bytes_sent for c in self._comms)
 
 
 class _ExactWork:
@@ -82,77 +61,76 @@ class _ExactWork:
         return True
 
 
-def _is_sum(op) -> bool:
-    return op == dist.ReduceOp.SUM
-
-
-def _is_avg(op) -> bool:
-    return op == dist.ReduceOp.AVG
+def _chain(*gens):
+    result = None
+    for g in gens:
+        result = yield from g
+    return result
 
 
 class LowBitGroup:
     """Low-bit all_reduce / reduce_scatter / all_gather over a process group.
 
     Args:
-        bitwidth: first-stage width (1, 2, 4, 8, 12, 16; 32 = float32).
-        process_group: the group (default: bitscom's world group, else torch's default group).
-        block_size, stochastic_rounding, stage2_bits, stage2_error_feedback, hadamard,
-        hierarchy, intra_bits, local_quantize, chunk_size, seed: see
-            :class:`~bitscom.collectives.LowBitConfig` (each with its trade-off).
-        error_feedback: "none" | "ef" | "ef21". State is kept per key: pass ``key=`` to each
-            call (any hashable, e.g. a parameter name); without it the key is the tensor's
-            storage address, which is only stable for persistent buffers.
-        simulate_quantization: quantize-dequantize locally, then run the exact collective:
-            the accuracy of the low-bit format without its machinery.
+        bitwidth: first-stage width (1, 2, 4, 8, 12, 16; 32 = float32). The seed's first argument.
+        process_group: the group (default: the world group).
+        config: a :class:`~bitscom.collectives.LowBitConfig`; keyword settings (its field names:
+            ``error_feedback``, ``error_feedback_mode``, ``block_size``, ``stochastic_rounding``,
+            ``simulate_quantization``, ``stage2_bitwidth``, ``stage2_error_feedback``,
+            ``hadamard``, ``hierarchy``, ``intra_bitwidth``, ``local_quantize``, ``chunk_size``,
+            ``seed``) override it. State is kept per key: pass ``key=`` to each call (any
+            hashable, e.g. a parameter name); without it the key is the tensor's storage
+            address, which is only stable for persistent buffers.
         intra_group, inter_group: groups of the hierarchy (default: ``bitscom.intra_group()``
-            and ``bitscom.inter_group()``).
+            and ``bitscom.inter_group()``); ``local_group`` is the seed's name of ``intra_group``.
 
     Example::
 
         bitscom.init()
-        lb = bitscom.LowBitGroup(bitwidth=4, error_feedback="ef")
+        lb = bitscom.LowBitGroup(bitwidth=4, error_feedback=True)
         lb.all_reduce(grad, op=dist.ReduceOp.AVG, key="layer1.weight")
         work = lb.all_reduce(other, async_op=True, key="other")   # first round in flight
         ...                                                        # overlap compute
         work.wait()
     """
 
-    def __init__(self, bitwidth: int = 4, process_group=None, block_size: int = 128,
-                 stochastic_rounding: bool = False, error_feedback: str = "none",
-                 simulate_quantization: bool = False, stage2_bits: Optional[int] = None,
-                 stage2_error_feedback: bool = False, hadamard: bool = False,
-                 hierarchy: str = "none", intra_bits: int = 8, local_quantize: bool = False,
-                 chunk_size: Optional[int] = None, seed: int = 0, intra_group=None,
-                 inter_group=None):
-        self.config = LowBitConfig(bits=bitwidth, stage2_bits=stage2_bits, block_size=block_size,
-                                   stochastic_rounding=stochastic_rounding, hadamard=hadamard,
-                                   error_feedback=error_feedback,
-                                   stage2_error_feedback=stage2_error_feedback, hierarchy=hierarchy,
-                                   intra_bits=intra_bits, local_quantize=local_quantize,
-                                   chunk_size=chunk_size, seed=seed)
-        if not isinstance(simulate_quantization, bool):
-            raise TypeError(f"simulate_quantization must be a bool, got {simulate_quantization!r}")
-        self.simulate_quantization = simulate_quantization
-        if process_group is None and runtime.is_initialized():
-            process_group = runtime.world_group()
-        self.process_group = process_group
-        self.intra_group = intra_group
+    def __init__(self, bitwidth: Optional[int] = None, process_group=None, *,
+                 config: Optional[LowBitConfig] = None, intra_group=None, inter_group=None,
+                 local_group=None, **settings):
+        if bitwidth is not None:
+            settings["bitwidth"] = bitwidth
+        self.config = LowBitConfig.build(config, **settings)
+        self.process_group = resolve_group(process_group)
+        if local_group is not None and intra_group is not None and local_group is not intra_group:
+            raise ValueError("pass intra_group or its seed name local_group, not both")
+        self.intra_group = intra_group if intra_group is not None else local_group
         self.inter_group = inter_group
         self._states: Dict[Any, LowBitState] = {}
         self._calls = 0
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
             # Ranks with different settings would exchange bytes of different formats: fail
             # here, on every rank, with what differs.
-            check_agreement({"settings": repr(self.config), "simulate": simulate_quantization},
-                            process_group, "LowBitGroup settings")
+            check_agreement({"settings": repr(self.config)}, self.process_group, "LowBitGroup settings")
 
     @property
     def bitwidth(self) -> int:
-        return self.config.bits
+        return self.config.bitwidth
+
+    @property
+    def simulate_quantization(self) -> bool:
+        return self.config.simulate_quantization
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.process_group)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
 
     # -- state --------------------------------------------------------------------------------
     def _state(self, op: str, key, tensor: torch.Tensor, cfg: LowBitConfig) -> tuple:
-        keyed = cfg.error_feedback != "none" or cfg.stage2_error_feedback
+        keyed = cfg.error_feedback or cfg.stage2_error_feedback
         if key is None and not keyed:
             st = LowBitState()        # stateless: only the seeds need a fresh step per call
             st.step = self._calls
@@ -178,38 +156,24 @@ class LowBitGroup:
             self._states[k] = st
 
     # -- helpers ------------------------------------------------------------------------------
-    def _size(self) -> int:
-        return dist.get_world_size(self.process_group)
-
     def _start(self, rounds, comms, async_op: bool):
-        work = LowBitWork(rounds, comms)
+        work = LowBitWork(rounds, comms).start()
         if async_op:
             return work
         work.wait()
         return None
 
+    def _checked(self, what, numel, average, device, rounds):
+        """``rounds`` after the cross-rank size check on the whole group."""
+        check = Comm(self.process_group)
+        return _chain(same_size_rounds(check, what, numel, average, device), rounds), check
+
     def _exact_all_reduce(self, tensor, op, async_op):
-        if _is_avg(op) and tensor.is_floating_point():
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
-            w = _ExactWork(work, lambda: tensor.div_(self._size()))
-        else:
-            w = _ExactWork(dist.all_reduce(tensor, op=op, group=self.process_group, async_op=True))
+        w = _ExactWork(dist.all_reduce(tensor, op=op, group=self.process_group, async_op=True))
         if async_op:
             return w
         w.wait()
         return None
-
-    def _simulate(self, tensor, key_state, cfg):
-        st, _ = key_state
-        x = tensor.detach().to(torch.float32).reshape(-1)
-        if cfg.error_feedback == "ef":
-            x = x + st._buffer("residual", x.numel(), x.device)
-        q = self.compress(x, seed=st.step)
-        st.step += 1
-        y = dequantize(q)
-        if cfg.error_feedback == "ef":
-            torch.nan_to_num_(torch.sub(x, y, out=st.residual), nan=0.0, posinf=0.0, neginf=0.0)
-        tensor.copy_(y.view(tensor.shape))
 
     # -- collectives --------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
@@ -220,7 +184,8 @@ class LowBitGroup:
         ``local_group``/``inter_group`` make it hierarchical (``hierarchy`` from the settings,
         ``"leader"`` if that is ``"none"``); with one node it is one full-precision all-reduce.
         ``chunk_size``/``local_quantize`` override the settings for this call. Returns a
-        :class:`LowBitWork` with ``async_op=True``, else ``None``.
+        :class:`LowBitWork` with ``async_op=True``, else ``None``. An integer tensor takes the
+        exact collective (SUM, MAX, ...); AVG of an integer tensor is an error.
 
         Example::
 
@@ -229,7 +194,13 @@ class LowBitGroup:
         """
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-        if not tensor.is_floating_point() or not (_is_sum(op) or _is_avg(op)):
+        lowbit_op = is_sum_or_avg(op)
+        if not tensor.is_floating_point():
+            if op == dist.ReduceOp.AVG:
+                raise TypeError(f"LowBitGroup.all_reduce with op=AVG needs a floating tensor, got "
+                                f"{tensor.dtype}; use op=SUM and divide, or pass a float tensor")
+            return self._exact_all_reduce(tensor, op, async_op)
+        if not lowbit_op:
             return self._exact_all_reduce(tensor, op, async_op)
         cfg = self.config
         changes = {}
@@ -242,54 +213,81 @@ class LowBitGroup:
             changes["local_quantize"] = local_quantize
         if changes:
             cfg = dataclasses.replace(cfg, **changes)
-        key_state = self._state("all_reduce", key, tensor, cfg)
-        if self.simulate_quantization:
-            self._simulate(tensor, key_state, cfg)
-            return self._exact_all_reduce(tensor, op, async_op)
-        st, full_key = key_state
+        average = op == dist.ReduceOp.AVG
+        st, full_key = self._state("all_reduce", key, tensor, cfg)
         if cfg.hierarchy == "none":
             comms = [Comm(self.process_group)]
-            rounds = all_reduce_rounds(tensor, comms[0], cfg, st, average=_is_avg(op), key=full_key)
+            rounds = all_reduce_rounds(tensor, comms[0], cfg, st, average=average, key=full_key)
         else:
             intra = local_group or self.intra_group or runtime.intra_group()
             inter = inter_group or self.inter_group or runtime.inter_group()
             comms = [Comm(intra), Comm(inter)]
-            rounds = all_reduce_rounds(tensor, None, cfg, st, average=_is_avg(op), key=full_key,
+            rounds = all_reduce_rounds(tensor, None, cfg, st, average=average, key=full_key,
                                        intra=comms[0], inter=comms[1])
-        return self._start(rounds, comms, async_op)
+        rounds, check = self._checked("all_reduce", tensor.numel(), average, tensor.device, rounds)
+        return self._start(rounds, [check] + comms, async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
+    def reduce_scatter(self, output: torch.Tensor, input, op=dist.ReduceOp.SUM,
                        async_op: bool = False, key=None):
-        """``output`` = this rank's shard of the low-bit sum (or average) of ``input`` (P·k elements).
+        """``output`` = this rank's shard of the low-bit sum (or average) of ``input`` (P·k
+        elements, or the seed's list of P tensors of k elements).
 
         Example::
 
             lb.reduce_scatter(out, torch.cat(shards), op=dist.ReduceOp.SUM)
         """
+        if isinstance(input, (list, tuple)):
+            input = torch.cat([t.reshape(-1) for t in input])
         if not (input.is_floating_point() and output.is_floating_point()) \
-                or not (_is_sum(op) or _is_avg(op)):
-            w = _reduce_scatter_flat(output, input, op=op, group=self.process_group,
-                                     async_op=async_op)
-            return w
+                or not is_sum_or_avg(op):
+            return reduce_scatter_flat(output, input, op=op, group=self.process_group, async_op=async_op)
         st, full_key = self._state("reduce_scatter", key, input, self.config)
         comm = Comm(self.process_group)
-        rounds = reduce_scatter_rounds(output, input, comm, self.config, st, average=_is_avg(op),
+        average = op == dist.ReduceOp.AVG
+        rounds = reduce_scatter_rounds(output, input, comm, self.config, st, average=average,
                                        key=full_key)
-        return self._start(rounds, [comm], async_op)
+        rounds, check = self._checked("reduce_scatter", output.numel(), average, output.device, rounds)
+        return self._start(rounds, [check, comm], async_op)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, key=None):
-        """``output`` (P·k elements) receives every rank's ``input`` (k), sent in low bit.
+    def all_gather(self, output, input: torch.Tensor, async_op: bool = False, key=None):
+        """``output`` (P·k elements, or the seed's list of P tensors of k elements) receives
+        every rank's ``input`` (k), sent in low bit.
 
         Example::
 
             lb.all_gather(out, shard)
         """
+        if isinstance(output, (list, tuple)):
+            outs = list(output)
+            flat = torch.empty(len(outs) * input.numel(), dtype=input.dtype, device=input.device)
+            work = self.all_gather(flat, input, async_op=True, key=key)
+            parts = flat.view(len(outs), -1)
+
+            def scatter():
+                for o, p in zip(outs, parts):
+                    o.copy_(p.view(o.shape))
+
+            w = _ExactWork(work, scatter)
+            if async_op:
+                return w
+            w.wait()
+            return None
         if not (input.is_floating_point() and output.is_floating_point()):
-            return _all_gather_flat(output, input, group=self.process_group, async_op=async_op)
+            return all_gather_flat(output, input, group=self.process_group, async_op=async_op)
         st, full_key = self._state("all_gather", key, input, self.config)
         comm = Comm(self.process_group)
         rounds = all_gather_rounds(output, input, comm, self.config, st, key=full_key)
-        return self._start(rounds, [comm], async_op)
+        rounds, check = self._checked("all_gather", input.numel(), False, input.device, rounds)
+        return self._start(rounds, [check, comm], async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        """Exact broadcast from global rank ``src`` (the seed's API; nothing to compress).
+
+        Example::
+
+            lb.broadcast(t, src=0)
+        """
+        return dist.broadcast(tensor, src=src, group=self.process_group, async_op=async_op)
 
     # -- format helpers -----------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Quantized:
@@ -300,9 +298,9 @@ class LowBitGroup:
             c = lb.compress(t); t2 = lb.decompress(c)
         """
         cfg = self.config
-        if cfg.bits == 32:
+        if cfg.bitwidth == FULL_PRECISION:
             raise ValueError("bitwidth=32 sends float32; there is nothing to compress")
-        return quantize(tensor, cfg.bits, cfg.block_size, stochastic_rounding=cfg.stochastic_rounding,
+        return quantize(tensor, cfg.bitwidth, cfg.block_size, stochastic_rounding=cfg.stochastic_rounding,
                         seed=seed, hadamard=cfg.hadamard)
 
     def decompress(self, c: Quantized) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""The low-bit wire format: blockwise quantization, bit packing, stochastic rounding, Hadamard.
+"""The low-bit wire format: blockwise quantization, bit packing, stochastic rounding, Hadamard,
+the row layout the collectives send (:class:`Codec`) and their stochastic-rounding seeds
+(:func:`stage_seed`). The specification is ``docs/format.md``; this docstring summarizes it.
 
 Format
 ------
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 
 import torch
 
@@ -54,8 +57,14 @@ from .kernels import format as fmt
 from .kernels import torch_ref
 from .kernels.format import SUPPORTED_BITS, HADAMARD_BLOCK, wire_bytes, bits_per_element
 
-__all__ = ["SUPPORTED_BITS", "Quantized", "quantize", "dequantize", "pack", "unpack", "hadamard",
-           "inverse_hadamard", "wire_bytes", "bits_per_element", "HADAMARD_BLOCK"]
+__all__ = ["SUPPORTED_BITS", "FULL_PRECISION", "Quantized", "quantize", "dequantize", "quantize_tensor",
+           "dequantize_tensor", "pack", "unpack", "pack_signs", "unpack_signs", "hadamard",
+           "inverse_hadamard", "wire_bytes", "bits_per_element", "HADAMARD_BLOCK", "Codec",
+           "stage_seed", "key_id"]
+
+FULL_PRECISION = 32
+"""A width of 32 means "send raw float32" (allowed for every stage of the collectives)."""
+_M64 = (1 << 64) - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +137,34 @@ def quantize(tensor, bits, block_size=128, stochastic_rounding=False, seed=0, ha
     return Quantized(payload, scales, n, bits, block_size, tensor.shape, tensor.dtype, bool(hadamard))
 
 
+def quantize_tensor(tensor, bitwidth, *, block_size=128, stochastic_rounding=False, seed=0,
+                    hadamard=False) -> Quantized:
+    """The seed's name for :func:`quantize` (``bitwidth`` = ``bits``): the same bytes.
+
+    Unlike the seed's per-tensor ``(codes, scale)`` pair it returns a :class:`Quantized`
+    (blockwise scales, packed payload); :func:`dequantize_tensor` inverts it.
+
+    Example::
+
+        >>> q = quantize_tensor(torch.randn(1000), 4, stochastic_rounding=True)
+        >>> dequantize_tensor(q).shape
+        torch.Size([1000])
+    """
+    return quantize(tensor, bitwidth, block_size, stochastic_rounding=stochastic_rounding, seed=seed,
+                    hadamard=hadamard)
+
+
+def dequantize_tensor(q: Quantized, out=None) -> torch.Tensor:
+    """The seed's name for :func:`dequantize`.
+
+    Example::
+
+        >>> dequantize_tensor(quantize_tensor(torch.ones(8), 8)).tolist() == [1.0] * 8
+        True
+    """
+    return dequantize(q, out=out)
+
+
 def dequantize(q: Quantized, out=None) -> torch.Tensor:
     """Rebuild the tensor (original shape and dtype, on the payload's device); fills ``out`` if given.
 
@@ -193,6 +230,30 @@ def unpack(payload, bits, count) -> torch.Tensor:
     return torch_ref.unpack_codes(payload, bits, count)
 
 
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """The 1-bit codes of the format for ``x``'s signs (code 1 = negative, ``x < 0``), packed:
+    ``ceil(n / 8)`` bytes, element ``i`` in bit ``i % 8`` of byte ``i // 8``. NaN reads as +.
+
+    Example::
+
+        >>> pack_signs(torch.tensor([-1., 2., 3., 4., 5., 6., 7., -8.]))
+        tensor([129], dtype=torch.uint8)
+    """
+    return torch_ref.pack_codes(x.reshape(-1).lt(0), 1)
+
+
+def unpack_signs(packed: torch.Tensor, numel: int, dtype=torch.float32) -> torch.Tensor:
+    """Inverse of :func:`pack_signs`: ``numel`` values of ±1 in ``dtype``.
+
+    Example::
+
+        >>> unpack_signs(torch.tensor([129], dtype=torch.uint8), 8).tolist()
+        [-1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, -1.0]
+    """
+    codes = torch_ref.unpack_codes(packed, 1, numel)
+    return 1 - 2 * codes.to(dtype)
+
+
 def hadamard(x, block=HADAMARD_BLOCK) -> torch.Tensor:
     """Orthonormal fast Walsh–Hadamard transform of each consecutive run of ``block`` elements.
 
@@ -237,3 +298,128 @@ def inverse_hadamard(x, block=HADAMARD_BLOCK) -> torch.Tensor:
         True
     """
     return hadamard(x, block)
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """How one stage of a collective puts a shard of ``m`` float32 values into a byte row and back.
+
+    ``bits=32`` sends raw float32; otherwise the row is the low-bit payload followed by the
+    bfloat16 scales (``wire_bytes(m, bits, block_size)`` bytes). Rows are views into one uint8
+    send/receive buffer, so each stage is a single collective. ``index_offset`` (the shard's
+    global position) keys stochastic rounding, so the bytes do not depend on the sharding.
+
+    ``simulate=True`` (``simulate_quantization``): the row carries the *dequantized* values as
+    float32 (``4 * m`` bytes). Every rank then computes exactly what the low-bit wire would
+    have given it, with every setting honoured, while the network carries full precision.
+
+    Example::
+
+        c = Codec(4, 128)
+        row = torch.empty(c.row_bytes(256), dtype=torch.uint8)
+        c.encode(x, row, seed=0, offset=0); c.decode(row, 256, out)
+    """
+
+    bits: int
+    block_size: int = 128
+    stochastic: bool = False
+    simulate: bool = False
+
+    @property
+    def raw(self) -> bool:
+        """Rows hold float32 (full precision or simulated quantization)."""
+        return self.bits == FULL_PRECISION or self.simulate
+
+    def row_bytes(self, m: int) -> int:
+        if self.raw:
+            return 4 * m
+        return kernels.wire_bytes(m, self.bits, self.block_size)
+
+    def _split(self, rows: torch.Tensor, m: int):
+        pb = kernels.payload_bytes(m, self.bits, self.block_size)
+        return rows[..., :pb], rows[..., pb:].view(torch.bfloat16)
+
+    def encode(self, x: torch.Tensor, row: torch.Tensor, seed: int, offset: int) -> None:
+        if self.bits == FULL_PRECISION:
+            row.view(torch.float32).copy_(x)
+            return
+        if self.simulate:
+            payload, scales = kernels.quantize_pack(x, self.bits, self.block_size, stochastic=self.stochastic,
+                                                    seed=seed, index_offset=offset)
+            kernels.unpack_dequantize(payload, scales, x.numel(), self.bits, self.block_size,
+                                      out=row.view(torch.float32))
+            return
+        payload, scales = self._split(row, x.numel())
+        kernels.quantize_pack(x, self.bits, self.block_size, stochastic=self.stochastic,
+                              seed=seed, index_offset=offset, payload=payload, scales=scales)
+
+    def decode(self, row: torch.Tensor, m: int, out: torch.Tensor) -> None:
+        if self.raw:
+            out.copy_(row.view(torch.float32))
+            return
+        payload, scales = self._split(row, m)
+        kernels.unpack_dequantize(payload, scales, m, self.bits, self.block_size, out=out)
+
+    def decode_sum(self, rows: torch.Tensor, m: int, out: torch.Tensor) -> None:
+        """``out = row_0 + row_1 + ...`` decoded, summed left to right (same bits everywhere)."""
+        if self.raw:
+            vals = rows.view(torch.float32)
+            out.copy_(vals[0])
+            for j in range(1, vals.shape[0]):
+                out.add_(vals[j])
+            return
+        payloads, scales = self._split(rows, m)
+        kernels.unpack_dequantize_accumulate(payloads, scales, m, self.bits, self.block_size, out=out)
+
+
+    def decode_sum_encode(self, rows: torch.Tensor, m: int, alpha: float, out: "Codec",
+                          row: torch.Tensor, seed: int, offset: int) -> None:
+        """The reduce step of the two-stage all-reduce: decode and sum ``rows`` (this codec),
+        scale by ``alpha``, encode into ``row`` with codec ``out``. One fused kernel pass
+        (``kernels.dequantize_sum_requantize``) when both are low-bit; the same bytes as
+        :meth:`decode_sum`, ``*= alpha``, ``out.encode`` (tested)."""
+        if self.raw or out.raw or self.block_size != out.block_size:
+            acc = torch.empty(m, dtype=torch.float32, device=rows.device)
+            self.decode_sum(rows, m, acc)
+            if alpha != 1.0:
+                acc.mul_(alpha)
+            out.encode(acc, row, seed, offset)
+            return
+        payloads, scales = self._split(rows, m)
+        payload, out_scales = out._split(row, m)
+        kernels.dequantize_sum_requantize(payloads, scales, m, self.bits, self.block_size, out_bits=out.bits,
+                                          alpha=alpha, stochastic=out.stochastic, seed=seed,
+                                          index_offset=offset, payload=payload, out_scales=out_scales)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def stage_seed(seed: int, key: int, step: int, rank: int, stage: int) -> int:
+    """The stochastic-rounding seed of one (key, step, rank, stage) of a collective: distinct for
+    every rank, stage and step, and reproducible from a checkpoint (a 64-bit splitmix chain).
+
+    Example::
+
+        stage_seed(0, key=3, step=10, rank=1, stage=0) != stage_seed(0, 3, 10, 1, 1)   # True
+    """
+    h = seed & _M64
+    for part in (key, step, rank, stage):
+        h = _splitmix64(h ^ _splitmix64(part & _M64))
+    return h
+
+
+def key_id(key) -> int:
+    """A stable integer for a user key (ints as they are, anything else via CRC32 of its repr).
+
+    Example::
+
+        key_id("layer1.weight") == key_id("layer1.weight")   # True, in every process
+    """
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key & _M64
+    return zlib.crc32(repr(key).encode())

@@ -161,7 +161,9 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
         # ``bitwidth=``/lowbit options: register the "lowbit" backend and start on it (see
         # bitscom.register_lowbit_backend); imported here only, the backend sits above runtime.
         from .backend import register_lowbit_backend
-        register_lowbit_backend(bitwidth=4 if bitwidth is None else bitwidth, **lowbit_options)
+        if bitwidth is not None:
+            lowbit_options["bitwidth"] = bitwidth
+        register_lowbit_backend(**lowbit_options)   # the LowBitConfig settings, by name (or config=)
         backend = "lowbit"
     info = discover()
     use_cuda = (device == "cuda") or (device is None and torch.cuda.is_available())

@@ -42,19 +42,19 @@ class MirrorComm(Comm):
         self.size, self.rank = world, 0
 
     def all_reduce(self, tensor, op=None):
-        self._count(tensor)
+        self.count(tensor)
         tensor.mul_(self.size)
 
     def all_gather(self, output, input):
-        self._count(input)
+        self.count(input)
         output.view(self.size, -1).copy_(input.reshape(1, -1))
 
     def all_to_all(self, output, input):
-        self._count(input)
+        self.count(input)
         output.copy_(input)
 
     def reduce_scatter(self, output, input, op=None):
-        self._count(input)
+        self.count(input)
         output.view(-1).copy_(input.view(self.size, -1)[0]).mul_(self.size)
 
     def broadcast(self, tensor, group_src=0):

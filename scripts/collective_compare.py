@@ -75,12 +75,12 @@ def part_steps(args, world, rank, rows):
         t = timed(lambda: dist.reduce_scatter_tensor(out, x[:k * world].clone()))
         rows.append(["reduce_scatter", 32, 32, step, rel(out, ex[rank * k:(rank + 1) * k]), t, k * world * 4])
         for bits in args.bits:
-            cfg = LowBitConfig(bits=bits, block_size=args.block_size)
+            cfg = LowBitConfig(bitwidth=bits, block_size=args.block_size)
             y, comm = x.clone(), Comm(None)
             st = LowBitState()
             st.step = step
             t = timed(lambda: drive(all_reduce_rounds(y, comm, cfg, st, average=False), comm))
-            rows.append(["all_reduce", bits, cfg.resolved_stage2_bits, step, rel(y, ex), t, comm.bytes_sent])
+            rows.append(["all_reduce", bits, cfg.resolved_stage2_bitwidth, step, rel(y, ex), t, comm.bytes_sent])
             out, comm = torch.empty(k), Comm(None)
             t = timed(lambda: drive(reduce_scatter_rounds(out, x[:k * world].clone(), comm, cfg), comm))
             rows.append(["reduce_scatter", bits, "-", step, rel(out, ex[rank * k:(rank + 1) * k]), t,
@@ -94,7 +94,7 @@ def part_stage2(args, world, rank, rows):
     for sr in (False, True):
         for b1 in (32,) + tuple(args.bits):
             for b2 in (1, 2, 4, 8, 16):
-                cfg = LowBitConfig(bits=b1, stage2_bits=b2, block_size=args.block_size,
+                cfg = LowBitConfig(bitwidth=b1, stage2_bitwidth=b2, block_size=args.block_size,
                                    stochastic_rounding=sr)
                 errs = []
                 for rep in range(3):
@@ -108,12 +108,12 @@ def part_stage2(args, world, rank, rows):
 
 def part_ef(args, world, rank, rows):
     n = args.numel // 4
-    modes = {"none": {}, "ef": {"error_feedback": "ef"},
-             "ef+stage2": {"error_feedback": "ef", "stage2_error_feedback": True},
-             "ef21+stage2": {"error_feedback": "ef21", "stage2_error_feedback": True}}
+    modes = {"none": {}, "legacy": {"error_feedback_mode": "legacy"},
+             "legacy+stage2": {"error_feedback_mode": "legacy", "stage2_error_feedback": True},
+             "ef21_plus": {"error_feedback_mode": "ef21_plus"}}
     for bits in (1, 2, 4):
         for name, kw in modes.items():
-            cfg = LowBitConfig(bits=bits, block_size=args.block_size, **kw)
+            cfg = LowBitConfig(bitwidth=bits, block_size=args.block_size, **kw)
             st = LowBitState()
             acc_y = torch.zeros(n, dtype=torch.float64)
             acc_e = torch.zeros(n, dtype=torch.float64)
@@ -132,9 +132,9 @@ def part_train(args, world, rank, rows):
     torch.manual_seed(0)
     d_in, d_out = 32, 10
     teacher = torch.nn.Linear(d_in, d_out)
-    runs = {"fp32": "none", "lowbit4": LowBit(bits=4), "lowbit2": LowBit(bits=2),
-            "lowbit2+ef": LowBit(bits=2, error_feedback="ef", stage2_error_feedback=True),
-            "lowbit1+ef": LowBit(bits=1, error_feedback="ef", stage2_error_feedback=True)}
+    runs = {"fp32": "none", "lowbit4": LowBit(bitwidth=4), "lowbit2": LowBit(bitwidth=2),
+            "lowbit2+ef": LowBit(bitwidth=2, error_feedback=True, stage2_error_feedback=True),
+            "lowbit1+ef": LowBit(bitwidth=1, error_feedback=True, stage2_error_feedback=True)}
     for name, comp in runs.items():
         torch.manual_seed(1)
         model = torch.nn.Sequential(torch.nn.Linear(d_in, 64), torch.nn.Tanh(), torch.nn.Linear(64, d_out))

@@ -49,7 +49,7 @@ def _half_steps(x, bits, block, world_unit):
 
 
 def _all_reduce_case(rank, world, n, bits, stage2, block, seed):
-    cfg = LowBitConfig(bits=bits, stage2_bits=stage2, block_size=block)
+    cfg = LowBitConfig(bitwidth=bits, stage2_bitwidth=stage2, block_size=block)
     xs = _inputs(world, n, seed)
     y = xs[rank].clone()
     comm = Comm(None)
@@ -58,7 +58,7 @@ def _all_reduce_case(rank, world, n, bits, stage2, block, seed):
     unit = world * block
     e1 = sum(_half_steps(x, bits, block, unit) for x in xs) / world
     # stage 2 quantizes values within e1 of the exact average
-    b2 = cfg.resolved_stage2_bits
+    b2 = cfg.resolved_stage2_bitwidth
     e2 = _half_steps((exact.abs() + e1), b2, block, unit) if b2 < 32 else torch.zeros(n, dtype=torch.float64)
     bound = e1 + e2 + 1e-6 * exact.abs() + 1e-30
     err = (y.double() - exact).abs()
@@ -78,7 +78,7 @@ def test_all_reduce_within_bound_and_identical(pools, world):
 
 
 def _wire_case(rank, world):
-    cfg = LowBitConfig(bits=4, block_size=128)
+    cfg = LowBitConfig(bitwidth=4, block_size=128)
     y = torch.randn(4096)
     comm = Comm(None)
     drive(all_reduce_rounds(y, comm, cfg, LowBitState()), comm)
@@ -94,13 +94,13 @@ def test_wire_bytes_counted(pools):
 def _variants_case(rank, world, n):
     out = {}
     variants = {
-        "sr": LowBitConfig(bits=4, stochastic_rounding=True),
-        "hadamard": LowBitConfig(bits=4, hadamard=True),
-        "1bit": LowBitConfig(bits=1),
-        "chunked": LowBitConfig(bits=4, chunk_size=300),
-        "ef": LowBitConfig(bits=2, error_feedback="ef", stage2_error_feedback=True, stochastic_rounding=True),
-        "ef21": LowBitConfig(bits=4, error_feedback="ef21"),
-        "bf16": LowBitConfig(bits=8),
+        "sr": LowBitConfig(bitwidth=4, stochastic_rounding=True),
+        "hadamard": LowBitConfig(bitwidth=4, hadamard=True),
+        "1bit": LowBitConfig(bitwidth=1),
+        "chunked": LowBitConfig(bitwidth=4, chunk_size=300),
+        "ef": LowBitConfig(bitwidth=2, error_feedback_mode="legacy", stage2_error_feedback=True, stochastic_rounding=True),
+        "ef21": LowBitConfig(bitwidth=4, error_feedback_mode="ef21"),
+        "bf16": LowBitConfig(bitwidth=8),
     }
     xs = _inputs(world, n, 7, scale_spread=False)
     exact = sum(x.double() for x in xs) / world
@@ -130,11 +130,11 @@ def _padding_case(rank, world):
     for n in (0, 1, 2, 31, 129, 257):
         y = torch.full((n,), float(rank + 1))
         comm = Comm(None)
-        drive(all_reduce_rounds(y, comm, LowBitConfig(bits=8), LowBitState(), average=False), comm)
+        drive(all_reduce_rounds(y, comm, LowBitConfig(bitwidth=8), LowBitState(), average=False), comm)
         want = world * (world + 1) / 2
         res.append((n, y.shape == (n,), bool(((y - want).abs() <= want * 0.01).all()), _identical(y)))
     y = torch.randn(3, 5, 7)  # any shape
-    drive(all_reduce_rounds(y, Comm(None), LowBitConfig(bits=8), LowBitState()))
+    drive(all_reduce_rounds(y, Comm(None), LowBitConfig(bitwidth=8), LowBitState()))
     res.append(("3d", y.shape == (3, 5, 7), True, _identical(y)))
     return res
 
@@ -151,7 +151,7 @@ def _nan_case(rank, world):
         y[5] = float("nan")
         y[700] = float("inf")
     st = LowBitState()
-    cfg = LowBitConfig(bits=4, error_feedback="ef", stage2_error_feedback=True)
+    cfg = LowBitConfig(bitwidth=4, error_feedback_mode="legacy", stage2_error_feedback=True)
     drive(all_reduce_rounds(y, Comm(None), cfg, st))
     first = (bool(torch.isnan(y[5])), bool(torch.isnan(y[700]) | torch.isinf(y[700])),
              bool(torch.isfinite(y[200:600]).all()))
@@ -167,7 +167,7 @@ def test_nan_propagates_and_does_not_poison_state(pools):
 
 def _ef_case(rank, world, mode, stage2_ef, steps):
     """Constant input: the running average of outputs must converge to the exact average."""
-    cfg = LowBitConfig(bits=2, block_size=64, error_feedback=mode, stage2_error_feedback=stage2_ef)
+    cfg = LowBitConfig(bitwidth=2, block_size=64, error_feedback_mode=mode, stage2_error_feedback=stage2_ef)
     x = _inputs(world, 2048, 3, scale_spread=False)
     exact = sum(v.double() for v in x) / world
     st, acc, errs, last = LowBitState(), torch.zeros(2048, dtype=torch.float64), [], []
@@ -183,7 +183,7 @@ def _ef_case(rank, world, mode, stage2_ef, steps):
 def test_error_feedback_shrinks_time_averaged_error(pools):
     steps = 16
     none = pools.run(2, _ef_case, "none", False, steps)[0][0]
-    ef = pools.run(2, _ef_case, "ef", True, steps)[0][0]
+    ef = pools.run(2, _ef_case, "legacy", True, steps)[0][0]
     ef21_errs, ef21_last = pools.run(2, _ef_case, "ef21", True, steps)[0]
     assert none[-1] > 0.8 * none[0], none            # deterministic rounding: no progress
     assert ef[-1] < 0.25 * ef[0], ef                  # EF: error of the average ~ 1/t
@@ -192,7 +192,7 @@ def test_error_feedback_shrinks_time_averaged_error(pools):
 
 
 def _rs_ag_case(rank, world, k, bits):
-    cfg = LowBitConfig(bits=bits, block_size=32)
+    cfg = LowBitConfig(bitwidth=bits, block_size=32)
     xs = _inputs(world, world * k, 11)
     out = torch.empty(k)
     drive(reduce_scatter_rounds(out, xs[rank].clone(), Comm(None), cfg, average=False))
@@ -217,8 +217,8 @@ def test_reduce_scatter_and_all_gather_within_bound(pools, world):
 
 def _hier_case(rank, world, hierarchy, local_quantize, chunk_size, ef):
     intra, inter = Comm(bitscom.intra_group()), Comm(bitscom.inter_group())
-    cfg = LowBitConfig(bits=4, hierarchy=hierarchy, local_quantize=local_quantize,
-                       chunk_size=chunk_size, error_feedback=ef, intra_bits=8)
+    cfg = LowBitConfig(bitwidth=4, hierarchy=hierarchy, local_quantize=local_quantize,
+                       chunk_size=chunk_size, error_feedback_mode=ef, intra_bitwidth=8)
     xs = _inputs(world, 1500, 5, scale_spread=False)
     exact = sum(x.double() for x in xs) / world
     st = LowBitState()
@@ -231,7 +231,7 @@ def _hier_case(rank, world, hierarchy, local_quantize, chunk_size, ef):
 
 
 @pytest.mark.parametrize("hierarchy,local_quantize,chunk_size,ef", [
-    ("leader", False, None, "none"), ("leader", True, 512, "ef"), ("two_level", False, None, "none"),
+    ("leader", False, None, "none"), ("leader", True, 512, "legacy"), ("two_level", False, None, "none"),
     ("two_level", False, 512, "ef21"), ("leader", False, 256, "ef21")])
 def test_hierarchical_two_nodes_of_two(pools, hierarchy, local_quantize, chunk_size, ef):
     res = pools.run(4, _hier_case, hierarchy, local_quantize, chunk_size, ef)
@@ -286,21 +286,21 @@ def test_pipeline_interleaves_stages_in_lockstep():
 
 
 def test_config_validation_names_the_value():
-    with pytest.raises(ValueError, match="bits=3"):
-        LowBitConfig(bits=3)
-    with pytest.raises(ValueError, match="stage2_bits=5"):
-        LowBitConfig(stage2_bits=5)
+    with pytest.raises(ValueError, match="bitwidth=3"):
+        LowBitConfig(bitwidth=3)
+    with pytest.raises(ValueError, match="stage2_bitwidth=5"):
+        LowBitConfig(stage2_bitwidth=5)
     with pytest.raises(ValueError, match="block_size=100"):
         LowBitConfig(block_size=100)
-    with pytest.raises(ValueError, match="error_feedback='ef22'"):
-        LowBitConfig(error_feedback="ef22")
+    with pytest.raises(ValueError, match="error_feedback_mode='ef22'"):
+        LowBitConfig(error_feedback_mode="ef22")
     with pytest.raises(ValueError, match="hierarchy='tree'"):
         LowBitConfig(hierarchy="tree")
     with pytest.raises(ValueError, match="local_quantize"):
         LowBitConfig(local_quantize=True)
     with pytest.raises(ValueError, match="chunk_size=0"):
         LowBitConfig(chunk_size=0)
-    assert LowBitConfig(bits=2).resolved_stage2_bits == DEFAULT_STAGE2_BITS[2] >= 4
+    assert LowBitConfig(bitwidth=2).resolved_stage2_bitwidth == DEFAULT_STAGE2_BITS[2] >= 4
 
 
 def test_seeds_differ_per_rank_stage_step_and_repeat():
@@ -312,11 +312,50 @@ def test_seeds_differ_per_rank_stage_step_and_repeat():
 
 def test_state_round_trip_and_numel_guard():
     st = LowBitState()
-    st._bind(10)
-    st._buffer("residual", 16, "cpu").fill_(2.0)
+    st.bind(10)
+    st.residual.ensure(16, "cpu").fill_(2.0)
     st.step = 7
     other = LowBitState()
     other.load_state_dict(st.state_dict())
-    assert other.step == 7 and torch.equal(other.residual, st.residual)
+    assert other.step == 7 and torch.equal(other.residual.residual, st.residual.residual)
     with pytest.raises(ValueError, match="10 elements"):
-        other._bind(11)
+        other.bind(11)
+
+
+_SINGLETONS = {}
+
+
+def _one_rank_per_node(rank, world):
+    """Leader hierarchy with one rank per node (issue 10 item 4): nothing is counted for the
+    1-member local groups; the bytes are exactly the flat inter-node all-reduce's."""
+    if "groups" not in _SINGLETONS:
+        _SINGLETONS["groups"] = [dist.new_group([r]) for r in range(world)]
+    intra, inter = Comm(_SINGLETONS["groups"][rank]), Comm(None)
+    cfg = LowBitConfig(bitwidth=4, hierarchy="leader")
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
+    y = x.clone()
+    drive(all_reduce_rounds(y, None, cfg, LowBitState(), intra=intra, inter=inter))
+    flat = x.clone()
+    drive(all_reduce_rounds(flat, Comm(None), LowBitConfig(bitwidth=4), LowBitState()))
+    return intra.bytes_sent, inter.bytes_sent, bitscom.collectives.wire_bytes_all_reduce(3000, world, cfg), \
+        torch.equal(y, flat)
+
+
+def test_one_member_groups_send_and_count_nothing(pools):
+    for intra_bytes, inter_bytes, flat_bytes, same in pools.run(2, _one_rank_per_node):
+        assert intra_bytes == 0 and inter_bytes == flat_bytes and same
+
+
+def _leader_local_stage(rank, world):
+    intra, inter = Comm(bitscom.intra_group()), Comm(bitscom.inter_group())
+    y = torch.randn(1500, generator=torch.Generator().manual_seed(rank))
+    drive(all_reduce_rounds(y, None, LowBitConfig(bitwidth=4, hierarchy="leader"), LowBitState(),
+                            intra=intra, inter=inter))
+    return intra.rank, intra.bytes_sent
+
+
+def test_leader_local_stage_is_a_reduce_to_the_leader(pools):
+    """The seed's pipeline A: local reduce to the leader (not an all-reduce) -> ... -> broadcast.
+    Padded to 1536 float32: a follower sends its buffer once (reduce), a leader once (broadcast)."""
+    for local_rank, sent in pools.run(4, _leader_local_stage):
+        assert sent == 1536 * 4, (local_rank, sent)

@@ -32,7 +32,7 @@ def _async(rank, world):
     lb = bitscom.LowBitGroup(bitwidth=4)
     a, b = torch.randn(4096), torch.randn(4096)
     wa = lb.all_reduce(a, async_op=True, key="a")
-    first_in_flight = wa._work is not None and not wa.is_completed()
+    first_in_flight = wa.work is not None and not wa.is_completed()
     wb = lb.all_reduce(b, async_op=True, key="b")   # a second collective before waiting
     wb.wait()
     wa.wait()
@@ -70,34 +70,75 @@ def _rs_ag(rank, world):
 def test_reduce_scatter_and_all_gather_are_low_bit(pools):
     for rs_err, ag_err, ag_bytes in pools.run(2, _rs_ag):
         assert rs_err < 0.02 and ag_err < 0.02
-        assert ag_bytes == 64 + 4  # 2 blocks of 32 8-bit codes + 2 bf16 scales, not 160 bytes of fp32
+        # 2 blocks of 32 8-bit codes + 2 bf16 scales (not 160 bytes of fp32), plus the 16-byte
+        # size check (two int64) every LowBitGroup call makes
+        assert ag_bytes == 64 + 4 + 16
 
 
 def _simulate(rank, world):
-    lb = bitscom.LowBitGroup(bitwidth=4, simulate_quantization=True)
-    x = torch.randn(512, generator=torch.Generator().manual_seed(rank))
-    y = x.clone()
-    lb.all_reduce(y, op=dist.ReduceOp.AVG)
-    want = sum(bitscom.LowBitGroup(bitwidth=4).decompress(bitscom.LowBitGroup(bitwidth=4).compress(
-        torch.randn(512, generator=torch.Generator().manual_seed(r)))) for r in range(world)) / world
+    """simulate_quantization computes what the low-bit wire gives, for every setting, in fp32."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for name, kw in {"none": {}, "legacy": {"error_feedback": True},
+                     "ef21": {"error_feedback_mode": "ef21"},
+                     "ef21_plus": {"error_feedback_mode": "ef21_plus"},
+                     "sr_hadamard": {"stochastic_rounding": True, "hadamard": True},
+                     "stage2": {"bitwidth": 2, "stage2_error_feedback": True}}.items():
+        real = bitscom.LowBitGroup(**dict({"bitwidth": 4}, **kw))
+        sim = bitscom.LowBitGroup(**dict({"bitwidth": 4}, **kw), simulate_quantization=True)
+        diffs = []
+        for _ in range(3):          # EF state evolves the same way in both
+            y, z = x.clone(), x.clone()
+            real.all_reduce(y, op=dist.ReduceOp.AVG, key="w")
+            w = sim.all_reduce(z, op=dist.ReduceOp.AVG, key="w", async_op=True)
+            w.wait()
+            diffs.append(float((y - z).abs().max()))
+        out[name] = (max(diffs), w.bytes_sent, y.clone())
+    # hierarchy through the groups, reduce_scatter and all_gather are simulated too
+    inp = torch.randn(world * 300, generator=torch.Generator().manual_seed(10 + rank))
+    rs = {}
+    for flag in (False, True):
+        g = bitscom.LowBitGroup(bitwidth=2, simulate_quantization=flag)
+        o = torch.empty(300)
+        g.reduce_scatter(o, inp)
+        ag = torch.empty(world * 300)
+        g.all_gather(ag, inp[:300])
+        rs[flag] = (o, ag)
+    return ({k: v[:2] for k, v in out.items()},
+            float((out["none"][2] - out["ef21"][2]).abs().max()),
+            float((rs[False][0] - rs[True][0]).abs().max()), float((rs[False][1] - rs[True][1]).abs().max()),
+            float((rs[True][1].view(world, 300)[rank] - inp[:300]).abs().max()))
+
+
+def test_simulate_quantization_honours_every_setting(pools):
+    for per_mode, none_vs_ef21, rs_diff, ag_diff, ag_err in pools.run(2, _simulate):
+        for name, (diff, sent) in per_mode.items():
+            # the same arithmetic in the same order: equal up to float32 rounding of the sums
+            assert diff < 1e-5, (name, diff)
+            assert sent >= 1000 * 4, (name, sent)   # float32 on the wire, honestly counted
+        assert none_vs_ef21 > 1e-3     # ef21 is not silently ignored (it was, before)
+        assert rs_diff < 1e-5 and ag_diff < 1e-5
+        assert ag_err > 1e-4           # the all-gather really is quantized (2 bits), not exact
+
+
+def test_compress_decompress_round_trip():
+    lb = bitscom.LowBitGroup(bitwidth=4)
+    x = torch.randn(512)
     c = lb.compress(x)
-    return float((y - want).abs().max()), c.nbytes, lb.decompress(c).shape == x.shape
-
-
-def test_simulate_quantization_and_compress(pools):
-    for err, nbytes, shape_ok in pools.run(2, _simulate):
-        assert err < 1e-5 and nbytes == 256 + 8 and shape_ok
+    assert c.nbytes == 256 + 8 and lb.decompress(c).shape == x.shape
+    assert torch.equal(lb.decompress(c), bitscom.quantization.dequantize_tensor(
+        bitscom.quantization.quantize_tensor(x, 4)))
 
 
 def _ef_state(rank, world):
-    lb = bitscom.LowBitGroup(bitwidth=2, error_feedback="ef", stage2_error_feedback=True)
+    lb = bitscom.LowBitGroup(bitwidth=2, error_feedback_mode="legacy", stage2_error_feedback=True)
     x = torch.randn(300, generator=torch.Generator().manual_seed(rank))
     for _ in range(3):
         lb.all_reduce(x.clone(), key="w")
     saved = lb.state_dict()
     y1 = x.clone()
     lb.all_reduce(y1, key="w")
-    lb2 = bitscom.LowBitGroup(bitwidth=2, error_feedback="ef", stage2_error_feedback=True)
+    lb2 = bitscom.LowBitGroup(bitwidth=2, error_feedback_mode="legacy", stage2_error_feedback=True)
     lb2.load_state_dict(saved)
     y2 = x.clone()
     lb2.all_reduce(y2, key="w")
@@ -118,7 +159,7 @@ def _hier(rank, world):
         y = x.clone()
         lb.all_reduce(y, local_group=bitscom.intra_group(), inter_group=bitscom.inter_group(), **kw)
         res.append(float((y.double() - exact).norm() / exact.norm()))
-    two = bitscom.LowBitGroup(bitwidth=4, hierarchy="two_level", intra_bits=8)
+    two = bitscom.LowBitGroup(bitwidth=4, hierarchy="two_level", intra_bitwidth=8)
     y = x.clone()
     work = two.all_reduce(y, async_op=True)
     work.wait()
@@ -132,10 +173,12 @@ def test_hierarchical_through_the_group(pools):
 
 
 def test_bad_options_raise_clear_errors():
-    with pytest.raises(ValueError, match="bits=3"):
+    with pytest.raises(ValueError, match="bitwidth=3"):
         bitscom.LowBitGroup(bitwidth=3)
-    with pytest.raises(ValueError, match="error_feedback='yes'"):
+    with pytest.raises(TypeError, match="error_feedback must be a bool.*'yes'"):
         bitscom.LowBitGroup(error_feedback="yes")
+    with pytest.raises(ValueError, match="error_feedback_mode='yes'"):
+        bitscom.LowBitGroup(error_feedback_mode="yes")
     with pytest.raises(TypeError, match="simulate_quantization"):
         bitscom.LowBitGroup(simulate_quantization="no")
     with pytest.raises(ValueError, match="block_size=48"):
@@ -153,4 +196,101 @@ def _mismatched(rank, world):
 def test_mismatched_settings_raise_on_every_rank(pools):
     msgs = pools.run(2, _mismatched, timeout=60)
     assert msgs[0] is not None and msgs[0] == msgs[1]
-    assert "LowBitGroup settings" in msgs[0] and "bits=4" in msgs[0] and "bits=8" in msgs[0]
+    assert "LowBitGroup settings" in msgs[0] and "bitwidth=4" in msgs[0] and "bitwidth=8" in msgs[0]
+
+
+def _size_mismatch(rank, world, numel, op_name):
+    lb = bitscom.LowBitGroup(bitwidth=4)
+    x = torch.randn(numel[rank])
+    try:
+        if op_name == "all_reduce":
+            lb.all_reduce(x, key="x")
+        elif op_name == "reduce_scatter":
+            lb.reduce_scatter(torch.empty(numel[rank]), torch.randn(world * numel[rank]))
+        else:
+            lb.all_gather(torch.empty(world * numel[rank]), x)
+    except ValueError as err:
+        msg = str(err)
+    else:
+        msg = None
+    y = torch.ones(10)          # the group is still usable afterwards
+    lb.all_reduce(y)
+    return msg, float(y.sum())
+
+
+@pytest.mark.parametrize("numel", [(100, 200), (100, 300)])
+@pytest.mark.parametrize("op_name", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_different_sizes_per_rank_are_one_clear_error(pools, numel, op_name):
+    """Issue 9 item 5: 100 vs 200 elements gave different results per rank, 100 vs 300 SIGABRT."""
+    msgs = pools.run(2, _size_mismatch, numel, op_name, timeout=60)
+    assert msgs[0][0] is not None and msgs[0][0] == msgs[1][0]
+    assert f"rank 0: {numel[0]}, rank 1: {numel[1]}" in msgs[0][0] and op_name in msgs[0][0]
+    assert all(abs(s - 20.0) < 0.2 for _, s in msgs)
+
+
+def _int_avg(rank, world):
+    lb = bitscom.LowBitGroup(bitwidth=4)
+    try:
+        lb.all_reduce(torch.tensor([rank, 1]), op=dist.ReduceOp.AVG)
+    except TypeError as err:
+        return str(err)
+    return None
+
+
+def test_integer_avg_is_a_clear_error(pools):
+    for msg in pools.run(2, _int_avg, timeout=60):
+        assert msg is not None and "op=AVG needs a floating tensor" in msg and "torch.int64" in msg
+
+
+def _seed_usage(rank, world):
+    """The seed's own LowBitGroup calls: default group, list all_gather/reduce_scatter, hierarchy."""
+    group = bitscom.LowBitGroup(bitwidth=4)
+    t = torch.full((1000,), float(rank + 1))
+    group.all_reduce(t)
+    outs = [torch.empty(64) for _ in range(world)]
+    group.all_gather(outs, torch.full((64,), float(rank)))
+    rs = torch.empty(64)
+    group.reduce_scatter(rs, [torch.full((64,), 1.0) for _ in range(world)])
+    h = torch.full((1000,), float(rank + 1))
+    group.all_reduce(h, local_group=bitscom.intra_group(), inter_group=bitscom.inter_group(),
+                     chunk_size=1 << 20, local_quantize=False)
+    modes = []
+    for mode in ("none", "legacy", "ef21", "ef21_plus"):
+        g = bitscom.LowBitGroup(bitwidth=4, error_feedback_mode=mode)
+        y = torch.full((500,), float(rank))
+        g.all_reduce(y, key="y")
+        modes.append(float(y.mean()))
+    return (float(t.mean()), [float(o.mean()) for o in outs], float(rs.mean()), float(h.mean()), modes,
+            group.rank, group.world_size)
+
+
+def test_seed_usage_runs_as_written(pools):
+    for rank, (t, outs, rs, h, modes, r, w) in enumerate(pools.run(4, _seed_usage)):
+        assert abs(t - 10.0) < 0.1 and abs(h - 10.0) < 0.1
+        assert [round(o) for o in outs] == [0, 1, 2, 3] and abs(rs - 4.0) < 0.05
+        assert all(abs(m - 6.0) < 0.1 for m in modes), modes
+        assert (r, w) == (rank, 4)
+
+
+def test_config_vocabulary_and_aliases():
+    from bitscom.collectives import LowBitConfig
+    assert LowBitConfig(error_feedback=True) == LowBitConfig(error_feedback_mode="legacy")
+    assert LowBitConfig(error_feedback=True).error_feedback_mode == "legacy"
+    assert LowBitConfig(error_feedback_mode="ef21").error_feedback is True
+    plus = LowBitConfig(error_feedback_mode="ef21_plus")
+    assert plus.stage2_error_feedback and plus == LowBitConfig(error_feedback_mode="ef21",
+                                                               stage2_error_feedback=True)
+    assert LowBitConfig.build(bits=2, hierarchical="none", stage2_bits=8) == \
+        LowBitConfig(bitwidth=2, stage2_bitwidth=8)
+    assert bitscom.LowBitGroup(bitwidth=2).config == bitscom.compressors.LowBit(bitwidth=2).config
+    assert LowBitConfig.build(LowBitConfig(error_feedback=True), error_feedback_mode="ef21").ef21
+    with pytest.raises(ValueError, match="contradicts"):
+        LowBitConfig(error_feedback=True, error_feedback_mode="none")
+    with pytest.raises(ValueError, match="'ef' is now called 'legacy'"):
+        LowBitConfig(error_feedback_mode="ef")
+    with pytest.raises(TypeError, match="unknown low-bit setting 'bitz'"):
+        LowBitConfig.build(bitz=4)
+    with pytest.raises(ValueError, match="backend_ops"):
+        LowBitConfig(backend_ops=("broadcast",))
+    with pytest.raises(ValueError, match="all_reduce only"):
+        LowBitConfig(error_feedback_mode="ef21", backend_ops=("all_reduce", "all_gather"))

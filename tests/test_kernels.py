@@ -262,3 +262,24 @@ def test_cuda_speed_sanity():
     tc = t(lambda: y.copy_(x))
     assert t(lambda: K.quantize_pack(x, 4, payload=p, scales=s)) < 20 * tc
     assert t(lambda: K.unpack_dequantize(p, s, x.numel(), 4, out=out)) < 20 * tc
+
+
+@pytest.mark.parametrize("bits,out_bits", [(1, 4), (2, 4), (4, 4), (8, 8), (12, 12), (16, 16), (4, 32)])
+@pytest.mark.parametrize("sr", [False, True])
+def test_collectives_fused_reduce_step_gives_the_unfused_bytes(bits, out_bits, sr):
+    """The all-reduce's reduce step runs kernels.dequantize_sum_requantize (Codec.decode_sum_encode);
+    it must put exactly the bytes of decode-sum, scale, encode on the wire."""
+    from bitscom.quantization import Codec
+    P, m = 3, 1000
+    c1, c2 = Codec(bits, 128, sr), Codec(out_bits, 128, sr)
+    rows = torch.empty(P, c1.row_bytes(m), dtype=torch.uint8)
+    for j in range(P):
+        c1.encode(torch.randn(m) * torch.logspace(-3, 1, m), rows[j], seed=j, offset=0)
+    fused = torch.empty(c2.row_bytes(m), dtype=torch.uint8)
+    c1.decode_sum_encode(rows, m, 1 / P, c2, fused, seed=7, offset=99)
+    acc = torch.empty(m)
+    c1.decode_sum(rows, m, acc)
+    acc.mul_(1 / P)
+    plain = torch.empty_like(fused)
+    c2.encode(acc, plain, seed=7, offset=99)
+    assert torch.equal(fused, plain)

@@ -61,9 +61,9 @@ def _check(results, world, steps, tol):
 
 
 @pytest.mark.parametrize("settings,tol", [
-    ({"bits": 8}, 0.01),
-    ({"bits": 4, "error_feedback": "ef", "stochastic_rounding": True, "block_size": 32}, 0.06),
-    ({"bits": 2, "error_feedback": "ef21", "stage2_error_feedback": True, "hadamard": True}, 0.2),
+    ({"bitwidth": 8}, 0.01),
+    ({"bitwidth": 4, "error_feedback_mode": "legacy", "stochastic_rounding": True, "block_size": 32}, 0.06),
+    ({"bitwidth": 2, "error_feedback_mode": "ef21", "stage2_error_feedback": True, "hadamard": True}, 0.2),
 ])
 def test_trains_with_identical_replicas(pools, settings, tol):
     steps = 5
@@ -72,14 +72,14 @@ def test_trains_with_identical_replicas(pools, settings, tol):
 
 
 def test_bytes_match_wire_cost(pools):
-    results = pools.run(2, _train, 2, {"bits": 4})
+    results = pools.run(2, _train, 2, {"bitwidth": 4})
     stats, wire = results[0][1][-1], results[0][3]
     assert stats["bytes_sent"] == sum(wire)
     assert stats["compression_ratio"] > 3
 
 
 def test_checkpoint_resume_reproduces(pools):
-    settings = {"bits": 2, "error_feedback": "ef", "stage2_error_feedback": True,
+    settings = {"bitwidth": 2, "error_feedback_mode": "legacy", "stage2_error_feedback": True,
                 "stochastic_rounding": True}
     for history, _, resumed, _ in pools.run(2, _train, 5, settings, 0.0002, False, 2):
         for a, b in zip(history[-1], resumed):
@@ -87,8 +87,8 @@ def test_checkpoint_resume_reproduces(pools):
 
 
 @pytest.mark.parametrize("settings", [
-    {"bits": 4, "hierarchical": "two_level"},
-    {"bits": 4, "hierarchical": "leader", "error_feedback": "ef", "chunk_size": 64},
+    {"bitwidth": 4, "hierarchy": "two_level"},
+    {"bitwidth": 4, "hierarchy": "leader", "error_feedback_mode": "legacy", "chunk_size": 64},
 ])
 def test_hierarchical_on_two_nodes(pools, settings):
     steps = 3
@@ -98,14 +98,14 @@ def test_hierarchical_on_two_nodes(pools, settings):
 
 
 def test_registry_and_bad_settings():
-    assert get("lowbit", bits=2) == LowBit(bits=2)
-    with pytest.raises(ValueError, match="bits=3"):
-        LowBit(bits=3)
+    assert get("lowbit", bitwidth=2) == LowBit(bitwidth=2)
+    with pytest.raises(ValueError, match="bitwidth=3"):
+        LowBit(bitwidth=3)
     with pytest.raises(ValueError, match="intra_group"):
-        LowBit(hierarchical="two_level")
-    with pytest.raises(ValueError, match="error_feedback='sometimes'"):
-        LowBit(error_feedback="sometimes")
-    assert "bits=4" in LowBit().fingerprint()
+        LowBit(hierarchy="two_level")
+    with pytest.raises(ValueError, match="error_feedback_mode='sometimes'"):
+        LowBit(error_feedback_mode="sometimes")
+    assert "bitwidth=4" in LowBit().fingerprint()
 
 
 def test_defaults_agree_with_the_collectives_config():

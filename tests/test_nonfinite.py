@@ -29,8 +29,8 @@ def _steps(rank, world, name, settings):
 
 
 CASES = [("powersgd", {"rank": 2, "start_iter": 0}), ("acpsgd", {"rank": 2}),
-         ("topk", {"ratio": 0.5}), ("signsgd", {}), ("lowbit", {"error_feedback": "ef"}),
-         ("lowbit", {"error_feedback": "ef21"}), ("fp16", {}), ("none", {})]
+         ("topk", {"ratio": 0.5}), ("signsgd", {}), ("lowbit", {"error_feedback": True}),
+         ("lowbit", {"error_feedback_mode": "ef21"}), ("fp16", {}), ("none", {})]
 
 
 @pytest.mark.parametrize("name,settings", CASES, ids=[f"{n}-{s}" for n, s in CASES])

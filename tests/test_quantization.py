@@ -297,3 +297,15 @@ def test_other_bad_inputs():
         Q.hadamard(torch.randn(24), 24)
     with pytest.raises(TypeError, match="dense"):
         Q.quantize(torch.randn(4, 4).to_sparse(), 4)
+
+
+def test_seed_names_quantize_tensor_and_sign_packing():
+    x = torch.randn(1000)
+    q = Q.quantize_tensor(x, 4, stochastic_rounding=True, seed=3)
+    ref = Q.quantize(x, 4, stochastic_rounding=True, seed=3)
+    assert torch.equal(q.payload, ref.payload) and torch.equal(q.scales, ref.scales)
+    assert torch.equal(Q.dequantize_tensor(q), Q.dequantize(ref))
+    # 1-bit signs are the format's 1-bit codes (1 = negative), packed by the format's packer
+    s = torch.tensor([-1.0, 2.0, 0.0, -0.0, float("nan"), -3.0, 5.0, -8.0, -1.0])
+    assert Q.pack_signs(s).tolist() == Q.pack((s < 0).long(), 1).tolist() == [0b10100001, 1]
+    assert Q.unpack_signs(Q.pack_signs(s), 9).tolist() == [-1, 1, 1, 1, 1, -1, 1, -1, -1]

@@ -10,7 +10,7 @@ from .casting import BF16Compressor, Compression, FP16Compressor, NoneCompressor
 from .error_feedback import ErrorFeedback
 from .lowbit import LowBit
 from .powersgd import PowerSGD
-from .registry import get, names, register
+from .registry import get, names, register, resolve
 from .signsgd import SignSGD
 from .topk import TopK
 
@@ -27,5 +27,5 @@ __all__ = [
     "BucketLayout", "Comm", "Compressor", "State", "TensorSlot", "drive", "ErrorFeedback",
     "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
     "LowBit", "PowerSGD", "ACPSGD", "TopK", "SignSGD",
-    "get", "names", "register",
+    "get", "names", "register", "resolve",
 ]

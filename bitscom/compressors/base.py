@@ -25,14 +25,11 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names
-# warn on every call); 2.11 and 2.12 only have the old ones.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from ..comm import Comm, Rounds, drive, is_completed, wait
 
-__all__ = ["TensorSlot", "BucketLayout", "Comm", "State", "Compressor", "drive"]
+__all__ = ["TensorSlot", "BucketLayout", "Comm", "State", "Compressor", "drive", "Rounds",
+           "is_completed", "wait"]
 
 
 @dataclass(frozen=True)
@@ -88,92 +85,6 @@ class BucketLayout:
                             tensor.dtype, tensor.device)
 
 
-class Comm:
-    """Asynchronous collectives on behalf of one reduction, with byte accounting.
-
-    ``bytes_sent`` counts the payload this rank hands to the network: the size of the input
-    buffer of every collective (for all-reduce the whole buffer, for all-gather this rank's
-    contribution, for all-to-all this rank's whole send buffer). It is the number a user
-    compares against the fp32 cost of the same gradient, and it is what a ring algorithm's
-    traffic scales with.
-
-    Collectives issued before the compressor first yields go to ``group``; later ones go to
-    ``later_group`` (when given). The engine uses that split to keep the order of collectives
-    identical on every rank while later rounds of one bucket overlap first rounds of the next.
-
-    Example::
-
-        comm = Comm(group)
-        work = comm.all_reduce(buf)     # asynchronous; counted in comm.bytes_sent
-        work.wait()
-    """
-
-    def __init__(self, group: Optional[dist.ProcessGroup] = None,
-                 later_group: Optional[dist.ProcessGroup] = None):
-        self.group = group
-        self.later_group = later_group
-        self.size = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        self.bytes_sent = 0
-        self._yielded = False
-
-    def _pg(self):
-        if self._yielded and self.later_group is not None:
-            return self.later_group
-        return self.group
-
-    def _count(self, tensor: torch.Tensor) -> None:
-        self.bytes_sent += tensor.numel() * tensor.element_size()
-
-    @property
-    def _local(self) -> bool:
-        """No process group at all: a single process, where every collective is an identity."""
-        return self.group is None and not dist.is_initialized()
-
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM):
-        """Sum (or ``op``) ``tensor`` in place over the group; returns the async work."""
-        if self._local:
-            return None
-        self._count(tensor)
-        return dist.all_reduce(tensor, op=op, group=self._pg(), async_op=True)
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor):
-        """``output`` (size × input.numel()) receives every rank's ``input``, in rank order."""
-        if self._local:
-            output.view(-1).copy_(input.view(-1))
-            return None
-        self._count(input)
-        return _all_gather_flat(output, input, group=self._pg(), async_op=True)
-
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor):
-        """Equal splits: chunk j of ``input`` goes to rank j; chunk j of ``output`` comes from j."""
-        if self._local:
-            output.copy_(input)
-            return None
-        self._count(input)
-        return dist.all_to_all_single(output, input, group=self._pg(), async_op=True)
-
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM):
-        if self._local:
-            output.view(-1).copy_(input.view(-1))
-            return None
-        self._count(input)
-        return _reduce_scatter_flat(output, input, op=op, group=self._pg(), async_op=True)
-
-    def broadcast(self, tensor: torch.Tensor, group_src: int = 0):
-        """Broadcast from the rank with *group* rank ``group_src``."""
-        if self._local:
-            return None
-        if self.rank == group_src:
-            self._count(tensor)
-        src = dist.get_global_rank(self._pg(), group_src) if self._pg() is not None else group_src
-        return dist.broadcast(tensor, src=src, group=self._pg(), async_op=True)
-
-    def mark_yield(self) -> None:
-        """Called by the driver each time the compressor yields."""
-        self._yielded = True
-
-
 class State:
     """Mutable per-bucket compressor state.
 
@@ -200,7 +111,7 @@ class State:
                 value = value.detach().clone()
             elif isinstance(value, torch.Generator):
                 value = {"__generator_state__": value.get_state()}
-            elif isinstance(value, State):
+            elif isinstance(value, State) or _is_stateful(value):
                 value = {"__state__": value.state_dict()}
             elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
                 value = [v.detach().clone() for v in value]
@@ -225,6 +136,12 @@ class State:
                     _copy_checked(f"{key}[{i}]", c, v)
             else:
                 setattr(self, key, value)
+
+
+def _is_stateful(value) -> bool:
+    """A nested state object that saves itself (e.g. :class:`~bitscom.error_feedback.ErrorFeedback`)."""
+    return hasattr(value, "state_dict") and hasattr(value, "load_state_dict") \
+        and not isinstance(value, (torch.Tensor, torch.Generator))
 
 
 def _copy_checked(key: str, current: torch.Tensor, value: torch.Tensor) -> None:
@@ -279,44 +196,3 @@ class Compressor(abc.ABC):
         ``step`` matters for compressors whose traffic changes over time (warm-up steps,
         ACP-SGD's alternating factors); ``None`` asks for the steady-state average."""
         return None
-
-
-def drive(rounds: Iterator[Any], comm: Optional[Comm] = None) -> None:
-    """Run a compressor's rounds to completion, waiting on each yielded work in turn.
-
-    The synchronous driver: used by the collective API, tests and the engine's blocking
-    paths. Example::
-
-        comm = Comm(group)
-        drive(compressor.reduce(flat, layout, state, comm), comm)
-    """
-    for work in rounds:
-        if comm is not None:
-            comm.mark_yield()
-        if work is not None:
-            _wait(work)
-
-
-def _wait(work) -> None:
-    if isinstance(work, (list, tuple)):
-        for w in work:
-            _wait(w)
-    else:
-        work.wait()
-
-
-def is_completed(work) -> bool:
-    """True when every handle in ``work`` finished (a list/tuple of handles is allowed)."""
-    if work is None:
-        return True
-    if isinstance(work, (list, tuple)):
-        return all(is_completed(w) for w in work)
-    if isinstance(work, torch.futures.Future):
-        return work.done()
-    return work.is_completed()
-
-
-def wait(work) -> None:
-    """Block until every handle in ``work`` finished, raising its error if any."""
-    if work is not None:
-        _wait(work)

@@ -1,14 +1,14 @@
 """LowBit: blockwise low-bit two-stage all-reduce as a DistributedOptimizer compressor.
 
 A thin adapter: the algorithm lives in :mod:`bitscom.collectives` (shared with
-:class:`bitscom.LowBitGroup` and the ``lowbit`` backend); this class holds the settings and
-one :class:`~bitscom.collectives.LowBitState` per bucket (error-feedback buffers and the step
-that keys stochastic-rounding seeds), checkpointed with the optimizer.
+:class:`bitscom.LowBitGroup` and the ``lowbit`` backend) and the settings in one
+:class:`~bitscom.collectives.LowBitConfig`; this class holds that config, the hierarchy's
+groups, and one :class:`~bitscom.collectives.LowBitState` per bucket (error-feedback buffers
+and the step that keys stochastic-rounding seeds), checkpointed with the optimizer.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -20,60 +20,47 @@ from .base import BucketLayout, Comm, Compressor
 __all__ = ["LowBit"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class LowBit(Compressor):
     """Two-stage low-bit all-reduce of each bucket (quantize shards -> all-to-all -> sum ->
     requantize -> all-gather), flat or hierarchical.
 
-    Settings (see :class:`~bitscom.collectives.LowBitConfig` for each trade-off): ``bits``,
-    ``stage2_bits`` (None = max(bits, 4), measured), ``block_size``, ``stochastic_rounding``,
-    ``hadamard``, ``error_feedback`` ("none" | "ef" | "ef21"), ``stage2_error_feedback``,
-    ``hierarchical`` ("none" | "leader" | "two_level"), ``intra_bits``, ``local_quantize``,
-    ``chunk_size``, ``seed``. A hierarchical compressor also needs ``intra_group`` and
-    ``inter_group`` (e.g. ``bitscom.intra_group()``, ``bitscom.inter_group()``); use them for
-    this optimizer only: all of its collectives are issued from the engine's in-order later
-    rounds, which keeps their order identical on every rank.
+    Takes a :class:`~bitscom.collectives.LowBitConfig` (``config=``) or its settings as
+    keywords, by the same names (``bitwidth``, ``error_feedback``, ``error_feedback_mode``,
+    ``stage2_bitwidth``, ``block_size``, ``stochastic_rounding``, ``hadamard``,
+    ``stage2_error_feedback``, ``hierarchy``, ``intra_bitwidth``, ``local_quantize``,
+    ``chunk_size``, ``seed``, ``simulate_quantization``; see the config for each trade-off).
+    A hierarchical compressor also needs ``intra_group`` and ``inter_group`` (e.g.
+    ``bitscom.intra_group()``, ``bitscom.inter_group()``); use them for this optimizer only:
+    all of its collectives are issued from the engine's in-order later rounds, which keeps
+    their order identical on every rank.
 
-    Wire cost of the flat scheme, per rank and bucket of n elements: n·(bits + 16/block_size)/8
-    bytes of all-to-all plus n/P·(stage2_bits + 16/block_size)/8 of all-gather input.
+    Wire cost of the flat scheme, per rank and bucket of n elements: n·(bitwidth + 16/block_size)/8
+    bytes of all-to-all plus n/P·(stage2_bitwidth + 16/block_size)/8 of all-gather input.
 
     Example::
 
+        comp = bitscom.compressors.LowBit(bitwidth=4, error_feedback=True)
         opt = bitscom.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                           compression=bitscom.compressors.LowBit(bits=4, error_feedback="ef"))
+                                           compression=comp)
     """
 
     name = "lowbit"
 
-    bits: int = 4
-    stage2_bits: Optional[int] = None
-    block_size: int = 128
-    stochastic_rounding: bool = False
-    hadamard: bool = False
-    error_feedback: str = "none"
-    stage2_error_feedback: bool = False
-    hierarchical: str = "none"
-    intra_bits: int = 8
-    local_quantize: bool = False
-    chunk_size: Optional[int] = None
-    seed: int = 0
+    config: LowBitConfig
     intra_group: Any = field(default=None, compare=False, repr=False)
     inter_group: Any = field(default=None, compare=False, repr=False)
 
-    def __post_init__(self):
-        cfg = self.config  # validates every setting, naming the bad value
-        if cfg.hierarchy != "none" and (self.intra_group is None or self.inter_group is None):
-            raise ValueError(f"hierarchical={self.hierarchical!r} needs intra_group and inter_group, "
+    def __init__(self, config: Optional[LowBitConfig] = None, *, intra_group=None, inter_group=None,
+                 **settings):
+        cfg = LowBitConfig.build(config, **settings)  # validates every setting, naming the bad value
+        object.__setattr__(self, "config", cfg)
+        object.__setattr__(self, "intra_group", intra_group)
+        object.__setattr__(self, "inter_group", inter_group)
+        if cfg.hierarchy != "none" and (intra_group is None or inter_group is None):
+            raise ValueError(f"hierarchy={cfg.hierarchy!r} needs intra_group and inter_group, "
                              "e.g. LowBit(..., intra_group=bitscom.intra_group(), "
                              "inter_group=bitscom.inter_group())")
-
-    @property
-    def config(self) -> LowBitConfig:
-        # Every LowBitConfig field has a same-named setting here, except ``hierarchy``, which the
-        # optimizer-facing API calls ``hierarchical``.
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(LowBitConfig)
-                  if f.name != "hierarchy"}
-        return LowBitConfig(hierarchy=self.hierarchical, **values)
 
     def init_state(self, layout: BucketLayout) -> LowBitState:
         return LowBitState()
@@ -94,14 +81,13 @@ class LowBit(Compressor):
             comm.bytes_sent += intra.bytes_sent + inter.bytes_sent
 
     def fingerprint(self) -> str:
-        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                           if f.compare)
-        if self.hierarchical != "none":
-            fields += (f", intra_size={dist.get_world_size(self.intra_group)}, "
-                       f"inter_size={dist.get_world_size(self.inter_group)}")
-        return f"LowBit({fields})"
+        text = repr(self.config)
+        if self.config.hierarchy != "none":
+            text += (f", intra_size={dist.get_world_size(self.intra_group)}, "
+                     f"inter_size={dist.get_world_size(self.inter_group)}")
+        return f"LowBit({text})"
 
     def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> Optional[int]:
-        if self.hierarchical != "none" or world_size <= 1:
+        if self.config.hierarchy != "none" or world_size <= 1:
             return None
         return wire_bytes_all_reduce(layout.numel, world_size, self.config)

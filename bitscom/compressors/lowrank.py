@@ -40,7 +40,8 @@ def check_low_rank_settings(settings) -> None:
     """Constructor validation shared by the low-rank compressors (ValueError naming the value).
 
     ``settings`` is the compressor: its ``rank``, ``min_compression_rate``, ``seed``,
-    ``orthogonalization`` and ``start_iter`` are checked.
+    ``orthogonalization`` and ``start_iter`` are checked, and ``error_feedback``, ``warm_start``
+    and ``batch_same_shape`` must be bools (a string such as ``'no'`` would read as True).
     """
     def _int(name, low):
         value = getattr(settings, name)
@@ -53,6 +54,10 @@ def check_low_rank_settings(settings) -> None:
     rate = settings.min_compression_rate
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
         raise ValueError(f"min_compression_rate must be a number > 0, got {rate!r}")
+    for name in ("error_feedback", "warm_start", "batch_same_shape"):
+        value = getattr(settings, name)
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
     if settings.orthogonalization not in ORTHOGONALIZATIONS:
         raise ValueError(f"orthogonalization must be one of {ORTHOGONALIZATIONS}, "
                          f"got {settings.orthogonalization!r}")

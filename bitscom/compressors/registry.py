@@ -57,3 +57,20 @@ def get(name: str, **kwargs) -> Compressor:
         return _REGISTRY[key](**kwargs)
     except TypeError as err:
         raise TypeError(f"bad settings for compressor {key!r}: {err}") from None
+
+
+def resolve(compressor, what: str = "compression") -> Compressor:
+    """A compressor instance, or the one a registry name builds; anything else is a TypeError
+    naming ``what`` (the caller's argument name). The faces (optimizer, DDP hook) share it.
+
+    Example::
+
+        comp = resolve("fp16")                  # == get("fp16")
+        comp = resolve(PowerSGD(rank=2), "compressor")
+    """
+    if isinstance(compressor, str):
+        compressor = get(compressor)
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"{what} must be a bitscom compressor or a registry name "
+                        f"(one of {names()}), got {compressor!r}")
+    return compressor

@@ -8,9 +8,9 @@ given the signs, and keeps dense-SGD learning rates usable. Per tensor (layer), 
 Karimireddy et al. do, not per bucket: a bucket mixes layers and biases whose magnitudes
 differ by orders, and one shared scale measurably hurts accuracy (README, "Top-k and sign compression").
 
-Wire format, per rank and bucket of d elements in T tensors: the d sign bits packed 8 per
-byte (bit ``i % 8`` of byte ``i // 8`` is element i, least significant bit first — the
-low-bit format's order; a set bit means negative, so ``+0`` and ``-0`` both read as +),
+Wire format, per rank and bucket of d elements in T tensors: the d sign bits as the low-bit
+format's 1-bit codes (:func:`bitscom.quantization.pack_signs`: bit ``i % 8`` of byte
+``i // 8`` is element i, a set bit means negative, so ``+0`` and ``-0`` both read as +),
 followed by the T fp32 scales: ``ceil(d / 8) + 4·T`` bytes, sent with one ``all_gather``
 (signs cannot be summed on the wire). fp32 all-reduce costs ``4·d``: about 32× more.
 
@@ -38,40 +38,11 @@ from typing import Optional
 
 import torch
 
+from ..error_feedback import ErrorFeedback
+from ..quantization import pack_signs, unpack_signs
 from .base import BucketLayout, Comm, Compressor
-from .error_feedback import ErrorFeedback
 
 __all__ = ["SignSGD", "pack_signs", "unpack_signs"]
-
-_BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def pack_signs(x: torch.Tensor) -> torch.Tensor:
-    """Pack ``x < 0`` into uint8, 8 elements per byte, least significant bit first.
-
-    Example::
-
-        pack_signs(torch.tensor([-1., 2., 3., 4., 5., 6., 7., -8.]))   # tensor([129], dtype=uint8)
-    """
-    x = x.reshape(-1)
-    d = x.numel()
-    bits = torch.zeros(-(-d // 8) * 8, dtype=torch.uint8, device=x.device)
-    bits[:d] = x < 0                     # NaN compares False: reads as +, its scale is NaN
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=x.device)
-    return (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
-
-
-def unpack_signs(packed: torch.Tensor, numel: int, dtype=torch.float32) -> torch.Tensor:
-    """Inverse of :func:`pack_signs`: ``numel`` values of ±1 in ``dtype``.
-
-    Example::
-
-        unpack_signs(torch.tensor([129], dtype=torch.uint8), 8)   # [-1, 1, 1, 1, 1, 1, 1, -1]
-    """
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=packed.device)
-    negative = (packed.reshape(-1, 1) & weights).ne(0).reshape(-1)[:numel]
-    return 1 - 2 * negative.to(dtype)
-
 
 @dataclass(frozen=True)
 class SignSGD(Compressor):

@@ -22,6 +22,8 @@ Layout of one quantized shard of ``numel`` elements (sizes from :func:`payload_b
   block k's codes at bytes ``[k * block_size * bits / 8, (k+1) * ...)``, bit order as in
   ``bitscom.quantization``;
 * scales: bfloat16 ``[nblocks]``.
+
+The format's specification is ``docs/format.md``.
 """
 from __future__ import annotations
 

@@ -1,0 +1,316 @@
+"""The communicator under every compressed reduction: one wrapper over torch.distributed.
+
+Three things live here, once:
+
+* the torch-version shims (torch 2.13 renamed ``all_gather_into_tensor`` /
+  ``reduce_scatter_tensor`` to ``all_gather_single`` / ``reduce_scatter_single``; the old names
+  warn there, and 2.11/2.12 only have the old ones): :data:`all_gather_flat`,
+  :data:`reduce_scatter_flat`;
+* :class:`Comm`: asynchronous collectives on behalf of one reduction, with byte counting; a
+  collective on a group of one member is a local copy (no traffic, nothing counted);
+* :class:`Rounds`: the one driver of a round generator (a compressor's ``reduce``, the
+  low-bit collectives): start it (issues its first round), poll it, wait for it. The engine,
+  :class:`bitscom.LowBitGroup`'s work handles and the ``lowbit`` backend all drive rounds
+  through it.
+
+Where a :class:`Comm` issues is its *transport*: :class:`TorchTransport` (the
+``torch.distributed`` functions on a registered process group, the default) or the backend's
+transport over its inner gloo/NCCL backends.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_gather_flat", "reduce_scatter_flat", "resolve_group", "is_sum_or_avg", "TorchTransport", "Comm",
+           "Rounds", "drive", "wait", "is_completed"]
+
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""``all_gather_single`` on torch >= 2.13, ``all_gather_into_tensor`` before."""
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""``reduce_scatter_single`` on torch >= 2.13, ``reduce_scatter_tensor`` before."""
+
+
+def resolve_group(group=None):
+    """The process group a face uses when given ``None``: torch's world group (what bitscom's
+    ``world_group()`` is), or ``None`` when torch.distributed is not initialized (one process).
+
+    Example::
+
+        self.process_group = resolve_group(process_group)
+    """
+    if group is not None:
+        return group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def is_sum_or_avg(op) -> bool:
+    """Whether a reduce op is SUM or AVG (what the low-bit collectives compute).
+
+    Compared with ``==``: the ``ReduceOp`` objects torch hands a backend in its options are
+    equal to, but not the same objects as, ``dist.ReduceOp.SUM``, so ``op in (SUM, AVG)`` is
+    False for them.
+
+    Example::
+
+        is_sum_or_avg(dist.AllreduceOptions().reduceOp)   # True
+    """
+    return op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG
+
+
+class TorchTransport:
+    """Issues asynchronous collectives through ``torch.distributed`` on a registered group.
+
+    Every method takes the group first and returns torch's work handle. Ranks are group ranks.
+
+    Example::
+
+        TorchTransport().all_reduce(group, tensor, dist.ReduceOp.SUM).wait()
+    """
+
+    def size(self, group) -> int:
+        return dist.get_world_size(group) if dist.is_initialized() else 1
+
+    def rank(self, group) -> int:
+        return dist.get_rank(group) if dist.is_initialized() else 0
+
+    def all_reduce(self, group, tensor, op):
+        return dist.all_reduce(tensor, op=op, group=group, async_op=True)
+
+    def all_gather(self, group, output, input):
+        return all_gather_flat(output, input, group=group, async_op=True)
+
+    def all_to_all(self, group, output, input):
+        return dist.all_to_all_single(output, input, group=group, async_op=True)
+
+    def reduce_scatter(self, group, output, input, op):
+        return reduce_scatter_flat(output, input, op=op, group=group, async_op=True)
+
+    def broadcast(self, group, tensor, src):
+        root = dist.get_global_rank(group, src) if group is not None else src
+        return dist.broadcast(tensor, src=root, group=group, async_op=True)
+
+    def reduce(self, group, tensor, dst, op):
+        root = dist.get_global_rank(group, dst) if group is not None else dst
+        return dist.reduce(tensor, dst=root, op=op, group=group, async_op=True)
+
+
+TORCH = TorchTransport()
+
+
+class Comm:
+    """Asynchronous collectives on behalf of one reduction, with byte accounting.
+
+    ``bytes_sent`` counts the payload this rank hands to the network: the size of the input
+    buffer of every collective (for all-reduce the whole buffer, for all-gather this rank's
+    contribution, for all-to-all this rank's whole send buffer; for broadcast only the root,
+    for reduce every rank but the root). It is the number a user compares against the fp32
+    cost of the same gradient. A group of one member sends nothing: its collectives are local
+    copies (or nothing) and are not counted.
+
+    Later rounds: collectives issued before :meth:`enter_later_rounds` go to ``group``, later
+    ones to ``later_group`` when one is given. Only the engine and the backend pass a later
+    group (see :mod:`bitscom.engine` for why); :class:`Rounds` calls :meth:`enter_later_rounds`
+    after the first round was issued.
+
+    Example::
+
+        comm = Comm(group)
+        work = comm.all_reduce(buf)     # asynchronous; counted in comm.bytes_sent
+        work.wait()
+    """
+
+    def __init__(self, group=None, later_group=None, *, transport=None,
+                 rank: Optional[int] = None, size: Optional[int] = None):
+        self.group = group
+        self.later_group = later_group
+        self.transport = TORCH if transport is None else transport
+        self.size = self.transport.size(group) if size is None else size
+        self.rank = self.transport.rank(group) if rank is None else rank
+        self.bytes_sent = 0
+        self.in_later_rounds = False
+
+    @property
+    def current_group(self):
+        """The group the next collective goes to."""
+        if self.in_later_rounds and self.later_group is not None:
+            return self.later_group
+        return self.group
+
+    def enter_later_rounds(self) -> None:
+        """From now on issue on ``later_group`` (when given). Called by the round driver."""
+        self.in_later_rounds = True
+
+    def count(self, tensor: torch.Tensor) -> None:
+        """Add ``tensor``'s bytes to :attr:`bytes_sent`."""
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+
+    @property
+    def solo(self) -> bool:
+        """A group of one member (or no distributed run at all): every collective is local."""
+        return self.size == 1
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM):
+        """Sum (or ``op``) ``tensor`` in place over the group; returns the async work."""
+        if self.solo:
+            return None
+        self.count(tensor)
+        return self.transport.all_reduce(self.current_group, tensor, op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor):
+        """``output`` (size × input.numel()) receives every rank's ``input``, in rank order."""
+        if self.solo:
+            output.view(-1).copy_(input.view(-1))
+            return None
+        self.count(input)
+        return self.transport.all_gather(self.current_group, output, input)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor):
+        """Equal splits: chunk j of ``input`` goes to rank j; chunk j of ``output`` comes from j."""
+        if self.solo:
+            output.copy_(input)
+            return None
+        self.count(input)
+        return self.transport.all_to_all(self.current_group, output, input)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM):
+        """``output`` = this rank's chunk of the sum of every rank's ``input``."""
+        if self.solo:
+            output.view(-1).copy_(input.view(-1))
+            return None
+        self.count(input)
+        return self.transport.reduce_scatter(self.current_group, output, input, op)
+
+    def broadcast(self, tensor: torch.Tensor, group_src: int = 0):
+        """Broadcast from the rank with *group* rank ``group_src``."""
+        if self.solo:
+            return None
+        if self.rank == group_src:
+            self.count(tensor)
+        return self.transport.broadcast(self.current_group, tensor, group_src)
+
+    def reduce(self, tensor: torch.Tensor, group_dst: int = 0, op=dist.ReduceOp.SUM):
+        """Sum ``tensor`` into the rank with group rank ``group_dst`` (others' buffers: undefined)."""
+        if self.solo:
+            return None
+        if self.rank != group_dst:
+            self.count(tensor)
+        return self.transport.reduce(self.current_group, tensor, group_dst, op)
+
+
+def is_completed(work) -> bool:
+    """True when every handle in ``work`` finished (a list/tuple of handles is allowed).
+
+    Example::
+
+        if is_completed(rounds.work): ...
+    """
+    if work is None:
+        return True
+    if isinstance(work, (list, tuple)):
+        return all(is_completed(w) for w in work)
+    if isinstance(work, torch.futures.Future):
+        return work.done()
+    return work.is_completed()
+
+
+def wait(work) -> None:
+    """Block until every handle in ``work`` finished, raising its error if any.
+
+    Example::
+
+        wait([comm.all_gather(out, inp), comm.all_reduce(buf)])
+    """
+    if work is None:
+        return
+    if isinstance(work, (list, tuple)):
+        for w in work:
+            wait(w)
+    else:
+        work.wait()
+
+
+class Rounds:
+    """The one driver of a round generator.
+
+    A round generator issues asynchronous collectives through its :class:`Comm` objects,
+    yields their work handle(s) and is resumed once they completed; its return value is
+    :attr:`result`. :meth:`start` runs it up to (and including the issue of) its first round;
+    :meth:`poll` advances it through every round whose work completed (all of them with
+    ``block=True``); :meth:`wait` finishes it. After the first round every comm enters its
+    later rounds (:meth:`Comm.enter_later_rounds`).
+
+    Example::
+
+        comm = Comm(group)
+        r = Rounds(compressor.reduce(flat, layout, state, comm), [comm]).start()
+        ...                                  # overlap: the first round is in flight
+        r.wait()
+    """
+
+    def __init__(self, rounds: Iterator[Any], comms: Iterable[Comm] = ()):
+        self._rounds = rounds
+        self.comms = [c for c in comms if c is not None]
+        self.work = None
+        self.done = False
+        self.result = None
+        self.started = False
+
+    def start(self) -> "Rounds":
+        """Issue the first round (idempotent)."""
+        if not self.started:
+            self.started = True
+            self._advance()
+            for c in self.comms:
+                c.enter_later_rounds()
+        return self
+
+    def _advance(self) -> None:
+        try:
+            self.work = next(self._rounds)
+        except StopIteration as stop:
+            self.work, self.done, self.result = None, True, stop.value
+        except BaseException:
+            self.work, self.done = None, True
+            raise
+
+    def poll(self, block: bool = False) -> bool:
+        """Advance through completed rounds; returns :attr:`done`."""
+        self.start()
+        while not self.done:
+            if not block and not is_completed(self.work):
+                break
+            wait(self.work)
+            self._advance()
+        return self.done
+
+    def wait(self, timeout=None) -> bool:
+        """Drive every remaining round to completion (``timeout`` is accepted, like torch's
+        ``Work.wait``, and not used: each collective has its group's timeout)."""
+        self.poll(block=True)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(c.bytes_sent for c in self.comms)
+
+
+def drive(rounds: Iterator[Any], comm: Optional[Comm] = None) -> Any:
+    """Run a round generator to completion, synchronously; returns its result.
+
+    Example::
+
+        comm = Comm(group)
+        drive(compressor.reduce(flat, layout, state, comm), comm)
+    """
+    r = Rounds(rounds, [comm] if comm is not None else [])
+    r.wait()
+    return r.result
