@@ -287,7 +287,9 @@ def _allreduce_rounds(fn, name, tensor, out, op, pre, post, group) -> Iterator:
     if tensor.is_complex() and op in (Min, Max):
         raise TypeError(f"op={op.name.title()} is undefined for complex tensors")
     size = 1 if group is None else dist.get_world_size(group)
-    buf = out if out.is_contiguous() else out.contiguous()
+    # detach(): the in-place forms may get a leaf that requires grad; the view shares storage.
+    buf = out.detach() if out.is_contiguous() else out.detach().contiguous()
+    contiguous = out.is_contiguous()
     if size > 1:
         yield from _negotiate(fn, name, group, tensor, _KINDS["allreduce"], _OPS[op],
                               pre=pre, post=post)
@@ -302,8 +304,8 @@ def _allreduce_rounds(fn, name, tensor, out, op, pre, post, group) -> Iterator:
             buf.div_(size)
     if post != 1.0:
         buf.mul_(post)
-    if buf is not out:
-        out.copy_(buf)
+    if not contiguous:
+        out.detach().copy_(buf)
     return out
 
 
@@ -351,7 +353,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
         bitscom.synchronize(h)      # buf now holds the sum
     """
     _check_tensor("allreduce_async_", tensor)
-    return _allreduce_async("allreduce_async_", tensor, tensor.data, average, name, op,
+    return _allreduce_async("allreduce_async_", tensor, tensor, average, name, op,
                             prescale_factor, postscale_factor, process_group, process_set)
 
 
@@ -513,11 +515,11 @@ def _broadcast_rounds(fn, name, out, root_rank, group) -> Iterator:
     if root_rank not in ranks:
         raise ValueError(f"bitscom.{fn}: root_rank {root_rank} is not a rank of the group "
                          f"(its global ranks are {ranks})")
-    buf = out if out.is_contiguous() else out.contiguous()
+    buf = out.detach() if out.is_contiguous() else out.detach().contiguous()
     wire = buf.view(torch.uint8) if buf.dtype == torch.bool else buf
     yield dist.broadcast(wire, src=root_rank, group=_payload_group(group), async_op=True)
-    if buf is not out:
-        out.copy_(buf)
+    if not out.is_contiguous():
+        out.detach().copy_(buf)
     return out
 
 
@@ -555,7 +557,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=None, *,
         bitscom.synchronize(bitscom.broadcast_async_(weights, root_rank=0))
     """
     _check_tensor("broadcast_async_", tensor)
-    return _broadcast_async("broadcast_async_", tensor, tensor.data, root_rank, name,
+    return _broadcast_async("broadcast_async_", tensor, tensor, root_rank, name,
                             process_group, process_set)
 
 
