@@ -46,7 +46,7 @@ target = torch.randint(0, 10, (args.batch_size,), generator=g)
 
 if hvd.size() > 1:
     if args.positional:
-        optimizer = hvd.DistributedOptimizer(optimizer, model.named_parameters(), args.rank, 1)
+        optimizer = hvd.DistributedOptimizer(optimizer, model.named_parameters(), args.rank, 0)
     else:
         optimizer = hvd.DistributedOptimizer(optimizer, rank=args.rank)
 

@@ -23,10 +23,10 @@ import acpsgd as hvd
 
 parser = argparse.ArgumentParser()
 parser.add_argument('--batch-size', type=int, default=32)
-parser.add_argument('--epochs', type=int, default=2)
+parser.add_argument('--epochs', type=int, default=3)
 parser.add_argument('--rank', type=int, default=4)
-parser.add_argument('--lr', type=float, default=0.05)
-parser.add_argument('--momentum', type=float, default=0.5)
+parser.add_argument('--lr', type=float, default=0.1)
+parser.add_argument('--momentum', type=float, default=0.9)
 parser.add_argument('--seed', type=int, default=42)
 parser.add_argument('--log-interval', type=int, default=10)
 
