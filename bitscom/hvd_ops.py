@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from . import runtime
 from .compressors.base import is_completed, wait
-from .compressors.casting import Compression
+from .compressors.casting import BF16Compressor, Compression, FP16Compressor, NoneCompressor
 from .compressors.hvd_adapter import is_codec
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
@@ -402,7 +402,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
         half = bitscom.allreduce(grad, compression=bitscom.Compression.fp16)
     """
     _check_tensor("allreduce", tensor)
-    if not (is_codec(compression) or hasattr(compression, "compress")):
+    if not (is_codec(compression) or isinstance(compression, (NoneCompressor, FP16Compressor,
+                                                              BF16Compressor))):
         raise TypeError("compression must be bitscom.Compression.none/fp16/bf16 or a Horovod-style "
                         f"codec with compress/decompress; got {compression!r} (for low-bit "
                         "collectives use bitscom.LowBitGroup)")
