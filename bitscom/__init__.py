@@ -3,7 +3,7 @@
 The public face: re-exports only. See README.md for the tour.
 """
 
-from . import compressors
+from . import compression, compressors
 from .backend import register_lowbit_backend
 from .build_info import cuda_built, gloo_built, mpi_built, nccl_built
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "intra_group", "inter_group",
-    "DistributedOptimizer", "Compression", "compressors", "Average", "Sum", "ReduceOp",
+    "DistributedOptimizer", "Compression", "compression", "compressors", "Average", "Sum", "ReduceOp",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
     "ddp_comm_hook", "LowBitGroup", "register_lowbit_backend",
     # Horovod's module-level collectives (bitscom.hvd_ops) and build queries
