@@ -119,8 +119,12 @@ _state = _State()
 
 
 def _payload_group(group):
-    """The second group for payload rounds (created on first use; every rank of ``group``
-    reaches its first collective call at the same point, so creation is collective-safe)."""
+    """The second group for payload rounds, created on first use.
+
+    Called at the start of every operation, inside the user's call (never from poll or
+    synchronize): creating a group synchronizes its ranks and numbers groups in creation
+    order, so it must happen at the same point of the program on every rank.
+    """
     entry = _state.later.get(id(group))
     if entry is None or entry[0] is not group:
         later = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
@@ -291,12 +295,13 @@ def _allreduce_rounds(fn, name, tensor, out, op, pre, post, group) -> Iterator:
     buf = out.detach() if out.is_contiguous() else out.detach().contiguous()
     contiguous = out.is_contiguous()
     if size > 1:
+        later = _payload_group(group)
         yield from _negotiate(fn, name, group, tensor, _KINDS["allreduce"], _OPS[op],
                               pre=pre, post=post)
     if pre != 1.0:
         buf.mul_(pre)
     if size > 1:
-        yield dist.all_reduce(buf, op=_TORCH_OPS[op], group=_payload_group(group), async_op=True)
+        yield dist.all_reduce(buf, op=_TORCH_OPS[op], group=later, async_op=True)
     if op is Average:
         if integer:
             buf.copy_(torch.div(buf, size, rounding_mode="trunc"))
@@ -440,6 +445,7 @@ def _allgather_rounds(name, tensor, group) -> Iterator:
         if err:
             raise ValueError(f"bitscom.allgather: {_ERRORS[err]}")
         return tensor.detach().clone()
+    later = _payload_group(group)
     rows = yield from _negotiate("allgather", name, group, tensor, _KINDS["allgather"], err=err)
     world = len(rows)
     dims = [row[_H_FIXED] for row in rows]
@@ -451,7 +457,7 @@ def _allgather_rounds(name, tensor, group) -> Iterator:
     send = flat if dims[0] == longest and len(set(dims)) == 1 else \
         torch.cat([flat, flat.new_zeros((longest - tensor.shape[0]) * rest)])
     recv = send.new_empty(world * longest * rest)
-    yield _all_gather_flat(recv, send.contiguous(), group=_payload_group(group), async_op=True)
+    yield _all_gather_flat(recv, send.contiguous(), group=later, async_op=True)
     parts = [recv[r * longest * rest: (r * longest + dims[r]) * rest] for r in range(world)]
     out = torch.cat(parts) if len(set(dims)) > 1 else recv
     if tensor.dtype == torch.bool:
@@ -511,6 +517,7 @@ def _broadcast_rounds(fn, name, out, root_rank, group) -> Iterator:
         if root_rank not in (0, runtime.rank() if runtime.is_initialized() else 0):
             raise ValueError(f"bitscom.{fn}: root_rank {root_rank} is not a rank of the group")
         return out
+    later = _payload_group(group)
     yield from _negotiate(fn, name, group, out, _KINDS["broadcast"], root=root_rank)
     ranks = dist.get_process_group_ranks(group)
     if root_rank not in ranks:
@@ -518,7 +525,7 @@ def _broadcast_rounds(fn, name, out, root_rank, group) -> Iterator:
                          f"(its global ranks are {ranks})")
     buf = out.detach() if out.is_contiguous() else out.detach().contiguous()
     wire = buf.view(torch.uint8) if buf.dtype == torch.bool else buf
-    yield dist.broadcast(wire, src=root_rank, group=_payload_group(group), async_op=True)
+    yield dist.broadcast(wire, src=root_rank, group=later, async_op=True)
     if not out.is_contiguous():
         out.detach().copy_(buf)
     return out
@@ -632,6 +639,7 @@ def _alltoall_rounds(name, tensor, splits, group, want_splits) -> Iterator:
         out = tensor.detach().clone()
         received = torch.tensor(values, dtype=torch.int32)
         return (out, received) if want_splits else out
+    later = _payload_group(group)
     rows = yield from _negotiate("alltoall", name, group, tensor, _KINDS["alltoall"], err=err,
                                  extra=values)
     me = dist.get_rank(group)
@@ -643,7 +651,7 @@ def _alltoall_rounds(name, tensor, splits, group, want_splits) -> Iterator:
         flat = flat.view(torch.uint8)
     out = flat.new_empty(sum(received) * rest)
     yield dist.all_to_all_single(out, flat, [n * rest for n in received],
-                                 [n * rest for n in values], group=_payload_group(group),
+                                 [n * rest for n in values], group=later,
                                  async_op=True)
     if tensor.dtype == torch.bool:
         out = out.view(torch.bool)

@@ -304,6 +304,9 @@ def test_local_argument_errors_are_clear():
         hvd.broadcast(t, root_rank="0")
     with pytest.raises(TypeError, match="Handle"):
         hvd.synchronize(3)
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises((ValueError, NotImplementedError), match="(?i)adasum"):
+        hvd.DistributedOptimizer(opt, op=hvd.Adasum)      # Horovod's --use-adasum path
 
 
 def test_single_process_semantics_without_torch_distributed():
