@@ -324,3 +324,31 @@ def test_single_process_semantics_without_torch_distributed():
     assert torch.equal(out, torch.arange(3.0)) and received.tolist() == [3]
     with pytest.raises(ValueError, match="splits"):
         hvd.alltoall(torch.arange(3.0), splits=[2])
+
+
+def _skewed(rank, world):
+    """Ranks reach poll/synchronize at different moments: payload rounds must still pair up."""
+    import time
+    h1 = hvd.allgather_async(torch.full((rank + 1,), float(rank)))
+    h2 = hvd.allreduce_async(torch.tensor([1.0 + rank]), op=hvd.Sum)
+    bad = hvd.allreduce_async(torch.ones(2 + rank))          # shapes differ: fails at synchronize
+    h3 = hvd.broadcast_async(torch.tensor([10.0 * (rank + 1)]), root_rank=1)
+    if rank == 0:
+        while not hvd.poll(h3):                              # drives every earlier handle
+            pass
+    else:
+        time.sleep(0.3)
+    out3, out2 = hvd.synchronize(h3), hvd.synchronize(h2)
+    try:
+        hvd.synchronize(bad)
+        err = None
+    except RuntimeError as e:
+        err = str(e)
+    return hvd.synchronize(h1), out2, out3, err
+
+
+def test_async_handles_pair_up_when_ranks_poll_at_different_times(pools):
+    for gathered, total, root, err in pools.run(2, _skewed):
+        assert gathered.tolist() == [0.0, 1.0, 1.0] and total.tolist() == [3.0]
+        assert root.tolist() == [20.0]
+        assert err is not None and "shape" in err
