@@ -6,6 +6,10 @@ function here forwards to bitscom; there is no second implementation. Unlike the
 code it runs on CPU (gloo) as well as CUDA, supports ``backward_passes_per_step`` and
 ``synchronize()``, and keeps replicas identical without the user seeding anything.
 
+Like the reference code, ``acpsgd.init()`` is optional: a script that starts
+``torch.distributed.init_process_group`` itself and then calls ``acpsgd.size()`` works, the
+process group is adopted on first use.
+
 Example::
 
     import acpsgd
@@ -29,11 +33,12 @@ import torch.distributed as dist
 
 import bitscom
 from bitscom import (broadcast_object, broadcast_optimizer_state, broadcast_parameters, init,
-                     local_rank, local_size, rank, size)
+                     is_initialized, local_rank, local_size, nccl_built, rank, size)
 from bitscom.compressors import get as _get_compressor
 
-__all__ = ["init", "rank", "size", "local_rank", "local_size", "DistributedOptimizer",
-           "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allreduce"]
+__all__ = ["init", "is_initialized", "rank", "size", "local_rank", "local_size", "nccl_built",
+           "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
+           "broadcast_object", "allreduce"]
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, rank: int = 4, threshold: float = 25,
@@ -53,7 +58,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, rank: int = 4, thresh
     Example::
 
         optimizer = acpsgd.DistributedOptimizer(optimizer, model.named_parameters(), rank=4)
+        optimizer = acpsgd.DistributedOptimizer(optimizer, model.named_parameters(), 4, 25)
     """
+    if "model" in kwargs:
+        raise TypeError("acpsgd.DistributedOptimizer takes the model's parameters, not the model: "
+                        "pass named_parameters=model.named_parameters() instead of model=")
     if "compression" in kwargs:
         raise TypeError("acpsgd.DistributedOptimizer always uses ACP-SGD; for another compressor "
                         "use bitscom.DistributedOptimizer(optimizer, compression=...)")
@@ -62,30 +71,33 @@ def DistributedOptimizer(optimizer, named_parameters=None, rank: int = 4, thresh
                                         fusion_threshold_mb=threshold, **kwargs)
 
 
-def allreduce(tensor: torch.Tensor, average: bool = True, name=None, process_group=None) -> torch.Tensor:
-    """Return a new tensor: ``tensor`` averaged (or summed) over ranks, like ``hvd.allreduce``.
+def allreduce(tensor: torch.Tensor, name=None, *, average: bool = True,
+              process_group=None) -> torch.Tensor:
+    """Sum ``tensor`` over ranks *in place* and return the average as a new tensor — what the
+    ACP-SGD reference code's ``allreduce`` does.
 
-    ``name`` is accepted for Horovod compatibility and ignored. Without a process group (one
-    process) the result is a copy of ``tensor``.
+    Integer tensors are allowed: the sum stays in ``tensor`` (exact) and the returned average
+    is a floating-point tensor (true division, as ``tensor / size`` is in torch). With
+    ``average=False`` the summed ``tensor`` itself is returned. ``name`` is accepted for
+    compatibility and ignored. Without a process group (one process) nothing is summed and
+    the average is ``tensor / 1``.
 
     Example::
 
-        val_loss = acpsgd.allreduce(torch.tensor(local_loss))
+        correct = torch.tensor([local_correct])
+        mean_correct = acpsgd.allreduce(correct)      # correct now holds the sum over ranks
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce expects a torch.Tensor, got {type(tensor).__name__}")
-    if average and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise TypeError(f"averaging a {tensor.dtype} tensor would truncate; pass a floating-point "
-                        "tensor or average=False for a sum")
-    out = tensor.detach().clone()
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str or None, got {type(name).__name__}")
     group = process_group
-    if group is None and bitscom.is_initialized():
+    if group is None and bitscom.is_initialized():          # adopts a user-started group
         group = bitscom.runtime.world_group()
-    if group is None and dist.is_available() and dist.is_initialized():
-        group = dist.group.WORLD
-    if group is None or dist.get_world_size(group) == 1:
-        return out
-    dist.all_reduce(out, group=group)
-    if average:
-        out.div_(dist.get_world_size(group))
-    return out
+    world = 1 if group is None else dist.get_world_size(group)
+    if world > 1:
+        with torch.no_grad():
+            dist.all_reduce(tensor, group=group)
+    if not average:
+        return tensor
+    return tensor.detach() / world

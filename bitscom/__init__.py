@@ -3,13 +3,18 @@
 The public face: re-exports only. See README.md for the tour.
 """
 
-from . import compressors
+from . import compression, compressors
 from .backend import register_lowbit_backend
+from .build_info import cuda_built, gloo_built, mpi_built, nccl_built
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .compressors import Compression
 from .ddp import ddp_comm_hook
 from .group import LowBitGroup
-from .ops import Average, ReduceOp, Sum
+from .hvd_ops import (Handle, allgather, allgather_async, allgather_object, allreduce,
+                      allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async,
+                      barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
+                      grouped_allreduce, poll, synchronize)
+from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .optimizer import DistributedOptimizer
 from .runtime import (cross_rank, cross_size, init, inter_group, intra_group, is_initialized,
                       local_rank, local_size, rank, shutdown, size)
@@ -19,7 +24,13 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "intra_group", "inter_group",
-    "DistributedOptimizer", "Compression", "compressors", "Average", "Sum", "ReduceOp",
+    "DistributedOptimizer", "Compression", "compression", "compressors", "Average", "Sum", "ReduceOp",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
     "ddp_comm_hook", "LowBitGroup", "register_lowbit_backend",
+    # Horovod's module-level collectives (bitscom.hvd_ops) and build queries
+    "Min", "Max", "Product", "Adasum", "Handle", "allreduce", "allreduce_", "allreduce_async",
+    "allreduce_async_", "grouped_allreduce", "allgather", "allgather_async", "allgather_object",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall",
+    "alltoall_async", "synchronize", "poll", "barrier",
+    "nccl_built", "gloo_built", "mpi_built", "cuda_built",
 ]

@@ -26,6 +26,7 @@ from . import runtime
 from .agreement import check_agreement
 from .compressors import Compressor, get as get_compressor
 from .compressors.base import BucketLayout, TensorSlot
+from .compressors.hvd_adapter import is_codec
 from .engine import Reducer
 
 __all__ = ["ddp_comm_hook", "DDPCommState"]
@@ -179,7 +180,8 @@ def ddp_comm_hook(compressor="none", process_group=None):
 
     Args:
         compressor: a bitscom compressor (``bitscom.Compression.fp16``,
-            ``bitscom.compressors.PowerSGD(rank=2)``) or a registry name.
+            ``bitscom.compressors.PowerSGD(rank=2)``), a registry name, or a Horovod-style
+            codec class (``compress``/``decompress``; see :mod:`bitscom.compression`).
         process_group: the DDP model's process group (default: the world group).
 
     Example::
@@ -188,10 +190,11 @@ def ddp_comm_hook(compressor="none", process_group=None):
         state, hook = bitscom.ddp_comm_hook(bitscom.compressors.get("signsgd"))
         model.register_comm_hook(state, hook)
     """
-    if isinstance(compressor, str):
+    if isinstance(compressor, str) or is_codec(compressor):    # a name, or a Horovod-style codec
         compressor = get_compressor(compressor)
     if not isinstance(compressor, Compressor):
-        raise TypeError(f"compressor must be a bitscom compressor or a registry name, got {compressor!r}")
+        raise TypeError(f"compressor must be a bitscom compressor, a registry name or a Horovod-style "
+                        f"codec (compress/decompress), got {compressor!r}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("ddp_comm_hook needs torch.distributed: call bitscom.init() (or "
                            "torch.distributed.init_process_group) before building the hook")

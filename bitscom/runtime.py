@@ -136,6 +136,7 @@ class _Runtime:
         self.intra = None
         self.inter = None
         self.device = torch.device("cpu")
+        self.adopted = False          # info taken from a process group the user started
 
 
 _rt = _Runtime()
@@ -155,8 +156,9 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
         bitscom.init()
         print(bitscom.rank(), bitscom.size(), bitscom.local_rank())
     """
-    if _rt.info is not None:
+    if _rt.info is not None and not _rt.adopted:
         return _rt.info
+    _rt.adopted = False
     if bitwidth is not None or lowbit_options:
         # ``bitwidth=``/lowbit options: register the "lowbit" backend and start on it (see
         # bitscom.register_lowbit_backend); imported here only, the backend sits above runtime.
@@ -175,9 +177,7 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
         _rt.device = torch.device("cuda", torch.cuda.current_device())
     if dist.is_initialized():
-        info = LaunchInfo(dist.get_rank(), dist.get_world_size(), info.local_rank,
-                          info.local_size if info.size == dist.get_world_size() else dist.get_world_size(),
-                          info.launcher if info.size == dist.get_world_size() else "external")
+        info = _adopted_info(info)
     elif info.size > 1:
         kwargs = {"backend": backend, "rank": info.rank, "world_size": info.size}
         if timeout is not None:
@@ -204,6 +204,34 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
             world_backend = "nccl" if _rt.device.type == "cuda" else "gloo"
         _build_node_groups(info, world_backend)
     return info
+
+
+def _adopted_info(env_info: LaunchInfo) -> LaunchInfo:
+    """Who we are in a process group the user started with ``init_process_group``.
+
+    The launcher's local rank is kept when its world matches the group's; otherwise (e.g.
+    ``mp.spawn`` without launcher variables) the ranks are taken to share one node.
+    """
+    rank_, size_ = dist.get_rank(), dist.get_world_size()
+    if env_info.size == size_ and env_info.rank == rank_:
+        return LaunchInfo(rank_, size_, env_info.local_rank, env_info.local_size, env_info.launcher)
+    return LaunchInfo(rank_, size_, rank_, size_, "external")
+
+
+def _adopt() -> bool:
+    """Adopt a default process group the user already started, without any collective.
+
+    Why no collective: the first ``rank()`` may run on one rank only (``if dist.get_rank()
+    == 0: print(bitscom.size())``). Node groups need one, so they are built only by
+    :func:`init`, which every rank calls.
+    """
+    if _rt.info is None and dist.is_available() and dist.is_initialized():
+        _rt.info = _adopted_info(discover())
+        _rt.world = dist.group.WORLD
+        _rt.adopted = True
+        if str(dist.get_backend()) == "nccl":
+            _rt.device = torch.device("cuda", torch.cuda.current_device())
+    return _rt.info is not None
 
 
 def _build_node_groups(info: LaunchInfo, backend: str) -> None:
@@ -246,20 +274,31 @@ def shutdown() -> None:
 
 
 def is_initialized() -> bool:
-    """Whether :func:`init` ran in this process.
+    """Whether :func:`init` ran in this process, or torch.distributed was started by the user
+    (then that default group is adopted, as Horovod-style scripts expect).
 
     Example::
 
         if not bitscom.is_initialized():
             bitscom.init()
     """
-    return _rt.info is not None
+    return _adopt()
 
 
 def _info() -> LaunchInfo:
-    if _rt.info is None:
-        raise RuntimeError("bitscom is not initialized: call bitscom.init() first")
+    if not _adopt():
+        raise RuntimeError("bitscom is not initialized: call bitscom.init() (or "
+                           "torch.distributed.init_process_group) first")
     return _rt.info
+
+
+def _node_group(which: str):
+    _info()
+    if _rt.adopted and dist.get_world_size() > 1:
+        raise RuntimeError(f"bitscom.{which}() needs the node groups, which bitscom builds in "
+                           "init(); the process group was started outside bitscom, so call "
+                           "bitscom.init() on every rank first (it adopts the group)")
+    return getattr(_rt, which.split("_")[0])
 
 
 def rank() -> int:
@@ -339,8 +378,7 @@ def intra_group():
         LowBit(bits=4, hierarchical="two_level", intra_group=bitscom.intra_group(),
                inter_group=bitscom.inter_group())
     """
-    _info()
-    return _rt.intra
+    return _node_group("intra_group")
 
 
 def inter_group():
@@ -350,8 +388,7 @@ def inter_group():
 
         dist.all_reduce(node_sums, group=bitscom.inter_group())   # across nodes only
     """
-    _info()
-    return _rt.inter
+    return _node_group("inter_group")
 
 
 def device() -> torch.device:

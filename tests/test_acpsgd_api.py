@@ -57,13 +57,19 @@ def test_seed_usage_pattern_trains_with_identical_replicas(pools):
 def _allreduce(rank, world):
     t = torch.tensor([float(rank), 2.0 * rank])
     avg = acpsgd.allreduce(t)
-    total = acpsgd.allreduce(torch.tensor([rank + 1]), average=False)
-    return avg.tolist(), total.tolist(), t.tolist() == [float(rank), 2.0 * rank]
+    i = torch.tensor([rank + 1])
+    total = acpsgd.allreduce(i, average=False)
+    j = torch.tensor([2 * rank + 1])
+    int_avg = acpsgd.allreduce(j, "ints")
+    return avg.tolist(), total.tolist(), t.tolist(), total is i, int_avg, j.tolist()
 
 
-def test_allreduce_averages_into_a_new_tensor(pools):
-    for avg, total, untouched in pools.run(2, _allreduce):
-        assert avg == [0.5, 1.0] and total == [3] and untouched
+def test_allreduce_sums_in_place_and_returns_the_average(pools):
+    # the reference code: dist.all_reduce(tensor); return tensor / world_size
+    for avg, total, summed, same, int_avg, int_sum in pools.run(2, _allreduce):
+        assert avg == [0.5, 1.0] and summed == [1.0, 2.0]
+        assert total == [3] and same
+        assert int_sum == [4] and int_avg.dtype == torch.float32 and int_avg.tolist() == [2.0]
 
 
 def _wrapped(rank, world, threshold, r):
@@ -84,8 +90,9 @@ def test_bad_input_is_rejected():
         acpsgd.DistributedOptimizer(opt, rank=0)
     with pytest.raises(TypeError, match="always uses ACP-SGD"):
         acpsgd.DistributedOptimizer(opt, compression=bitscom.Compression.fp16)
-    with pytest.raises(TypeError, match="truncate"):
-        acpsgd.allreduce(torch.tensor([1, 2]))
+    with pytest.raises(TypeError, match="model.named_parameters"):
+        acpsgd.DistributedOptimizer(opt, model=torch.nn.Linear(2, 2))
+    assert acpsgd.allreduce(torch.tensor([1, 2])).tolist() == [1.0, 2.0]    # one process
     with pytest.raises(TypeError, match="torch.Tensor"):
         acpsgd.allreduce([1.0])
     assert torch.equal(acpsgd.allreduce(torch.tensor([1.5])), torch.tensor([1.5]))   # one process

@@ -4,6 +4,10 @@ These are Horovod's ``Compression.none`` / ``Compression.fp16`` and the bf16 var
 Casting halves the bytes on the wire. To keep fp16 from overflowing when N large gradients
 are summed, the cast tensor is divided by the world size *before* the all-reduce (as
 PyTorch's ``fp16_compress_hook`` does), so the sum on the wire is already the average.
+
+Each also offers Horovod's codec interface, ``compress(tensor) -> (tensor, ctx)`` and
+``decompress(tensor, ctx)``, so ``Compression.fp16.compress(t)`` behaves as in Horovod and
+``bitscom.allreduce(t, compression=Compression.fp16)`` works.
 """
 
 from __future__ import annotations
@@ -32,6 +36,14 @@ class NoneCompressor(Compressor):
         yield comm.all_reduce(flat)
         flat.div_(comm.size)
 
+    def compress(self, tensor: torch.Tensor):
+        """Horovod's codec interface: the tensor itself, no context."""
+        return tensor, None
+
+    def decompress(self, tensor: torch.Tensor, ctx):
+        """Horovod's codec interface: the tensor itself."""
+        return tensor
+
     def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:
         return layout.numel * torch.empty((), dtype=layout.dtype).element_size()
 
@@ -50,6 +62,19 @@ class _CastCompressor(Compressor):
         yield comm.all_reduce(wire)
         if wire is not flat:
             flat.copy_(wire)
+
+    def compress(self, tensor: torch.Tensor):
+        """Horovod's codec interface: floating tensors cast to the wire dtype; the context is
+        the original dtype. Integer tensors pass unchanged (casting would lose values)."""
+        if tensor.is_floating_point():
+            return tensor.to(self.wire_dtype), tensor.dtype
+        return tensor, tensor.dtype
+
+    def decompress(self, tensor: torch.Tensor, ctx):
+        """Horovod's codec interface: cast back to the dtype ``compress`` saw."""
+        if ctx is not None and ctx.is_floating_point and tensor.dtype != ctx:
+            return tensor.to(ctx)
+        return tensor
 
     def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:
         return layout.numel * torch.empty((), dtype=self.wire_dtype).element_size()

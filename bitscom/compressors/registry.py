@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable, Dict
 
 from .base import Compressor
+from .hvd_adapter import HorovodAdapter, is_codec
 
 _REGISTRY: Dict[str, Callable[..., Compressor]] = {}
 
@@ -43,11 +44,16 @@ def get(name: str, **kwargs) -> Compressor:
 
         comp = bitscom.compressors.get("fp16")
         comp = bitscom.compressors.get("acpsgd", rank=4)
+        comp = bitscom.compressors.get(MyHorovodCodec)   # wrapped in HorovodAdapter
     """
     if isinstance(name, Compressor):
         if kwargs:
             raise ValueError(f"settings {sorted(kwargs)} given with a compressor instance {name!r}")
         return name
+    if is_codec(name):      # a Horovod-style codec class/instance: compress/decompress
+        if kwargs:
+            raise ValueError(f"settings {sorted(kwargs)} given with the codec {name!r}")
+        return HorovodAdapter(name)
     key = str(name).lower()
     if key in ("ssgd", "s-sgd", "allreduce"):
         key = "none"

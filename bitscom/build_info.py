@@ -1,0 +1,51 @@
+"""Horovod's ``*_built()`` queries, answered from the torch build bitscom runs on.
+
+Horovod scripts branch on them (``if args.use_adasum and hvd.nccl_built(): ...``); bitscom's
+collectives are torch.distributed's, so the answer is what torch was built with.
+"""
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["nccl_built", "gloo_built", "mpi_built", "cuda_built"]
+
+
+def nccl_built() -> bool:
+    """Whether torch.distributed has NCCL (collectives on CUDA tensors).
+
+    Example::
+
+        backend = "nccl" if bitscom.nccl_built() and torch.cuda.is_available() else "gloo"
+    """
+    return dist.is_available() and dist.is_nccl_available()
+
+
+def gloo_built() -> bool:
+    """Whether torch.distributed has gloo (collectives on CPU tensors).
+
+    Example::
+
+        assert bitscom.gloo_built()
+    """
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def mpi_built() -> bool:
+    """Whether torch.distributed has its MPI backend (bitscom itself only needs mpi4py to
+    start under mpirun, see :func:`bitscom.init`).
+
+    Example::
+
+        print(bitscom.mpi_built())
+    """
+    return dist.is_available() and dist.is_mpi_available()
+
+
+def cuda_built() -> bool:
+    """Whether torch was built with CUDA.
+
+    Example::
+
+        print(bitscom.cuda_built())
+    """
+    return torch.backends.cuda.is_built()

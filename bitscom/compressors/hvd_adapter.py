@@ -1,0 +1,117 @@
+"""Horovod-style codecs (``compress(t) -> (t, ctx)`` / ``decompress(t, ctx)``) as bitscom compressors.
+
+Why an adapter and not a second code path: a Horovod user's own ``Compressor`` subclass knows
+nothing of rounds or buckets; wrapped in :class:`HorovodAdapter` it becomes an ordinary
+one-round bitscom compressor, so the optimizer, the DDP hook and ``bitscom.allreduce`` drive
+it exactly like ``Compression.fp16``. What the wrapper does with one bucket:
+
+1. ``wire, ctx = codec.compress(flat)`` (ctx stays on this rank, as in Horovod);
+2. divide ``wire`` by the world size, so the sum on the wire is already the average (an fp16
+   wire cannot overflow where the fp32 average would not);
+3. all-reduce (sum) ``wire``;
+4. ``flat = codec.decompress(wire, ctx)``.
+
+The wire tensor must be floating point: the ranks' wire tensors are summed, and a codec whose
+wire values only make sense together with a per-rank ``ctx`` (e.g. int8 with a local scale)
+cannot be averaged on the wire; such codecs need a bitscom compressor (``LowBit``, ``TopK``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .base import Compressor
+
+__all__ = ["HorovodCompressor", "HorovodAdapter", "is_codec"]
+
+
+class HorovodCompressor:
+    """Base class for a Horovod-style codec (``horovod.torch.compression.Compressor``).
+
+    Subclass it (or any class with static ``compress``/``decompress``) and pass the class
+    itself as ``compression=``; bitscom wraps it in :class:`HorovodAdapter`.
+
+    Example::
+
+        class HalfCodec(bitscom.compression.Compressor):
+            @staticmethod
+            def compress(tensor):
+                return tensor.to(torch.float16), tensor.dtype
+            @staticmethod
+            def decompress(tensor, ctx):
+                return tensor.to(ctx)
+
+        avg = bitscom.allreduce(t, compression=HalfCodec)
+    """
+
+    @staticmethod
+    def compress(tensor: torch.Tensor):
+        """Return ``(wire_tensor, ctx)``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx):
+        """Return the tensor rebuilt from the reduced ``wire_tensor`` and this rank's ``ctx``."""
+        raise NotImplementedError
+
+
+def is_codec(obj: Any) -> bool:
+    """True for a Horovod-style codec (class or instance) that is not a bitscom compressor.
+
+    Example::
+
+        if is_codec(compression):
+            compression = HorovodAdapter(compression)
+    """
+    if isinstance(obj, Compressor) or (isinstance(obj, type) and issubclass(obj, Compressor)):
+        return False
+    return (callable(getattr(obj, "compress", None))
+            and callable(getattr(obj, "decompress", None)))
+
+
+def _codec_name(codec: Any) -> str:
+    cls = codec if isinstance(codec, type) else type(codec)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclass(frozen=True)
+class HorovodAdapter(Compressor):
+    """A Horovod-style codec as a one-round bitscom compressor (see the module docstring).
+
+    Example::
+
+        opt = bitscom.DistributedOptimizer(opt, compression=HorovodAdapter(HalfCodec))
+    """
+
+    codec: Any
+    name = "horovod_codec"
+
+    def __post_init__(self):
+        if not is_codec(self.codec):
+            raise TypeError(f"HorovodAdapter needs a class or object with compress(tensor) -> "
+                            f"(tensor, ctx) and decompress(tensor, ctx); got {self.codec!r}")
+
+    def reduce(self, flat, layout, state, comm):
+        wire, ctx = self.codec.compress(flat)
+        if not isinstance(wire, torch.Tensor) or not (wire.is_floating_point() or wire.is_complex()):
+            got = wire.dtype if isinstance(wire, torch.Tensor) else type(wire).__name__
+            raise TypeError(f"{_codec_name(self.codec)}.compress returned {got}; bitscom sums the "
+                            "compressed tensors of the ranks, which needs a floating-point tensor")
+        if not wire.is_contiguous():
+            wire = wire.contiguous()
+        wire.div_(comm.size)
+        yield comm.all_reduce(wire)
+        out = self.codec.decompress(wire, ctx)
+        if not isinstance(out, torch.Tensor) or out.numel() != flat.numel():
+            raise ValueError(f"{_codec_name(self.codec)}.decompress must return a tensor of "
+                             f"{flat.numel()} elements, got {getattr(out, 'shape', out)!r}")
+        if out is not flat:
+            flat.copy_(out.reshape(flat.shape))
+
+    def fingerprint(self) -> str:
+        # The class's qualified name, never repr(): an instance's repr holds its address,
+        # which differs across ranks and would fail the agreement check.
+        return f"HorovodAdapter({_codec_name(self.codec)})"
