@@ -34,6 +34,7 @@ import torch.distributed as dist
 from ..ops import Average
 from ..quantization import hadamard, inverse_hadamard
 from .codec import RowCodec, mix_seed
+from .compat import reduce_scatter_flat
 from .config import ShardedConfig
 
 __all__ = ["Topology", "GradientReducer", "gradient_wire_bytes"]
@@ -142,7 +143,7 @@ class GradientReducer:
             return
         if not cfg.quantized_gradients:
             self._sent += flat.numel() * flat.element_size()
-            work = dist.reduce_scatter_tensor(out, flat, group=topo.group, async_op=True)
+            work = reduce_scatter_flat(out, flat, group=topo.group, async_op=True)
             self._exact.append(_Exact(bucket, out, work))
             return
         x = hadamard(flat) if cfg.hadamard_transform else flat

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .codec import RowCodec, mix_seed
+from .compat import all_gather_flat
 from .config import ShardedConfig
 from .gradients import Topology
 from .layout import ShardPlan
@@ -83,7 +84,7 @@ def gather_parameters(cfg: ShardedConfig, topo: Topology, plan: ShardPlan, maste
         out = torch.empty(world * row.numel(), dtype=row.dtype, device=device)
         if world > 1:
             sent += row.numel() * row.element_size()
-            work = dist.all_gather_into_tensor(out, row, group=topo.group, async_op=True)
+            work = all_gather_flat(out, row, group=topo.group, async_op=True)
         else:
             out.copy_(row)
             work = None
