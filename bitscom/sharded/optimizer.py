@@ -19,6 +19,7 @@ Data path of one step, for ``W`` ranks:
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from collections import defaultdict
 from typing import Dict, List, Optional
@@ -565,7 +566,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
             torch.save(opt.state_dict(), f"opt.{rank}.pt")
         """
-        return {"optimizer": self.optimizer.state_dict(),
+        # A copy, not references to the live state (torch's default): loading it into another
+        # optimizer in the same process must not make the two share moment buffers.
+        return {"optimizer": copy.deepcopy(self.optimizer.state_dict()),
                 "sharded": {"world": self.topo.world, "rank": self.topo.rank, "step": self._step_count,
                             "plan": self.plan.describe(), "master": self._master.clone()}}
 

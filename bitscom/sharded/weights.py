@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import List, Sequence
 
 import torch
-import torch.distributed as dist
 
 from .codec import RowCodec, mix_seed
 from .compat import all_gather_flat
