@@ -8,7 +8,9 @@ import torch
 import torch.nn as nn
 
 import bitscom
+from bitscom.quantization import hadamard
 from bitscom.sharded import ShardedConfig, add_arguments, config_from_args, plan_shards
+from bitscom.sharded.rotation import rotate
 from helpers import global_batch, make_model, shard
 
 
@@ -213,6 +215,15 @@ def test_megatron_flags_parse_into_settings():
     assert opt.config.gradient_alltoall_pipeline == 8
     with pytest.raises(ValueError, match="add_arguments"):
         config_from_args(argparse.Namespace())
+
+
+def test_rotation_is_the_library_hadamard_and_its_own_inverse():
+    x = torch.randn(32 * 37, dtype=torch.float64)
+    y = rotate(x)
+    assert torch.allclose(y.double(), hadamard(x), atol=1e-5)
+    assert torch.allclose(rotate(y).double(), x, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        rotate(torch.randn(40))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 
 from ..ops import Average
-from ..quantization import hadamard, inverse_hadamard
 from .codec import RowCodec, mix_seed
 from .compat import reduce_scatter_flat
 from .config import ShardedConfig
+from .rotation import rotate
 
 __all__ = ["Topology", "GradientReducer", "gradient_wire_bytes"]
 
@@ -146,7 +146,7 @@ class GradientReducer:
             work = reduce_scatter_flat(out, flat, group=topo.group, async_op=True)
             self._exact.append(_Exact(bucket, out, work))
             return
-        x = hadamard(flat) if cfg.hadamard_transform else flat
+        x = rotate(flat) if cfg.hadamard_transform else flat
         if x.dtype != torch.float32:
             x = x.to(torch.float32)
         L, M = topo.local_size, topo.nodes
@@ -188,7 +188,7 @@ class GradientReducer:
             else:
                 red = ch.partial
             if cfg.hadamard_transform:
-                red = inverse_hadamard(red)
+                red = rotate(red)
             if cfg.op is Average:
                 red = red.mul_(1.0 / topo.world)
             ch.out.copy_(red)
