@@ -18,6 +18,7 @@ from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .optimizer import DistributedOptimizer
 from .runtime import (cross_rank, cross_size, init, inter_group, intra_group, is_initialized,
                       local_rank, local_size, rank, shutdown, size)
+from .sharded import ShardedOptimizer
 
 __version__ = "0.1.0"
 
@@ -26,7 +27,7 @@ __all__ = [
     "cross_rank", "cross_size", "intra_group", "inter_group",
     "DistributedOptimizer", "Compression", "compression", "compressors", "Average", "Sum", "ReduceOp",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
-    "ddp_comm_hook", "LowBitGroup", "register_lowbit_backend",
+    "ddp_comm_hook", "LowBitGroup", "register_lowbit_backend", "ShardedOptimizer",
     # Horovod's module-level collectives (bitscom.hvd_ops) and build queries
     "Min", "Max", "Product", "Adasum", "Handle", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "grouped_allreduce", "allgather", "allgather_async", "allgather_object",

@@ -1,0 +1,105 @@
+"""World-size-independent checkpoints of a sharded optimizer.
+
+A *consolidated* state dict holds, per parameter name, the full float master tensor, the full
+per-element optimizer state (e.g. Adam's ``exp_avg``), the scalar state (e.g. ``step``), the
+replica values, the param-group hyperparameters and the step counter. It does not depend on how
+many ranks wrote it, so it can be loaded by a run with a different world size: every rank cuts
+out the pieces it owns under its own plan.
+
+Format (``"format": FORMAT``)::
+
+    {"format": "bitscom.sharded/1", "step": int, "settings": {...},
+     "params": {name: {"master": Tensor[shape], "replica": Tensor[shape],
+                       "state": {key: Tensor[shape] | scalar}, "element_keys": [key, ...]}},
+     "param_groups": [{hyperparameters..., "params": [names]}]}
+
+Only *elementwise* state can be split and joined: a state tensor is either 0-dimensional (a
+scalar, the same for every piece of a parameter) or has exactly one entry per element of the
+piece. Anything else is refused with an error naming the key.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+__all__ = ["FORMAT", "piece_state", "join_pieces", "split_state"]
+
+FORMAT = "bitscom.sharded/1"
+
+
+def piece_state(name: str, key: str, value, numel: int):
+    """Classify one state entry of a piece: ('scalar', v) or ('elements', 1-D tensor)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            return "scalar", value.detach().clone()
+        if value.numel() == numel:
+            return "elements", value.detach().reshape(-1).clone()
+        raise ValueError(f"optimizer state {key!r} of parameter {name!r} has shape {tuple(value.shape)}, "
+                         f"neither a scalar nor one entry per element ({numel}); only elementwise "
+                         "optimizers can be sharded")
+    return "scalar", value
+
+
+def join_pieces(contributions: List[dict], shapes: Dict[str, tuple], dtype_of: Dict[str, torch.dtype]) -> dict:
+    """Assemble per-rank piece lists into full per-parameter tensors.
+
+    ``contributions``: one dict per rank, ``{name: [(start, stop, master, replica, state), ...]}``.
+    Returns ``{name: {"master", "replica", "state"}}``.
+
+    Example::
+
+        params = join_pieces(gathered, {"fc.weight": (3, 4)}, {"fc.weight": torch.float32})
+    """
+    out = {}
+    for name, shape in shapes.items():
+        numel = 1
+        for d in shape:
+            numel *= d
+        master = replica = None
+        state: dict = {}
+        elem_keys = set()
+        covered = 0
+        for contrib in contributions:
+            for start, stop, m, rep, st in contrib.get(name, []):
+                if master is None:
+                    master = torch.zeros(numel, dtype=m.dtype)
+                    replica = torch.zeros(numel, dtype=dtype_of[name])
+                master[start:stop] = m
+                replica[start:stop] = rep
+                covered += stop - start
+                for key, (kind, v) in st.items():
+                    if kind == "scalar":
+                        state.setdefault(key, v)
+                    else:
+                        elem_keys.add(key)
+                        if key not in state:
+                            state[key] = torch.zeros(numel, dtype=v.dtype)
+                        state[key][start:stop] = v
+        if covered != numel:
+            raise RuntimeError(f"parameter {name!r}: pieces cover {covered} of {numel} elements")
+        out[name] = {"master": master.view(shape), "replica": replica.view(shape),
+                     "state": {k: (v.view(shape) if k in elem_keys else v) for k, v in state.items()},
+                     "element_keys": sorted(elem_keys)}
+    return out
+
+
+def split_state(entry: dict, start: int, stop: int) -> dict:
+    """The optimizer state of elements ``[start, stop)`` of one parameter's consolidated entry.
+
+    Example::
+
+        split_state(ckpt["params"]["fc.weight"], 0, 6)   # {'exp_avg': tensor([...6...]), 'step': ...}
+    """
+    numel = entry["master"].numel()
+    out = {}
+    elements = set(entry.get("element_keys", ()))
+    for key, v in entry["state"].items():
+        if key in elements:
+            if v.numel() != numel:
+                raise ValueError(f"checkpoint state {key!r} has {v.numel()} elements, the parameter {numel}")
+            out[key] = v.reshape(-1)[start:stop].clone()
+        else:
+            out[key] = v.clone() if isinstance(v, torch.Tensor) else v
+    return out

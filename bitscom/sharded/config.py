@@ -1,0 +1,135 @@
+"""Settings of sharded data parallelism (SDP4Bit), validated once, identical on every rank.
+
+The names and defaults are the SDP4Bit Megatron-LM flags (``--quantized-weights``,
+``--weight-quantization-bits 4``, ``--wq-group-size 2048``, ``--quantized-gradients``,
+``--gradient-quantization-bits-intra 8``, ``--gq-group-size-intra 512``,
+``--gradient-quantization-bits-inter 4``, ``--gq-group-size-inter 128``, ``--hadamard-transform``,
+``--gradient-alltoall-pipeline 1``), so a launch line maps one to one onto this dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..kernels import format as fmt
+from ..ops import Average, ReduceOp, Sum
+
+__all__ = ["ShardedConfig", "FULL_PRECISION", "GRADIENT_WIDTHS", "WEIGHT_WIDTHS"]
+
+FULL_PRECISION = 32
+"""A gradient stage width of 32 sends raw float32 (no quantization) on that stage."""
+
+WEIGHT_WIDTHS = tuple(fmt.SUPPORTED_BITS)
+GRADIENT_WIDTHS = tuple(fmt.SUPPORTED_BITS) + (FULL_PRECISION,)
+
+
+def _check_int(name, value, allowed=None, minimum=None):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if allowed is not None and value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; allowed: {allowed}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={value!r} must be >= {minimum}")
+
+
+def _check_group(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < fmt.MIN_BLOCK_SIZE \
+            or value > fmt.MAX_BLOCK_SIZE or value & (value - 1):
+        raise ValueError(f"{name}={value!r} is not allowed; use a power of two from "
+                         f"{fmt.MIN_BLOCK_SIZE} to {fmt.MAX_BLOCK_SIZE} (elements per scale)")
+
+
+@dataclass(frozen=True)
+class ShardedConfig:
+    """What :class:`~bitscom.sharded.ShardedOptimizer` sends and how.
+
+    Attributes:
+        quantized_weights: all-gather the updated parameters as *quantized weight differences*
+            (qWD): the owner of a shard sends ``Q(master - replica)`` and every rank, the owner
+            included, adds the same decoded difference to its replica. Weight traffic drops from
+            32 (or 16) bits to ``weight_quantization_bits + 16/wq_group_size`` bits per element.
+        weight_quantization_bits: width of the weight differences (1, 2, 4, 8, 12 or 16). A
+            difference is small and smooth, so 4 bits lose almost nothing (SDP4Bit).
+        wq_group_size: elements per scale of the weight differences (power of two, 32..65536);
+            larger groups cost fewer scale bytes, smaller ones follow local magnitudes better.
+        quantized_gradients: reduce-scatter gradients through the two-level scheme (TLq):
+            intra-node all-to-all at ``gradient_quantization_bits_intra`` -> sum -> inter-node
+            all-to-all at ``gradient_quantization_bits_inter`` -> sum. Off: an exact float32
+            reduce-scatter.
+        gradient_quantization_bits_intra: width on the fast intra-node links (8 by default; 32 =
+            raw float32).
+        gq_group_size_intra: elements per scale of the intra-node stage.
+        gradient_quantization_bits_inter: width on the slow inter-node links (4 by default; 32 =
+            raw float32).
+        gq_group_size_inter: elements per scale of the inter-node stage; small groups (128)
+            keep 4-bit error low at 1/8 bit per element of scales.
+        hadamard_transform: rotate every 32-element run of the gradient by an orthonormal
+            Walsh-Hadamard transform before quantizing (TLq-HS): outliers are spread over the
+            run, so a block's scale fits its typical value. Sums happen in the rotated domain;
+            the inverse is applied once to the reduced shard. Costs two passes over memory.
+        gradient_alltoall_pipeline: cut each bucket's shard into this many chunks; chunk k's
+            inter-node all-to-all is in flight while chunk k+1's intra-node all-to-all runs.
+            More chunks overlap better but launch more, smaller collectives.
+        fusion_threshold_mb: bucket size cap (each bucket is sharded over all ranks). Larger
+            buckets = fewer collectives; smaller = communication starts earlier in backward.
+            0 = one parameter per bucket.
+        backward_passes_per_step: gradients of this many backward passes are summed locally
+            before one reduce-scatter (accumulation, Horovod semantics).
+        op: ``bitscom.Average`` (default) or ``bitscom.Sum`` of the ranks' gradients.
+        seed: base of the stochastic-rounding seeds (identical on every rank).
+
+    Example::
+
+        cfg = ShardedConfig(quantized_weights=True, quantized_gradients=True,
+                            hadamard_transform=True, gradient_alltoall_pipeline=4)
+    """
+
+    quantized_weights: bool = False
+    weight_quantization_bits: int = 4
+    wq_group_size: int = 2048
+    quantized_gradients: bool = False
+    gradient_quantization_bits_intra: int = 8
+    gq_group_size_intra: int = 512
+    gradient_quantization_bits_inter: int = 4
+    gq_group_size_inter: int = 128
+    hadamard_transform: bool = False
+    gradient_alltoall_pipeline: int = 1
+    fusion_threshold_mb: float = 25
+    backward_passes_per_step: int = 1
+    op: ReduceOp = Average
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("quantized_weights", "quantized_gradients", "hadamard_transform"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        _check_int("weight_quantization_bits", self.weight_quantization_bits, WEIGHT_WIDTHS)
+        _check_int("gradient_quantization_bits_intra", self.gradient_quantization_bits_intra,
+                   GRADIENT_WIDTHS)
+        _check_int("gradient_quantization_bits_inter", self.gradient_quantization_bits_inter,
+                   GRADIENT_WIDTHS)
+        _check_group("wq_group_size", self.wq_group_size)
+        _check_group("gq_group_size_intra", self.gq_group_size_intra)
+        _check_group("gq_group_size_inter", self.gq_group_size_inter)
+        _check_int("gradient_alltoall_pipeline", self.gradient_alltoall_pipeline, minimum=1)
+        _check_int("backward_passes_per_step", self.backward_passes_per_step, minimum=1)
+        if isinstance(self.fusion_threshold_mb, bool) or \
+                not isinstance(self.fusion_threshold_mb, (int, float)) or not self.fusion_threshold_mb >= 0:
+            raise ValueError(f"fusion_threshold_mb={self.fusion_threshold_mb!r} must be a number >= 0")
+        if self.op not in (Average, Sum):
+            raise ValueError(f"op={self.op!r} must be bitscom.Average or bitscom.Sum")
+        fmt.check_seed(self.seed)
+        if self.hadamard_transform and not self.quantized_gradients:
+            raise ValueError("hadamard_transform=True smooths gradient quantization; it needs "
+                             "quantized_gradients=True")
+
+    @property
+    def fusion_threshold_bytes(self) -> int:
+        return int(self.fusion_threshold_mb * 2 ** 20)
+
+    def describe(self) -> dict:
+        """A plain dict (for the cross-rank agreement check and checkpoints)."""
+        out = dataclasses.asdict(self)
+        out["op"] = self.op.value
+        return out

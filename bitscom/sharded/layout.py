@@ -1,0 +1,131 @@
+"""Shard planning: which bucket each parameter sits in and which slice of it each rank owns.
+
+Pure functions of (names, shapes, world size, settings), so every rank computes the same plan
+and a test can check it without ranks.
+
+Layout. Parameters are packed into buckets in reverse registration order (the last layers'
+gradients are ready first, as in DDP), each bucket up to the fusion threshold. Bucket ``b`` of
+``n_b`` elements is padded to ``world * S_b`` elements and rank ``r`` owns the contiguous slice
+``[r * S_b, (r + 1) * S_b)`` of it — Megatron's distributed optimizer shards each bucket the
+same way, so each bucket's reduce-scatter can start while backward still runs. ``S_b`` is a
+multiple of ``32 * pipeline`` so pipeline chunks and Hadamard runs never straddle a boundary.
+A parameter can span several ranks' shards; each rank keeps a 1-D *piece* (its part of the
+parameter) in the flat master shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+from ..quantization import HADAMARD_BLOCK
+
+__all__ = ["Slot", "Piece", "BucketShard", "ShardPlan", "plan_shards"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where parameter ``index`` (registration order) lives in its bucket's flat buffer."""
+
+    index: int
+    name: str
+    shape: Tuple[int, ...]
+    offset: int
+    numel: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part ``[start, stop)`` (flattened) of parameter ``index`` that this rank owns; it
+    sits at ``master_offset`` of the rank's flat master shard."""
+
+    index: int
+    name: str
+    start: int
+    stop: int
+    master_offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class BucketShard:
+    """One bucket: its slots, padded size ``world * shard_numel``, and where this rank's shard
+    sits in the flat master buffer (``master_offset``)."""
+
+    slots: Tuple[Slot, ...]
+    numel: int
+    shard_numel: int
+    master_offset: int
+
+    def describe(self) -> tuple:
+        return tuple((s.name, s.shape, s.offset) for s in self.slots) + (self.numel, self.shard_numel)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """The whole plan for one rank: buckets (in launch order) and this rank's pieces."""
+
+    world: int
+    rank: int
+    buckets: Tuple[BucketShard, ...]
+    pieces: Tuple[Piece, ...]
+
+    @property
+    def master_numel(self) -> int:
+        return sum(b.shard_numel for b in self.buckets)
+
+    @property
+    def total_numel(self) -> int:
+        return sum(b.numel for b in self.buckets)
+
+    def describe(self) -> list:
+        return [b.describe() for b in self.buckets]
+
+
+def plan_shards(params: Sequence[Tuple[str, Tuple[int, ...], int]], world: int, rank: int,
+                threshold_bytes: int, pipeline: int = 1, element_size: int = 4) -> ShardPlan:
+    """Plan buckets and this rank's pieces for ``params`` = [(name, shape, numel), ...] given in
+    registration order.
+
+    Example::
+
+        plan = plan_shards([(n, tuple(p.shape), p.numel()) for n, p in model.named_parameters()],
+                           world=4, rank=0, threshold_bytes=25 * 2**20)
+    """
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank={rank} must lie in [0, world={world})")
+    if threshold_bytes < 0:
+        raise ValueError(f"threshold_bytes={threshold_bytes} must be >= 0")
+    unit = HADAMARD_BLOCK * pipeline
+    groups: List[List[Tuple[int, str, tuple, int]]] = []
+    used = 0
+    for index in reversed(range(len(params))):
+        name, shape, numel = params[index]
+        nbytes = numel * element_size
+        if not groups or used + nbytes > threshold_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append((index, name, tuple(shape), numel))
+        used += nbytes
+    buckets, pieces, master_offset = [], [], 0
+    for group in groups:
+        slots, off = [], 0
+        for index, name, shape, numel in group:
+            slots.append(Slot(index, name, shape, off, numel))
+            off += numel
+        shard = max(unit, -(-off // (world * unit)) * unit)
+        lo, hi = rank * shard, (rank + 1) * shard
+        for s in slots:
+            a, b = max(lo, s.offset), min(hi, s.end)
+            if a < b:
+                pieces.append(Piece(s.index, s.name, a - s.offset, b - s.offset, master_offset + a - lo))
+        buckets.append(BucketShard(tuple(slots), off, shard, master_offset))
+        master_offset += shard
+    return ShardPlan(world, rank, tuple(buckets), tuple(pieces))

@@ -1,0 +1,694 @@
+"""ShardedOptimizer: ZeRO-style sharded data parallelism with SDP4Bit's communication quantization.
+
+Data path of one step, for ``W`` ranks:
+
+1. ``loss.backward()``: a post-accumulate-grad hook moves each gradient into its bucket's flat
+   buffer (adding it with ``backward_passes_per_step > 1``) and sets ``p.grad = None`` — the
+   full-size local gradient is not kept. When every gradient of the next bucket is in, its
+   reduce-scatter starts asynchronously while backward goes on (exact, or two-level quantized:
+   :mod:`bitscom.sharded.gradients`).
+2. ``synchronize()`` (called by ``step()``) zero-fills parameters that got no gradient, waits for
+   every bucket and leaves the reduced gradient of *this rank's shard* in the master shard's
+   gradient. ``clip_grad_norm_`` computes the global norm over all shards.
+3. ``step()`` runs the wrapped optimizer on the fp32 master shard only (its state is 1/W of the
+   unsharded optimizer's), then all-gathers the parameters (exact, or quantized weight
+   differences: :mod:`bitscom.sharded.weights`). Afterwards every replica holds bitwise
+   identical parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import weakref
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import runtime
+from ..agreement import check_agreement
+from ..ops import Average, ReduceOp
+from .checkpoint import FORMAT, join_pieces, piece_state, split_state
+from .config import ShardedConfig
+from .gradients import GradientReducer, Topology, gradient_wire_bytes
+from .layout import plan_shards
+from .weights import gather_parameters, weight_wire_bytes
+
+__all__ = ["ShardedOptimizer", "ELEMENTWISE_OPTIMIZERS"]
+
+ELEMENTWISE_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD",
+    "Rprop") if hasattr(torch.optim, n))
+"""Optimizers whose update of an element depends only on that element's gradient and state, so
+running them on a 1-D slice of a parameter is the same as running them on the whole parameter.
+Others (LAMB, LARS, Adafactor, Shampoo: per-tensor norms or factored shapes) would silently
+compute something else; pass ``elementwise=True`` only if you know yours is elementwise."""
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _forward_hook(ref, param) -> None:
+    opt = ref()
+    if opt is not None:
+        opt._hook(param)
+
+
+def _remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+def _named(optimizer, named_parameters) -> List[tuple]:
+    opt_params, seen = [], set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                opt_params.append(p)
+    if named_parameters is None:
+        return [(f"param.{i}", p) for i, p in enumerate(opt_params)]
+    named = list(named_parameters)
+    for item in named:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+            raise TypeError("named_parameters must be (name, tensor) pairs, e.g. model.named_parameters(); "
+                            f"got an item {type(item).__name__}")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"named_parameters contains duplicate names {dups}; names must be unique")
+    by_id = {id(p): n for n, p in named}
+    missing = [n for n, p in named if id(p) not in seen and p.requires_grad]
+    if missing:
+        raise ValueError(f"parameters {missing[:5]} are in named_parameters but not in the optimizer's "
+                         "param_groups; pass the optimizer every trainable parameter")
+    unnamed = [i for i, p in enumerate(opt_params) if id(p) not in by_id]
+    if unnamed:
+        raise ValueError(f"{len(unnamed)} optimizer parameter(s) (e.g. index {unnamed[0]}) are missing "
+                         "from named_parameters; pass model.named_parameters() of the same model")
+    return [(n, p) for n, p in named if id(p) in seen]
+
+
+def _resolve_topology(process_group, intra_group, inter_group, local_size):
+    if process_group is None and runtime.is_initialized():
+        process_group = runtime.world_group()
+    if process_group is None and dist.is_available() and dist.is_initialized():
+        process_group = dist.group.WORLD
+    if process_group is None:
+        return Topology(None, None, None, 1, 0, 1), "single process"
+    world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+    if (intra_group is None) != (inter_group is None):
+        raise ValueError("pass both intra_group and inter_group, or neither")
+    if intra_group is not None and local_size is not None:
+        raise ValueError("pass intra_group/inter_group or local_size, not both")
+    if intra_group is None and local_size is None:
+        if runtime.is_initialized() and runtime.intra_group() is not None \
+                and dist.get_world_size(process_group) == runtime.size():
+            intra_group, inter_group = runtime.intra_group(), runtime.inter_group()
+        else:
+            local_size = world
+    if intra_group is None:
+        if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \
+                or world % local_size:
+            raise ValueError(f"local_size={local_size!r} must be an int >= 1 dividing the world size {world}")
+        return None, (process_group, world, rank, local_size)
+    L = dist.get_world_size(intra_group)
+    ranks = dist.get_process_group_ranks(process_group)
+    node, local = divmod(rank, L) if world % L == 0 else (-1, -1)
+    expect_intra = [ranks[node * L + i] for i in range(L)] if node >= 0 else None
+    expect_inter = [ranks[n * L + local] for n in range(world // L)] if node >= 0 else None
+    layout = "consistent"
+    if node < 0 or dist.get_process_group_ranks(intra_group) != expect_intra \
+            or dist.get_process_group_ranks(inter_group) != expect_inter:
+        layout = (f"rank {rank}: intra group {dist.get_process_group_ranks(intra_group)}, inter group "
+                  f"{dist.get_process_group_ranks(inter_group)}; expected contiguous nodes of "
+                  f"{L} ranks (intra {expect_intra}, inter {expect_inter})")
+    return Topology(process_group, intra_group, inter_group, world, rank, L), layout
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Shard ``optimizer``'s state over ranks (ZeRO / Megatron distributed optimizer) and
+    optionally quantize its communication the SDP4Bit way.
+
+    Each rank owns a contiguous slice of every bucket of the flattened parameters, keeps an
+    fp32 master copy of only that slice, and the wrapped optimizer is re-pointed at it (its
+    ``param_groups`` list this rank's pieces, with the user's hyperparameters), so optimizer
+    state takes about 1/world of the memory. Gradients are reduce-scattered during backward;
+    after the shard update the parameters are all-gathered, and every replica ends bitwise
+    identical.
+
+    Gradient semantics: the reduced gradient exists only as shards. When backward returns,
+    ``p.grad`` is ``None`` (the hook moved it into the reduction); use :meth:`clip_grad_norm_`
+    (the global norm over all shards, identical on every rank) instead of
+    ``torch.nn.utils.clip_grad_norm_(model.parameters())``, which would see no gradients.
+    AMP's ``GradScaler`` is not supported (its per-rank inf checks would see different shards).
+
+    Args:
+        optimizer: an elementwise ``torch.optim`` optimizer (see :data:`ELEMENTWISE_OPTIMIZERS`)
+            over the model's parameters. It is taken over: afterwards it optimizes this rank's
+            shard (existing state is sliced to it; an LR scheduler built on it keeps working).
+        named_parameters: ``model.named_parameters()``; names appear in errors, checks and
+            consolidated checkpoints.
+        process_group: the ranks to shard over (default: the world group).
+        quantized_weights ... gradient_alltoall_pipeline, fusion_threshold_mb: the SDP4Bit
+            settings, see :class:`~bitscom.sharded.ShardedConfig`.
+        backward_passes_per_step: local gradient accumulation before one reduce-scatter.
+        op: ``bitscom.Average`` (default) or ``bitscom.Sum``.
+        intra_group, inter_group: this node's ranks / the ranks with this local rank, for the
+            two-level gradient scheme (default: :func:`bitscom.intra_group` and
+            :func:`bitscom.inter_group` when ``bitscom.init()`` built them).
+        local_size: ranks per node; builds the intra/inter groups here instead (every rank
+            calls ``new_group`` for each). Without groups or local_size: one node.
+        elementwise: skip the elementwise-optimizer check (you vouch for your optimizer).
+        seed: base of the stochastic-rounding seeds.
+
+    Parameters are broadcast from rank 0 of ``process_group`` at construction (like DDP), so
+    replicas start identical.
+
+    Example::
+
+        bitscom.init()
+        model = GPT()
+        opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        opt = bitscom.ShardedOptimizer(opt, model.named_parameters(), quantized_weights=True,
+                                       quantized_gradients=True, hadamard_transform=True)
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+    """
+
+    def __init__(self, optimizer, named_parameters=None, process_group=None, *,
+                 quantized_weights: bool = False, weight_quantization_bits: int = 4,
+                 wq_group_size: int = 2048, quantized_gradients: bool = False,
+                 gradient_quantization_bits_intra: int = 8, gq_group_size_intra: int = 512,
+                 gradient_quantization_bits_inter: int = 4, gq_group_size_inter: int = 128,
+                 hadamard_transform: bool = False, gradient_alltoall_pipeline: int = 1,
+                 fusion_threshold_mb: float = 25, backward_passes_per_step: int = 1,
+                 op: ReduceOp = Average, intra_group=None, inter_group=None,
+                 local_size: Optional[int] = None, elementwise: bool = False, seed: int = 0):
+        if isinstance(optimizer, ShardedOptimizer):
+            raise TypeError("optimizer is already a bitscom.ShardedOptimizer; wrap it only once")
+        if not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "compression"):
+            raise TypeError("optimizer must be a plain torch.optim.Optimizer (not a bitscom "
+                            f"DistributedOptimizer), got {type(optimizer).__name__}")
+        if not elementwise and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+            raise TypeError(f"{type(optimizer).__name__} is not known to be elementwise; sharding it "
+                            "would change its result silently. Known: "
+                            f"{[c.__name__ for c in ELEMENTWISE_OPTIMIZERS]}; pass elementwise=True "
+                            "if every update of an element depends only on that element")
+        self.config = ShardedConfig(
+            quantized_weights=quantized_weights, weight_quantization_bits=weight_quantization_bits,
+            wq_group_size=wq_group_size, quantized_gradients=quantized_gradients,
+            gradient_quantization_bits_intra=gradient_quantization_bits_intra,
+            gq_group_size_intra=gq_group_size_intra,
+            gradient_quantization_bits_inter=gradient_quantization_bits_inter,
+            gq_group_size_inter=gq_group_size_inter, hadamard_transform=hadamard_transform,
+            gradient_alltoall_pipeline=gradient_alltoall_pipeline,
+            fusion_threshold_mb=fusion_threshold_mb, backward_passes_per_step=backward_passes_per_step,
+            op=op, seed=seed)
+        named = _named(optimizer, named_parameters)
+        self._trainable = [(n, p) for n, p in named if p.requires_grad]
+        if not self._trainable:
+            raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
+        for name, p in self._trainable:
+            if p.dtype not in _DTYPES:
+                raise TypeError(f"parameter {name!r} has dtype {p.dtype}; allowed: {list(_DTYPES)}")
+            if p.layout != torch.strided:
+                raise TypeError(f"parameter {name!r} is not dense ({p.layout})")
+        dtypes = sorted({str(p.dtype) for _, p in self._trainable})
+        devices = sorted({str(p.device) for _, p in self._trainable})
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise TypeError(f"all trainable parameters must share one dtype and device; got dtypes "
+                            f"{dtypes} on devices {devices}")
+        self._param_dtype = self._trainable[0][1].dtype
+        self._master_dtype = torch.float64 if self._param_dtype == torch.float64 else torch.float32
+        device = self._trainable[0][1].device
+
+        topo, layout = _resolve_topology(process_group, intra_group, inter_group, local_size)
+        pending_groups = None
+        if topo is None:
+            pending_groups, layout = layout, "consistent"
+            group, world, rank, L = pending_groups
+            topo = Topology(group, None, None, world, rank, L)
+        self.process_group = topo.group
+        self.plan = plan_shards([(n, tuple(p.shape), p.numel()) for n, p in self._trainable],
+                                topo.world, topo.rank, self.config.fusion_threshold_bytes,
+                                self.config.gradient_alltoall_pipeline,
+                                torch.empty((), dtype=self._master_dtype).element_size())
+        if topo.world > 1:
+            check_agreement(self._description(optimizer, topo, layout), topo.group,
+                            what="sharded optimizer plan")
+            if layout != "consistent":
+                raise RuntimeError(layout)
+        if pending_groups is not None and topo.world > 1:
+            topo = self._build_groups(topo, self.config.quantized_gradients)
+        self.topo = topo
+        self._params = [p for _, p in self._trainable]
+        self._names = [n for n, _ in self._trainable]
+        if topo.world > 1:
+            src = dist.get_global_rank(topo.group, 0)
+            with torch.no_grad():
+                for p in self._params:
+                    dist.broadcast(p.data, src=src, group=topo.group)
+
+        # Master shard, its gradient, and the pieces the wrapped optimizer now works on.
+        self._master = torch.zeros(self.plan.master_numel, dtype=self._master_dtype, device=device)
+        self._master_grad = torch.zeros_like(self._master)
+        self._pieces: List[torch.Tensor] = []
+        with torch.no_grad():
+            for piece in self.plan.pieces:
+                view = self._master[piece.master_offset:piece.master_offset + piece.numel]
+                view.copy_(self._params[piece.index].detach().reshape(-1)[piece.start:piece.stop])
+                view.grad = self._master_grad[piece.master_offset:piece.master_offset + piece.numel]
+                self._pieces.append(view)
+        self.optimizer = optimizer
+        self._take_over(optimizer)
+
+        self._buckets = [torch.zeros(topo.world * b.shard_numel, dtype=self._master_dtype, device=device)
+                         for b in self.plan.buckets]
+        self._where: Dict[int, tuple] = {}
+        for bi, b in enumerate(self.plan.buckets):
+            for s in b.slots:
+                self._where[id(self._params[s.index])] = (bi, s)
+        self._passes = [0] * len(self._params)
+        self._pending = [len(b.slots) for b in self.plan.buckets]
+        self._next_launch = 0
+        self._synchronized = False
+        self._step_count = 0
+        self._reducer = GradientReducer(self.config, topo)
+        self._stats = {}
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+        this = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda param, this=this: _forward_hook(this, param))
+                       for p in self._params]
+        weakref.finalize(self, _remove_hooks, list(self._hooks))
+
+    # -- construction helpers ---------------------------------------------------------------
+    def _description(self, optimizer, topo, layout) -> dict:
+        groups = [{k: repr(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        return {"world size": topo.world, "ranks per node": topo.local_size,
+                "node layout": "consistent" if layout == "consistent" else "inconsistent (see the rank's error)",
+                "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in self._trainable],
+                "buckets": self.plan.describe(), "settings": self.config.describe(),
+                "optimizer": type(optimizer).__name__, "param_groups": groups}
+
+    @staticmethod
+    def _build_groups(topo: Topology, needed: bool) -> Topology:
+        """This rank's intra-node and inter-node groups (only the members create each one)."""
+        L, M = topo.local_size, topo.world // topo.local_size
+        if not needed:
+            return Topology(topo.group, None, None, topo.world, topo.rank, L)
+        ranks = dist.get_process_group_ranks(topo.group)
+        node, local = divmod(topo.rank, L)
+        intra = topo.group if M == 1 else None
+        inter = topo.group if L == 1 else None
+        if L > 1 and M > 1:
+            intra = dist.new_group([ranks[node * L + i] for i in range(L)], use_local_synchronization=True)
+            inter = dist.new_group([ranks[n * L + local] for n in range(M)], use_local_synchronization=True)
+        return Topology(topo.group, intra, inter, topo.world, topo.rank, L)
+
+    def _take_over(self, optimizer) -> None:
+        """Re-point ``optimizer`` at this rank's pieces, slicing any state it already has."""
+        index_of = {id(p): i for i, p in enumerate(self._params)}
+        pieces_of = defaultdict(list)
+        for k, piece in enumerate(self.plan.pieces):
+            pieces_of[piece.index].append(k)
+        old_state = optimizer.state
+        new_state = defaultdict(dict)
+        for group in optimizer.param_groups:
+            new_params = []
+            for p in group["params"]:
+                i = index_of.get(id(p))
+                if i is None:
+                    continue  # frozen parameter: never updated
+                for k in pieces_of[i]:
+                    piece, tensor = self.plan.pieces[k], self._pieces[k]
+                    new_params.append(tensor)
+                    st = old_state.get(p)
+                    if st:
+                        entry = {"master": p.detach(), "state": {}, "element_keys": []}
+                        for key, v in st.items():
+                            kind, val = piece_state(self._names[i], key, v, p.numel())
+                            entry["state"][key] = val
+                            if kind == "elements":
+                                entry["element_keys"].append(key)
+                        new_state[tensor] = split_state(entry, piece.start, piece.stop)
+            group["params"] = new_params
+        optimizer.state = new_state
+
+    # -- delegation so schedulers see a normal optimizer --------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.optimizer.state = value
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group):
+        raise RuntimeError("ShardedOptimizer plans its shards once; add every parameter group to the "
+                           "optimizer before wrapping it")
+
+    def __repr__(self):
+        return f"ShardedOptimizer({type(self.optimizer).__name__}, {self.config})"
+
+    # -- backward hooks ------------------------------------------------------------------------
+    def _hook(self, p: torch.Tensor) -> None:
+        bi, slot = self._where[id(p)]
+        if p.grad is None:
+            return
+        if p.grad.is_sparse:
+            raise TypeError(f"parameter {slot.name!r} has a sparse gradient; ShardedOptimizer "
+                            "reduces dense gradients only (use a dense embedding)")
+        k = self.config.backward_passes_per_step
+        count = self._passes[slot.index] + 1
+        if count > k:
+            raise RuntimeError(f"gradients were computed {count} times before optimizer.step() with "
+                               f"backward_passes_per_step={k}; raise backward_passes_per_step or call step()")
+        if self._next_launch > bi:
+            raise RuntimeError(f"parameter {slot.name!r} got a gradient after its bucket was already "
+                               "reduced this step; call step() before the next backward")
+        view = self._buckets[bi][slot.offset:slot.end]
+        with torch.no_grad():
+            if count == 1:
+                view.copy_(p.grad.reshape(-1))
+            else:
+                view.add_(p.grad.reshape(-1))
+        p.grad = None
+        self._passes[slot.index] = count
+        self._synchronized = False
+        if count == k:
+            self._pending[bi] -= 1
+            self._launch_ready()
+        self._reducer.poll(self._step_count)
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self._buckets) and self._pending[self._next_launch] == 0:
+            b = self.plan.buckets[self._next_launch]
+            out = self._master_grad[b.master_offset:b.master_offset + b.shard_numel]
+            self._reducer.launch(self._next_launch, self._buckets[self._next_launch], out, self._step_count)
+            self._next_launch += 1
+
+    # -- the public step API -----------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish the reduce-scatter: this rank's master shard gradient holds the reduced
+        (averaged or summed) gradient. Parameters without a gradient count as zeros.
+
+        Example::
+
+            loss.backward()
+            opt.synchronize()
+            print(opt.shard_gradient_norm())
+        """
+        if self._synchronized:
+            return
+        for bi in range(self._next_launch, len(self._buckets)):
+            for s in self.plan.buckets[bi].slots:
+                if self._passes[s.index] == 0:
+                    self._buckets[bi][s.offset:s.end].zero_()
+                if self._passes[s.index] < self.config.backward_passes_per_step:
+                    self._passes[s.index] = self.config.backward_passes_per_step
+                    self._pending[bi] -= 1
+        self._launch_ready()
+        try:
+            sent = self._reducer.wait_all(self._step_count)
+        finally:
+            self._reset_step()
+        for piece, tensor in zip(self.plan.pieces, self._pieces):
+            tensor.grad = self._master_grad[piece.master_offset:piece.master_offset + piece.numel]
+        dense = sum(gradient_wire_bytes(ShardedConfig(), self.topo, b.shard_numel) for b in self.plan.buckets)
+        self._stats = {"gradient_bytes": sent, "dense_gradient_bytes": dense}
+        self._synchronized = True
+
+    def _reset_step(self) -> None:
+        self._next_launch = 0
+        self._passes = [0] * len(self._params)
+        self._pending = [len(b.slots) for b in self.plan.buckets]
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Not available: ShardedOptimizer never re-reduces ``p.grad`` (it is ``None`` after
+        backward). Clip with :meth:`clip_grad_norm_` and call :meth:`step` directly."""
+        raise RuntimeError("ShardedOptimizer keeps the reduced gradient sharded and p.grad is None "
+                           "after backward, so torch.nn.utils.clip_grad_norm_(model.parameters()) "
+                           "would see nothing; call opt.clip_grad_norm_(max_norm) and then opt.step()")
+        yield  # pragma: no cover
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the reduced gradient by its global norm over all shards (what
+        ``torch.nn.utils.clip_grad_norm_`` computes on an unsharded model); returns the norm,
+        identical on every rank. Synchronizes first if needed.
+
+        Example::
+
+            loss.backward()
+            total = opt.clip_grad_norm_(1.0)
+            opt.step()
+        """
+        self.synchronize()
+        norm_type = float(norm_type)
+        grads = [t.grad for t in self._pieces]
+        dev = self._master.device
+        if norm_type == float("inf"):
+            local = torch.stack([g.abs().max() for g in grads]).max().double() if grads \
+                else torch.zeros((), dtype=torch.float64, device=dev)
+            if self.topo.world > 1:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.topo.group)
+            total = local
+        else:
+            local = torch.stack([(g.double().abs() ** norm_type).sum() for g in grads]).sum() if grads \
+                else torch.zeros((), dtype=torch.float64, device=dev)
+            if self.topo.world > 1:
+                dist.all_reduce(local, group=self.topo.group)
+            total = local ** (1.0 / norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
+        coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total.to(torch.float32)
+
+    def step(self, closure=None):
+        """Synchronize (if not done), update this rank's shard, all-gather the parameters.
+
+        Example::
+
+            loss.backward(); opt.step()
+        """
+        if closure is not None:
+            raise ValueError("ShardedOptimizer.step() takes no closure: the closure's backward "
+                             "would be reduced by the hooks; call backward yourself, then step()")
+        self.synchronize()
+        result = self.optimizer.step()
+        sent = gather_parameters(self.config, self.topo, self.plan, self._master, self._params,
+                                 self._step_count)
+        self._stats["weight_bytes"] = sent
+        self._stats["dense_weight_bytes"] = sum(
+            weight_wire_bytes(ShardedConfig(), self.topo, b.shard_numel, self._param_dtype)
+            for b in self.plan.buckets)
+        self._step_count += 1
+        self._synchronized = False
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop gradients of this step; refuses while gradients are being reduced."""
+        if self._reducer.in_flight or self._next_launch > 0:
+            raise RuntimeError("zero_grad() was called while gradients are being reduced (after "
+                               "backward, before step()/synchronize()); call step() first")
+        self._reset_step()
+        self._synchronized = False
+        for p in self._params:
+            p.grad = None
+
+    # -- statistics ------------------------------------------------------------------------
+    def comm_stats(self) -> dict:
+        """Bytes of the last step this rank handed to the network (each collective's input
+        buffer), gradients and weights separately, and what exact fp32 sharded DP would send.
+
+        Example::
+
+            opt.step(); print(opt.comm_stats()["gradient_bytes"])
+        """
+        s = dict(self._stats)
+        s["bytes_sent"] = s.get("gradient_bytes", 0) + s.get("weight_bytes", 0)
+        dense = s.get("dense_gradient_bytes", 0) + s.get("dense_weight_bytes", 0)
+        s["compression_ratio"] = dense / s["bytes_sent"] if s["bytes_sent"] else float("nan")
+        return s
+
+    def memory_stats(self) -> dict:
+        """Bytes this rank holds for optimizer state, the master shard and its gradient.
+
+        Example::
+
+            opt.memory_stats()["optimizer_state_bytes"]
+        """
+        state = 0
+        for st in self.optimizer.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    state += v.numel() * v.element_size()
+        nbytes = self._master.numel() * self._master.element_size()
+        return {"optimizer_state_bytes": state, "master_bytes": nbytes, "master_grad_bytes": nbytes,
+                "bucket_bytes": sum(b.numel() * b.element_size() for b in self._buckets)}
+
+    @property
+    def shard_pieces(self):
+        """(name, start, stop, master view) of every piece this rank owns (read-only use)."""
+        return [(p.name, p.start, p.stop, t) for p, t in zip(self.plan.pieces, self._pieces)]
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's shard: the wrapped optimizer's state, the master shard and the step
+        counter. Loads only into the same world size and plan; see
+        :meth:`consolidated_state_dict` for a portable checkpoint.
+
+        Example::
+
+            torch.save(opt.state_dict(), f"opt.{rank}.pt")
+        """
+        # A copy, not references to the live state (torch's default): loading it into another
+        # optimizer in the same process must not make the two share moment buffers.
+        return {"optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "sharded": {"world": self.topo.world, "rank": self.topo.rank, "step": self._step_count,
+                            "plan": self.plan.describe(), "master": self._master.clone()}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load :meth:`state_dict` of the same rank and world size, or a consolidated one.
+
+        Example::
+
+            opt.load_state_dict(torch.load(f"opt.{rank}.pt"))
+        """
+        if state_dict.get("format") == FORMAT:
+            self.load_consolidated_state_dict(state_dict)
+            return
+        if "sharded" not in state_dict:
+            raise ValueError("not a ShardedOptimizer state dict (no 'sharded' entry); load a plain "
+                             "optimizer's state before wrapping it")
+        sh = state_dict["sharded"]
+        if sh["world"] != self.topo.world or sh["rank"] != self.topo.rank or sh["plan"] != self.plan.describe():
+            raise ValueError(f"this shard checkpoint was written by rank {sh['rank']} of {sh['world']} "
+                             f"with another plan; this is rank {self.topo.rank} of {self.topo.world}. "
+                             "Use consolidated_state_dict() to change the world size")
+        with torch.no_grad():
+            self._master.copy_(sh["master"])
+        self._step_count = int(sh["step"])
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+
+    def consolidated_state_dict(self, to_rank: int = 0) -> Optional[dict]:
+        """Gather a world-size-independent checkpoint on rank ``to_rank`` (``None`` elsewhere).
+        Every rank must call it. Holds masters, optimizer state, replicas, hyperparameters.
+
+        Example::
+
+            ckpt = opt.consolidated_state_dict()
+            if bitscom.rank() == 0:
+                torch.save(ckpt, "opt.pt")
+        """
+        world = self.topo.world
+        if isinstance(to_rank, bool) or not isinstance(to_rank, int) or not 0 <= to_rank < world:
+            raise ValueError(f"to_rank={to_rank!r} must be a rank of the group, in [0, {world})")
+        mine: Dict[str, list] = defaultdict(list)
+        for piece, tensor in zip(self.plan.pieces, self._pieces):
+            p = self._params[piece.index]
+            st = {k: piece_state(piece.name, k, v, piece.numel)
+                  for k, v in self.optimizer.state.get(tensor, {}).items()}
+            mine[piece.name].append((piece.start, piece.stop, tensor.detach().cpu().clone(),
+                                     p.detach().reshape(-1)[piece.start:piece.stop].cpu().clone(),
+                                     {k: (kind, v.cpu() if isinstance(v, torch.Tensor) else v)
+                                      for k, (kind, v) in st.items()}))
+        mine = dict(mine)
+        if world > 1:
+            gathered = [None] * world if self.topo.rank == to_rank else None
+            dist.gather_object(mine, gathered, dst=dist.get_global_rank(self.topo.group, to_rank),
+                               group=self.topo.group)
+        else:
+            gathered = [mine]
+        if self.topo.rank != to_rank:
+            return None
+        shapes = {n: tuple(p.shape) for n, p in self._trainable}
+        params = join_pieces(gathered, shapes, {n: p.dtype for n, p in self._trainable})
+        groups = []
+        index_of = {id(t): k for k, t in enumerate(self._pieces)}
+        for g in self.optimizer.param_groups:
+            entry = {k: v for k, v in g.items() if k != "params"}
+            entry["params"] = sorted({self.plan.pieces[index_of[id(t)]].name for t in g["params"]})
+            groups.append(entry)
+        return {"format": FORMAT, "step": self._step_count, "settings": self.config.describe(),
+                "optimizer": type(self.optimizer).__name__, "params": params, "param_groups": groups}
+
+    def load_consolidated_state_dict(self, state_dict: dict, load_replicas: bool = True) -> None:
+        """Load a :meth:`consolidated_state_dict` (from any world size). Every rank calls it with
+        the same dict; each keeps its own pieces. ``load_replicas`` also sets the parameters.
+
+        Example::
+
+            opt.load_consolidated_state_dict(torch.load("opt.pt"))
+        """
+        if state_dict.get("format") != FORMAT:
+            raise ValueError(f"not a consolidated ShardedOptimizer checkpoint (format "
+                             f"{state_dict.get('format')!r}, expected {FORMAT!r})")
+        params = state_dict["params"]
+        names = [n for n, _ in self._trainable]
+        if sorted(params) != sorted(names):
+            missing = sorted(set(names) - set(params))[:5]
+            extra = sorted(set(params) - set(names))[:5]
+            raise ValueError(f"checkpoint parameters differ from this model's: missing {missing}, "
+                             f"unexpected {extra}")
+        for n, p in self._trainable:
+            if tuple(params[n]["master"].shape) != tuple(p.shape):
+                raise ValueError(f"parameter {n!r}: checkpoint shape {tuple(params[n]['master'].shape)}, "
+                                 f"model shape {tuple(p.shape)}")
+        if len(state_dict["param_groups"]) != len(self.optimizer.param_groups):
+            raise ValueError(f"checkpoint has {len(state_dict['param_groups'])} param groups, the "
+                             f"optimizer {len(self.optimizer.param_groups)}")
+        new_state = defaultdict(dict)
+        with torch.no_grad():
+            for piece, tensor in zip(self.plan.pieces, self._pieces):
+                entry = params[piece.name]
+                tensor.copy_(entry["master"].reshape(-1)[piece.start:piece.stop])
+                st = split_state(entry, piece.start, piece.stop)
+                if st:
+                    new_state[tensor] = {k: (v.to(tensor.device) if isinstance(v, torch.Tensor) else v)
+                                         for k, v in st.items()}
+            if load_replicas:
+                for n, p in self._trainable:
+                    p.copy_(params[n]["replica"].to(p.device))
+        for g, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = v
+        self.optimizer.state = new_state
+        self._step_count = int(state_dict["step"])
+
+    @classmethod
+    def from_args(cls, optimizer, args, named_parameters=None, process_group=None, **kwargs):
+        """Build from the SDP4Bit Megatron flags parsed by :func:`bitscom.sharded.add_arguments`.
+
+        Example::
+
+            parser = argparse.ArgumentParser(); bitscom.sharded.add_arguments(parser)
+            opt = bitscom.ShardedOptimizer.from_args(opt, parser.parse_args(), model.named_parameters())
+        """
+        from .args import settings_from_args
+        return cls(optimizer, named_parameters, process_group, **settings_from_args(args), **kwargs)

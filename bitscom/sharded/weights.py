@@ -1,0 +1,110 @@
+"""Parameter all-gather after the shard update: exact, or quantized weight differences (qWD).
+
+Exact: each rank sends its updated master shard in the parameters' dtype; every rank copies
+the gathered buckets into its parameters.
+
+qWD (SDP4Bit): the owner of a shard sends ``Q(master - replica)``, the difference between its
+updated master shard and the current replica of that shard (identical on every rank), quantized
+at ``weight_quantization_bits`` with ``wq_group_size`` elements per scale and stochastic
+rounding. Every rank, the owner included, decodes the same bytes and adds them to its replica,
+so replicas stay bitwise identical. Taking the difference against the *replica* (rather than
+against the previous master) means the replica never drifts from the master by more than one
+step's quantization error: the error of step t is part of the difference sent at step t+1.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+
+from .codec import RowCodec, mix_seed
+from .compat import all_gather_flat
+from .config import ShardedConfig
+from .gradients import Topology
+from .layout import ShardPlan
+
+__all__ = ["gather_parameters", "weight_wire_bytes", "replica_shard"]
+
+
+def weight_wire_bytes(cfg: ShardedConfig, topo: Topology, shard_numel: int, param_dtype: torch.dtype) -> int:
+    """Bytes this rank contributes to one bucket's parameter all-gather.
+
+    Example::
+
+        weight_wire_bytes(ShardedConfig(quantized_weights=True), topo, 4096, torch.float32)
+    """
+    if topo.world == 1:
+        return 0
+    if cfg.quantized_weights:
+        return RowCodec(cfg.weight_quantization_bits, cfg.wq_group_size).row_bytes(shard_numel)
+    return shard_numel * torch.empty((), dtype=param_dtype).element_size()
+
+
+def replica_shard(plan: ShardPlan, bucket: int, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """This rank's shard of bucket ``bucket`` as it stands in the replicas (float32, zero-padded).
+
+    Example::
+
+        d = master_slice - replica_shard(plan, 0, params)
+    """
+    b = plan.buckets[bucket]
+    out = torch.zeros(b.shard_numel, dtype=torch.float32, device=params[0].device)
+    lo = b.master_offset
+    for piece in plan.pieces:
+        if lo <= piece.master_offset < lo + b.shard_numel:
+            a = piece.master_offset - lo
+            out[a:a + piece.numel].copy_(params[piece.index].detach().reshape(-1)[piece.start:piece.stop])
+    return out
+
+
+def gather_parameters(cfg: ShardedConfig, topo: Topology, plan: ShardPlan, master: torch.Tensor,
+                      params: List[torch.Tensor], step: int) -> int:
+    """Bring every replica up to date from the owners' master shards; returns bytes sent.
+
+    Example::
+
+        sent = gather_parameters(cfg, topo, plan, master, params, step)
+    """
+    world = topo.world
+    dtype = params[0].dtype
+    device = master.device
+    launched = []
+    sent = 0
+    for i, b in enumerate(plan.buckets):
+        mine = master[b.master_offset:b.master_offset + b.shard_numel]
+        if cfg.quantized_weights and world > 1:
+            codec = RowCodec(cfg.weight_quantization_bits, cfg.wq_group_size)
+            diff = mine.to(torch.float32) - replica_shard(plan, i, params)
+            row = torch.empty(codec.row_bytes(b.shard_numel), dtype=torch.uint8, device=device)
+            codec.encode(diff, row, mix_seed(cfg.seed, step, topo.rank, i, 0, 3))
+        else:
+            row = mine.to(dtype).contiguous()
+        out = torch.empty(world * row.numel(), dtype=row.dtype, device=device)
+        if world > 1:
+            sent += row.numel() * row.element_size()
+            work = all_gather_flat(out, row, group=topo.group, async_op=True)
+        else:
+            out.copy_(row)
+            work = None
+        launched.append((b, row.numel(), out, work))
+    for b, R, out, work in launched:
+        if work is not None:
+            work.wait()
+        with torch.no_grad():
+            if cfg.quantized_weights and world > 1:
+                codec = RowCodec(cfg.weight_quantization_bits, cfg.wq_group_size)
+                rows = out.view(world, R)
+                full = torch.empty(world * b.shard_numel, dtype=torch.float32, device=device)
+                for j in range(world):
+                    codec.decode(rows[j], b.shard_numel, full[j * b.shard_numel:(j + 1) * b.shard_numel])
+                for s in b.slots:
+                    p = params[s.index]
+                    wide = torch.promote_types(p.dtype, torch.float32)
+                    new = p.detach().reshape(-1).to(wide) + full[s.offset:s.end]
+                    p.detach().copy_(new.view(p.shape))
+            else:
+                for s in b.slots:
+                    p = params[s.index]
+                    p.detach().copy_(out[s.offset:s.end].view(p.shape))
+    return sent
