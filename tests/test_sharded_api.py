@@ -160,6 +160,19 @@ def test_existing_state_is_sliced_and_lr_scheduler_works():
     assert opt.param_groups[0]["lr"] == 0.05
 
 
+def test_grad_scaler_is_refused_loudly():
+    """GradScaler would unscale and inf-check only a shard: a clear error, never a silent step."""
+    model = make_model()
+    opt = bitscom.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x, y = global_batch(0, 1)
+    scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+    with pytest.raises(RuntimeError, match="GradScaler"):
+        scaler.step(opt)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
 def _mismatched(rank, world):
     model = make_model()
     bits = 4 if rank == 0 else 8

@@ -142,7 +142,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``p.grad`` is ``None`` (the hook moved it into the reduction); use :meth:`clip_grad_norm_`
     (the global norm over all shards, identical on every rank) instead of
     ``torch.nn.utils.clip_grad_norm_(model.parameters())``, which would see no gradients.
-    AMP's ``GradScaler`` is not supported (its per-rank inf checks would see different shards).
+    AMP's ``GradScaler`` is refused with a ``RuntimeError`` at ``scaler.step(opt)`` (its per-rank
+    inf checks would see different shards).
 
     Args:
         optimizer: an elementwise ``torch.optim`` optimizer (see :data:`ELEMENTWISE_OPTIMIZERS`)
@@ -488,6 +489,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             g.mul_(coef.to(g.dtype))
         return total.to(torch.float32)
 
+    # GradScaler hands optimizers that declare this its scale and inf flag instead of unscaling
+    # p.grad itself; step() uses that hand-over to refuse AMP loudly (see the class docstring).
+    _step_supports_amp_scaling = True
+
     def step(self, closure=None):
         """Synchronize (if not done), update this rank's shard, all-gather the parameters.
 
@@ -495,6 +500,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
             loss.backward(); opt.step()
         """
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
+            raise RuntimeError(
+                "ShardedOptimizer does not support torch.amp.GradScaler: its unscale and inf check "
+                "would see only this rank's shard (ranks could skip differently). Train with bf16 "
+                "autocast without a scaler, or use bitscom.DistributedOptimizer with GradScaler")
         if closure is not None:
             raise ValueError("ShardedOptimizer.step() takes no closure: the closure's backward "
                              "would be reduced by the hooks; call backward yourself, then step()")
