@@ -11,6 +11,7 @@ from .ddp import ddp_comm_hook
 from .group import LowBitGroup
 from .ops import Average, ReduceOp, Sum
 from .optimizer import DistributedOptimizer
+from .uneven import join
 from .runtime import (cross_rank, cross_size, init, inter_group, intra_group, is_initialized,
                       local_rank, local_size, rank, shutdown, size)
 
@@ -21,5 +22,5 @@ __all__ = [
     "cross_rank", "cross_size", "intra_group", "inter_group",
     "DistributedOptimizer", "Compression", "compressors", "Average", "Sum", "ReduceOp",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
-    "ddp_comm_hook", "LowBitGroup", "register_lowbit_backend",
+    "ddp_comm_hook", "LowBitGroup", "register_lowbit_backend", "join",
 ]

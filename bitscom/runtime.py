@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "world_group", "intra_group", "inter_group", "device",
-           "LaunchInfo", "discover"]
+           "LaunchInfo", "discover", "timeout", "new_group"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,7 @@ class _Runtime:
         self.intra = None
         self.inter = None
         self.device = torch.device("cpu")
+        self.timeout: Optional[datetime.timedelta] = None
 
 
 _rt = _Runtime()
@@ -157,6 +158,8 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
     """
     if _rt.info is not None:
         return _rt.info
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
     if bitwidth is not None or lowbit_options:
         # ``bitwidth=``/lowbit options: register the "lowbit" backend and start on it (see
         # bitscom.register_lowbit_backend); imported here only, the backend sits above runtime.
@@ -193,6 +196,7 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
         dist.init_process_group(**kwargs)
         _rt.owns_pg = True
     _rt.info = info
+    _rt.timeout = timeout
     if dist.is_initialized():
         _rt.world = dist.group.WORLD
         # Node groups use the plain backend even when the world is "lowbit": the hierarchical
@@ -222,13 +226,39 @@ def _build_node_groups(info: LaunchInfo, backend: str) -> None:
                                f"(use mpirun --map-by slot); layout seen: {layout}")
     nodes = size // local
     for n in range(nodes):
-        g = dist.new_group(list(range(n * local, (n + 1) * local)), backend=backend)
+        g = new_group(list(range(n * local, (n + 1) * local)), backend=backend)
         if info.rank // local == n:
             _rt.intra = g
     for lr in range(local):
-        g = dist.new_group(list(range(lr, size, local)), backend=backend)
+        g = new_group(list(range(lr, size, local)), backend=backend)
         if info.rank % local == lr:
             _rt.inter = g
+
+
+def timeout() -> Optional[datetime.timedelta]:
+    """The ``timeout`` given to :func:`init` (None: torch's default, 30 minutes for gloo).
+
+    Every process group bitscom creates gets it, so a stalled peer fails the survivors within
+    the same time everywhere. Example::
+
+        bitscom.init(timeout=datetime.timedelta(seconds=60))
+        assert bitscom.runtime.timeout().total_seconds() == 60
+    """
+    return _rt.timeout
+
+
+def new_group(ranks, *, backend: Optional[str] = None, use_local_synchronization: bool = False):
+    """``torch.distributed.new_group`` with the :func:`init` timeout: the one way bitscom
+    creates its own groups (the optimizer's later-round group, the DDP hook's, node groups).
+
+    Example::
+
+        later = bitscom.runtime.new_group([0, 1], use_local_synchronization=True)
+    """
+    kwargs = {"backend": backend, "use_local_synchronization": use_local_synchronization}
+    if _rt.timeout is not None:
+        kwargs["timeout"] = _rt.timeout
+    return dist.new_group(list(ranks), **kwargs)
 
 
 def shutdown() -> None:
