@@ -15,8 +15,11 @@ waited for with its last one. A rank that ran out of data calls :func:`join`, wh
    and go to 1.
 
 The joined rank's zeros count in the average (divided by the full group size, as DDP's
-``Join`` does by default). Only optimizer steps are shadowed: other collectives (metrics,
-validation, broadcasts) belong after ``join()`` returns, on every rank.
+``Join`` does by default). When every rank has joined, each optimizer's parameters and state
+are broadcast from the last rank to join, since the joined ranks reduced but did not step
+(model buffers such as BatchNorm statistics are not the optimizer's: broadcast them yourself
+from the returned rank if they matter). Only optimizer steps are shadowed: other collectives
+(metrics, validation, broadcasts) belong after ``join()`` returns, on every rank.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from . import runtime
-from .agreement import require_member
+from .agreement import check_agreement, require_member
+from .broadcast import broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["join", "register", "unregister", "notify"]
 
@@ -117,5 +121,15 @@ def join(process_group=None) -> int:
     counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
     dist.all_gather(counts, torch.tensor([shadowed], dtype=torch.int64, device=device), group=group)
     counts = [int(c) for c in counts]
-    last = max(i for i, c in enumerate(counts) if c == min(counts))
-    return dist.get_global_rank(group, last) if group is not dist.group.WORLD else last
+    last = dist.get_global_rank(group, max(i for i, c in enumerate(counts) if c == min(counts)))
+    if max(counts) > 0:
+        # The joined ranks reduced but did not step: give them the last joiner's parameters
+        # and optimizer state, so the replicas are identical again (DDP's Join does the same
+        # for the model).
+        check_agreement({"optimizers": sorted(mine)}, group, "optimizers to synchronize after join")
+        for uid in sorted(mine):
+            opt = mine[uid]
+            params = [p for g in opt.param_groups for p in g["params"]]
+            broadcast_parameters(params, root_rank=last, process_group=group)
+            broadcast_optimizer_state(opt, root_rank=last, process_group=group)
+    return last
