@@ -230,8 +230,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  num_groups: int = 0):
         if isinstance(compression, str):
             compression = get_compressor(compression)
+        elif not isinstance(compression, Compressor):
+            # the registry adapts other forms it knows (e.g. Horovod-style codec classes)
+            try:
+                compression = get_compressor(compression)
+            except (TypeError, ValueError):
+                pass
         if not isinstance(compression, Compressor):
-            raise TypeError(f"compression must be a bitscom compressor or a registry name, got {compression!r}")
+            raise TypeError("compression must be a bitscom compressor, a Horovod-style codec or "
+                            f"a registry name, got {compression!r}")
         backward_passes_per_step = _passes(backward_passes_per_step)
         if op not in (Average, Sum):
             raise ValueError(f"op must be bitscom.Average or bitscom.Sum, got {op!r}")
@@ -315,6 +322,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             uneven.register(self)
         self._finalizer = weakref.finalize(self, _release, hooks, owned)
         self._finalizer.atexit = False
+
+    @property
+    def optimizer(self):
+        """This optimizer itself (it *is* the wrapped class now); kept for code written for
+        older bitscom that reached the wrapped optimizer through ``opt.optimizer``."""
+        return self.__dict__.get("optimizer", self)
+
+    @optimizer.setter
+    def optimizer(self, value):       # optimizers that wrap another one (Lookahead-style)
+        self.__dict__["optimizer"] = value
 
     def add_param_group(self, param_group):
         raise RuntimeError("bitscom plans its buckets once; add every parameter group to the "
