@@ -483,3 +483,58 @@ def test_rank_outside_process_group_is_a_clear_error(pools):
     for key in ("optimizer", "broadcast", "object"):
         assert "global rank 2) is not a member" in results[2][key], results[2][key]
     assert results[0]["object"] == 0 and results[1]["object"] == 0
+
+
+# ------------------------------------------------------------ group timeouts (item 8)
+
+def _stalled_peer(rank, world, port, queue, release):
+    import datetime
+    import os
+
+    from distpool import worker_env
+    os.environ.update(worker_env(rank, world, port, world))
+    import bitscom as b
+    b.init(timeout=datetime.timedelta(seconds=15))
+    model = make_model()
+    opt = b.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters())
+    ddp_state, _ = b.ddp_comm_hook("fp16")
+    groups = {"optimizer": opt._reducer.later_group, "ddp hook": ddp_state._reducer.later_group,
+              "intra-node": b.intra_group()}
+    out = {}
+    for name, group in groups.items():
+        if rank == 0:                     # rank 1 stalls: it never joins these collectives
+            try:
+                dist.all_reduce(torch.ones(1), group=group)
+                out[name] = "completed"
+            except RuntimeError as err:
+                out[name] = f"failed: {str(err)[:160]}"
+    queue.put((rank, out))
+    queue.close()
+    queue.join_thread()
+    if rank == 1:
+        release.wait(180)             # alive (not crashed) until rank 0 has seen every timeout
+    os._exit(0)
+
+
+def test_bitscom_groups_use_the_init_timeout():
+    import multiprocessing as mp
+
+    from distpool import free_port
+    ctx = mp.get_context("spawn")
+    queue, release, port = ctx.Queue(), ctx.Event(), free_port()
+    procs = [ctx.Process(target=_stalled_peer, args=(r, 2, port, queue, release), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=150) for _ in range(2))
+    finally:
+        release.set()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert set(results[0]) == {"optimizer", "ddp hook", "intra-node"}
+    for name, outcome in results[0].items():
+        assert outcome.startswith("failed") and "imed out" in outcome, \
+            f"{name} group: {outcome} (should time out after init's 15 s, not torch's 30 min)"
