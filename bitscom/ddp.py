@@ -233,7 +233,7 @@ def ddp_comm_hook(compressor="none", process_group=None):
         ranks = dist.get_process_group_ranks(process_group)
         whole = len(ranks) == dist.get_world_size()
         # See bitscom.optimizer: only a group every rank created can be destroyed safely.
-        later = runtime.new_group(ranks, use_local_synchronization=not whole)
+        later = runtime.new_group(ranks, use_local_synchronization=not whole, settle=whole)
         state = DDPCommState(compressor, process_group, later)
         if not whole:
             state._finalizer.detach()

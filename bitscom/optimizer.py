@@ -149,7 +149,7 @@ def _later_group(process_group):
     """
     ranks = dist.get_process_group_ranks(process_group)
     if len(ranks) == dist.get_world_size():
-        group = runtime.new_group(ranks)
+        group = runtime.new_group(ranks, settle=True)
         return group, group
     return runtime.new_group(ranks, use_local_synchronization=True), None
 

@@ -247,9 +247,14 @@ def timeout() -> Optional[datetime.timedelta]:
     return _rt.timeout
 
 
-def new_group(ranks, *, backend: Optional[str] = None, use_local_synchronization: bool = False):
+def new_group(ranks, *, backend: Optional[str] = None, use_local_synchronization: bool = False,
+              settle: bool = False):
     """``torch.distributed.new_group`` with the :func:`init` timeout: the one way bitscom
     creates its own groups (the optimizer's later-round group, the DDP hook's, node groups).
+
+    ``settle=True`` runs one tiny all-reduce on the new group, so every member has finished
+    connecting before any member may destroy it again (a group destroyed while a peer is
+    still connecting breaks that peer's next group).
 
     Example::
 
@@ -258,7 +263,12 @@ def new_group(ranks, *, backend: Optional[str] = None, use_local_synchronization
     kwargs = {"backend": backend, "use_local_synchronization": use_local_synchronization}
     if _rt.timeout is not None:
         kwargs["timeout"] = _rt.timeout
-    return dist.new_group(list(ranks), **kwargs)
+    group = dist.new_group(list(ranks), **kwargs)
+    if settle and group is not dist.GroupMember.NON_GROUP_MEMBER:
+        cuda = dist.get_backend(group) == "nccl"
+        probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu")
+        dist.all_reduce(probe, group=group)
+    return group
 
 
 def shutdown() -> None:

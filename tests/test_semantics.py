@@ -538,3 +538,23 @@ def test_bitscom_groups_use_the_init_timeout():
     for name, outcome in results[0].items():
         assert outcome.startswith("failed") and "imed out" in outcome, \
             f"{name} group: {outcome} (should time out after init's 15 s, not torch's 30 min)"
+
+
+def _ddp_leak(rank, world, cycles):
+    import gc
+    seen = []
+    for i in range(cycles):
+        state, _ = bitscom.ddp_comm_hook("none")
+        if i % 2:
+            state.close()
+        del state
+        gc.collect()
+        seen.append(_counts())
+    return seen
+
+
+def test_ddp_hook_state_releases_its_group(pools):
+    for seen in pools.run(2, _ddp_leak, 30, timeout=300):
+        fds, threads = zip(*seen)
+        assert max(fds[5:]) <= fds[4] + 2, f"fds grew: {fds}"
+        assert max(threads[5:]) <= threads[4] + 2, f"threads grew: {threads}"
