@@ -481,6 +481,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._reset_buckets()
         self._passes_done = 0
         self._completed = False
+        self._callback_queued = False   # also after a backward that raised before its end
 
     def shadow_step(self) -> None:
         """Take part in one step of the other ranks with zero gradients (used by
