@@ -16,6 +16,7 @@ from .hvd_ops import (Handle, allgather, allgather_async, allgather_object, allr
                       grouped_allreduce, poll, synchronize)
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .optimizer import DistributedOptimizer
+from .uneven import join
 from .runtime import (cross_rank, cross_size, init, inter_group, intra_group, is_initialized,
                       local_rank, local_size, rank, shutdown, size)
 from .sharded import ShardedOptimizer
@@ -27,7 +28,7 @@ __all__ = [
     "cross_rank", "cross_size", "intra_group", "inter_group",
     "DistributedOptimizer", "Compression", "compression", "compressors", "Average", "Sum", "ReduceOp",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
-    "ddp_comm_hook", "LowBitGroup", "register_lowbit_backend", "ShardedOptimizer",
+    "ddp_comm_hook", "LowBitGroup", "register_lowbit_backend", "ShardedOptimizer", "join",
     # Horovod's module-level collectives (bitscom.hvd_ops) and build queries
     "Min", "Max", "Product", "Adasum", "Handle", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "grouped_allreduce", "allgather", "allgather_async", "allgather_object",

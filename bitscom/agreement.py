@@ -4,15 +4,53 @@ Ranks that planned different buckets, shapes or compressor settings would exchan
 misaligned bytes (silent corruption) or wait on collectives the others never issue (a
 hang). One ``all_gather_object`` of each rank's description turns both into the same clear
 error on every rank.
+
+Trust: ``all_gather_object`` unpickles what the peers send. bitscom assumes every rank of a
+job is run by the same party (as torch.distributed does); see docs/reliability.md.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, List
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["check_agreement"]
+__all__ = ["check_agreement", "describe_state", "require_member"]
+
+
+def require_member(group, what: str) -> None:
+    """Raise a clear error on a rank that is not in ``group`` (torch would fail obscurely).
+
+    Example::
+
+        require_member(group, "broadcast_parameters")
+    """
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(f"{what}: this process (global rank {dist.get_rank()}) is not a member of "
+                         f"the process group (ranks {dist.get_process_group_ranks(group)}); call it "
+                         "on member ranks only")
+
+
+def describe_state(state: Any) -> Any:
+    """What must agree across ranks in a compressor state: counters, flags and tensor shapes
+    (not values: error-feedback residuals differ per rank by design).
+
+    Example::
+
+        check_agreement({"state": [describe_state(s) for s in states]}, group, "compressor state")
+    """
+    if hasattr(state, "state_dict") and not isinstance(state, dict):
+        state = state.state_dict()
+    if isinstance(state, dict):
+        return {str(k): describe_state(v) for k, v in sorted(state.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(state, torch.Tensor):
+        return ("tensor", tuple(state.shape), str(state.dtype))
+    if isinstance(state, (list, tuple)):
+        return [describe_state(v) for v in state]
+    if state is None or isinstance(state, (bool, int, str)):
+        return state
+    return type(state).__name__
 
 
 def _short(value: Any, limit: int = 300) -> str:
@@ -37,6 +75,7 @@ def check_agreement(description: Dict[str, Any], group=None, what: str = "reduct
 
         check_agreement({"buckets": [l.describe() for l in layouts]}, group)
     """
+    require_member(group, f"the {what} check")
     size = dist.get_world_size(group)
     gathered: List[Dict[str, Any]] = [None] * size
     dist.all_gather_object(gathered, description, group=group)

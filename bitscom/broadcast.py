@@ -1,4 +1,14 @@
-"""Start every rank from the same state: broadcast parameters, optimizer state, objects."""
+"""Start every rank from the same state: broadcast parameters, optimizer state, objects.
+
+Every function first checks, on all ranks together, that the ranks describe the same thing
+(names, shapes, dtypes), so a model with an extra layer on one rank is the same clear error
+everywhere before any data moves, not silent garbage or an abort.
+
+Trust: :func:`broadcast_object` and :func:`broadcast_optimizer_state` send pickles, and the
+agreement checks gather pickled descriptions; receivers unpickle what the peers send. That
+assumes every rank of the job is run by the same party (torch.distributed's own object
+collectives assume the same); see docs/reliability.md.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import runtime
+from .agreement import check_agreement, require_member
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object"]
 
@@ -20,8 +31,19 @@ def _group(process_group):
     return None
 
 
-def _active(group) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+def _active(group, what: str) -> bool:
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    require_member(group, what)
+    return dist.get_world_size(group) > 1
+
+
+def _check_root(root_rank, group) -> None:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
+        raise TypeError(f"root_rank must be an int (a global rank), got {root_rank!r}")
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    if root_rank not in ranks:
+        raise ValueError(f"root_rank {root_rank} is not a rank of the process group (ranks {list(ranks)})")
 
 
 def broadcast_parameters(params, root_rank: int = 0, process_group=None) -> None:
@@ -38,14 +60,19 @@ def broadcast_parameters(params, root_rank: int = 0, process_group=None) -> None
     if isinstance(params, dict):
         items = sorted(params.items(), key=lambda kv: kv[0])
     else:
-        items = [(None, p) if isinstance(p, torch.Tensor) else p for p in params]
-    if not _active(group):
+        items = [(i, p) if isinstance(p, torch.Tensor) else p for i, p in enumerate(params)]
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+            raise TypeError("broadcast_parameters expects tensors or (name, tensor) pairs, got "
+                            f"{type(item).__name__} {repr(item)[:80]}")
+    if not _active(group, "broadcast_parameters"):
         return
+    _check_root(root_rank, group)
+    check_agreement({"tensors": [(str(n), tuple(t.shape), str(t.dtype)) for n, t in items]}, group,
+                    "tensors given to broadcast_parameters")
     works = []
     with torch.no_grad():
-        for name, tensor in items:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"broadcast_parameters expects tensors; {name!r} is {type(tensor).__name__}")
+        for _, tensor in items:
             works.append(dist.broadcast(tensor.data, src=root_rank, group=group, async_op=True))
     for w in works:
         w.wait()
@@ -61,16 +88,18 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, process_group=None) -> Any:
-    """Return root's ``obj`` (any picklable object) on every rank.
+def broadcast_object(obj: Any, root_rank: int = 0, name=None, process_group=None) -> Any:
+    """Return root's ``obj`` (any picklable object) on every rank (unpickled on receipt: trust
+    your peers). ``name`` is accepted for Horovod compatibility and unused.
 
     Example::
 
         epoch = bitscom.broadcast_object(epoch, root_rank=0)
     """
     group = _group(process_group)
-    if not _active(group):
+    if not _active(group, "broadcast_object"):
         return obj
+    _check_root(root_rank, group)
     box = [obj if dist.get_rank() == root_rank else None]
     device = None
     if dist.get_backend(group) == "nccl":
@@ -79,22 +108,31 @@ def broadcast_object(obj: Any, root_rank: int = 0, process_group=None) -> Any:
     return box[0]
 
 
-def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_group=None) -> None:
+def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None, process_group=None) -> None:
     """Load root's optimizer state (moments, step counts, learning rates) on every rank.
 
     Accepts a ``torch.optim.Optimizer`` or a :class:`bitscom.DistributedOptimizer` (whose
-    wrapped optimizer is synchronized; compressor state is per rank and is left alone).
+    compressor state is per rank and is left alone). The whole state dict travels as one
+    pickle, so an optimizer that has not stepped yet needs no warm-up step (Horovod's) and
+    LBFGS works too. ``model`` is accepted for Horovod/ACP-SGD compatibility and unused.
+    Ranks whose optimizers differ (parameter count or shapes) get the same clear error.
 
     Example::
 
         bitscom.broadcast_optimizer_state(optimizer, root_rank=0)
     """
-    inner = getattr(optimizer, "optimizer", optimizer)
-    if not isinstance(inner, torch.optim.Optimizer):
+    if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"broadcast_optimizer_state expects an optimizer, got {type(optimizer).__name__}")
     group = _group(process_group)
-    if not _active(group):
+    if not _active(group, "broadcast_optimizer_state"):
         return
-    state = _to_cpu(inner.state_dict()) if dist.get_rank() == root_rank else None
-    state = broadcast_object(state, root_rank, group)
-    inner.load_state_dict(state)
+    _check_root(root_rank, group)
+    layout = [[(tuple(p.shape), str(p.dtype)) for p in g["params"]] for g in optimizer.param_groups]
+    check_agreement({"optimizer": type(optimizer).__name__, "param_groups": layout}, group,
+                    "optimizers given to broadcast_optimizer_state")
+    state = None
+    if dist.get_rank() == root_rank:
+        state = optimizer.state_dict()
+        state = _to_cpu({k: v for k, v in state.items() if k != "bitscom"})
+    state = broadcast_object(state, root_rank, process_group=group)
+    optimizer.load_state_dict(state)

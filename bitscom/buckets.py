@@ -17,7 +17,7 @@ import torch
 
 from .compressors.base import BucketLayout, TensorSlot
 
-__all__ = ["plan_buckets", "FlatBucket"]
+__all__ = ["plan_buckets", "plan_groups", "FlatBucket"]
 
 
 def plan_buckets(params: Sequence[Tuple[str, torch.Tensor]], threshold_bytes: int) -> List[BucketLayout]:
@@ -49,6 +49,55 @@ def plan_buckets(params: Sequence[Tuple[str, torch.Tensor]], threshold_bytes: in
             order.append(current)
         current.append((name, p))
         used[key] += nbytes
+    return _layouts(order)
+
+
+def plan_groups(params: Sequence[Tuple[str, torch.Tensor]], groups) -> List[BucketLayout]:
+    """Buckets chosen by the user, Horovod's ``groups=`` (instead of a size threshold).
+
+    ``groups`` is a number ``n`` (the parameters, in reverse registration order, are cut into
+    ``n`` runs of nearly equal count) or a list of lists of parameters (each list travels
+    together; a parameter in no list travels alone). Parameters of different dtypes or
+    devices in one group are split, as in :func:`plan_buckets`.
+
+    Example::
+
+        layouts = plan_groups(list(model.named_parameters()), [[m.fc1.weight, m.fc2.weight]])
+    """
+    rev = list(reversed(list(params)))
+    if isinstance(groups, int):
+        n = min(groups, len(rev)) or 1
+        cut = [len(rev) * i // n for i in range(n + 1)]
+        chosen = [rev[cut[i]:cut[i + 1]] for i in range(n)]
+    else:
+        position = {id(p): i for i, (_, p) in enumerate(rev)}
+        chosen, taken = [], set()
+        for g, members in enumerate(groups):
+            picked = []
+            for p in members:
+                if id(p) not in position:
+                    raise ValueError(f"groups[{g}] holds a tensor of shape {tuple(p.shape)} that is "
+                                     "not a trainable parameter of this optimizer")
+                if id(p) in taken:
+                    raise ValueError(f"groups[{g}] repeats a parameter of shape {tuple(p.shape)}; "
+                                     "each parameter may be in one group only")
+                taken.add(id(p))
+                picked.append(rev[position[id(p)]])
+            if picked:
+                chosen.append(sorted(picked, key=lambda item: position[id(item[1])]))
+        chosen += [[item] for item in rev if id(item[1]) not in taken]
+        # First the bucket whose last gradient arrives earliest in backward.
+        chosen.sort(key=lambda members: max(position[id(p)] for _, p in members))
+    order = []
+    for members in chosen:
+        by_key: Dict[tuple, list] = {}
+        for name, p in members:
+            by_key.setdefault((p.dtype, p.device), []).append((name, p))
+        order.extend(by_key.values())
+    return _layouts(order)
+
+
+def _layouts(order: List[list]) -> List[BucketLayout]:
     layouts = []
     for index, members in enumerate(order):
         slots, offset = [], 0

@@ -17,13 +17,14 @@ is checkpointable with :meth:`DDPCommState.state_dict` / :meth:`DDPCommState.loa
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import runtime
-from .agreement import check_agreement
+from .agreement import check_agreement, require_member
 from .compressors import Compressor, get as get_compressor
 from .compressors.base import BucketLayout, TensorSlot
 from .compressors.hvd_adapter import is_codec
@@ -66,6 +67,21 @@ class DDPCommState:
         self._loaded: Dict[int, tuple] = {}       # index -> (shapes, state dict) awaiting a bucket
         self._pending: List[Tuple[torch.futures.Future, torch.Tensor]] = []
         self._stats = {"bytes_sent": 0, "dense_bytes": 0, "buckets": 0}
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _destroy_group, later_group)
+        self._finalizer.atexit = False
+
+    def close(self) -> None:
+        """Destroy the process group the hook created (also done on garbage collection);
+        the hook fails loudly if DDP calls it afterwards.
+
+        Example::
+
+            state.close()
+        """
+        self._closed = True
+        self._reducer.abort()
+        self._finalizer()
 
     # -- per-bucket state ----------------------------------------------------------------
     def _prepare(self, bucket) -> int:
@@ -87,6 +103,8 @@ class DDPCommState:
     def _on_bucket(self, bucket) -> torch.futures.Future:
         future = torch.futures.Future()
         try:
+            if self._closed:
+                raise RuntimeError("bitscom DDP hook state was closed; register a new hook")
             index = self._prepare(bucket)
             flat = bucket.buffer()
             if index == 0 and self._pending:
@@ -164,6 +182,14 @@ class DDPCommState:
                 self._loaded[i] = (tuple(shapes), saved)
 
 
+def _destroy_group(group) -> None:
+    if group is not None and dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group(group)
+        except (RuntimeError, ValueError):   # already gone with the default group
+            pass
+
+
 def _shapes(layout: BucketLayout) -> tuple:
     return tuple(tuple(s.shape) for s in layout.slots)
 
@@ -175,8 +201,9 @@ def _hook(state, bucket):       # no annotations: DDP checks them and these woul
 def ddp_comm_hook(compressor="none", process_group=None):
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
 
-    Every rank must call it (it creates the second process group for later rounds and checks
-    that all ranks chose the same compressor settings).
+    Every rank must call it (it creates the second process group for later rounds, with the
+    ``timeout`` given to :func:`bitscom.init`, and checks that all ranks chose the same
+    compressor settings). ``state.close()`` destroys that group.
 
     Args:
         compressor: a bitscom compressor (``bitscom.Compression.fp16``,
@@ -202,9 +229,16 @@ def ddp_comm_hook(compressor="none", process_group=None):
         process_group = runtime.world_group() if runtime.is_initialized() else None
     if process_group is None:
         process_group = dist.group.WORLD
+    require_member(process_group, "ddp_comm_hook")
     later = None
     if dist.get_world_size(process_group) > 1:
         check_agreement({"compressor": compressor.fingerprint()}, process_group, "DDP comm hook")
-        later = dist.new_group(dist.get_process_group_ranks(process_group),
-                               use_local_synchronization=True)
+        ranks = dist.get_process_group_ranks(process_group)
+        whole = len(ranks) == dist.get_world_size()
+        # See bitscom.optimizer: only a group every rank created can be destroyed safely.
+        later = runtime.new_group(ranks, use_local_synchronization=not whole, settle=whole)
+        state = DDPCommState(compressor, process_group, later)
+        if not whole:
+            state._finalizer.detach()
+        return state, _hook
     return DDPCommState(compressor, process_group, later), _hook

@@ -1,31 +1,42 @@
 """DistributedOptimizer: Horovod's one-line data parallelism, with compressed, fused buckets.
 
-Data path of one step:
+Data path of one step (what users may rely on is in ``docs/reliability.md``):
 
-1. ``loss.backward()`` accumulates into ``p.grad``; a post-accumulate-grad hook counts the
-   pass (up to ``backward_passes_per_step``) and, on the last one, copies the gradient into
-   its bucket's flat buffer.
+1. ``loss.backward()`` accumulates into ``p.grad``; a post-accumulate-grad hook notes the
+   parameter. On the backward pass that completes a step (the ``backward_passes_per_step``-th)
+   it copies the gradient into its bucket's flat buffer.
 2. When every gradient of the next bucket (in plan order) is in, its first communication
    round starts asynchronously while backward goes on; later rounds chain as earlier work
    completes (see :mod:`bitscom.engine`).
-3. ``synchronize()`` (called by ``step()``) fills in parameters that got no gradient this
-   step (they count as zeros), launches what is left, waits for every bucket and writes the
-   reduced gradients back into ``p.grad``.
-4. ``step()`` runs the wrapped optimizer.
+3. When that backward pass ends (the autograd engine's end-of-backward callback, as DDP
+   does), parameters that got no gradient count as zeros, every bucket is finished and the
+   reduced gradient is copied into each ``p.grad``. So whatever runs between ``backward()``
+   and ``step()`` — ``GradScaler`` unscaling and its inf check, clipping, inspection, custom
+   edits — sees reduced gradients, identical on every rank.
+4. ``step()`` runs the wrapped optimizer's own ``step`` on ``p.grad`` as it is.
+
+The returned object is an instance of a subclass of the wrapped optimizer's class (as with
+Horovod), so ``isinstance(opt, torch.optim.SGD)`` holds and LR schedulers, ``GradScaler``
+and Lightning-style loops see the optimizer they expect.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
+import numbers
+import warnings
 import weakref
+import zlib
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 
-from . import runtime
-from .agreement import check_agreement
-from .buckets import FlatBucket, plan_buckets
+from . import runtime, uneven
+from .agreement import check_agreement, describe_state
+from .buckets import FlatBucket, plan_buckets, plan_groups
 from .compressors import Compression, Compressor, get as get_compressor
 from .engine import Reducer
 from .ops import Average, ReduceOp, Sum
@@ -64,29 +75,114 @@ def _named_params(optimizer: torch.optim.Optimizer, named_parameters) -> List[tu
     return [(n, p) for n, p in named if id(p) in seen]
 
 
+def _number(name: str, value, minimum: float, inclusive: bool) -> float:
+    """``value`` as a finite float >= (or >) ``minimum``; a clear error naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    ok = value >= minimum if inclusive else value > minimum
+    if not (math.isfinite(value) and ok):
+        relation = ">=" if inclusive else ">"
+        raise ValueError(f"{name} must be a finite number {relation} {minimum:g}, got {value!r}")
+    return value
+
+
+def _passes(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"backward_passes_per_step must be an int >= 1, got {value!r}")
+    return value
+
+
+def _resolve_group(process_group):
+    """The group to reduce over; refuses to become a silent local optimizer (issue: an
+    optimizer built before ``bitscom.init()`` used to train each rank on its own)."""
+    if process_group is not None:
+        return process_group
+    if runtime.is_initialized():
+        return runtime.world_group()
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    info = runtime.discover()
+    if info.size > 1:
+        raise RuntimeError(
+            f"DistributedOptimizer was built before bitscom.init(): the launcher ({info.launcher}) "
+            f"started {info.size} processes but torch.distributed is not initialized, so this "
+            "optimizer would train each rank on its own and the replicas would diverge. Call "
+            "bitscom.init() (or torch.distributed.init_process_group) before building it.")
+    warnings.warn("bitscom.DistributedOptimizer: neither bitscom.init() nor torch.distributed "
+                  "was initialized, so it runs as a plain single-process optimizer; call "
+                  "bitscom.init() first (a no-op for one process) to silence this warning",
+                  stacklevel=3)
+    return None
+
+
 def _forward_hook(ref, param) -> None:
     opt = ref()
     if opt is not None:
         opt._hook(param)
 
 
-def _remove_hooks(handles) -> None:
+def _end_of_backward(ref) -> None:
+    opt = ref()
+    if opt is not None:
+        opt._on_backward_end()
+
+
+def _release(handles, group) -> None:
+    """Remove the hooks and destroy the later-round group (close() or garbage collection)."""
     for handle in handles:
         handle.remove()
+    if group is not None and dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group(group)
+        except (RuntimeError, ValueError):   # already gone with the default group
+            pass
+
+
+def _later_group(process_group):
+    """(the later-round group, the group to destroy on close or None).
+
+    Over the whole world the group is created by every rank (torch then names it by a
+    counter), so destroying it later is safe. Over a sub-group only members take part, torch
+    names the group by its ranks, and a name reused after a destroy meets stale rendezvous
+    keys and hangs: such groups are kept for the life of the process.
+    """
+    ranks = dist.get_process_group_ranks(process_group)
+    if len(ranks) == dist.get_world_size():
+        group = runtime.new_group(ranks, settle=True)
+        return group, group
+    return runtime.new_group(ranks, use_local_synchronization=True), None
+
+
+@functools.lru_cache(maxsize=None)
+def _distributed_class(base: type) -> type:
+    """The class of ``DistributedOptimizer(base(...))``: a subclass of both, named like base."""
+    class _Distributed(DistributedOptimizer, base):
+        __doc__ = DistributedOptimizer.__doc__
+    _Distributed.__name__ = base.__name__
+    _Distributed.__qualname__ = base.__qualname__
+    return _Distributed
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
-    """Wrap ``optimizer`` so ``step()`` uses gradients reduced (and compressed) across ranks.
+    """Wrap ``optimizer`` so its gradients are reduced (and compressed) across ranks.
+
+    The result is an instance of a subclass of ``type(optimizer)`` (``isinstance(opt,
+    torch.optim.SGD)`` and ``isinstance(opt, bitscom.DistributedOptimizer)`` both hold) that
+    takes over the wrapped optimizer's ``param_groups``, ``state`` and hooks; use it, not the
+    original object, from then on.
+
+    When the backward pass that completes a step returns, every ``p.grad`` holds the reduced
+    gradient; ``step()`` runs the wrapped optimizer on ``p.grad`` as it is.
 
     Args:
-        optimizer: any ``torch.optim.Optimizer``; bitscom delegates ``param_groups``,
-            ``state`` and ``step`` to it, so LR schedulers and clipping work unchanged.
+        optimizer: any ``torch.optim.Optimizer``.
         named_parameters: ``model.named_parameters()``; names make error messages and the
             cross-rank agreement check readable. Without it, parameters are numbered.
         compression: a compressor instance (``bitscom.Compression.fp16``,
             ``bitscom.compressors.get("acpsgd", rank=4)``) or a registry name.
         backward_passes_per_step: local accumulation: gradients of this many backward
-            passes are summed locally and reduced once (Horovod semantics).
+            passes are summed locally and reduced once, at the end of the last pass.
         op: ``bitscom.Average`` (default) or ``bitscom.Sum``.
         gradient_predivide_factor: with ``Average``, gradients are scaled by
             ``1/f`` before the reduction and by ``f/size`` after it (Horovod's definition);
@@ -94,6 +190,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         fusion_threshold_mb: bucket size cap; larger buckets mean fewer, more efficient
             collectives, smaller ones start communicating earlier. 0 = one tensor per bucket.
         process_group: the group to reduce over (default: the world group).
+        sparse_as_dense: turn sparse gradients (``nn.Embedding(sparse=True)``) into dense ones
+            before reducing them (otherwise they are an error).
+        groups: Horovod's explicit fusion instead of ``fusion_threshold_mb``: a number of
+            buckets, or a list of lists of parameters that travel together.
+        num_groups: Horovod's older spelling of ``groups=<int>``.
 
     Example::
 
@@ -106,142 +207,178 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bitscom.broadcast_optimizer_state(opt, root_rank=0)
         for x, y in loader:
             opt.zero_grad()
-            loss_fn(model(x), y).backward()
+            loss_fn(model(x), y).backward()    # p.grad now holds the reduced gradient
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+        opt.close()
     """
 
-    def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
-                 backward_passes_per_step: int = 1, op: ReduceOp = Average,
-                 gradient_predivide_factor: float = 1.0, fusion_threshold_mb: float = 25,
-                 process_group=None):
+    def __new__(cls, *args, **kwargs):
+        if cls is not DistributedOptimizer:          # an already concrete class (copy, pickle)
+            return super().__new__(cls)
+        optimizer = args[0] if args else kwargs.get("optimizer")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a bitscom.DistributedOptimizer; wrap it only once")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        return super().__new__(_distributed_class(type(optimizer)))
+
+    def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
+                 backward_passes_per_step: int = 1, op: ReduceOp = Average,
+                 gradient_predivide_factor: float = 1.0, fusion_threshold_mb: float = 25,
+                 process_group=None, *, sparse_as_dense: bool = False, groups=None,
+                 num_groups: int = 0):
         if isinstance(compression, str):
             compression = get_compressor(compression)
+        elif not isinstance(compression, Compressor):
+            # the registry adapts other forms it knows (e.g. Horovod-style codec classes)
+            try:
+                compression = get_compressor(compression)
+            except (TypeError, ValueError):
+                pass
         if not isinstance(compression, Compressor):
-            raise TypeError(f"compression must be a bitscom compressor or a registry name, got {compression!r}")
-        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-                or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+            raise TypeError("compression must be a bitscom compressor, a Horovod-style codec or "
+                            f"a registry name, got {compression!r}")
+        backward_passes_per_step = _passes(backward_passes_per_step)
         if op not in (Average, Sum):
             raise ValueError(f"op must be bitscom.Average or bitscom.Sum, got {op!r}")
-        if not gradient_predivide_factor > 0:
-            raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor!r}")
+        gradient_predivide_factor = _number("gradient_predivide_factor", gradient_predivide_factor, 0, False)
         if op is Sum and gradient_predivide_factor != 1.0:
             raise ValueError("gradient_predivide_factor applies to op=Average only; "
                              f"got {gradient_predivide_factor} with op=Sum")
-        if not fusion_threshold_mb >= 0:
-            raise ValueError(f"fusion_threshold_mb must be >= 0, got {fusion_threshold_mb!r}")
+        fusion_threshold_mb = _number("fusion_threshold_mb", fusion_threshold_mb, 0, True)
+        groups = _groups(groups, num_groups)
 
-        self.optimizer = optimizer
+        # Take over the wrapped optimizer (same param_groups list, state and hooks); a step
+        # wrapper an LR scheduler put on that instance stays with it.
+        self.__dict__.update({k: v for k, v in optimizer.__dict__.items()
+                              if k not in ("step", "zero_grad")})
         self.compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
-        self.gradient_predivide_factor = float(gradient_predivide_factor)
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = bool(sparse_as_dense)
 
         named = _named_params(optimizer, named_parameters)
         for name, p in named:
+            if p.is_meta:
+                raise ValueError(f"parameter {name!r} is on the meta device (it has no data); "
+                                 "materialize the model (e.g. model.to_empty(device=...) and "
+                                 "initialize it) before building DistributedOptimizer")
             if p.requires_grad and not (p.is_floating_point() or p.is_complex()):
                 raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only floating-point "
                                 "parameters can be trained")
             if p.requires_grad and p.is_complex():
                 raise TypeError(f"parameter {name!r} is complex ({p.dtype}); bitscom reduces real "
                                 "tensors only (view it with torch.view_as_real)")
+        self._named = named
+        self._planned_grad = [p.requires_grad for _, p in named]
         self._trainable = [(n, p) for n, p in named if p.requires_grad]
 
-        if process_group is None and runtime.is_initialized():
-            process_group = runtime.world_group()
-        if process_group is None and dist.is_available() and dist.is_initialized():
-            process_group = dist.group.WORLD
+        process_group = _resolve_group(process_group)
+        if process_group is not None and dist.get_rank(process_group) < 0:
+            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of "
+                             f"process_group (ranks {dist.get_process_group_ranks(process_group)}); "
+                             "build DistributedOptimizer on member ranks only")
         self.process_group = process_group
         self._size = dist.get_world_size(process_group) if process_group is not None else 1
 
-        threshold = int(fusion_threshold_mb * 2 ** 20)
-        self._layouts = plan_buckets(self._trainable, threshold)
+        if groups is not None:
+            self._layouts = plan_groups(self._trainable, groups)
+        else:
+            self._layouts = plan_buckets(self._trainable, int(fusion_threshold_mb * 2 ** 20))
         by_name = dict(self._trainable)
         self._buckets = [FlatBucket(l, [by_name[s.name] for s in l.slots]) for l in self._layouts]
         self._slot: Dict[int, tuple] = {}
         for b, bucket in enumerate(self._buckets):
             for s, p in enumerate(bucket.params):
                 self._slot[id(p)] = (b, s)
-        self._passes: Dict[int, int] = {id(p): 0 for _, p in self._trainable}
         self._filled = [[False] * len(b.params) for b in self._buckets]
         self._next_launch = 0
+        self._passes_done = 0          # backward passes finished in this step
+        self._callback_queued = False  # the end-of-backward callback of the running pass
+        self._completed = False        # reduced gradients are in p.grad, step() not yet run
+        self._began = False            # this step's first collective was issued
+        self._notice = None            # the join notice of this step (see bitscom.join)
         self._agreed = False
+        self._check_state = False      # agree on compressor state once after a load
         self._should_sync = True
-        self._synchronized = False
+        self._closed = False
+        # Names this optimizer to the other ranks (bitscom.join): the same on every rank that
+        # built the same plan.
+        self._uid = zlib.crc32(repr(self._description()).encode()) & 0x3FFFFFFF
         self._stats = {"bytes_sent": 0, "dense_bytes": 0, "buckets": len(self._buckets)}
-        self._hooks = []
-        later = None
+        later, owned, hooks = None, None, []
         if self._size > 1:
-            ranks = dist.get_process_group_ranks(process_group)
-            later = dist.new_group(ranks, use_local_synchronization=True)
+            later, owned = _later_group(process_group)
         self._reducer = Reducer(compression, self._layouts, process_group, later)
         if self._size > 1:
-            # The hooks hold the optimizer weakly and are removed when it is collected, so a
-            # replaced optimizer (a new one built for the same model) stops reducing gradients.
+            # The hooks hold the optimizer weakly; when it is closed or collected they are
+            # removed and its group destroyed, so a replaced optimizer stops reducing.
             this = weakref.ref(self)
             for _, p in self._trainable:
-                self._hooks.append(p.register_post_accumulate_grad_hook(
+                hooks.append(p.register_post_accumulate_grad_hook(
                     lambda param, this=this: _forward_hook(this, param)))
-            weakref.finalize(self, _remove_hooks, list(self._hooks))
-
-    # -- delegation so schedulers, clipping helpers and AMP see a normal optimizer --------
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optimizer.param_groups = value
+            uneven.register(self)
+        self._finalizer = weakref.finalize(self, _release, hooks, owned)
+        self._finalizer.atexit = False
 
     @property
-    def state(self):
-        return self.optimizer.state
+    def optimizer(self):
+        """This optimizer itself (it *is* the wrapped class now); kept for code written for
+        older bitscom that reached the wrapped optimizer through ``opt.optimizer``."""
+        return self.__dict__.get("optimizer", self)
 
-    @state.setter
-    def state(self, value):
-        self.optimizer.state = value
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self.optimizer.defaults = value
+    @optimizer.setter
+    def optimizer(self, value):       # optimizers that wrap another one (Lookahead-style)
+        self.__dict__["optimizer"] = value
 
     def add_param_group(self, param_group):
         raise RuntimeError("bitscom plans its buckets once; add every parameter group to the "
                            "optimizer before wrapping it in DistributedOptimizer")
 
     def __repr__(self):
-        return f"DistributedOptimizer({self.optimizer!r}, compression={self.compression.fingerprint()})"
+        inner = torch.optim.Optimizer.__repr__(self)
+        return f"DistributedOptimizer({inner}, compression={self.compression.fingerprint()})"
 
-    # -- the backward hook -------------------------------------------------------------------
+    def __getstate__(self):
+        raise TypeError("a bitscom.DistributedOptimizer holds process groups and hooks and cannot "
+                        "be pickled or copied; save opt.state_dict() instead")
+
+    # -- the backward hook and the end-of-backward callback ----------------------------------
     def _hook(self, p: torch.Tensor) -> None:
-        key = id(p)
+        if self._closed:
+            return
         if p.grad is not None and p.grad.is_sparse:
-            b, s = self._slot[key]
-            raise TypeError(f"parameter {self._buckets[b].layout.slots[s].name!r} has a sparse "
-                            "gradient; bitscom reduces dense gradients only (use a dense embedding)")
-        count = self._passes[key] + 1
-        if count > self.backward_passes_per_step:
+            if not self.sparse_as_dense:
+                raise TypeError(f"parameter {self._name_of(p)!r} has a sparse gradient; bitscom "
+                                "reduces dense gradients: pass sparse_as_dense=True or use a dense "
+                                "embedding")
+            p.grad = p.grad.to_dense()
+        if self._completed:
             raise RuntimeError(
-                f"gradients were computed {count} times before optimizer.step() with "
-                f"backward_passes_per_step={self.backward_passes_per_step}; raise "
-                "backward_passes_per_step to accumulate more passes locally, or call step()")
-        self._passes[key] = count
-        self._synchronized = False
-        if count == self.backward_passes_per_step:
-            b, s = self._slot[key]
+                f"gradients were computed again after the step's reduction (backward_passes_per_step="
+                f"{self.backward_passes_per_step}): call step() or zero_grad() before the next "
+                "backward, or raise backward_passes_per_step to accumulate more passes locally")
+        if not self._callback_queued:
+            self._callback_queued = True
+            this = weakref.ref(self)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_of_backward(this))
+        if self._passes_done + 1 == self.backward_passes_per_step:
+            b, s = self._slot[id(p)]
             self._fill(b, s, p.grad)
             self._launch_ready()
         self._reducer.poll()
+
+    def _on_backward_end(self) -> None:
+        self._callback_queued = False
+        self._passes_done += 1
+        if self._passes_done >= self.backward_passes_per_step and not self._completed:
+            self._finish()
+
+    def _name_of(self, p) -> str:
+        b, s = self._slot[id(p)]
+        return self._buckets[b].layout.slots[s].name
 
     def _fill(self, b: int, s: int, grad) -> None:
         self._buckets[b].fill(s, grad)
@@ -254,10 +391,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._launch(self._next_launch)
             self._next_launch += 1
 
-    def _launch(self, b: int) -> None:
+    def _begin(self, notify: bool) -> None:
+        """The collectives every step starts with, in the same order on every rank: the join
+        notice (see :func:`bitscom.join`), then once the plan agreement check."""
+        if self._began:
+            return
+        self._began = True
+        if notify:
+            self._notice = uneven.notify(self)
         if not self._agreed:
-            check_agreement(self._description(), self.process_group)
-            self._agreed = True
+            description = self._description()
+            if self._check_state:
+                description["compressor state"] = [describe_state(s) for s in self._reducer.states]
+            check_agreement(description, self.process_group)
+            self._agreed, self._check_state = True, False
+
+    def _launch(self, b: int) -> None:
+        self._begin(notify=True)
         flat = self._buckets[b].flat
         if self.op is Average and self.gradient_predivide_factor != 1.0:
             flat.div_(self.gradient_predivide_factor)
@@ -274,30 +424,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "gradient_predivide_factor": self.gradient_predivide_factor,
         }
 
-    # -- the public step API -----------------------------------------------------------------
-    def synchronize(self) -> None:
-        """Finish the reduction of every gradient and write the results into ``p.grad``.
+    def _check_requires_grad(self) -> None:
+        for (name, p), planned in zip(self._named, self._planned_grad):
+            if p.requires_grad != planned:
+                change = "unfrozen" if p.requires_grad else "frozen"
+                raise RuntimeError(
+                    f"parameter {name!r} was {change} (requires_grad={p.requires_grad}) after "
+                    "DistributedOptimizer was built; bitscom plans its buckets once, so it would "
+                    "be reduced wrongly. close() this optimizer and build a new one after "
+                    "changing requires_grad")
 
-        Call it yourself to clip or inspect reduced gradients, then step under
-        :meth:`skip_synchronize`. Example::
-
-            opt.synchronize()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            with opt.skip_synchronize():
-                opt.step()
-        """
-        if self._size == 1:
-            self._synchronized = True
-            return
-        for b in range(self._next_launch, len(self._buckets)):
-            for s, p in enumerate(self._buckets[b].params):
-                if not self._filled[b][s]:
-                    self._fill(b, s, p.grad)
-        self._launch_ready()
+    def _finish(self) -> None:
+        """Complete the step's reduction and write the reduced gradients into ``p.grad``."""
+        if self._closed:
+            raise RuntimeError("this DistributedOptimizer was closed; build a new one")
+        self._check_requires_grad()
         try:
+            for b in range(self._next_launch, len(self._buckets)):
+                for s, p in enumerate(self._buckets[b].params):
+                    if not self._filled[b][s]:
+                        self._fill(b, s, p.grad)
+            self._launch_ready()
             sent = self._reducer.wait_all()
+            if self._notice is not None:
+                self._notice.wait()
+        except BaseException:
+            self._reducer.abort()
+            raise
         finally:
-            self._reset_step()
+            self._reset_buckets()
         post = 1.0
         if self.op is Average and self.gradient_predivide_factor != 1.0:
             post = self.gradient_predivide_factor
@@ -310,61 +465,201 @@ class DistributedOptimizer(torch.optim.Optimizer):
             bucket.write_back()
             dense += bucket.layout.numel * 4
         self._stats = {"bytes_sent": sent, "dense_bytes": dense, "buckets": len(self._buckets)}
-        self._synchronized = True
+        self._completed = True
 
-    def _reset_step(self) -> None:
+    def _reset_buckets(self) -> None:
         self._next_launch = 0
-        for key in self._passes:
-            self._passes[key] = 0
+        self._began = False
+        self._notice = None
         for b, bucket in enumerate(self._buckets):
             bucket.reset()
             self._filled[b] = [False] * len(bucket.params)
 
+    def _reset_step(self) -> None:
+        if self._reducer.in_flight:
+            self._reducer.abort()
+        self._reset_buckets()
+        self._passes_done = 0
+        self._completed = False
+        self._callback_queued = False   # also after a backward that raised before its end
+
+    def shadow_step(self) -> None:
+        """Take part in one step of the other ranks with zero gradients (used by
+        :func:`bitscom.join` on a rank that ran out of data); not for direct use."""
+        self._begin(notify=False)
+        try:
+            for b, bucket in enumerate(self._buckets):
+                bucket.flat.zero_()
+                self._reducer.launch(b, bucket.flat)
+            self._reducer.wait_all()
+        finally:
+            self._reset_buckets()
+
+    # -- the public step API -----------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish this step's reduction now; a no-op when backward already did it.
+
+        Backward finishes it by itself on the pass that completes a step; call this only to
+        reduce early (e.g. after fewer than ``backward_passes_per_step`` passes), as Horovod
+        code does. Example::
+
+            loss.backward()
+            opt.synchronize()                      # no-op: already reduced
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with opt.skip_synchronize():
+                opt.step()
+        """
+        if self._size == 1 or self._completed:
+            return
+        self._finish()
+
     @contextlib.contextmanager
     def skip_synchronize(self):
-        """Make ``step()`` use ``p.grad`` as it is, after an explicit :meth:`synchronize`."""
+        """Make ``step()`` use ``p.grad`` as it is even if this step was not reduced
+        (Horovod's API; with reduction at the end of backward it rarely matters).
+
+        Example::
+
+            with opt.skip_synchronize():
+                opt.step()
+        """
         self._should_sync = False
         try:
             yield
         finally:
             self._should_sync = True
 
-    def step(self, closure=None):
-        """Synchronize (unless inside :meth:`skip_synchronize` or already done), then step."""
-        if self._should_sync and not self._synchronized:
-            self.synchronize()
-        self._synchronized = False
-        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+    # Marked so torch's Optimizer._patch_step_function (run by load_state_dict) does not wrap
+    # it: the wrapped optimizer's own step already runs the step hooks once.
+    def step(self, closure=None, **kwargs):
+        """Run the wrapped optimizer's step on the reduced ``p.grad`` (reducing first if a
+        step's passes are still pending, e.g. after fewer backward passes than configured).
+
+        With a ``closure`` (LBFGS), each backward inside it is reduced on its own.
+
+        Example::
+
+            loss.backward()
+            opt.step()
+        """
+        if self._closed and self._size > 1:
+            raise RuntimeError("this DistributedOptimizer was closed; build a new one")
+        if closure is not None:
+            def reduced_closure():
+                self._reset_step()
+                return closure()
+            try:
+                return super().step(reduced_closure, **kwargs)
+            finally:
+                self._reset_step()
+        if self._size > 1:
+            if self._should_sync and not self._completed:
+                self.synchronize()
+            else:
+                self._check_requires_grad()
+        try:
+            return super().step(**kwargs)
+        finally:
+            self._reset_step()
+    step.hooked = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero ``p.grad``; refuses while gradients are still being reduced."""
-        if self._reducer.in_flight or self._next_launch > 0:
-            raise RuntimeError("zero_grad() was called while gradients are being reduced "
-                               "(after backward, before step()/synchronize()); call step() or "
-                               "synchronize() first")
+        """Zero ``p.grad`` and forget this step's passes (also after a step ``GradScaler``
+        skipped).
+
+        Example::
+
+            opt.zero_grad()
+        """
         self._reset_step()
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        super().zero_grad(set_to_none=set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change local accumulation between steps (Horovod's API); every rank must call it.
+
+        Example::
+
+            opt.set_backward_passes_per_step(4)
+        """
+        if self._passes_done or self._next_launch or self._completed:
+            raise RuntimeError("set_backward_passes_per_step() was called in the middle of a step; "
+                               "call it after step() or zero_grad()")
+        self.backward_passes_per_step = _passes(passes)
+        self._agreed = False      # the ranks check the new setting together on the next step
+
+    def close(self) -> None:
+        """Remove the gradient hooks and destroy the process group this optimizer created.
+
+        Also done when the optimizer is garbage collected; afterwards ``step()`` raises.
+        Example::
+
+            opt.close()
+        """
+        self._closed = True
+        self._reducer.abort()
+        uneven.unregister(self)
+        self._finalizer()
 
     def comm_stats(self) -> dict:
         """Bytes of the last synchronized step: ``bytes_sent`` (payload this rank handed to
-        the network) and ``dense_bytes`` (what fp32 gradients would have cost)."""
+        the network) and ``dense_bytes`` (what fp32 gradients would have cost).
+
+        Example::
+
+            print(opt.comm_stats()["compression_ratio"])
+        """
         stats = dict(self._stats)
         stats["compression_ratio"] = (stats["dense_bytes"] / stats["bytes_sent"]
                                       if stats["bytes_sent"] else float("nan"))
         return stats
 
     def state_dict(self) -> dict:
-        """The wrapped optimizer's state plus this rank's compressor state."""
-        return {"optimizer": self.optimizer.state_dict(),
-                "bitscom": {"reducer": self._reducer.state_dict()}}
+        """torch's optimizer state dict (``state``, ``param_groups``) plus this rank's
+        compressor state under ``"bitscom"``; a plain optimizer loads it too.
+
+        Example::
+
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+        """
+        out = super().state_dict()
+        out["bitscom"] = {"reducer": self._reducer.state_dict()}
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load what :meth:`state_dict` saved (a plain optimizer state dict is accepted too)."""
-        if "bitscom" in state_dict and "optimizer" in state_dict:
-            self._reducer.load_state_dict(state_dict["bitscom"]["reducer"])
-            self.optimizer.load_state_dict(state_dict["optimizer"])
+        """Load :meth:`state_dict`'s output, the older ``{"optimizer", "bitscom"}`` form, or a
+        plain optimizer state dict (compressor state then starts fresh).
+
+        Nothing is replaced unless everything loads; the ranks check on the next step that
+        their compressor states agree (a checkpoint of another step on one rank is an error).
+
+        Example::
+
+            opt.load_state_dict(torch.load(path)["opt"])
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        if "optimizer" in state_dict and "bitscom" in state_dict and "state" not in state_dict:
+            inner, extra = state_dict["optimizer"], state_dict["bitscom"]
+        elif "state" in state_dict and "param_groups" in state_dict:
+            inner = {k: v for k, v in state_dict.items() if k != "bitscom"}
+            extra = state_dict.get("bitscom")
         else:
-            self.optimizer.load_state_dict(state_dict)
+            raise ValueError("not an optimizer state dict: expected the keys 'state' and "
+                             f"'param_groups', got {sorted(map(str, state_dict))}")
+        if self._passes_done or self._next_launch:
+            raise RuntimeError("load_state_dict() was called in the middle of a step; call it "
+                               "between steps")
+        backup = self._reducer.state_dict() if extra is not None else None
+        try:
+            if extra is not None:
+                self._reducer.load_state_dict(extra["reducer"])
+            super().load_state_dict(inner)
+        except BaseException:
+            if backup is not None:
+                self._reducer.load_state_dict(backup)
+            raise
+        if extra is not None:
+            self._check_state, self._agreed = True, False
 
     @property
     def bucket_layouts(self):
@@ -375,3 +670,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def compressor_states(self):
         """Per-bucket compressor state objects (index = bucket index)."""
         return list(self._reducer.states)
+
+
+def _groups(groups, num_groups):
+    if num_groups:
+        if groups is not None:
+            raise ValueError("pass groups= or num_groups=, not both")
+        groups = num_groups
+    if groups is None:
+        return None
+    if isinstance(groups, bool):
+        raise TypeError(f"groups must be an int or a list of lists of parameters, got {groups!r}")
+    if isinstance(groups, int):
+        if groups < 0:
+            raise ValueError(f"groups must be >= 0 (0: no explicit groups), got {groups}")
+        return groups or None
+    if not isinstance(groups, (list, tuple)) or not all(
+            isinstance(g, (list, tuple)) and all(isinstance(p, torch.Tensor) for p in g) for g in groups):
+        raise TypeError("groups must be an int or a list of lists of parameters, got "
+                        f"{type(groups).__name__}")
+    return [list(g) for g in groups]

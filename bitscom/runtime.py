@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "world_group", "intra_group", "inter_group", "device",
-           "LaunchInfo", "discover"]
+           "LaunchInfo", "discover", "timeout", "new_group"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,7 @@ class _Runtime:
         self.intra = None
         self.inter = None
         self.device = torch.device("cpu")
+        self.timeout: Optional[datetime.timedelta] = None
         self.adopted = False          # info taken from a process group the user started
 
 
@@ -158,6 +159,8 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
     """
     if _rt.info is not None and not _rt.adopted:
         return _rt.info
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
     _rt.adopted = False
     if bitwidth is not None or lowbit_options:
         # ``bitwidth=``/lowbit options: register the "lowbit" backend and start on it (see
@@ -195,6 +198,7 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
         dist.init_process_group(**kwargs)
         _rt.owns_pg = True
     _rt.info = info
+    _rt.timeout = timeout
     if dist.is_initialized():
         _rt.world = dist.group.WORLD
         # Node groups use the plain backend even when the world is "lowbit": the hierarchical
@@ -252,13 +256,49 @@ def _build_node_groups(info: LaunchInfo, backend: str) -> None:
                                f"(use mpirun --map-by slot); layout seen: {layout}")
     nodes = size // local
     for n in range(nodes):
-        g = dist.new_group(list(range(n * local, (n + 1) * local)), backend=backend)
+        g = new_group(list(range(n * local, (n + 1) * local)), backend=backend)
         if info.rank // local == n:
             _rt.intra = g
     for lr in range(local):
-        g = dist.new_group(list(range(lr, size, local)), backend=backend)
+        g = new_group(list(range(lr, size, local)), backend=backend)
         if info.rank % local == lr:
             _rt.inter = g
+
+
+def timeout() -> Optional[datetime.timedelta]:
+    """The ``timeout`` given to :func:`init` (None: torch's default, 30 minutes for gloo).
+
+    Every process group bitscom creates gets it, so a stalled peer fails the survivors within
+    the same time everywhere. Example::
+
+        bitscom.init(timeout=datetime.timedelta(seconds=60))
+        assert bitscom.runtime.timeout().total_seconds() == 60
+    """
+    return _rt.timeout
+
+
+def new_group(ranks, *, backend: Optional[str] = None, use_local_synchronization: bool = False,
+              settle: bool = False):
+    """``torch.distributed.new_group`` with the :func:`init` timeout: the one way bitscom
+    creates its own groups (the optimizer's later-round group, the DDP hook's, node groups).
+
+    ``settle=True`` runs one tiny all-reduce on the new group, so every member has finished
+    connecting before any member may destroy it again (a group destroyed while a peer is
+    still connecting breaks that peer's next group).
+
+    Example::
+
+        later = bitscom.runtime.new_group([0, 1], use_local_synchronization=True)
+    """
+    kwargs = {"backend": backend, "use_local_synchronization": use_local_synchronization}
+    if _rt.timeout is not None:
+        kwargs["timeout"] = _rt.timeout
+    group = dist.new_group(list(ranks), **kwargs)
+    if settle and group is not dist.GroupMember.NON_GROUP_MEMBER:
+        cuda = dist.get_backend(group) == "nccl"
+        probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu")
+        dist.all_reduce(probe, group=group)
+    return group
 
 
 def shutdown() -> None:

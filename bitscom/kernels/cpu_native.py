@@ -1,8 +1,9 @@
 """Fast CPU path: ``quant_cpu.cpp`` compiled once with the system C++ compiler, loaded by ctypes.
 
 Why this and not torch.compile or numba: it needs no extra package (a compiler only, which
-torch.compile's CPU backend needs too), builds in a few seconds once per machine (cached under
-``~/.cache/bitscom``, keyed by source, flags, compiler and CPU), has no first-call tracing cost
+torch.compile's CPU backend needs too), builds in a few seconds once per machine (cached in the private
+directory ``~/.cache/bitscom``, keyed by source, flags, compiler and CPU, and loaded only after
+its owner, mode and content hash check out; see :func:`cache_dir`), has no first-call tracing cost
 per shape, and ctypes releases the GIL while it runs, so communication threads keep going. If no
 compiler works, :func:`available` is False and dispatch falls back to the eager torch path.
 """
@@ -15,10 +16,12 @@ import os
 import pathlib
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
 import warnings
+from typing import Optional
 
 from . import format as fmt
 
@@ -52,48 +55,126 @@ def _cpu_id() -> str:
         return platform.processor() + platform.machine()
 
 
-def _cache_dir() -> pathlib.Path:
-    d = pathlib.Path.home() / ".cache" / "bitscom"
+def _problem(st: os.stat_result, kind: str) -> Optional[str]:
+    """Why a cache entry (from ``os.lstat``) must not be trusted, or None."""
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    if kind == "dir" and not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if kind == "file" and not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def cache_dir(root: Optional[pathlib.Path] = None) -> Optional[pathlib.Path]:
+    """The private directory compiled kernels live in (``~/.cache/bitscom`` by default).
+
+    Created with mode 0700; refused (None, with a warning: the torch path is used instead)
+    unless it is a real directory owned by this user and not writable by group or others.
+    There is deliberately no fallback to a shared temporary directory: a library planted
+    there by another local user would run inside this process.
+
+    Example::
+
+        d = bitscom.kernels.cpu_native.cache_dir()
+    """
+    d = pathlib.Path.home() / ".cache" / "bitscom" if root is None else pathlib.Path(root)
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        if os.access(d, os.W_OK):
-            return d
+        d.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        problem = _problem(os.lstat(d), "dir")
+    except OSError as err:
+        problem = f"it cannot be created ({err})"
+    if problem:
+        warnings.warn(f"bitscom: not using the kernel cache {d}: {problem}; CPU quantization uses the "
+                      "slower eager torch path (fix the directory or remove it)")
+        return None
+    return d
+
+
+def _sha256(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _trusted(lib: pathlib.Path, digest: pathlib.Path) -> bool:
+    """Whether the cached library is ours and intact: both files private to this user and
+    the library's content hash equal to the one recorded when it was built."""
+    try:
+        if _problem(os.lstat(lib), "file") or _problem(os.lstat(digest), "file"):
+            return False
+        return digest.read_text().strip() == _sha256(lib)
     except OSError:
-        pass
-    return pathlib.Path(tempfile.gettempdir())
+        return False
 
 
-def _build(cxx: str, flags: list[str]) -> pathlib.Path:
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build_and_load(cxx: str, flags: list, d: pathlib.Path):
     src = SOURCE.read_bytes()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(), _cpu_id().encode(),
                                      sys.platform.encode()])).hexdigest()[:20]
-    lib = _cache_dir() / f"bitscom_quant_cpu_{key}.so"
-    if lib.exists():
-        return lib
-    tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
-    proc = subprocess.run([cxx, *BASE_FLAGS, *flags, str(SOURCE), "-o", str(tmp)], capture_output=True,
-                          text=True, timeout=300)
-    if proc.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(proc.stderr[-2000:])
-    os.replace(tmp, lib)  # atomic: concurrent ranks never load a half-written file
-    return lib
+    lib = d / f"bitscom_quant_cpu_{key}.so"
+    digest = d / f"bitscom_quant_cpu_{key}.sha256"
+    if _trusted(lib, digest):
+        return ctypes.CDLL(str(lib))
+    # Compile into a file only this process created (mkstemp: O_EXCL, mode 0600), load that
+    # very file, then publish it: hash first, library by atomic rename, so a concurrent rank
+    # sees either the old pair, a mismatch (it rebuilds) or the new pair; never half a file.
+    fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".so", dir=d)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *BASE_FLAGS, *flags, str(SOURCE), "-o", tmp], capture_output=True,
+                              text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr[-2000:])
+        handle = ctypes.CDLL(tmp)
+        _write_atomic(digest, _sha256(tmp))
+        os.replace(tmp, lib)
+        return handle
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
-@functools.lru_cache(maxsize=None)
-def _lib():
-    """Compile (once per machine) and load; None when no compiler or flag set works."""
+def load(root: Optional[pathlib.Path] = None):
+    """Compile (once per machine) and load the native library from the private cache
+    (:func:`cache_dir`); None, with a warning, when that is not possible.
+
+    Example::
+
+        lib = bitscom.kernels.cpu_native.load()
+    """
     if not SOURCE.exists():
         return None
     cxx = _compiler()
     if cxx is None:
         warnings.warn("bitscom: no C++ compiler found; CPU quantization uses the slow eager torch path")
         return None
+    d = cache_dir(root)
+    if d is None:
+        return None
     errors = []
     for flags in FLAG_SETS:
         try:
-            lib = ctypes.CDLL(str(_build(cxx, flags)))
+            lib = _build_and_load(cxx, flags, d)
             break
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             errors.append(str(e))
@@ -108,6 +189,12 @@ def _lib():
     for f in (lib.bq_quantize, lib.bq_dequant_acc, lib.bq_dsr):
         f.restype = _I32
     return lib
+
+
+@functools.lru_cache(maxsize=None)
+def _lib():
+    """The process-wide library (None when unavailable)."""
+    return load()
 
 
 def available() -> bool:

@@ -1,0 +1,135 @@
+"""Uneven inputs: ``bitscom.join()``, Horovod's ``hvd.join()`` for DistributedOptimizer steps.
+
+Why. When one rank has more batches than another, its extra step's bucket collectives meet
+whatever the other rank does next (a validation all-reduce, the next epoch's broadcast):
+mixed bytes or a hang. DDP has ``Join``, Horovod ``hvd.join()``.
+
+How. Every step of a multi-rank :class:`~bitscom.DistributedOptimizer` starts with a tiny
+asynchronous all-reduce, the *notice* ``[1, optimizer id]``, issued with its first bucket and
+waited for with its last one. A rank that ran out of data calls :func:`join`, which loops:
+
+1. all-reduce ``[0, 0]`` (this matches the notices of ranks still stepping);
+2. a zero count means every rank has joined: stop;
+3. otherwise ``sum(ids) / count`` names the optimizer the others are stepping; run that
+   optimizer's step with zero gradients (the same collectives, the same compressor rounds),
+   and go to 1.
+
+The joined rank's zeros count in the average (divided by the full group size, as DDP's
+``Join`` does by default). When every rank has joined, each optimizer's parameters and state
+are broadcast from the last rank to join, since the joined ranks reduced but did not step
+(model buffers such as BatchNorm statistics are not the optimizer's: broadcast them yourself
+from the returned rank if they matter). Only optimizer steps are shadowed: other collectives
+(metrics, validation, broadcasts) belong after ``join()`` returns, on every rank.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from . import runtime
+from .agreement import check_agreement, require_member
+from .broadcast import broadcast_optimizer_state, broadcast_parameters
+
+__all__ = ["join", "register", "unregister", "notify"]
+
+_live: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register(optimizer) -> None:
+    """Make ``optimizer`` (a multi-rank DistributedOptimizer) shadowable by :func:`join`."""
+    _live.add(optimizer)
+
+
+def unregister(optimizer) -> None:
+    """Forget ``optimizer`` (it was closed)."""
+    _live.discard(optimizer)
+
+
+def _device(group) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def notify(optimizer):
+    """Issue the step's notice for ``optimizer``; returns the async work to wait on."""
+    group = optimizer.process_group
+    notice = torch.tensor([1, optimizer._uid], dtype=torch.int64, device=_device(group))
+    return dist.all_reduce(notice, group=group, async_op=True)
+
+
+def _same_group(a, b) -> bool:
+    if a is b:
+        return True
+    return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
+
+
+def join(process_group=None) -> int:
+    """Wait for every rank of the group to join, stepping with zero gradients meanwhile.
+
+    Call it on every rank after its training loop (Horovod's ``hvd.join()``). While other
+    ranks still step a :class:`~bitscom.DistributedOptimizer`, this rank takes part in each
+    of their steps with zero gradients. Returns the rank that joined last (the highest such
+    rank when several ran the most steps).
+
+    Example::
+
+        for x, y in my_shard_of_the_data:          # ranks may have different counts
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+        last = bitscom.join()
+        val_loss = evaluate(model)                 # collectives after join() line up again
+    """
+    group = process_group
+    if group is None:
+        group = runtime.world_group() if runtime.is_initialized() else None
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    if group is None:
+        return 0
+    require_member(group, "bitscom.join")
+    if dist.get_world_size(group) == 1:
+        return dist.get_rank()
+    mine = {}
+    for opt in list(_live):
+        if not opt._closed and _same_group(opt.process_group, group):
+            if opt._next_launch or opt._passes_done or opt._reducer.in_flight:
+                raise RuntimeError("bitscom.join() was called in the middle of an optimizer step "
+                                   "(after backward, before step()); call it after the last step")
+            mine.setdefault(opt._uid, opt)
+    device = _device(group)
+    shadowed = 0
+    while True:
+        notice = torch.zeros(2, dtype=torch.int64, device=device)
+        dist.all_reduce(notice, group=group)
+        count, ids = int(notice[0]), int(notice[1])
+        if count == 0:
+            break
+        uid = ids // count
+        opt = mine.get(uid) if ids % count == 0 else None
+        if opt is None:
+            raise RuntimeError(
+                "bitscom.join(): the other ranks are stepping a DistributedOptimizer this rank "
+                "does not have (or several different ones at once); every rank must build the "
+                "same optimizers on the same process group")
+        opt.shadow_step()
+        shadowed += 1
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(counts, torch.tensor([shadowed], dtype=torch.int64, device=device), group=group)
+    counts = [int(c) for c in counts]
+    last = dist.get_global_rank(group, max(i for i, c in enumerate(counts) if c == min(counts)))
+    if max(counts) > 0:
+        # The joined ranks reduced but did not step: give them the last joiner's parameters
+        # and optimizer state, so the replicas are identical again (DDP's Join does the same
+        # for the model).
+        check_agreement({"optimizers": sorted(mine)}, group, "optimizers to synchronize after join")
+        for uid in sorted(mine):
+            opt = mine[uid]
+            params = [p for g in opt.param_groups for p in g["params"]]
+            broadcast_parameters(params, root_rank=last, process_group=group)
+            broadcast_optimizer_state(opt, root_rank=last, process_group=group)
+    return last
