@@ -1,23 +1,14 @@
 """Horovod/ACP-SGD drop-in behaviour of DistributedOptimizer and the broadcast helpers.
 
-These need changes in bitscom/optimizer.py and bitscom/broadcast.py that are made on another
-branch (issue 11 items 2-4): they are strict xfails here, so the marker must be removed when
-the branches meet. The tests state the behaviour the issue asks for, in the style of Horovod's
-test_torch.py. Each multi-rank test first tries the API in this (single) process, so that
-while it is missing the test fails at once instead of failing on the worker pool (which
-restarts the pool each time).
+Issue 11 items 2-4, stated the way Horovod's test_torch.py states them. Each multi-rank test
+first tries the API in this (single) process, so that a regression fails at once instead of
+failing on the worker pool (which restarts the pool each time).
 """
-import pytest
 import torch
 import torch.nn as nn
 
 import acpsgd
 import bitscom as hvd
-
-NEEDS_SEM = pytest.mark.xfail(reason="needs DistributedOptimizer changes from branch sem", strict=True)
-NEEDS_CODEC = pytest.mark.xfail(
-    reason="needs DistributedOptimizer to resolve non-Compressor compression through "
-           "bitscom.compressors.get (one line in optimizer.py)", strict=True)
 
 
 def _model(seed=0):
@@ -30,7 +21,6 @@ def _batch(rank, step=0):
     return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
 
 
-@NEEDS_SEM
 def test_state_dict_is_in_torch_format_and_loads_into_a_plain_optimizer():
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -48,7 +38,6 @@ def test_state_dict_is_in_torch_format_and_loads_into_a_plain_optimizer():
     opt.load_state_dict(plain.state_dict())                 # the plain form loads back too
 
 
-@NEEDS_SEM
 def test_wrapped_optimizer_is_an_instance_of_the_wrapped_class():
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -67,7 +56,6 @@ def _broadcast_state(rank, world):
     return opt.state_dict()["param_groups"][0]["lr"], cfg
 
 
-@NEEDS_SEM
 def test_broadcast_state_horovod_style(pools):
     model = _model()
     assert hvd.broadcast_object(7, root_rank=0, name="x") == 7
@@ -95,7 +83,6 @@ def _passes(rank, world):
     return grads, [p.grad for p in ref.parameters()]
 
 
-@NEEDS_SEM
 def test_set_backward_passes_per_step_accumulates_locally(pools):
     hvd.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1)).set_backward_passes_per_step(2)
     for grads, ref in pools.run(2, _passes):
@@ -123,7 +110,6 @@ def _sparse(rank, world):
     return model.emb.weight.detach().clone()
 
 
-@NEEDS_SEM
 def test_sparse_as_dense_reduces_sparse_gradients(pools):
     hvd.DistributedOptimizer(torch.optim.SGD(_Embed().parameters(), lr=0.1), sparse_as_dense=True)
     w0, w1 = pools.run(2, _sparse)
@@ -147,7 +133,6 @@ def _groups(rank, world, groups):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-@NEEDS_SEM
 def test_groups_argument_changes_fusion_not_results(pools):
     hvd.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), groups=2)
     a = pools.run(2, _groups, None)
@@ -169,7 +154,6 @@ def _join(rank, world):
     return last, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-@NEEDS_SEM
 def test_join_lets_ranks_with_fewer_batches_finish(pools):
     assert callable(getattr(hvd, "join", None))
     (j0, p0), (j1, p1) = pools.run(2, _join, timeout=60)
@@ -198,7 +182,6 @@ def _codec_opt(rank, world, codec):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-@NEEDS_CODEC
 def test_users_horovod_codec_plugs_into_distributed_optimizer(pools):
     hvd.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), compression=_HalfCodec)
     ours = pools.run(2, _codec_opt, True)
