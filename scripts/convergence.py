@@ -89,7 +89,7 @@ DEFAULTS = ["ssgd", "fp16", "bf16", "lowbit", "powersgd", "acpsgd", "topk", "sig
 SETS = {
     "defaults": DEFAULTS,
     "ef": ["ssgd", "lowbit-ef_none", "lowbit-ef", "lowbit-ef21", "lowbit-ef21_plus"],
-    "sr": ["ssgd", "lowbit-rtn", "lowbit-sr", "lowbit-2bit"],
+    "sr": ["ssgd", "lowbit-rtn", "lowbit-sr"],
     "lowrank": ["ssgd", "powersgd-r1", "powersgd-r2", "powersgd-r4", "powersgd-r8", "powersgd-warm0",
                 "powersgd-warm30", "acpsgd-r1", "acpsgd-r4", "acpsgd-r8", "acpsgd-warm30"],
     "sparse": ["ssgd", "topk-0.01", "topk-0.03", "topk-0.05", "signsgd", "signsgd-vote"],
@@ -187,12 +187,35 @@ def _append(path, fields, rows):
         w.writerows(rows)
 
 
+def _record(out, task, task_name, label, name, settings, seed, world, losses, curve, sent, dense,
+            wall, identical, nonfinite, eval_every):
+    """Append one run's curve rows and its summary row (rank 0 only)."""
+    final = curve[-1][3]
+    rows = []
+    for s, b, d, e in curve:            # train loss: the mean since the last logged step
+        window = losses[max(0, s - eval_every):s]
+        rows.append({"task": task_name, "variant": label, "seed": seed, "step": s,
+                     "train_loss": f"{sum(window) / len(window):.5f}",
+                     "bytes_sent": b, "dense_bytes": d,
+                     "eval_loss": f"{e['eval_loss']:.5f}", "test_acc": f"{e['test_acc']:.3f}"})
+    _append(os.path.join(out, "curves.csv"), CURVE_FIELDS, rows)
+    _append(os.path.join(out, "runs.csv"), RUN_FIELDS, [{
+        "task": task_name, "variant": label, "compressor": name,
+        "settings": ";".join(f"{k}={v}" for k, v in settings.items()), "seed": seed,
+        "steps": task.steps, "world": world, "final_metric": f"{final[task.metric]:.5f}",
+        "eval_loss": f"{final['eval_loss']:.5f}", "test_acc": f"{final['test_acc']:.3f}",
+        "train_loss_last": f"{losses[-1]:.5f}", "bytes_sent": sent, "dense_bytes": dense,
+        "ratio": f"{dense / sent:.4f}" if sent else "nan", "wall_s": f"{wall:.2f}",
+        "steps_per_s": f"{task.steps / wall:.3f}", "replicas_identical": int(identical),
+        "nonfinite": int(nonfinite)}])
+
+
 def worker(rank, world, port, jobs, args):
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     tasks = {}
     try:
-        for task_name, label, name, settings, seed in jobs:
+        for task_name, labels, name, settings, seed in jobs:
             if task_name not in tasks:
                 tasks[task_name] = TASKS[task_name](**args.task_kwargs.get(task_name, {}))
             task = tasks[task_name]
@@ -202,23 +225,10 @@ def worker(rank, world, port, jobs, args):
                 continue
             final = curve[-1][3]
             metric = final[task.metric]
-            rows = []
-            for s, b, d, e in curve:        # train loss: the mean since the last logged step
-                window = losses[max(0, s - args.eval_every):s]
-                rows.append({"task": task_name, "variant": label, "seed": seed, "step": s,
-                             "train_loss": f"{sum(window) / len(window):.5f}",
-                             "bytes_sent": b, "dense_bytes": d,
-                             "eval_loss": f"{e['eval_loss']:.5f}", "test_acc": f"{e['test_acc']:.3f}"})
-            _append(os.path.join(args.out, "curves.csv"), CURVE_FIELDS, rows)
-            _append(os.path.join(args.out, "runs.csv"), RUN_FIELDS, [{
-                "task": task_name, "variant": label, "compressor": name,
-                "settings": ";".join(f"{k}={v}" for k, v in settings.items()), "seed": seed,
-                "steps": task.steps, "world": world, "final_metric": f"{metric:.5f}",
-                "eval_loss": f"{final['eval_loss']:.5f}", "test_acc": f"{final['test_acc']:.3f}",
-                "train_loss_last": f"{losses[-1]:.5f}", "bytes_sent": sent, "dense_bytes": dense,
-                "ratio": f"{dense / sent:.4f}" if sent else "nan", "wall_s": f"{wall:.2f}",
-                "steps_per_s": f"{task.steps / wall:.3f}", "replicas_identical": int(identical),
-                "nonfinite": int(nonfinite)}])
+            for label in labels:
+                _record(args.out, task, task_name, label, name, settings, seed, world, losses, curve,
+                        sent, dense, wall, identical, nonfinite, args.eval_every)
+            label = "/".join(labels)
             print(f"[conv] {task_name:14s} {label:24s} seed {seed}: {task.metric} {metric:.4f}  "
                   f"{dense / max(sent, 1):.2f}x fewer bytes  {wall:.0f}s"
                   f"{'' if identical else '  REPLICAS DIFFER'}", flush=True)
@@ -270,11 +280,26 @@ def main(argv=None) -> int:
                 seen.add(v[0])
                 variants.append(v)
         import bitscom
-        for label, name, settings in variants:      # fail before spawning: unknown names/settings
+        for _label, name, settings in variants:     # fail before spawning: unknown names/settings
             bitscom.compressors.get(name, **settings)
         done = _done(os.path.join(args.out, "runs.csv"))
-        jobs = [(t, label, name, settings, seed) for t in args.tasks for seed in range(args.seeds)
-                for label, name, settings in variants if (t, label, seed) not in done]
+        # Variants that build the same compressor (e.g. "lowbit" and "lowbit-rtn" while
+        # nearest rounding is the default) train once and are recorded under every label.
+        by_print, groups = {}, []
+        for label, name, settings in variants:
+            key = bitscom.compressors.get(name, **settings).fingerprint()
+            if key in by_print:
+                by_print[key][0].append(label)
+            else:
+                by_print[key] = ([label], name, settings)
+                groups.append(by_print[key])
+        jobs = []
+        for t in args.tasks:
+            for seed in range(args.seeds):
+                for labels, name, settings in groups:
+                    todo = [lb for lb in labels if (t, lb, seed) not in done]
+                    if todo:
+                        jobs.append((t, todo, name, settings, seed))
         print(f"[conv] {len(jobs)} run(s) to do ({len(done)} already in {args.out}) on {args.world} "
               "gloo ranks", flush=True)
         if jobs:
