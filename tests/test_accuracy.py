@@ -30,6 +30,8 @@ import torch
 import bitscom
 from bitscom.compressors import get, names
 
+pytest.importorskip("sklearn", reason="the digits ship with scikit-learn: pip install -e .[test]")
+
 MARGIN = 0.85         # accuracy points; derivation in the module docstring
 SEEDS = (0, 1, 2)
 STEPS = 300
@@ -40,8 +42,8 @@ BYTES_TARGET = {"none": 1.0, "fp16": 1.9, "bf16": 1.9, "lowbit": 3.5, "powersgd"
 
 def digits():
     """(train_x, train_y, test_x, test_y): sklearn's digits, scaled to [0, 1], fixed split."""
-    sklearn_datasets = pytest.importorskip("sklearn.datasets")
-    data = sklearn_datasets.load_digits()
+    from sklearn.datasets import load_digits
+    data = load_digits()
     x = torch.tensor(data.data, dtype=torch.float32) / 16.0
     y = torch.tensor(data.target, dtype=torch.long)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
