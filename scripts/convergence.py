@@ -96,7 +96,7 @@ SETS = {
 }
 RUN_FIELDS = ["task", "variant", "compressor", "settings", "seed", "steps", "world", "final_metric",
               "eval_loss", "test_acc", "train_loss_last", "bytes_sent", "dense_bytes", "ratio",
-              "wall_s", "steps_per_s", "replicas_identical", "nonfinite"]
+              "wall_s", "steps_per_s", "replicas_identical", "nonfinite", "fingerprint"]
 CURVE_FIELDS = ["task", "variant", "seed", "step", "train_loss", "bytes_sent", "dense_bytes",
                 "eval_loss", "test_acc"]
 
@@ -180,8 +180,11 @@ def _done(path):
 
 def _append(path, fields, rows):
     new = not os.path.exists(path) or os.path.getsize(path) == 0
+    if not new:                          # keep an older file's columns (resume across versions)
+        with open(path) as f:
+            fields = next(csv.reader(f))
     with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         if new:
             w.writeheader()
         w.writerows(rows)
@@ -189,7 +192,10 @@ def _append(path, fields, rows):
 
 def _record(out, task, task_name, label, name, settings, seed, world, losses, curve, sent, dense,
             wall, identical, nonfinite, eval_every):
-    """Append one run's curve rows and its summary row (rank 0 only)."""
+    """Append one run's curve rows and its summary row (rank 0 only). The row keeps the
+    compressor's full fingerprint: a label like "powersgd" means "the default of the day"."""
+    import bitscom
+    fingerprint = bitscom.compressors.get(name, **settings).fingerprint()
     final = curve[-1][3]
     rows = []
     for s, b, d, e in curve:            # train loss: the mean since the last logged step
@@ -207,7 +213,7 @@ def _record(out, task, task_name, label, name, settings, seed, world, losses, cu
         "train_loss_last": f"{losses[-1]:.5f}", "bytes_sent": sent, "dense_bytes": dense,
         "ratio": f"{dense / sent:.4f}" if sent else "nan", "wall_s": f"{wall:.2f}",
         "steps_per_s": f"{task.steps / wall:.3f}", "replicas_identical": int(identical),
-        "nonfinite": int(nonfinite)}])
+        "nonfinite": int(nonfinite), "fingerprint": fingerprint}])
 
 
 def worker(rank, world, port, jobs, args):
