@@ -221,12 +221,12 @@ def digits_resnet(steps: int = 300, batch: int = 32) -> Task:
     return Task(
         name="digits_resnet", metric="test_acc", steps=steps, batch_size=batch,
         make_model=SmallResNet,
-        make_optimizer=lambda m, world: torch.optim.SGD(m.parameters(), lr=0.05 * world, momentum=0.9,
+        make_optimizer=lambda m, world: torch.optim.SGD(m.parameters(), lr=0.005 * world, momentum=0.9,
                                                         weight_decay=5e-4),
         lr_at=lr_at, batch=data, loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
         evaluate=_classify_eval(vx, vy),
         description="pre-activation ResNet (3×2 blocks, GroupNorm, 0.17 M params) on the same digits "
-                    f"pooled to 14×14, SGD lr 0.05×world momentum 0.9 wd 5e-4, cosine, batch "
+                    f"pooled to 14×14, SGD lr 0.005×world momentum 0.9 wd 5e-4, cosine, batch "
                     f"{batch}/rank, {steps} steps")
 
 
