@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sets", nargs="+", default=None, choices=list(SETS),
                     help="named variant sets (default: defaults ef sr)")
     ap.add_argument("--variants", nargs="+", default=None, help="variant labels or name:k=v,... specs")
-    ap.add_argument("--seeds", type=int, default=3, help="seeds per (task, variant)")
+    ap.add_argument("--seeds", type=int, default=None, help="seeds per (task, variant) (3; --quick: 1)")
     ap.add_argument("--steps", type=int, default=None, help="override every task's step count")
     ap.add_argument("--quick", action="store_true",
                     help="1 seed, 150 steps, the default compressors only (a smoke run)")
@@ -266,9 +266,10 @@ def main(argv=None) -> int:
     ap.add_argument("--plot-only", action="store_true", help="only redraw summary and PNGs from the CSVs")
     args = ap.parse_args(argv)
     if args.quick:
-        args.seeds = 1 if args.seeds == 3 else args.seeds
+        args.seeds = args.seeds or 1
         args.steps = args.steps or 150
-        args.sets = args.sets or ["defaults"]
+        args.sets = args.sets or ([] if args.variants else ["defaults"])
+    args.seeds = args.seeds or 3
     os.makedirs(args.out, exist_ok=True)
     if not args.plot_only:
         with open(os.path.join(args.out, "command.txt"), "w") as f:
