@@ -7,6 +7,8 @@
 #   mode=mnist opts="ssgd fp16 acpsgd" bandwidths="1gbit" bash scripts/batch.sh   # loss vs time
 #   mode=headline bash scripts/batch.sh                   # the README's headline table
 #   mode=quick bash scripts/batch.sh                      # tiny model, seconds per run (smoke)
+#   mode=convergence bash scripts/batch.sh                # accuracy suite: every compressor vs S-SGD
+#   mode=convergence conv_args="--quick" bash scripts/batch.sh   # (args go to scripts/convergence.py)
 #
 # Lists (space-separated; defaults for mode=perf):
 #   opts          "ssgd ddp_fp16 ddp_powersgd fp16 lowbit powersgd acpsgd"
@@ -23,6 +25,12 @@ source "$HERE/common.sh"
 cd "$ROOT"
 
 mode=${mode:-perf}
+if [ "$mode" = convergence ]; then   # training quality, not speed: its own driver, own outputs
+    out=${out:-$ROOT/results/batch-convergence-$(date +%Y%m%d-%H%M%S)}
+    ensure_deps mlxtend matplotlib
+    # shellcheck disable=SC2086
+    exec "$PY" "$HERE/convergence.py" --out "$out" ${conv_args:-}
+fi
 case "$mode" in
   headline)
     opts=${opts:-"ssgd ddp_fp16 ddp_powersgd fp16 lowbit powersgd acpsgd"}
@@ -37,7 +45,7 @@ case "$mode" in
     opts=${opts:-"ssgd fp16 lowbit powersgd acpsgd"}; bandwidths=${bandwidths:-"1gbit"}
     nworkers_list=${nworkers_list:-"2"} ;;
   perf) ;;
-  *) echo "mode must be perf, mnist, headline or quick; got '$mode'" >&2; exit 2 ;;
+  *) echo "mode must be perf, mnist, headline, quick or convergence; got '$mode'" >&2; exit 2 ;;
 esac
 opts=${opts:-"ssgd ddp_fp16 ddp_powersgd fp16 lowbit powersgd acpsgd"}
 bandwidths=${bandwidths:-"1gbit 10gbit"}; nworkers_list=${nworkers_list:-"2 4"}

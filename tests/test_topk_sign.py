@@ -82,7 +82,7 @@ def test_topk_ratio_one_is_exact_average(world):
         assert torch.count_nonzero(s.residual) == 0
 
 
-@pytest.mark.parametrize("comp", [TopK(ratio=0.05), SignSGD(), SignSGD(majority_vote=True, error_feedback=True)])
+@pytest.mark.parametrize("comp", [TopK(ratio=0.05), SignSGD(majority_vote=False), SignSGD(majority_vote=True, error_feedback=True)])
 def test_error_feedback_invariant(comp):
     numel, world = 777, 2
     layout = layout_for(numel)
@@ -169,7 +169,7 @@ def test_sign_bit_order_documented():
 
 def test_signsgd_average_and_bytes():
     numel, world = 100, 3
-    comp, layout = SignSGD(), layout_for(numel)
+    comp, layout = SignSGD(majority_vote=False), layout_for(numel)
     gs = grads(world, numel, seed=7)
     flats = [g.clone() for g in gs]
     states = [comp.init_state(layout) for _ in gs]
@@ -185,7 +185,7 @@ def test_signsgd_scale_per_tensor():
     layout = BucketLayout(0, (TensorSlot("w", 0, 12, (3, 4)), TensorSlot("b", 12, 3, (3,))),
                           torch.float32, torch.device("cpu"))
     gs = [torch.cat([torch.randn(12), 1e-3 * torch.randn(3)]) for _ in range(2)]
-    comp = SignSGD()
+    comp = SignSGD(majority_vote=False)
     flats = [g.clone() for g in gs]
     sent = lockstep(comp, flats, [comp.init_state(layout) for _ in gs], layout)
     assert sent == [2 + 8] * 2 == [comp.wire_bytes(layout, 2)] * 2
@@ -197,7 +197,7 @@ def test_signsgd_scale_per_tensor():
 def test_signsgd_majority_vote():
     gs = [torch.tensor([1., -2, 3, -4]), torch.tensor([2., -1, -3, 4]), torch.tensor([3., 1, -1, -4])]
     comp, layout = SignSGD(majority_vote=True), layout_for(4)
-    assert not comp.uses_error_feedback and SignSGD().uses_error_feedback
+    assert not comp.uses_error_feedback and SignSGD(majority_vote=False).uses_error_feedback
     flats = [g.clone() for g in gs]
     states = [comp.init_state(layout) for _ in gs]
     lockstep(comp, flats, states, layout)

@@ -53,7 +53,7 @@ class PowerSGD(LowRankCompressor):
         opt = bitscom.DistributedOptimizer(opt, model.named_parameters(), compression=comp)
     """
 
-    rank: int = 1
+    rank: int = 8
     """Approximation rank r: bytes grow linearly with r, and so does accuracy (try 1, 2, 4…)."""
     start_iter: int = 10
     """Plain all-reduce steps first (torch's hook counts the same way); full bytes during them."""

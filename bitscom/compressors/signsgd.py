@@ -63,7 +63,7 @@ class SignSGD(Compressor):
     """
 
     error_feedback: Optional[bool] = None
-    majority_vote: bool = False
+    majority_vote: bool = True
 
     name = "signsgd"
 

@@ -54,7 +54,7 @@ class TopK(Compressor):
         opt = bitscom.DistributedOptimizer(opt, compression=bitscom.compressors.TopK(ratio=0.01))
     """
 
-    ratio: float = 0.01
+    ratio: float = 0.05
     error_feedback: bool = True
 
     name = "topk"

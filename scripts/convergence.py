@@ -1,0 +1,322 @@
+#!/usr/bin/env python3
+"""Convergence suite: every compressor (and named variants) against S-SGD, same data, same
+seeds, on real tasks, on N gloo ranks of this machine.
+
+    python scripts/convergence.py                       # the default suite (< 1 h on 2 CPU cores)
+    python scripts/convergence.py --quick               # 1 seed, shorter runs (smoke / CI-sized)
+    python scripts/convergence.py --tasks text_lm --variants ssgd powersgd "powersgd:rank=4,start_iter=30"
+    python scripts/convergence.py --sets ef sr --tasks digits_cnn text_lm
+    python scripts/convergence.py --plot-only --out results/convergence   # redraw from the CSVs
+
+Why one run for all variants: the comparison that matters is compressor vs S-SGD on the same
+task, seed and data order; running them in one suite (one pair of processes, one process
+group) keeps everything but the compressor equal. Every rank builds the model from the same
+seed; each rank draws its own batches. Bytes are counted by the optimizer itself
+(``comm_stats()["bytes_sent"]`` summed over every step, warm-up included) and compared with
+what fp32 all-reduce would have sent (``dense_bytes``): the whole-run ratio in the summary is
+never an analytic claim.
+
+Outputs in ``--out`` (appended, so a suite can be resumed or extended; finished
+(task, variant, seed) runs are skipped):
+
+* ``runs.csv``    one row per run: final metric, bytes, wall time, replicas identical or not;
+* ``curves.csv``  per logged step: train loss (mean over ranks), cumulative bytes, eval metric;
+* ``summary.md``  per task: mean ± spread over seeds, Δ vs S-SGD, whole-run bytes ratio, target;
+* PNGs: metric vs step and vs bytes per task, SR vs RTN vs fp32, EF modes × models (loss and
+  throughput).
+
+A variant is a registry name with settings: ``name`` (the default), or
+``label=name:key=value,key=value`` / ``name:key=value`` on the command line (values are Python
+literals). Named sets (``--sets``) are listed in :data:`SETS`.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import hashlib
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from conv_tasks import TASKS  # noqa: E402
+
+# label -> (registry name, settings)
+VARIANTS = {
+    "ssgd": ("none", {}),
+    "fp16": ("fp16", {}),
+    "bf16": ("bf16", {}),
+    "lowbit": ("lowbit", {}),
+    "powersgd": ("powersgd", {}),
+    "acpsgd": ("acpsgd", {}),
+    "topk": ("topk", {}),
+    "signsgd": ("signsgd", {}),
+    # error-feedback modes of the low-bit all-reduce (the seed's none / legacy / ef21 / ef21_plus)
+    "lowbit-ef_none": ("lowbit", {"error_feedback": "none"}),
+    "lowbit-ef": ("lowbit", {"error_feedback": "ef"}),
+    "lowbit-ef21": ("lowbit", {"error_feedback": "ef21"}),
+    "lowbit-ef21_plus": ("lowbit", {"error_feedback": "ef21", "stage2_error_feedback": True}),
+    # stochastic vs nearest rounding (the seed's SR vs RTN end-to-end curves)
+    "lowbit-rtn": ("lowbit", {"stochastic_rounding": False}),
+    "lowbit-sr": ("lowbit", {"stochastic_rounding": True}),
+    "lowbit-2bit": ("lowbit", {"bits": 2}),
+    # ranks, ratios, warm-ups
+    "powersgd-r1": ("powersgd", {"rank": 1}),
+    "powersgd-r2": ("powersgd", {"rank": 2}),
+    "powersgd-r4": ("powersgd", {"rank": 4}),
+    "powersgd-r8": ("powersgd", {"rank": 8}),
+    "powersgd-warm0": ("powersgd", {"start_iter": 0}),
+    "powersgd-warm30": ("powersgd", {"start_iter": 30}),
+    "acpsgd-r1": ("acpsgd", {"rank": 1}),
+    "acpsgd-r4": ("acpsgd", {"rank": 4}),
+    "acpsgd-r8": ("acpsgd", {"rank": 8}),
+    "acpsgd-warm30": ("acpsgd", {"start_iter": 30}),
+    "topk-0.01": ("topk", {"ratio": 0.01}),
+    "topk-0.03": ("topk", {"ratio": 0.03}),
+    "topk-0.05": ("topk", {"ratio": 0.05}),
+    "signsgd-vote": ("signsgd", {"majority_vote": True}),
+}
+DEFAULTS = ["ssgd", "fp16", "bf16", "lowbit", "powersgd", "acpsgd", "topk", "signsgd"]
+SETS = {
+    "defaults": DEFAULTS,
+    "ef": ["ssgd", "lowbit-ef_none", "lowbit-ef", "lowbit-ef21", "lowbit-ef21_plus"],
+    "sr": ["ssgd", "lowbit-rtn", "lowbit-sr"],
+    "lowrank": ["ssgd", "powersgd-r1", "powersgd-r2", "powersgd-r4", "powersgd-r8", "powersgd-warm0",
+                "powersgd-warm30", "acpsgd-r1", "acpsgd-r4", "acpsgd-r8", "acpsgd-warm30"],
+    "sparse": ["ssgd", "topk-0.01", "topk-0.03", "topk-0.05", "signsgd", "signsgd-vote"],
+}
+RUN_FIELDS = ["task", "variant", "compressor", "settings", "seed", "steps", "world", "final_metric",
+              "eval_loss", "test_acc", "train_loss_last", "bytes_sent", "dense_bytes", "ratio",
+              "wall_s", "steps_per_s", "replicas_identical", "nonfinite", "fingerprint"]
+CURVE_FIELDS = ["task", "variant", "seed", "step", "train_loss", "bytes_sent", "dense_bytes",
+                "eval_loss", "test_acc"]
+
+
+def parse_variant(text: str):
+    """``label`` | ``name:k=v,k=v`` | ``label=name:k=v`` -> (label, registry name, settings)."""
+    if text in VARIANTS:
+        name, settings = VARIANTS[text]
+        return text, name, dict(settings)
+    label = None
+    if "=" in text.split(":", 1)[0]:
+        label, text = text.split("=", 1)
+    name, _, rest = text.partition(":")
+    settings = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"variant setting {item!r} is not key=value (in {text!r})")
+        try:
+            settings[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            settings[key] = value
+    if label is None:
+        label = name + "".join(f"-{k}{v}" for k, v in settings.items())
+    return label, name, settings
+
+
+# ---- one training run (on every rank) ----------------------------------------------------
+def _params_digest(model) -> torch.Tensor:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().numpy().tobytes())
+    return torch.tensor(list(h.digest()[:8]), dtype=torch.int64)
+
+
+def train_one(task, name, settings, seed, rank, world, eval_every):
+    import bitscom
+    torch.manual_seed(seed)
+    model = task.make_model()
+    base = task.make_optimizer(model, world)
+    base_lrs = [g["lr"] for g in base.param_groups]
+    opt = bitscom.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                       compression=bitscom.compressors.get(name, **settings))
+    torch.manual_seed(seed * 1000 + rank + 1)           # dropout masks differ per rank
+    gen = torch.Generator().manual_seed(seed * 1000 + rank + 1)
+    losses, curve = [], []
+    sent = dense = 0
+    nonfinite = False
+    t0 = time.perf_counter()
+    for step in range(task.steps):
+        for g, lr in zip(base.param_groups, base_lrs):
+            g["lr"] = lr * task.lr_at(step)
+        batch = task.batch(step, rank, world, gen)
+        opt.zero_grad()
+        loss = task.loss(model, batch)
+        loss.backward()
+        opt.step()
+        stats = opt.comm_stats()
+        sent += stats["bytes_sent"]
+        dense += stats["dense_bytes"]
+        losses.append(loss.item())
+        nonfinite = nonfinite or not torch.isfinite(loss).item()
+        if rank == 0 and ((step + 1) % eval_every == 0 or step + 1 == task.steps):
+            curve.append((step + 1, sent, dense, task.evaluate(model)))
+    wall = time.perf_counter() - t0
+    mean_losses = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(mean_losses)
+    mean_losses /= world
+    digests = [torch.zeros(8, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(digests, _params_digest(model))
+    identical = all(torch.equal(d, digests[0]) for d in digests)
+    return mean_losses.tolist(), curve, sent, dense, wall, identical, nonfinite
+
+
+def _done(path):
+    if not os.path.exists(path):
+        return set()
+    with open(path) as f:
+        return {(r["task"], r["variant"], int(r["seed"])) for r in csv.DictReader(f)}
+
+
+def _append(path, fields, rows):
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    if not new:                          # keep an older file's columns (resume across versions)
+        with open(path) as f:
+            fields = next(csv.reader(f))
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+
+
+def _record(out, task, task_name, label, name, settings, seed, world, losses, curve, sent, dense,
+            wall, identical, nonfinite, eval_every):
+    """Append one run's curve rows and its summary row (rank 0 only). The row keeps the
+    compressor's full fingerprint: a label like "powersgd" means "the default of the day"."""
+    import bitscom
+    fingerprint = bitscom.compressors.get(name, **settings).fingerprint()
+    final = curve[-1][3]
+    rows = []
+    for s, b, d, e in curve:            # train loss: the mean since the last logged step
+        window = losses[max(0, s - eval_every):s]
+        rows.append({"task": task_name, "variant": label, "seed": seed, "step": s,
+                     "train_loss": f"{sum(window) / len(window):.5f}",
+                     "bytes_sent": b, "dense_bytes": d,
+                     "eval_loss": f"{e['eval_loss']:.5f}", "test_acc": f"{e['test_acc']:.3f}"})
+    _append(os.path.join(out, "curves.csv"), CURVE_FIELDS, rows)
+    _append(os.path.join(out, "runs.csv"), RUN_FIELDS, [{
+        "task": task_name, "variant": label, "compressor": name,
+        "settings": ";".join(f"{k}={v}" for k, v in settings.items()), "seed": seed,
+        "steps": task.steps, "world": world, "final_metric": f"{final[task.metric]:.5f}",
+        "eval_loss": f"{final['eval_loss']:.5f}", "test_acc": f"{final['test_acc']:.3f}",
+        "train_loss_last": f"{losses[-1]:.5f}", "bytes_sent": sent, "dense_bytes": dense,
+        "ratio": f"{dense / sent:.4f}" if sent else "nan", "wall_s": f"{wall:.2f}",
+        "steps_per_s": f"{task.steps / wall:.3f}", "replicas_identical": int(identical),
+        "nonfinite": int(nonfinite), "fingerprint": fingerprint}])
+
+
+def worker(rank, world, port, jobs, args):
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    tasks = {}
+    try:
+        for task_name, labels, name, settings, seed in jobs:
+            if task_name not in tasks:
+                tasks[task_name] = TASKS[task_name](**args.task_kwargs.get(task_name, {}))
+            task = tasks[task_name]
+            losses, curve, sent, dense, wall, identical, nonfinite = train_one(
+                task, name, settings, seed, rank, world, args.eval_every)
+            if rank != 0:
+                continue
+            final = curve[-1][3]
+            metric = final[task.metric]
+            for label in labels:
+                _record(args.out, task, task_name, label, name, settings, seed, world, losses, curve,
+                        sent, dense, wall, identical, nonfinite, args.eval_every)
+            label = "/".join(labels)
+            print(f"[conv] {task_name:14s} {label:24s} seed {seed}: {task.metric} {metric:.4f}  "
+                  f"{dense / max(sent, 1):.2f}x fewer bytes  {wall:.0f}s"
+                  f"{'' if identical else '  REPLICAS DIFFER'}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    ap.add_argument("--sets", nargs="+", default=None, choices=list(SETS),
+                    help="named variant sets (default: defaults ef sr)")
+    ap.add_argument("--variants", nargs="+", default=None, help="variant labels or name:k=v,... specs")
+    ap.add_argument("--seeds", type=int, default=None, help="seeds per (task, variant) (3; --quick: 1)")
+    ap.add_argument("--steps", type=int, default=None, help="override every task's step count")
+    ap.add_argument("--quick", action="store_true",
+                    help="1 seed, 150 steps, the default compressors only (a smoke run)")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--eval-every", type=int, default=50,
+                    help="steps between held-out evaluations (rank 0; the CNN eval costs ~14 steps)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results", "convergence"))
+    ap.add_argument("--plot-only", action="store_true", help="only redraw summary and PNGs from the CSVs")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seeds = args.seeds or 1
+        args.steps = args.steps or 150
+        args.sets = args.sets or ([] if args.variants else ["defaults"])
+    args.seeds = args.seeds or 3
+    os.makedirs(args.out, exist_ok=True)
+    if not args.plot_only:
+        with open(os.path.join(args.out, "command.txt"), "w") as f:
+            f.write("python scripts/convergence.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    args.task_kwargs = {t: ({"steps": args.steps} if args.steps else {}) for t in TASKS}
+
+    if not args.plot_only:
+        labels = []
+        for s in (args.sets or (["defaults", "ef", "sr"] if args.variants is None else [])):
+            labels += SETS[s]
+        labels += args.variants or []
+        variants, seen = [], set()
+        for text in labels:
+            v = parse_variant(text)
+            if v[0] not in seen:
+                seen.add(v[0])
+                variants.append(v)
+        import bitscom
+        for _label, name, settings in variants:     # fail before spawning: unknown names/settings
+            bitscom.compressors.get(name, **settings)
+        done = _done(os.path.join(args.out, "runs.csv"))
+        # Variants that build the same compressor (e.g. "lowbit" and "lowbit-rtn" while
+        # nearest rounding is the default) train once and are recorded under every label.
+        by_print, groups = {}, []
+        for label, name, settings in variants:
+            key = bitscom.compressors.get(name, **settings).fingerprint()
+            if key in by_print:
+                by_print[key][0].append(label)
+            else:
+                by_print[key] = ([label], name, settings)
+                groups.append(by_print[key])
+        jobs = []
+        for t in args.tasks:
+            for seed in range(args.seeds):
+                for labels, name, settings in groups:
+                    todo = [lb for lb in labels if (t, lb, seed) not in done]
+                    if todo:
+                        jobs.append((t, todo, name, settings, seed))
+        print(f"[conv] {len(jobs)} run(s) to do ({len(done)} already in {args.out}) on {args.world} "
+              "gloo ranks", flush=True)
+        if jobs:
+            mp.spawn(worker, args=(args.world, _free_port(), jobs, args), nprocs=args.world, join=True)
+
+    from conv_report import report
+    report(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
