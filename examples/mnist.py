@@ -184,7 +184,7 @@ def parse_args(argv=None):
                     help=f"gradient compression (default {DEFAULT_OPT})")
     ap.add_argument("--rank", type=int, default=4, help="low-rank compressors' rank (powersgd, acpsgd)")
     ap.add_argument("--bits", type=int, default=4, help="lowbit: bits per element")
-    ap.add_argument("--ratio", type=float, default=0.01, help="topk: fraction of elements kept")
+    ap.add_argument("--ratio", type=float, default=0.05, help="topk: fraction of elements kept")
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
     ap.add_argument("--lr", type=float, default=0.01, help="per rank; scaled by the world size")

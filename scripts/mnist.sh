@@ -27,7 +27,7 @@ if [ "$device" = auto ] && [ "$(gpu_count)" -gt 0 ] && [ "$(gpu_count)" -lt "$nw
     device=cpu
 fi
 args=(--device "$device" --epochs "${epochs:-8}" --rank "${rank:-4}" --bits "${bits:-4}"
-      --ratio "${ratio:-0.01}" --batch-size "${bs:-32}" --data-dir "${data_dir:-$HOME/.cache/bitscom/mnist}")
+      --ratio "${ratio:-0.05}" --batch-size "${bs:-32}" --data-dir "${data_dir:-$HOME/.cache/bitscom/mnist}")
 [ -n "${opt:-}" ] && args+=(--opt "$opt")
 [ "${download:-0}" = 1 ] && args+=(--download)
 [ -n "${csv:-}" ] && args+=(--csv "$csv")

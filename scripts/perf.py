@@ -118,7 +118,7 @@ def parse_args(argv=None):
                          "torch's hook needs 2)")
     ap.add_argument("--bits", type=int, default=int(env("bits", 4)), help="lowbit: bits per element")
     ap.add_argument("--block-size", type=int, default=None, help="lowbit: elements per scale")
-    ap.add_argument("--ratio", type=float, default=float(env("ratio", 0.01)), help="topk: kept fraction")
+    ap.add_argument("--ratio", type=float, default=float(env("ratio", 0.05)), help="topk: kept fraction")
     ap.add_argument("--threshold", type=float, default=float(env("threshold", 25)),
                     help="fusion threshold / DDP bucket cap, MB")
     ap.add_argument("--nsteps", type=int, default=int(env("nsteps", 10)), help="timed steps")
