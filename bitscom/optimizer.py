@@ -29,7 +29,7 @@ import numbers
 import warnings
 import weakref
 import zlib
-from typing import Dict, List
+from typing import Dict
 
 import torch
 import torch.distributed as dist
@@ -40,39 +40,9 @@ from .buckets import FlatBucket, plan_buckets, plan_groups
 from .compressors import Compression, Compressor, get as get_compressor
 from .engine import Reducer
 from .ops import Average, ReduceOp, Sum
+from .params import named_parameters_of
 
 __all__ = ["DistributedOptimizer"]
-
-
-def _named_params(optimizer: torch.optim.Optimizer, named_parameters) -> List[tuple]:
-    """Validated (name, parameter) pairs in registration order."""
-    opt_params, seen = [], set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                opt_params.append(p)
-    if named_parameters is None:
-        return [(f"param.{i}", p) for i, p in enumerate(opt_params)]
-    named = list(named_parameters)
-    for item in named:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
-            raise TypeError("named_parameters must be (name, tensor) pairs, e.g. "
-                            f"model.named_parameters(); got an item {type(item).__name__}")
-    names = [n for n, _ in named]
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise ValueError(f"named_parameters contains duplicate names {dups}; names must be unique")
-    by_id = {id(p): n for n, p in named}
-    missing_from_opt = [n for n, p in named if id(p) not in seen and p.requires_grad]
-    if missing_from_opt:
-        raise ValueError(f"parameters {missing_from_opt[:5]} are in named_parameters but not in the "
-                         "optimizer's param_groups; pass the optimizer every trainable parameter")
-    unnamed = [i for i, p in enumerate(opt_params) if id(p) not in by_id]
-    if unnamed:
-        raise ValueError(f"{len(unnamed)} optimizer parameter(s) (e.g. index {unnamed[0]}) are missing "
-                         "from named_parameters; pass model.named_parameters() of the same model")
-    return [(n, p) for n, p in named if id(p) in seen]
 
 
 def _number(name: str, value, minimum: float, inclusive: bool) -> float:
@@ -259,7 +229,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = bool(sparse_as_dense)
 
-        named = _named_params(optimizer, named_parameters)
+        named = named_parameters_of(optimizer, named_parameters)
         for name, p in named:
             if p.is_meta:
                 raise ValueError(f"parameter {name!r} is on the meta device (it has no data); "

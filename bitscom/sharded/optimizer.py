@@ -30,6 +30,7 @@ import torch.distributed as dist
 from .. import runtime
 from ..agreement import check_agreement
 from ..ops import Average, ReduceOp
+from ..params import named_parameters_of
 from .checkpoint import FORMAT, join_pieces, piece_state, split_state
 from .config import ShardedConfig
 from .gradients import GradientReducer, Topology, gradient_wire_bytes
@@ -58,36 +59,6 @@ def _forward_hook(ref, param) -> None:
 def _remove_hooks(handles) -> None:
     for handle in handles:
         handle.remove()
-
-
-def _named(optimizer, named_parameters) -> List[tuple]:
-    opt_params, seen = [], set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                opt_params.append(p)
-    if named_parameters is None:
-        return [(f"param.{i}", p) for i, p in enumerate(opt_params)]
-    named = list(named_parameters)
-    for item in named:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
-            raise TypeError("named_parameters must be (name, tensor) pairs, e.g. model.named_parameters(); "
-                            f"got an item {type(item).__name__}")
-    names = [n for n, _ in named]
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise ValueError(f"named_parameters contains duplicate names {dups}; names must be unique")
-    by_id = {id(p): n for n, p in named}
-    missing = [n for n, p in named if id(p) not in seen and p.requires_grad]
-    if missing:
-        raise ValueError(f"parameters {missing[:5]} are in named_parameters but not in the optimizer's "
-                         "param_groups; pass the optimizer every trainable parameter")
-    unnamed = [i for i, p in enumerate(opt_params) if id(p) not in by_id]
-    if unnamed:
-        raise ValueError(f"{len(unnamed)} optimizer parameter(s) (e.g. index {unnamed[0]}) are missing "
-                         "from named_parameters; pass model.named_parameters() of the same model")
-    return [(n, p) for n, p in named if id(p) in seen]
 
 
 def _resolve_topology(process_group, intra_group, inter_group, local_size):
@@ -209,7 +180,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             gradient_alltoall_pipeline=gradient_alltoall_pipeline,
             fusion_threshold_mb=fusion_threshold_mb, backward_passes_per_step=backward_passes_per_step,
             op=op, seed=seed)
-        named = _named(optimizer, named_parameters)
+        named = named_parameters_of(optimizer, named_parameters)
         self._trainable = [(n, p) for n, p in named if p.requires_grad]
         if not self._trainable:
             raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
