@@ -28,7 +28,7 @@ from .agreement import check_agreement, require_member
 from .compressors import Compressor, get as get_compressor
 from .compressors.base import BucketLayout, TensorSlot
 from .compressors.hvd_adapter import is_codec
-from .engine import Reducer
+from .engine import Reducer, comm_stats
 
 __all__ = ["ddp_comm_hook", "DDPCommState"]
 
@@ -145,10 +145,7 @@ class DDPCommState:
 
     def comm_stats(self) -> dict:
         """Bytes of the last iteration: ``bytes_sent`` by this rank and ``dense_bytes`` (fp32)."""
-        stats = dict(self._stats)
-        stats["compression_ratio"] = (stats["dense_bytes"] / stats["bytes_sent"]
-                                      if stats["bytes_sent"] else float("nan"))
-        return stats
+        return comm_stats(**self._stats)
 
     def state_dict(self) -> dict:
         """Per-bucket compressor state with each bucket's gradient shapes, and the settings."""

@@ -38,8 +38,8 @@ from . import runtime, uneven
 from .agreement import check_agreement, describe_state
 from .buckets import FlatBucket, plan_buckets, plan_groups
 from .compressors import Compression, Compressor, get as get_compressor
-from .engine import Reducer
-from .ops import Average, ReduceOp, Sum
+from .engine import Reducer, comm_stats
+from .ops import Adasum, Average, ReduceOp, Sum
 from .params import named_parameters_of
 
 __all__ = ["DistributedOptimizer"]
@@ -210,6 +210,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError("compression must be a bitscom compressor, a Horovod-style codec or "
                             f"a registry name, got {compression!r}")
         backward_passes_per_step = _passes(backward_passes_per_step)
+        if op is Adasum:
+            raise NotImplementedError("op=Adasum is not supported by bitscom (Horovod's Adasum has no "
+                                      "compressed counterpart here); use bitscom.Average or bitscom.Sum")
         if op not in (Average, Sum):
             raise ValueError(f"op must be bitscom.Average or bitscom.Sum, got {op!r}")
         gradient_predivide_factor = _number("gradient_predivide_factor", gradient_predivide_factor, 0, False)
@@ -578,10 +581,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
             print(opt.comm_stats()["compression_ratio"])
         """
-        stats = dict(self._stats)
-        stats["compression_ratio"] = (stats["dense_bytes"] / stats["bytes_sent"]
-                                      if stats["bytes_sent"] else float("nan"))
-        return stats
+        return comm_stats(**self._stats)
 
     def state_dict(self) -> dict:
         """torch's optimizer state dict (``state``, ``param_groups``) plus this rank's

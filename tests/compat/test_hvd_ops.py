@@ -305,7 +305,7 @@ def test_local_argument_errors_are_clear():
     with pytest.raises(TypeError, match="Handle"):
         hvd.synchronize(3)
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
-    with pytest.raises((ValueError, NotImplementedError), match="(?i)adasum"):
+    with pytest.raises(NotImplementedError, match="Adasum is not supported"):
         hvd.DistributedOptimizer(opt, op=hvd.Adasum)      # Horovod's --use-adasum path
 
 
