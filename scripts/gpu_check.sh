@@ -29,3 +29,8 @@ python scripts/bench_compress.py --device cuda --dnn resnet50 --repeat 10 --csv 
 python -m torch.distributed.run --standalone --nproc_per_node 1 scripts/perf.py --opt acpsgd --dnn resnet50 \
     --bs 32 --nsteps 5 --warmup 2 --device cuda --csv "$out/perf_cuda.csv" 2>&1 | tail -n 6 | tee "$out/gpu_check_perf.txt"
 echo "GPU target: quant and dequant %copy >= 60 at 2^26..2^28 elements (README, 'Low-bit format and kernels')"
+# AMP with CUDA fp16 autocast + GradScaler through DistributedOptimizer (issue 9), and the
+# sharded path's kernels (ShardedOptimizer uses the same quantize/pack kernels tested above).
+# One GPU hosts one NCCL rank; a multi-rank CUDA run needs >= 2 GPUs.
+python -m torch.distributed.run --standalone --nproc_per_node 1 scripts/gpu_amp_check.py 2>&1 \
+    | tail -n 3 | tee "$out/gpu_check_amp.txt"
