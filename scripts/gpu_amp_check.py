@@ -4,7 +4,7 @@ Run by scripts/gpu_check.sh on a GPU machine (torchrun, NCCL). The CPU tests run
 gloo ranks with GradScaler("cpu"); this runs it with CUDA fp16 autocast: GradScaler's unscale and
 inf check on the optimizer subclass, an injected Inf skipping the step, parameters staying finite.
 With one GPU (one rank) the reduction itself is a no-op; with N GPUs (--nproc_per_node N) every
-rank must skip the same step, which the Inf on rank 0 only tests.
+rank must skip the same step, which the Inf fed to rank 0 only tests.
 
     python -m torch.distributed.run --standalone --nproc_per_node 1 scripts/gpu_amp_check.py
 """
@@ -27,12 +27,12 @@ def main() -> None:
     for step in range(20):
         x = torch.randn(32, 64, device=dev)
         y = torch.randint(0, 10, (32,), device=dev)
+        if step == 5 and bitscom.rank() == 0:          # an overflow on one rank: all must skip
+            x[0, 0] = float("inf")
         opt.zero_grad()
         with torch.autocast("cuda", dtype=torch.float16):
             loss = torch.nn.functional.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
-        if step == 5 and bitscom.rank() == 0:          # an overflow on one rank: all must skip
-            next(model.parameters()).grad[0, 0] = float("inf")
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         before = [p.detach().clone() for p in model.parameters()]
