@@ -113,7 +113,8 @@ class FlatBucket:
     """The preallocated flat buffer of one bucket plus views of each parameter's slot.
 
     Gradients are copied in when ready and the reduced result copied back out; the buffer is
-    allocated once and reused every step.
+    allocated once and reused every step. The bucket also tracks which slots were filled this
+    step (``filled``, ``pending``): it is ready to launch when ``pending`` reaches 0.
     """
 
     def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor]):
@@ -121,9 +122,13 @@ class FlatBucket:
         self.params = list(params)
         self.flat = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
         self.views = [self.flat[s.offset:s.end].view(s.shape) for s in layout.slots]
+        self.filled = [False] * len(self.params)
         self.pending = len(self.params)
 
     def reset(self) -> None:
+        """Forget this step's fills (the buffer keeps its bytes; every slot is refilled)."""
+        for i in range(len(self.filled)):
+            self.filled[i] = False
         self.pending = len(self.params)
 
     def fill(self, slot: int, grad) -> None:
@@ -132,6 +137,15 @@ class FlatBucket:
             self.views[slot].zero_()
         else:
             self.views[slot].copy_(grad)
+        if not self.filled[slot]:
+            self.filled[slot] = True
+            self.pending -= 1
+
+    def fill_missing(self) -> None:
+        """Zeros for every slot not filled this step (parameters that got no gradient)."""
+        for slot, done in enumerate(self.filled):
+            if not done:
+                self.fill(slot, self.params[slot].grad)
 
     def write_back(self) -> None:
         """Copy the reduced gradients into ``p.grad``, creating it where backward did not."""

@@ -266,7 +266,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for b, bucket in enumerate(self._buckets):
             for s, p in enumerate(bucket.params):
                 self._slot[id(p)] = (b, s)
-        self._filled = [[False] * len(b.params) for b in self._buckets]
         self._next_launch = 0
         self._passes_done = 0          # backward passes finished in this step
         self._callback_queued = False  # the end-of-backward callback of the running pass
@@ -339,7 +338,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_of_backward(this))
         if self._passes_done + 1 == self.backward_passes_per_step:
             b, s = self._slot[id(p)]
-            self._fill(b, s, p.grad)
+            self._buckets[b].fill(s, p.grad)
             self._launch_ready()
         self._reducer.poll()
 
@@ -352,12 +351,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _name_of(self, p) -> str:
         b, s = self._slot[id(p)]
         return self._buckets[b].layout.slots[s].name
-
-    def _fill(self, b: int, s: int, grad) -> None:
-        self._buckets[b].fill(s, grad)
-        if not self._filled[b][s]:
-            self._filled[b][s] = True
-            self._buckets[b].pending -= 1
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
@@ -413,10 +406,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("this DistributedOptimizer was closed; build a new one")
         self._check_requires_grad()
         try:
-            for b in range(self._next_launch, len(self._buckets)):
-                for s, p in enumerate(self._buckets[b].params):
-                    if not self._filled[b][s]:
-                        self._fill(b, s, p.grad)
+            for bucket in self._buckets[self._next_launch:]:
+                bucket.fill_missing()
             self._launch_ready()
             sent = self._reducer.wait_all()
             if self._notice is not None:
@@ -444,9 +435,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._next_launch = 0
         self._began = False
         self._notice = None
-        for b, bucket in enumerate(self._buckets):
+        for bucket in self._buckets:
             bucket.reset()
-            self._filled[b] = [False] * len(bucket.params)
 
     def _reset_step(self) -> None:
         if self._reducer.in_flight:
