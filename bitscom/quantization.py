@@ -58,6 +58,7 @@ from .kernels import torch_ref
 from .kernels.format import SUPPORTED_BITS, HADAMARD_BLOCK, wire_bytes, bits_per_element
 
 __all__ = ["SUPPORTED_BITS", "FULL_PRECISION", "Quantized", "quantize", "dequantize", "quantize_tensor",
+           "mix_seed",
            "dequantize_tensor", "pack", "unpack", "pack_signs", "unpack_signs", "hadamard",
            "inverse_hadamard", "wire_bytes", "bits_per_element", "HADAMARD_BLOCK", "Codec",
            "stage_seed", "key_id"]
@@ -399,6 +400,20 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def mix_seed(*parts: int, start: int = 0) -> int:
+    """A 64-bit seed from integer parts (a splitmix64 chain from ``start``): different parts
+    give unrelated seeds, the same parts the same seed in every process.
+
+    Example::
+
+        seed = mix_seed(base_seed, step, rank, bucket, chunk, stage)
+    """
+    h = start & _M64
+    for part in parts:
+        h = _splitmix64(h ^ _splitmix64(int(part) & _M64))
+    return h
+
+
 def stage_seed(seed: int, key: int, step: int, rank: int, stage: int) -> int:
     """The stochastic-rounding seed of one (key, step, rank, stage) of a collective: distinct for
     every rank, stage and step, and reproducible from a checkpoint (a 64-bit splitmix chain).
@@ -407,10 +422,7 @@ def stage_seed(seed: int, key: int, step: int, rank: int, stage: int) -> int:
 
         stage_seed(0, key=3, step=10, rank=1, stage=0) != stage_seed(0, 3, 10, 1, 1)   # True
     """
-    h = seed & _M64
-    for part in (key, step, rank, stage):
-        h = _splitmix64(h ^ _splitmix64(part & _M64))
-    return h
+    return mix_seed(key, step, rank, stage, start=seed)
 
 
 def key_id(key) -> int:

@@ -3,8 +3,9 @@
 A row is the packed low-bit payload followed by its bfloat16 scales (``kernels.wire_bytes``
 bytes), or raw float32 when ``bits == 32``. Rows of all peers sit in one uint8 buffer, so one
 collective moves them all. Decoding and summing goes left to right in peer order, so every rank
-and device gets the same bits. Seeds are mixed from (base, step, rank, bucket, chunk, stage) by
-SplitMix64, so stochastic rounding differs per rank and step and replays from a checkpoint.
+and device gets the same bits. Callers seed stochastic rounding with
+:func:`bitscom.quantization.mix_seed` (base, step, rank, bucket, chunk, stage), so it differs
+per rank and step and replays from a checkpoint.
 """
 
 from __future__ import annotations
@@ -16,30 +17,7 @@ import torch
 from .. import kernels
 from .config import FULL_PRECISION
 
-__all__ = ["RowCodec", "mix_seed"]
-
-_M64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-def mix_seed(*parts: int) -> int:
-    """A 64-bit seed from integer parts; different parts give unrelated seeds.
-
-    Example::
-
-        seed = mix_seed(cfg.seed, step, rank, bucket, chunk, stage)
-    """
-    h = 0
-    for part in parts:
-        h = _splitmix64(h ^ _splitmix64(int(part) & _M64))
-    return h
-
+__all__ = ["RowCodec"]
 
 @dataclass(frozen=True)
 class RowCodec:

@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 
 from ..ops import Average
-from .codec import RowCodec, mix_seed
-from .compat import reduce_scatter_flat
+from ..quantization import mix_seed
+from .codec import RowCodec
+from ..comm import reduce_scatter_flat
 from .config import ShardedConfig
 from .rotation import rotate
 

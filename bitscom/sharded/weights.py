@@ -18,8 +18,9 @@ from typing import List, Sequence
 
 import torch
 
-from .codec import RowCodec, mix_seed
-from .compat import all_gather_flat
+from ..quantization import mix_seed
+from .codec import RowCodec
+from ..comm import all_gather_flat
 from .config import ShardedConfig
 from .gradients import Topology
 from .layout import ShardPlan
