@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import runtime
+from .comm import resolve_group
 from .agreement import check_agreement, require_member
 from .compressors import Compressor, get as get_compressor
 from .compressors.base import BucketLayout, TensorSlot
@@ -222,10 +223,7 @@ def ddp_comm_hook(compressor="none", process_group=None):
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("ddp_comm_hook needs torch.distributed: call bitscom.init() (or "
                            "torch.distributed.init_process_group) before building the hook")
-    if process_group is None:
-        process_group = runtime.world_group() if runtime.is_initialized() else None
-    if process_group is None:
-        process_group = dist.group.WORLD
+    process_group = resolve_group(process_group)
     require_member(process_group, "ddp_comm_hook")
     later = None
     if dist.get_world_size(process_group) > 1:

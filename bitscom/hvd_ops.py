@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import runtime
+from .comm import resolve_group
 from .compressors.base import is_completed, wait
 from .compressors.casting import BF16Compressor, Compression, FP16Compressor, NoneCompressor
 from .compressors.hvd_adapter import is_codec
@@ -83,11 +84,7 @@ def _resolve_group(process_group, process_set):
         raise NotImplementedError("Horovod process sets are not supported by bitscom; pass "
                                   "process_group=<a torch.distributed ProcessGroup> "
                                   "(e.g. torch.distributed.new_group(ranks)) instead")
-    if process_group is not None:
-        return process_group
-    if runtime.is_initialized():            # adopts a group the user started
-        return runtime.world_group()
-    return None
+    return resolve_group(process_group)
 
 
 def _check_tensor(fn: str, tensor) -> None:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from . import runtime, uneven
+from .comm import resolve_group
 from .agreement import check_agreement, describe_state
 from .buckets import FlatBucket, plan_buckets, plan_groups
 from .compressors import Compression, Compressor, get as get_compressor
@@ -66,12 +67,9 @@ def _passes(value) -> int:
 def _resolve_group(process_group):
     """The group to reduce over; refuses to become a silent local optimizer (issue: an
     optimizer built before ``bitscom.init()`` used to train each rank on its own)."""
-    if process_group is not None:
-        return process_group
-    if runtime.is_initialized():
-        return runtime.world_group()
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
+    group = resolve_group(process_group)
+    if group is not None:
+        return group
     info = runtime.discover()
     if info.size > 1:
         raise RuntimeError(

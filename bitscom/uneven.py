@@ -29,13 +29,14 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import runtime
+from .comm import resolve_group
 from .agreement import check_agreement, require_member
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["join", "register", "unregister", "notify"]
 
 _live: "weakref.WeakSet" = weakref.WeakSet()
+_notices: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # optimizer -> (template, buffer)
 
 
 def register(optimizer) -> None:
@@ -55,10 +56,20 @@ def _device(group) -> torch.device:
 
 
 def notify(optimizer):
-    """Issue the step's notice for ``optimizer``; returns the async work to wait on."""
-    group = optimizer.process_group
-    notice = torch.tensor([1, optimizer._uid], dtype=torch.int64, device=_device(group))
-    return dist.all_reduce(notice, group=group, async_op=True)
+    """Issue the step's notice for ``optimizer``; returns the async work to wait on.
+
+    The notice lives in a buffer made once per optimizer and refilled on the device each step:
+    a fresh ``torch.tensor(..., device="cuda")`` would be a blocking host-to-device copy on
+    every step.
+    """
+    buffers = _notices.get(optimizer)
+    if buffers is None:
+        template = torch.tensor([1, optimizer._uid], dtype=torch.int64,
+                                device=_device(optimizer.process_group))
+        buffers = _notices[optimizer] = (template, torch.empty_like(template))
+    template, notice = buffers
+    notice.copy_(template)
+    return dist.all_reduce(notice, group=optimizer.process_group, async_op=True)
 
 
 def _same_group(a, b) -> bool:
@@ -84,11 +95,7 @@ def join(process_group=None) -> int:
         last = bitscom.join()
         val_loss = evaluate(model)                 # collectives after join() line up again
     """
-    group = process_group
-    if group is None:
-        group = runtime.world_group() if runtime.is_initialized() else None
-    if group is None and dist.is_available() and dist.is_initialized():
-        group = dist.group.WORLD
+    group = resolve_group(process_group)
     if group is None:
         return 0
     require_member(group, "bitscom.join")

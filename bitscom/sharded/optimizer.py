@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
+from ..comm import resolve_group
 from ..agreement import check_agreement
 from ..ops import Average, ReduceOp
 from ..params import named_parameters_of
@@ -62,10 +63,7 @@ def _remove_hooks(handles) -> None:
 
 
 def _resolve_topology(process_group, intra_group, inter_group, local_size):
-    if process_group is None and runtime.is_initialized():
-        process_group = runtime.world_group()
-    if process_group is None and dist.is_available() and dist.is_initialized():
-        process_group = dist.group.WORLD
+    process_group = resolve_group(process_group)
     if process_group is None:
         return Topology(None, None, None, 1, 0, 1), "single process"
     world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
