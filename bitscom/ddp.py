@@ -26,9 +26,8 @@ import torch.distributed as dist
 from . import runtime
 from .comm import resolve_group
 from .agreement import check_agreement, require_member
-from .compressors import Compressor, get as get_compressor
+from .compressors import Compressor, resolve as resolve_compressor
 from .compressors.base import BucketLayout, TensorSlot
-from .compressors.hvd_adapter import is_codec
 from .engine import Reducer, comm_stats
 
 __all__ = ["ddp_comm_hook", "DDPCommState"]
@@ -215,11 +214,7 @@ def ddp_comm_hook(compressor="none", process_group=None):
         state, hook = bitscom.ddp_comm_hook(bitscom.compressors.get("signsgd"))
         model.register_comm_hook(state, hook)
     """
-    if isinstance(compressor, str) or is_codec(compressor):    # a name, or a Horovod-style codec
-        compressor = get_compressor(compressor)
-    if not isinstance(compressor, Compressor):
-        raise TypeError(f"compressor must be a bitscom compressor, a registry name or a Horovod-style "
-                        f"codec (compress/decompress), got {compressor!r}")
+    compressor = resolve_compressor(compressor, "compressor")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("ddp_comm_hook needs torch.distributed: call bitscom.init() (or "
                            "torch.distributed.init_process_group) before building the hook")

@@ -38,7 +38,7 @@ from . import runtime, uneven
 from .comm import resolve_group
 from .agreement import check_agreement, describe_state
 from .buckets import FlatBucket, plan_buckets, plan_groups
-from .compressors import Compression, Compressor, get as get_compressor
+from .compressors import Compression, resolve as resolve_compressor
 from .engine import Reducer, comm_stats
 from .ops import Adasum, Average, ReduceOp, Sum
 from .params import named_parameters_of
@@ -196,17 +196,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor: float = 1.0, fusion_threshold_mb: float = 25,
                  process_group=None, *, sparse_as_dense: bool = False, groups=None,
                  num_groups: int = 0):
-        if isinstance(compression, str):
-            compression = get_compressor(compression)
-        elif not isinstance(compression, Compressor):
-            # the registry adapts other forms it knows (e.g. Horovod-style codec classes)
-            try:
-                compression = get_compressor(compression)
-            except (TypeError, ValueError):
-                pass
-        if not isinstance(compression, Compressor):
-            raise TypeError("compression must be a bitscom compressor, a Horovod-style codec or "
-                            f"a registry name, got {compression!r}")
+        compression = resolve_compressor(compression, "compression")
         backward_passes_per_step = _passes(backward_passes_per_step)
         if op is Adasum:
             raise NotImplementedError("op=Adasum is not supported by bitscom (Horovod's Adasum has no "

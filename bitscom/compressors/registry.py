@@ -66,17 +66,19 @@ def get(name: str, **kwargs) -> Compressor:
 
 
 def resolve(compressor, what: str = "compression") -> Compressor:
-    """A compressor instance, or the one a registry name builds; anything else is a TypeError
-    naming ``what`` (the caller's argument name). The faces (optimizer, DDP hook) share it.
+    """A compressor instance, the one a registry name builds, or a Horovod-style codec wrapped
+    in ``HorovodAdapter``; anything else is a TypeError naming ``what`` (the caller's argument
+    name). The faces (optimizer, DDP hook) share it.
 
     Example::
 
         comp = resolve("fp16")                  # == get("fp16")
         comp = resolve(PowerSGD(rank=2), "compressor")
     """
-    if isinstance(compressor, str):
+    if isinstance(compressor, str) or is_codec(compressor):
         compressor = get(compressor)
     if not isinstance(compressor, Compressor):
-        raise TypeError(f"{what} must be a bitscom compressor or a registry name "
-                        f"(one of {names()}), got {compressor!r}")
+        raise TypeError(f"{what} must be a bitscom compressor, a Horovod-style codec "
+                        f"(compress/decompress) or a registry name (one of {names()}), "
+                        f"got {compressor!r}")
     return compressor
