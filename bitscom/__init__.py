@@ -15,6 +15,7 @@ from .hvd_ops import (Handle, allgather, allgather_async, allgather_object, allr
                       barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
                       grouped_allreduce, poll, synchronize)
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from .frozen_adam import FrozenVarianceAdamW
 from .optimizer import DistributedOptimizer
 from .uneven import join
 from .runtime import (cross_rank, cross_size, init, inter_group, intra_group, is_initialized,
@@ -26,7 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "intra_group", "inter_group",
-    "DistributedOptimizer", "Compression", "compression", "compressors", "Average", "Sum", "ReduceOp",
+    "DistributedOptimizer", "FrozenVarianceAdamW", "Compression", "compression", "compressors", "Average", "Sum", "ReduceOp",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
     "ddp_comm_hook", "LowBitGroup", "register_lowbit_backend", "ShardedOptimizer", "join",
     # Horovod's module-level collectives (bitscom.hvd_ops) and build queries

@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ErrorFeedback"]
+__all__ = ["ErrorFeedback", "SteppedErrorFeedback"]
 
 
 class ErrorFeedback:
@@ -157,3 +157,26 @@ class ErrorFeedback:
                 raise ValueError(f"checkpoint residual has {got} elements, this bucket "
                                  f"has {self.residual.numel()} elements; load it into the same bucket plan")
             self.residual.copy_(saved.reshape(-1))
+
+
+class SteppedErrorFeedback(ErrorFeedback):
+    """:class:`ErrorFeedback` plus the bucket's step count, for compressors with a warm-up
+    (``start_iter`` plain all-reduce steps before compressing). The count checkpoints with the
+    residual, so a resumed run neither repeats nor skips its warm-up.
+
+    Example::
+
+        state = SteppedErrorFeedback.for_layout(layout, enabled=True)
+        step, state.step = state.step, state.step + 1
+    """
+
+    def __init__(self, numel: int, device=None, enabled: bool = True):
+        super().__init__(numel, device, enabled)
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.step = int(state.get("step", 0))

@@ -257,12 +257,16 @@ def text_lm(steps: int = 300, batch: int = 16, ctx: int = 64) -> Task:
         return {"eval_loss": F.cross_entropy(out.reshape(-1, 256), ey.reshape(-1)).item(),
                 "test_acc": (out.argmax(-1) == ey).float().mean().item() * 100}
 
-    def make_optimizer(m, world):
+    def make_optimizer(m, world, freeze_step=None):
+        """AdamW; with ``freeze_step``, :class:`bitscom.FrozenVarianceAdamW` (1-bit Adam's
+        frozen variance) with the same hyper-parameters."""
         decay = [p for n, p in m.named_parameters() if p.dim() >= 2]
         other = [p for n, p in m.named_parameters() if p.dim() < 2]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                  {"params": other, "weight_decay": 0.0}],
-                                 lr=3e-3, betas=(0.9, 0.95))
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
+        if freeze_step is None:
+            return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
+        import bitscom
+        return bitscom.FrozenVarianceAdamW(groups, lr=3e-3, betas=(0.9, 0.95), freeze_step=freeze_step)
 
     return Task(
         name="text_lm", metric="eval_loss", steps=steps, batch_size=batch,
@@ -274,3 +278,4 @@ def text_lm(steps: int = 300, batch: int = 16, ctx: int = 64) -> Task:
 
 
 TASKS = {"digits_cnn": digits_cnn, "digits_resnet": digits_resnet, "text_lm": text_lm}
+OPT_TASKS = {"text_lm"}   # tasks whose make_optimizer takes options (variant settings "opt.X")

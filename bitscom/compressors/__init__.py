@@ -8,6 +8,7 @@ from .acpsgd import ACPSGD
 from .base import BucketLayout, Comm, Compressor, State, TensorSlot, drive
 from .casting import BF16Compressor, Compression, FP16Compressor, NoneCompressor
 from .error_feedback import ErrorFeedback
+from .exclude import Exclude
 from .lowbit import LowBit
 from .powersgd import PowerSGD
 from .registry import get, names, register, resolve
@@ -22,10 +23,11 @@ register("powersgd", PowerSGD)
 register("acpsgd", ACPSGD)
 register("topk", TopK)
 register("signsgd", SignSGD)
+register("exclude", Exclude)
 
 __all__ = [
     "BucketLayout", "Comm", "Compressor", "State", "TensorSlot", "drive", "ErrorFeedback",
     "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
-    "LowBit", "PowerSGD", "ACPSGD", "TopK", "SignSGD",
+    "LowBit", "PowerSGD", "ACPSGD", "TopK", "SignSGD", "Exclude",
     "get", "names", "register", "resolve",
 ]

@@ -32,6 +32,12 @@ __all__ = ["TensorSlot", "BucketLayout", "Comm", "State", "Compressor", "drive",
            "is_completed", "wait"]
 
 
+def check_start_iter(owner: str, value) -> None:
+    """``start_iter`` (plain all-reduce warm-up steps) must be an int >= 0 (ValueError naming it)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{owner} start_iter must be an int >= 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class TensorSlot:
     """Where one parameter's gradient lives inside its bucket's flat buffer.

@@ -42,9 +42,9 @@ from typing import Optional
 
 import torch
 
-from ..error_feedback import ErrorFeedback
+from ..error_feedback import SteppedErrorFeedback
 from ..quantization import pack_signs, unpack_signs
-from .base import BucketLayout, Comm, Compressor
+from .base import BucketLayout, Comm, Compressor, check_start_iter
 
 __all__ = ["SignSGD", "pack_signs", "unpack_signs"]
 
@@ -61,6 +61,9 @@ class SignSGD(Compressor):
             to a minority of bad ranks, but the update of every entry has the same size).
             ``False``: average the ranks' scaled signs (EF-SignSGD, keeps magnitude
             information across ranks; diverged on some seeds in our runs).
+        start_iter: plain fp32 all-reduce for the first ``start_iter`` steps (full bytes).
+            With Adam, pair it with :class:`bitscom.FrozenVarianceAdamW`
+            (``freeze_step == start_iter``), the recipe of 1-bit Adam.
 
     Example::
 
@@ -69,6 +72,7 @@ class SignSGD(Compressor):
 
     error_feedback: Optional[bool] = None
     majority_vote: bool = True
+    start_iter: int = 0
 
     name = "signsgd"
 
@@ -77,6 +81,7 @@ class SignSGD(Compressor):
             raise TypeError(f"SignSGD majority_vote must be a bool, got {self.majority_vote!r}")
         if self.error_feedback is not None and not isinstance(self.error_feedback, bool):
             raise TypeError(f"SignSGD error_feedback must be a bool or None, got {self.error_feedback!r}")
+        check_start_iter("SignSGD", self.start_iter)
 
     @property
     def uses_error_feedback(self) -> bool:
@@ -85,8 +90,8 @@ class SignSGD(Compressor):
             return not self.majority_vote
         return self.error_feedback
 
-    def init_state(self, layout: BucketLayout) -> ErrorFeedback:
-        return ErrorFeedback.for_layout(layout, enabled=self.uses_error_feedback)
+    def init_state(self, layout: BucketLayout) -> SteppedErrorFeedback:
+        return SteppedErrorFeedback.for_layout(layout, enabled=self.uses_error_feedback)
 
     @staticmethod
     def encode(x: torch.Tensor, sizes) -> torch.Tensor:
@@ -111,6 +116,11 @@ class SignSGD(Compressor):
     def reduce(self, flat, layout, state, comm: Comm):
         numel = flat.numel()
         if numel == 0:
+            return
+        step, state.step = state.step, state.step + 1
+        if step < self.start_iter:
+            yield comm.all_reduce(flat)
+            flat.div_(comm.size)
             return
         sizes = self._sizes(layout, numel)
         counts = torch.tensor(sizes, device=flat.device)
@@ -140,4 +150,8 @@ class SignSGD(Compressor):
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
 
     def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:
+        """Bytes one rank sends for one step of ``layout`` (a sign step unless ``step`` <
+        ``start_iter``)."""
+        if step is not None and step < self.start_iter:
+            return layout.numel * torch.empty((), dtype=layout.dtype).element_size()
         return -(-layout.numel // 8) + 4 * max(len(layout.slots), 1)

@@ -29,8 +29,8 @@ from fractions import Fraction
 
 import torch
 
-from .base import BucketLayout, Comm, Compressor
-from .error_feedback import ErrorFeedback
+from .base import BucketLayout, Comm, Compressor, check_start_iter
+from ..error_feedback import SteppedErrorFeedback
 
 __all__ = ["TopK"]
 
@@ -49,6 +49,10 @@ class TopK(Compressor):
             both need error feedback. 1 sends everything (exact, 2× fp32's bytes).
         error_feedback: keep the unsent entries and add them to the next gradient. Without
             it the small coordinates are never updated.
+        start_iter: plain fp32 all-reduce for the first ``start_iter`` steps (full bytes),
+            as PowerSGD's warm-up and DGC's. With Adam, pair it with
+            :class:`bitscom.FrozenVarianceAdamW` (``freeze_step == start_iter``): Adam's
+            variance of error-fed sparse updates is wrong (docs/convergence.md).
 
     Example::
 
@@ -57,6 +61,7 @@ class TopK(Compressor):
 
     ratio: float = 0.05
     error_feedback: bool = True
+    start_iter: int = 0
 
     name = "topk"
 
@@ -66,6 +71,7 @@ class TopK(Compressor):
             raise ValueError(f"TopK ratio must be a number in (0, 1], got {self.ratio!r}")
         if not isinstance(self.error_feedback, bool):
             raise TypeError(f"TopK error_feedback must be a bool, got {self.error_feedback!r}")
+        check_start_iter("TopK", self.start_iter)
 
     def k_for(self, numel: int) -> int:
         """Entries sent for a bucket of ``numel`` elements: ``ceil(ratio · numel)``, at least 1.
@@ -82,8 +88,8 @@ class TopK(Compressor):
     def _index_dtype(numel: int) -> torch.dtype:
         return torch.int32 if numel <= _INT32_LIMIT else torch.int64
 
-    def init_state(self, layout: BucketLayout) -> ErrorFeedback:
-        return ErrorFeedback.for_layout(layout, enabled=self.error_feedback)
+    def init_state(self, layout: BucketLayout) -> SteppedErrorFeedback:
+        return SteppedErrorFeedback.for_layout(layout, enabled=self.error_feedback)
 
     def compress(self, x: torch.Tensor, k: int):
         """``(values, indices)`` of the ``k`` largest ``|x|`` (fp32 values, int64 indices)."""
@@ -94,6 +100,11 @@ class TopK(Compressor):
         numel = flat.numel()
         k = self.k_for(numel)
         if k == 0:
+            return
+        step, state.step = state.step, state.step + 1
+        if step < self.start_iter:
+            yield comm.all_reduce(flat)
+            flat.div_(comm.size)
             return
         x = state.compensate(flat)
         values, indices = self.compress(x, k)
@@ -116,5 +127,9 @@ class TopK(Compressor):
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
 
     def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:
+        """Bytes one rank sends for one step of ``layout`` (a sparse step unless ``step`` <
+        ``start_iter``)."""
+        if step is not None and step < self.start_iter:
+            return layout.numel * torch.empty((), dtype=layout.dtype).element_size()
         k = self.k_for(layout.numel)
         return k * (4 + (4 if self._index_dtype(layout.numel) == torch.int32 else 8))

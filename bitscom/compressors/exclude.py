@@ -1,0 +1,126 @@
+"""Leave some tensors of every bucket uncompressed: embeddings, norms, biases.
+
+Why: a compressor's error is not spread evenly over a model. Small tensors (biases, norm
+gains) cost almost nothing to send exactly, and some tensors react badly to biased
+compression under adaptive optimizers: Adam divides every coordinate by its own running
+RMS, so a coordinate that error feedback delivers in bursts (top-k, sign) or that a stale
+low-rank subspace misses gets a wrong step size, not just a delayed one. The low-rank
+compressors already send 1-D tensors exactly; :class:`Exclude` does it for any compressor
+and any name pattern, at a known price in bytes (reported by ``comm_stats()``, never hidden).
+
+Per bucket and step: the slots whose names match ``patterns`` (``fnmatch`` on the parameter
+names the optimizer gives, e.g. ``"*.bias"``, ``"*norm*"``, ``"tok_emb.*"``) are copied into
+one fp32 buffer and all-reduced exactly, *concurrently* with the inner compressor's rounds on
+the remaining slots (its own sub-layout and state, so error feedback and warm starts work as
+usual). A bucket with no match is the inner compressor alone; a bucket where everything
+matches is a plain all-reduce. Which slots match is a pure function of the layout, so every
+rank splits alike (and the agreement check compares the fingerprint, patterns included).
+
+Example::
+
+    comp = bitscom.compressors.Exclude(bitscom.compressors.TopK(), patterns=("*.bias", "*norm*"))
+    opt = bitscom.DistributedOptimizer(opt, model.named_parameters(), compression=comp)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from .base import BucketLayout, Comm, Compressor, State, TensorSlot
+
+__all__ = ["Exclude", "split_layout"]
+
+
+def split_layout(layout: BucketLayout, patterns) -> Tuple[BucketLayout, Tuple[TensorSlot, ...]]:
+    """``(compressed sub-layout, excluded slots)`` of ``layout``: the sub-layout packs the
+    unmatched slots contiguously (same bucket index, new offsets); the excluded slots keep
+    their offsets in the original bucket."""
+    kept, excluded, offset = [], [], 0
+    for s in layout.slots:
+        if any(fnmatch.fnmatchcase(s.name, p) for p in patterns):
+            excluded.append(s)
+        else:
+            kept.append(TensorSlot(s.name, offset, s.numel, s.shape))
+            offset += s.numel
+    return BucketLayout(layout.index, tuple(kept), layout.dtype, layout.device), tuple(excluded)
+
+
+class ExcludeState(State):
+    """The inner compressor's state for the compressed sub-layout (``None`` if nothing is left)."""
+
+    def __init__(self, inner: Optional[State]):
+        self.inner = inner
+
+
+@dataclass(frozen=True)
+class Exclude(Compressor):
+    """Send the slots whose names match ``patterns`` as exact fp32, the rest through ``inner``.
+
+    Args:
+        inner: the compressor for everything else (an instance or a registry name).
+        patterns: ``fnmatch`` patterns on parameter names, matched case-sensitively; a
+            non-empty tuple of strings.
+
+    Wire cost: the inner compressor's cost on the kept slots plus ``4 × excluded numel``.
+
+    Example::
+
+        comp = bitscom.compressors.Exclude("signsgd", patterns=("*emb*", "*norm*", "*.bias"))
+    """
+
+    inner: Compressor = None
+    patterns: tuple = ("*.bias", "*norm*")
+
+    name = "exclude"
+
+    def __post_init__(self):
+        from .registry import resolve
+        inner = resolve(self.inner, "Exclude inner") if self.inner is not None else None
+        if inner is None:
+            raise ValueError("Exclude needs an inner compressor (an instance or a registry name), got None")
+        if isinstance(inner, Exclude):
+            raise ValueError("Exclude(Exclude(...)): give one Exclude all the patterns")
+        object.__setattr__(self, "inner", inner)
+        pats = (self.patterns,) if isinstance(self.patterns, str) else self.patterns
+        if not isinstance(pats, (tuple, list)) or not pats or \
+                not all(isinstance(p, str) and p for p in pats):
+            raise ValueError(f"Exclude patterns must be a non-empty tuple of non-empty strings, "
+                             f"got {self.patterns!r}")
+        object.__setattr__(self, "patterns", tuple(pats))
+
+    def init_state(self, layout: BucketLayout) -> ExcludeState:
+        kept, _ = split_layout(layout, self.patterns)
+        return ExcludeState(self.inner.init_state(kept) if kept.slots else None)
+
+    def reduce(self, flat, layout, state: ExcludeState, comm: Comm):
+        kept, excluded = split_layout(layout, self.patterns)
+        if not excluded:
+            yield from self.inner.reduce(flat, layout, state.inner, comm)
+            return
+        exact = torch.cat([flat[s.offset:s.end].float() for s in excluded])
+        work = comm.all_reduce(exact)
+        if kept.slots:
+            sub = torch.cat([flat[s.offset:s.end] for s in layout.slots if s not in excluded])
+            yield from self.inner.reduce(sub, kept, state.inner, comm)
+            at = 0
+            for s in layout.slots:
+                if s not in excluded:
+                    flat[s.offset:s.end].copy_(sub[at:at + s.numel])
+                    at += s.numel
+        yield work
+        exact.div_(comm.size)
+        at = 0
+        for s in excluded:
+            flat[s.offset:s.end].copy_(exact[at:at + s.numel])
+            at += s.numel
+
+    def wire_bytes(self, layout: BucketLayout, world_size: int, step: Optional[int] = None) -> Optional[int]:
+        kept, excluded = split_layout(layout, self.patterns)
+        inner = self.inner.wire_bytes(kept, world_size, step) if kept.slots else 0
+        if inner is None:
+            return None
+        return inner + 4 * sum(s.numel for s in excluded)

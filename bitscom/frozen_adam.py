@@ -1,0 +1,117 @@
+"""AdamW whose second-moment estimate freezes after a warm-up: 1-bit Adam's idea, for any compressor.
+
+Why: Adam divides each coordinate by ``sqrt(v)``, a running mean of the *squared* gradient.
+Biased compressors (sign, top-k, low rank) with error feedback do not hand Adam the
+gradient: they hand it a delayed, bursty version (a coordinate is zero for some steps, then
+carries several steps at once). Averaged over steps that is the gradient — error feedback
+makes sure of it — but its square is not: bursts inflate ``v`` and the zeros deflate it, so
+the per-coordinate step sizes come out wrong and error feedback cannot repair it, because
+the update is not linear in the gradient. Tang et al. (1-bit Adam, ICML 2021) observed that
+``v`` settles early in training; they run plain Adam uncompressed for a warm-up, then freeze
+``v``. From then on the update ``m / sqrt(v_frozen)`` is momentum SGD with a fixed
+per-coordinate preconditioner: linear in the gradient, which is what error feedback needs.
+
+1-bit Adam also moves the compression from the gradient to the momentum. With ``v`` frozen
+the momentum is a linear function of the gradients, so bitscom keeps compressing gradients
+(through the compressor's own error feedback) and this optimizer only supplies the frozen
+variance. Pair it with a compressor whose warm-up ends when the variance freezes
+(``start_iter == freeze_step``) so that ``v`` is estimated from exact gradients.
+
+Before and at ``freeze_step`` the arithmetic is ``torch.optim.AdamW``'s single-tensor path,
+operation for operation (tested bitwise); after it, the bias correction of ``v`` stays at
+its ``freeze_step`` value, as ``v`` itself does.
+
+Example::
+
+    comp = bitscom.compressors.get("signsgd", start_iter=30)
+    base = bitscom.FrozenVarianceAdamW(model.parameters(), lr=3e-3, freeze_step=30)
+    opt = bitscom.DistributedOptimizer(base, model.named_parameters(), compression=comp)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["FrozenVarianceAdamW"]
+
+
+def _check(name, value, low, high=None, *, integer=False):
+    bad = isinstance(value, bool) or not isinstance(value, (int,) if integer else (int, float))
+    if not bad:
+        bad = math.isnan(value) or value < low or (high is not None and value >= high)
+    if bad:
+        allowed = f"an int >= {low}" if integer else (
+            f"a number in [{low}, {high})" if high is not None else f"a number >= {low}")
+        raise ValueError(f"FrozenVarianceAdamW {name} must be {allowed}, got {value!r}")
+
+
+class FrozenVarianceAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) that stops updating ``exp_avg_sq`` after ``freeze_step``.
+
+    Args:
+        params: parameters or parameter groups, as for :class:`torch.optim.AdamW`.
+        lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW` (same defaults).
+        freeze_step: steps that update the variance; 0 freezes it at zero (rejected: the
+            update would divide by ``eps``), so it must be ≥ 1. Per parameter group.
+
+    The state keys are torch's (``step``, ``exp_avg``, ``exp_avg_sq``), so a checkpoint of
+    ``torch.optim.AdamW`` taken during the warm-up loads into this optimizer and continues.
+    Sparse gradients and ``amsgrad`` are not supported (a clear error, not a silent fallback).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, freeze_step: int = 100):
+        _check("lr", lr, 0.0)
+        _check("eps", eps, 0.0)
+        _check("weight_decay", weight_decay, 0.0)
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"FrozenVarianceAdamW betas must be a pair, got {betas!r}")
+        _check("betas[0]", betas[0], 0.0, 1.0)
+        _check("betas[1]", betas[1], 0.0, 1.0)
+        _check("freeze_step", freeze_step, 1, integer=True)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay, freeze_step=freeze_step))
+
+    def variance_frozen(self) -> bool:
+        """True once every parameter's variance has stopped updating."""
+        steps = [self.state[p]["step"] for g in self.param_groups for p in g["params"]
+                 if p in self.state]
+        return bool(steps) and all(int(s) >= g["freeze_step"] for g in self.param_groups
+                                   for s in steps)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd, freeze = group["lr"], group["eps"], group["weight_decay"], group["freeze_step"]
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError("FrozenVarianceAdamW does not support sparse gradients "
+                                       f"(parameter of shape {tuple(p.shape)})")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = int(state["step"].item())
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                p.mul_(1 - lr * wd)
+                exp_avg.lerp_(grad, 1 - beta1)
+                if step <= freeze:
+                    exp_avg_sq.mul_(beta2).addcmul_(grad, grad.conj(), value=1 - beta2)
+                bias_correction1 = 1 - beta1 ** step
+                bias_correction2 = 1 - beta2 ** min(step, freeze)
+                step_size = lr / bias_correction1
+                denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
+                p.addcdiv_(exp_avg, denom, value=-step_size)
+        return loss
