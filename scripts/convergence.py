@@ -61,10 +61,10 @@ VARIANTS = {
     "topk": ("topk", {}),
     "signsgd": ("signsgd", {}),
     # error-feedback modes of the low-bit all-reduce (the seed's none / legacy / ef21 / ef21_plus)
-    "lowbit-ef_none": ("lowbit", {"error_feedback": "none"}),
-    "lowbit-ef": ("lowbit", {"error_feedback": "ef"}),
-    "lowbit-ef21": ("lowbit", {"error_feedback": "ef21"}),
-    "lowbit-ef21_plus": ("lowbit", {"error_feedback": "ef21", "stage2_error_feedback": True}),
+    "lowbit-ef_none": ("lowbit", {"error_feedback_mode": "none"}),
+    "lowbit-ef": ("lowbit", {"error_feedback_mode": "legacy"}),
+    "lowbit-ef21": ("lowbit", {"error_feedback_mode": "ef21"}),
+    "lowbit-ef21_plus": ("lowbit", {"error_feedback_mode": "ef21_plus"}),
     # stochastic vs nearest rounding (the seed's SR vs RTN end-to-end curves)
     "lowbit-rtn": ("lowbit", {"stochastic_rounding": False}),
     "lowbit-sr": ("lowbit", {"stochastic_rounding": True}),
