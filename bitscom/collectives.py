@@ -272,7 +272,7 @@ class LowBitState:
         drive(all_reduce_rounds(grad, Comm(group), LowBitConfig(), state))
     """
 
-    _ESTIMATES = ("local_estimate", "global_estimate")
+    _ESTIMATES = ("local_estimate", "global_estimate", "global_shard")
 
     def __init__(self):
         self.step = 0
@@ -281,6 +281,7 @@ class LowBitState:
         self.stage2_residual = ErrorFeedback.lazy()
         self.local_estimate = None
         self.global_estimate = None
+        self.global_shard = None    # ef21: this rank's exact shard of g (it owns that shard)
         self._workspace = None  # the padded send buffer, reused every step (not checkpointed)
 
     def workspace(self, numel: int, device) -> torch.Tensor:
@@ -369,13 +370,19 @@ def _encode_with_feedback(x, codec, row, seed, offset, ef: Optional[ErrorFeedbac
     ef.drop_nonfinite()
 
 
-def _levels_rounds(x, levels, out_codec, alpha, seeds, offset, sent=None, stage2_ef=None):
+def _levels_rounds(x, levels, out_codec, alpha, seeds, offset, sent=None, stage2_ef=None,
+                   anchor=None, pending=None):
     """Reduce ``x`` through ``levels`` [(comm, codec), ...] (outermost first), then gather back.
 
     After the last level this rank holds one fully reduced shard; it is scaled by ``alpha``,
     requantized with ``out_codec`` (with ``stage2_ef``'s error feedback) and its bytes travel
     back through the levels by all-gathers (intermediate ranks forward bytes, never re-encode),
     so every rank decodes identical bytes.
+
+    ``anchor`` (EF21 without stage-2 feedback): this rank's exact fp32 shard of the global
+    estimate g. What is requantized is then ``anchor + shard`` (the new estimate itself, not
+    its increment), and ``(anchor, shard)`` is appended to ``pending`` so the caller adds the
+    increment once it knows the step was finite on every rank.
     """
     shard, off = x, offset
     for k, (comm, codec) in enumerate(levels[:-1]):
@@ -389,7 +396,14 @@ def _levels_rounds(x, levels, out_codec, alpha, seeds, offset, sent=None, stage2
     off += comm.rank * m
     R = out_codec.row_bytes(m)
     buf = torch.empty(R, dtype=torch.uint8, device=x.device)
-    if stage2_ef is None:   # the fused dequantize-sum-scale-requantize kernel
+    if anchor is not None:
+        shard = torch.empty(m, dtype=torch.float32, device=x.device)
+        codec.decode_sum(recv, m, shard)
+        if alpha != 1.0:
+            shard.mul_(alpha)
+        out_codec.encode(anchor + shard, buf, seeds(len(levels)), off)
+        pending.append((anchor, shard))
+    elif stage2_ef is None:   # the fused dequantize-sum-scale-requantize kernel
         codec.decode_sum_encode(recv, m, alpha, out_codec, buf, seeds(len(levels)), off)
     else:
         shard = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -408,7 +422,8 @@ def _levels_rounds(x, levels, out_codec, alpha, seeds, offset, sent=None, stage2
     return out
 
 
-def _leader_rounds(x, intra, inter, cfg, alpha, seeds, offset, sent=None, stage2_ef=None):
+def _leader_rounds(x, intra, inter, cfg, alpha, seeds, offset, sent=None, stage2_ef=None,
+                   anchor=None, pending=None):
     """Hierarchy "leader" (the seed's pipeline A): local reduce to the node leader -> low-bit
     all-reduce among the leaders -> local broadcast.
 
@@ -424,7 +439,7 @@ def _leader_rounds(x, intra, inter, cfg, alpha, seeds, offset, sent=None, stage2
     if intra.rank == 0:
         x = yield from _levels_rounds(x, [(inter, cfg.codec(cfg.bitwidth))],
                                       cfg.codec(cfg.resolved_stage2_bitwidth), alpha, seeds, offset,
-                                      sent, stage2_ef)
+                                      sent, stage2_ef, anchor, pending)
     else:
         yield None
         yield None
@@ -581,6 +596,14 @@ def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Option
         sent = torch.empty_like(send)
     div = inter.size if hier == "leader" else math.prod(sizes)  # elements per final shard: N/div
     e2 = state.stage2_residual.ensure(N // div, x.device) if cfg.stage2_error_feedback else None
+    # EF21 without stage-2 feedback: the shard owners keep g exactly and requantize g itself.
+    # Adding requantized *increments* to g instead (what ef21_plus does, with stage-2 feedback
+    # to pay the rounding back) lets g drift from the mean of the g_i by the sum of every
+    # step's stage-2 rounding error: measured, the output error grew from 0.2 to 3.4 (relative)
+    # over 400 steps and training diverged (docs/lowbit.md, "EF21").
+    anchors = state.estimate("global_shard", N // div, x.device) \
+        if cfg.error_feedback_mode == "ef21" else None
+    pending: list = []
 
     c1 = cfg.codec(cfg.bitwidth)
     c2 = cfg.codec(cfg.resolved_stage2_bitwidth)
@@ -588,13 +611,15 @@ def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Option
     for s, t in _chunks(N, unit, cfg.chunk_size):
         sv = None if sent is None else sent[s:t]
         ev = None if e2 is None else ErrorFeedback.over(e2[s // div:t // div])
+        av = None if anchors is None else anchors[s // div:t // div]
         if hier == "none":
-            gens.append(_levels_rounds(send[s:t], [(comm, c1)], c2, alpha, seeds, s, sv, ev))
+            gens.append(_levels_rounds(send[s:t], [(comm, c1)], c2, alpha, seeds, s, sv, ev, av, pending))
         elif hier == "two_level":
             ci = cfg.codec(cfg.intra_bitwidth)
-            gens.append(_levels_rounds(send[s:t], [(intra, ci), (inter, c1)], c2, alpha, seeds, s, sv, ev))
+            gens.append(_levels_rounds(send[s:t], [(intra, ci), (inter, c1)], c2, alpha, seeds, s, sv, ev,
+                                       av, pending))
         else:
-            gens.append(_leader_rounds(send[s:t], intra, inter, cfg, alpha, seeds, s, sv, ev))
+            gens.append(_leader_rounds(send[s:t], intra, inter, cfg, alpha, seeds, s, sv, ev, av, pending))
     parts = yield from pipeline(gens)
     out = torch.cat(parts) if len(parts) > 1 else parts[0]
     if hier == "leader" and len(parts) == 1:
@@ -608,16 +633,19 @@ def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Option
             state.residual.update(sent)
             state.residual.drop_nonfinite()
     elif cfg.ef21:
-        g = state.estimate("global_estimate", N, x.device)
         # ``out`` is identical on every rank, so all ranks agree whether this step was finite.
-        # A step with NaN/Inf (an overflow AMP will skip) shows in the result but moves neither
+        # A step with NaN/Inf (an overflow AMP will skip) shows in the result but moves no
         # estimate, keeping g the mean of the g_i and later steps finite.
-        if bool(torch.isfinite(out).all()):
-            if not leader_follower:
-                state.local_estimate.add_(sent)
-            out = g.add_(out)
-        else:
-            out = g + out
+        finite = bool(torch.isfinite(out).all())
+        if finite and not leader_follower:
+            state.local_estimate.add_(sent)
+        if anchors is not None:          # ef21: ``out`` already is the (requantized) estimate g
+            if finite:
+                for anchor, shard in pending:
+                    anchor.add_(shard)
+        else:                            # ef21_plus: g += requantized increment
+            g = state.estimate("global_estimate", N, x.device)
+            out = g.add_(out) if finite else g + out
     if cfg.hadamard:
         out = _hadamard(out)
     flat.copy_(out[:n].view(flat.shape))
