@@ -29,18 +29,34 @@ from .agreement import check_agreement, require_member
 from .compressors import Compressor, resolve as resolve_compressor
 from .compressors.base import BucketLayout, TensorSlot
 from .engine import Reducer, comm_stats
+from .params import checked_pairs
 
 __all__ = ["ddp_comm_hook", "DDPCommState"]
 
 
-def _layout(bucket, index: int) -> BucketLayout:
-    """The bucket's layout from its gradients' shapes, so matrix compressors see matrices."""
+def _layout(bucket, index: int, names: Optional[Dict[int, str]] = None) -> BucketLayout:
+    """The bucket's layout from its gradients' shapes, so matrix compressors see matrices.
+
+    Slots are named ``ddp.bucket{index}.{j}`` (DDP's buckets carry no parameter names), or
+    after their parameters when the hook was given ``named_parameters`` (``names``: id -> name).
+    """
     flat = bucket.buffer()
+    params = bucket.parameters() if names is not None else None
     slots, offset = [], 0
     for j, grad in enumerate(bucket.gradients()):
-        slots.append(TensorSlot(f"ddp.bucket{index}.{j}", offset, grad.numel(), tuple(grad.shape)))
+        name = f"ddp.bucket{index}.{j}"
+        if names is not None:
+            name = names.get(id(params[j]))
+            if name is None:
+                raise RuntimeError(f"DDP bucket {index} holds a parameter of shape "
+                                   f"{tuple(grad.shape)} that is not in the named_parameters given "
+                                   "to ddp_comm_hook; pass the DDP model's own named_parameters()")
+        slots.append(TensorSlot(name, offset, grad.numel(), tuple(grad.shape)))
         offset += grad.numel()
     if offset != flat.numel():          # DDP packs gradients densely; fall back if that changes
+        if names is not None:
+            raise RuntimeError(f"DDP bucket {index} is not densely packed ({flat.numel()} elements, "
+                               f"gradients {offset}); its slots cannot carry parameter names")
         slots = [TensorSlot(f"ddp.bucket{index}", 0, flat.numel(), (flat.numel(),))]
     return BucketLayout(index, tuple(slots), flat.dtype, flat.device)
 
@@ -58,9 +74,11 @@ class DDPCommState:
         state.load_state_dict(torch.load(path)["comm"])
     """
 
-    def __init__(self, compressor: Compressor, process_group, later_group):
+    def __init__(self, compressor: Compressor, process_group, later_group,
+                 names: Optional[Dict[int, str]] = None):
         self.compressor = compressor
         self.process_group = process_group
+        self._names = names                       # id(parameter) -> name, or None
         # The core Reducer with layouts and states filled in lazily, per DDP bucket index.
         self._reducer = Reducer(compressor, [], process_group, later_group)
         self._keys: List[Optional[tuple]] = []
@@ -86,7 +104,7 @@ class DDPCommState:
     # -- per-bucket state ----------------------------------------------------------------
     def _prepare(self, bucket) -> int:
         index = bucket.index()
-        layout = _layout(bucket, index)
+        layout = _layout(bucket, index, self._names)
         key = (tuple(id(p) for p in bucket.parameters()), layout)
         while len(self._keys) <= index:
             self._keys.append(None)
@@ -195,7 +213,7 @@ def _hook(state, bucket):       # no annotations: DDP checks them and these woul
     return state._on_bucket(bucket)
 
 
-def ddp_comm_hook(compressor="none", process_group=None):
+def ddp_comm_hook(compressor="none", process_group=None, named_parameters=None):
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
 
     Every rank must call it (it creates the second process group for later rounds, with the
@@ -207,14 +225,29 @@ def ddp_comm_hook(compressor="none", process_group=None):
             ``bitscom.compressors.PowerSGD(rank=2)``), a registry name, or a Horovod-style
             codec class (``compress``/``decompress``; see :mod:`bitscom.compression`).
         process_group: the DDP model's process group (default: the world group).
+        named_parameters: ``model.named_parameters()`` of the DDP model: names the slots of
+            DDP's buckets after their parameters. Needed by compressors that match names
+            (:class:`~bitscom.compressors.Exclude`: a ValueError without it); otherwise slots
+            are named ``ddp.bucket{i}.{j}``. The names are those given: the DDP wrapper's
+            own carry a ``module.`` prefix, the wrapped module's do not.
 
     Example::
 
         model = torch.nn.parallel.DistributedDataParallel(net)
         state, hook = bitscom.ddp_comm_hook(bitscom.compressors.get("signsgd"))
         model.register_comm_hook(state, hook)
+
+        comp = bitscom.compressors.Exclude("topk", patterns=("*.bias", "*norm*"))
+        state, hook = bitscom.ddp_comm_hook(comp, named_parameters=net.named_parameters())
     """
     compressor = resolve_compressor(compressor, "compressor")
+    names = None
+    if named_parameters is not None:
+        names = {id(p): n for n, p in checked_pairs(named_parameters)}
+    if compressor.uses_names and names is None:
+        raise ValueError(f"compressor={compressor!r} matches parameter names and DDP's buckets "
+                         "carry none: pass named_parameters=model.named_parameters() to "
+                         "ddp_comm_hook")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("ddp_comm_hook needs torch.distributed: call bitscom.init() (or "
                            "torch.distributed.init_process_group) before building the hook")
@@ -222,13 +255,16 @@ def ddp_comm_hook(compressor="none", process_group=None):
     require_member(process_group, "ddp_comm_hook")
     later = None
     if dist.get_world_size(process_group) > 1:
-        check_agreement({"compressor": compressor.fingerprint()}, process_group, "DDP comm hook")
+        agreed = {"compressor": compressor.fingerprint()}
+        if names is not None:
+            agreed["parameter names"] = sorted(names.values())
+        check_agreement(agreed, process_group, "DDP comm hook")
         ranks = dist.get_process_group_ranks(process_group)
         whole = len(ranks) == dist.get_world_size()
         # See bitscom.optimizer: only a group every rank created can be destroyed safely.
         later = runtime.new_group(ranks, use_local_synchronization=not whole, settle=whole)
-        state = DDPCommState(compressor, process_group, later)
+        state = DDPCommState(compressor, process_group, later, names)
         if not whole:
             state._finalizer.detach()
         return state, _hook
-    return DDPCommState(compressor, process_group, later), _hook
+    return DDPCommState(compressor, process_group, later, names), _hook

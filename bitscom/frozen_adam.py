@@ -47,6 +47,19 @@ def _check(name, value, low, high=None, *, integer=False):
         raise ValueError(f"FrozenVarianceAdamW {name} must be {allowed}, got {value!r}")
 
 
+def _check_group(group: dict) -> None:
+    """The settings of one parameter group (or the defaults); ValueError naming the value."""
+    _check("lr", group["lr"], 0.0)
+    _check("eps", group["eps"], 0.0)
+    _check("weight_decay", group["weight_decay"], 0.0)
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"FrozenVarianceAdamW betas must be a pair, got {betas!r}")
+    _check("betas[0]", betas[0], 0.0, 1.0)
+    _check("betas[1]", betas[1], 0.0, 1.0)
+    _check("freeze_step", group["freeze_step"], 1, integer=True)
+
+
 class FrozenVarianceAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) that stops updating ``exp_avg_sq`` after ``freeze_step``.
 
@@ -63,23 +76,40 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, freeze_step: int = 100):
-        _check("lr", lr, 0.0)
-        _check("eps", eps, 0.0)
-        _check("weight_decay", weight_decay, 0.0)
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"FrozenVarianceAdamW betas must be a pair, got {betas!r}")
-        _check("betas[0]", betas[0], 0.0, 1.0)
-        _check("betas[1]", betas[1], 0.0, 1.0)
-        _check("freeze_step", freeze_step, 1, integer=True)
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
-                                      weight_decay=weight_decay, freeze_step=freeze_step))
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, freeze_step=freeze_step)
+        _check_group(defaults)
+        defaults["betas"] = tuple(betas)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group``, then the group's settings are checked like the
+        constructor's (a group may set its own ``lr``, ``freeze_step``, …)."""
+        if isinstance(param_group, dict):       # torch's own errors for anything else
+            _check_group({**getattr(self, "defaults", {}), **param_group})
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state: dict) -> None:
+        # Optimizer.load_state_dict hands over the saved groups (fresh copies): a
+        # torch.optim.AdamW checkpoint has no freeze_step (this optimizer's default applies),
+        # and one made with settings this class does not implement must not load silently.
+        # Checked before anything is replaced.
+        defaults = state.get("defaults", getattr(self, "defaults", {}))
+        for group in state.get("param_groups", ()):
+            if "freeze_step" in defaults:
+                group.setdefault("freeze_step", defaults["freeze_step"])
+            for key in ("amsgrad", "maximize"):
+                if group.get(key):
+                    raise ValueError(f"FrozenVarianceAdamW does not implement {key}=True, "
+                                     f"found in a loaded parameter group: {group.get(key)!r}")
+            _check_group(group)
+        super().__setstate__(state)
 
     def variance_frozen(self) -> bool:
-        """True once every parameter's variance has stopped updating."""
-        steps = [self.state[p]["step"] for g in self.param_groups for p in g["params"]
-                 if p in self.state]
-        return bool(steps) and all(int(s) >= g["freeze_step"] for g in self.param_groups
-                                   for s in steps)
+        """True once every parameter's variance has stopped updating (each parameter has
+        taken its group's ``freeze_step`` steps)."""
+        steps = [(int(self.state[p]["step"]), g["freeze_step"]) for g in self.param_groups
+                 for p in g["params"] if p in self.state]
+        return bool(steps) and all(step >= freeze for step, freeze in steps)
 
     @torch.no_grad()
     def step(self, closure=None):

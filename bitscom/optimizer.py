@@ -146,7 +146,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: any ``torch.optim.Optimizer``.
         named_parameters: ``model.named_parameters()``; names make error messages and the
-            cross-rank agreement check readable. Without it, parameters are numbered.
+            cross-rank agreement check readable. Without it, parameters are numbered
+            (and :class:`~bitscom.compressors.Exclude`, which matches names, is refused).
         compression: a compressor instance (``bitscom.Compression.fp16``,
             ``bitscom.compressors.get("acpsgd", rank=4)``) or a registry name.
         backward_passes_per_step: local accumulation: gradients of this many backward
@@ -197,6 +198,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  process_group=None, *, sparse_as_dense: bool = False, groups=None,
                  num_groups: int = 0):
         compression = resolve_compressor(compression, "compression")
+        if compression.uses_names and named_parameters is None:
+            raise ValueError(f"compression={compression!r} matches parameter names; pass "
+                             "named_parameters=model.named_parameters() (without it the "
+                             "parameters are numbered param.0, param.1, …)")
         backward_passes_per_step = _passes(backward_passes_per_step)
         if op is Adasum:
             raise NotImplementedError("op=Adasum is not supported by bitscom (Horovod's Adasum has no "

@@ -11,7 +11,27 @@ from typing import List
 
 import torch
 
-__all__ = ["named_parameters_of"]
+__all__ = ["named_parameters_of", "checked_pairs"]
+
+
+def checked_pairs(named_parameters) -> List[tuple]:
+    """``named_parameters`` as a list of ``(name, tensor)`` pairs with unique names
+    (TypeError / ValueError otherwise); the check every face that takes names shares.
+
+    Example::
+
+        pairs = checked_pairs(model.named_parameters())
+    """
+    named = list(named_parameters)
+    for item in named:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+            raise TypeError("named_parameters must be (name, tensor) pairs, e.g. "
+                            f"model.named_parameters(); got an item {type(item).__name__}")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"named_parameters contains duplicate names {dups}; names must be unique")
+    return named
 
 
 def named_parameters_of(optimizer: torch.optim.Optimizer, named_parameters) -> List[tuple]:
@@ -31,15 +51,7 @@ def named_parameters_of(optimizer: torch.optim.Optimizer, named_parameters) -> L
                 opt_params.append(p)
     if named_parameters is None:
         return [(f"param.{i}", p) for i, p in enumerate(opt_params)]
-    named = list(named_parameters)
-    for item in named:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
-            raise TypeError("named_parameters must be (name, tensor) pairs, e.g. "
-                            f"model.named_parameters(); got an item {type(item).__name__}")
-    names = [n for n, _ in named]
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise ValueError(f"named_parameters contains duplicate names {dups}; names must be unique")
+    named = checked_pairs(named_parameters)
     by_id = {id(p): n for n, p in named}
     missing_from_opt = [n for n, p in named if id(p) not in seen and p.requires_grad]
     if missing_from_opt:

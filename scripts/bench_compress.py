@@ -31,7 +31,8 @@ from bitscom.buckets import plan_buckets  # noqa: E402
 from bitscom.compressors import get, names  # noqa: E402
 from bitscom.compressors.base import Comm, drive  # noqa: E402
 
-DEFAULTS = {"powersgd": {"rank": 4, "start_iter": 0}, "acpsgd": {"rank": 4}}
+DEFAULTS = {"powersgd": {"rank": 4, "start_iter": 0}, "acpsgd": {"rank": 4},
+            "exclude": {"inner": "topk"}}     # a wrapper needs an inner compressor
 
 
 class MirrorComm(Comm):

@@ -76,7 +76,7 @@ def test_single_process_compressors_are_identity():
     flat = torch.randn(100)
     layout = BucketLayout.for_tensor(flat)
     for name in names():
-        comp = get(name)
+        comp = get(name, **({"inner": "topk"} if name == "exclude" else {}))  # a wrapper needs one
         out = flat.clone()
         comm = Comm()
         drive(comp.reduce(out, layout, comp.init_state(layout), comm), comm)

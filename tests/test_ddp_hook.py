@@ -10,7 +10,8 @@ from bitscom.compressors import get, names
 
 # Test-only settings so multi-round/warm-up compressors reach their compressed phase in a few
 # steps; anything not listed runs with its defaults.
-FAST = {"powersgd": {"start_iter": 2}, "acpsgd": {"start_iter": 1}, "topk": {"ratio": 0.1}}
+FAST = {"powersgd": {"start_iter": 2}, "acpsgd": {"start_iter": 1}, "topk": {"ratio": 0.1},
+        "exclude": {"inner": get("topk", ratio=0.1), "patterns": ("*.bias",)}}
 
 
 class Net(torch.nn.Module):
@@ -66,7 +67,9 @@ def same_on_all_ranks(t):
 
 def _train_with(rank, world, name):
     model = make_ddp()
-    state, hook = bitscom.ddp_comm_hook(get(name, **FAST.get(name, {})))
+    comp = get(name, **FAST.get(name, {}))
+    named = model.module.named_parameters() if comp.uses_names else None
+    state, hook = bitscom.ddp_comm_hook(comp, named_parameters=named)
     model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = train(model, opt, batches(rank, 12))

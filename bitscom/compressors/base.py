@@ -179,6 +179,9 @@ class Compressor(abc.ABC):
     """
 
     name = "base"
+    uses_names = False
+    """True for compressors that act on the slots' parameter names (:class:`Exclude`): the
+    faces refuse to run them where slots carry no parameter names."""
 
     def init_state(self, layout: BucketLayout) -> State:
         """Per-bucket state. The default is stateless."""

@@ -16,6 +16,11 @@ usual). A bucket with no match is the inner compressor alone; a bucket where eve
 matches is a plain all-reduce. Which slots match is a pure function of the layout, so every
 rank splits alike (and the agreement check compares the fingerprint, patterns included).
 
+Names: :class:`bitscom.DistributedOptimizer` names each slot after its parameter (the names
+of ``named_parameters``). DDP's buckets carry no names, so
+:func:`bitscom.ddp_comm_hook` needs ``named_parameters=`` to use :class:`Exclude` (it raises
+a ValueError without them rather than match nothing).
+
 Example::
 
     comp = bitscom.compressors.Exclude(bitscom.compressors.TopK(), patterns=("*.bias", "*norm*"))
@@ -76,6 +81,7 @@ class Exclude(Compressor):
     patterns: tuple = ("*.bias", "*norm*")
 
     name = "exclude"
+    uses_names = True
 
     def __post_init__(self):
         from .registry import resolve
@@ -83,7 +89,8 @@ class Exclude(Compressor):
         if inner is None:
             raise ValueError("Exclude needs an inner compressor (an instance or a registry name), got None")
         if isinstance(inner, Exclude):
-            raise ValueError("Exclude(Exclude(...)): give one Exclude all the patterns")
+            raise ValueError(f"Exclude inner must not be another Exclude (give one Exclude all "
+                             f"the patterns), got {inner!r}")
         object.__setattr__(self, "inner", inner)
         pats = (self.patterns,) if isinstance(self.patterns, str) else self.patterns
         if not isinstance(pats, (tuple, list)) or not pats or \

@@ -61,9 +61,10 @@ class SignSGD(Compressor):
             to a minority of bad ranks, but the update of every entry has the same size).
             ``False``: average the ranks' scaled signs (EF-SignSGD, keeps magnitude
             information across ranks; diverged on some seeds in our runs).
-        start_iter: plain fp32 all-reduce for the first ``start_iter`` steps (full bytes).
-            With Adam, pair it with :class:`bitscom.FrozenVarianceAdamW`
-            (``freeze_step == start_iter``), the recipe of 1-bit Adam.
+        start_iter: plain all-reduce of the bucket (its dtype, full bytes) for the first
+            ``start_iter`` steps of the bucket. With Adam, pair it with
+            :class:`bitscom.FrozenVarianceAdamW` (``freeze_step == start_iter``), the recipe
+            of 1-bit Adam.
 
     Example::
 

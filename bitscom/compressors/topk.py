@@ -49,10 +49,11 @@ class TopK(Compressor):
             both need error feedback. 1 sends everything (exact, 2× fp32's bytes).
         error_feedback: keep the unsent entries and add them to the next gradient. Without
             it the small coordinates are never updated.
-        start_iter: plain fp32 all-reduce for the first ``start_iter`` steps (full bytes),
-            as PowerSGD's warm-up and DGC's. With Adam, pair it with
-            :class:`bitscom.FrozenVarianceAdamW` (``freeze_step == start_iter``): Adam's
-            variance of error-fed sparse updates is wrong (docs/convergence.md).
+        start_iter: plain all-reduce of the bucket (its dtype, full bytes) for the first
+            ``start_iter`` steps of the bucket, as PowerSGD's warm-up and DGC's. With Adam,
+            pair it with :class:`bitscom.FrozenVarianceAdamW` (``freeze_step ==
+            start_iter``): Adam's variance of error-fed sparse updates is wrong
+            (docs/convergence.md).
 
     Example::
 
