@@ -72,8 +72,9 @@ class SignSGD(Compressor):
     """
 
     error_feedback: Optional[bool] = None
-    majority_vote: bool = True
+    majority_vote: bool = False
     start_iter: int = 0
+    block_size: Optional[int] = 32
 
     name = "signsgd"
 
@@ -83,6 +84,10 @@ class SignSGD(Compressor):
         if self.error_feedback is not None and not isinstance(self.error_feedback, bool):
             raise TypeError(f"SignSGD error_feedback must be a bool or None, got {self.error_feedback!r}")
         check_start_iter("SignSGD", self.start_iter)
+        b = self.block_size
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"SignSGD block_size must be None (one scale per tensor) or an int >= 1, "
+                             f"got {b!r}")
 
     @property
     def uses_error_feedback(self) -> bool:
@@ -97,9 +102,14 @@ class SignSGD(Compressor):
     @staticmethod
     def encode(x: torch.Tensor, sizes) -> torch.Tensor:
         """The wire record of ``x``: packed signs, then one fp32 scale ``‖x_t‖₁/d_t`` per
-        tensor of ``sizes`` (element counts summing to ``x.numel()``), as uint8."""
-        scales = torch.stack([c.abs().sum() / max(c.numel(), 1) for c in x.split(list(sizes))])
-        return torch.cat([pack_signs(x), scales.float().view(torch.uint8)])
+        segment of ``sizes`` (element counts summing to ``x.numel()``: tensors, or blocks of
+        them), as uint8. One vectorized pass: a bucket may hold tens of thousands of blocks."""
+        counts = torch.tensor(sizes, device=x.device)
+        ids = torch.repeat_interleave(torch.arange(len(sizes), device=x.device), counts)
+        sums = torch.zeros(len(sizes), dtype=torch.float32, device=x.device)
+        sums.index_add_(0, ids, x.abs().float())
+        scales = sums / counts.clamp(min=1)
+        return torch.cat([pack_signs(x), scales.view(torch.uint8)])
 
     @staticmethod
     def decode(record: torch.Tensor, sizes):
@@ -109,10 +119,18 @@ class SignSGD(Compressor):
         scales = record[nbytes:].clone().view(torch.float32)     # clone: 4-byte aligned
         return unpack_signs(record[:nbytes], numel), scales
 
-    @staticmethod
-    def _sizes(layout: BucketLayout, numel: int) -> tuple:
+    def _sizes(self, layout: BucketLayout, numel: int) -> tuple:
+        """Element counts of the scale segments: each tensor of the bucket, cut into runs of
+        ``block_size`` (the last run of a tensor may be shorter) when that is set."""
         sizes = tuple(s.numel for s in layout.slots)
-        return sizes if sum(sizes) == numel and sizes else (numel,)
+        if not sizes or sum(sizes) != numel:
+            sizes = (numel,)
+        if self.block_size is None:
+            return sizes
+        b, out = self.block_size, []
+        for n in sizes:
+            out += [b] * (n // b) + ([n % b] if n % b else [])
+        return tuple(out)
 
     def reduce(self, flat, layout, state, comm: Comm):
         numel = flat.numel()
@@ -155,4 +173,4 @@ class SignSGD(Compressor):
         ``start_iter``)."""
         if step is not None and step < self.start_iter:
             return layout.numel * torch.empty((), dtype=layout.dtype).element_size()
-        return -(-layout.numel // 8) + 4 * max(len(layout.slots), 1)
+        return -(-layout.numel // 8) + 4 * max(len(self._sizes(layout, layout.numel)), 1)
