@@ -15,10 +15,10 @@ their seeds as independent — pairing only makes it smaller); 3σ of that is 0.
 to 0.85. The issue's 0.5-point target is checked on longer runs by the suite
 (scripts/convergence.py, docs/convergence.md).
 
-Known shortfall, kept visible: Sign-SGD (majority vote, its default) ends 3.6 points below
-S-SGD here (92.7% vs 96.4%, seeds 0..2); EF-SignSGD is worse (81% ± 14 over 12 seeds: it
-diverges on some seeds with momentum). Its accuracy check is a strict xfail, so a fix shows
-up as an XPASS failure and the marker must then go; its replicas and bytes are still checked.
+Sign-SGD once fell short here (majority vote: 92.7%, 3.6 points below S-SGD; EF-SignSGD with
+one scale per tensor: 81% ± 14 over 12 seeds, diverging on some). Its default is now
+EF-SignSGD with one scale per 32-entry block: 96.23% ± 0.51 over 12 seeds, 16× fewer bytes
+(docs/convergence.md).
 
 Bytes are part of the claim: each compressor must also send at least its target fraction
 fewer bytes than fp32 over the whole run, counted by the optimizer (``comm_stats()``), so an
@@ -106,7 +106,7 @@ def _results(pools, name):
 
 
 COMPRESSORS = [n for n in names() if n not in ("none", "exclude")]   # a wrapper: see its inner
-SHORTFALL = {"signsgd": "measured 92.7% vs S-SGD 96.4% (seeds 0..2): -3.6 points; see docstring"}
+SHORTFALL: dict = {}    # name -> reason: a strict xfail, so a fix shows up (none at the moment)
 
 
 @pytest.mark.timeout(600)

@@ -82,7 +82,8 @@ def test_topk_ratio_one_is_exact_average(world):
         assert torch.count_nonzero(s.residual) == 0
 
 
-@pytest.mark.parametrize("comp", [TopK(ratio=0.05), SignSGD(majority_vote=False), SignSGD(majority_vote=True, error_feedback=True)])
+@pytest.mark.parametrize("comp", [TopK(ratio=0.05), SignSGD(), SignSGD(majority_vote=False, block_size=None),
+                                  SignSGD(majority_vote=True, error_feedback=True, block_size=100)])
 def test_error_feedback_invariant(comp):
     numel, world = 777, 2
     layout = layout_for(numel)
@@ -107,7 +108,12 @@ def transmitted(comp, x):
         out = torch.zeros_like(x)
         out[idx] = x[idx]
         return out
-    return torch.where(x < 0, -1.0, 1.0) * x.abs().mean()
+    b = comp.block_size or x.numel()           # one scale per block (the default) or per tensor
+    out = torch.empty_like(x)
+    for s in range(0, x.numel(), b):
+        chunk = x[s:s + b]
+        out[s:s + b] = torch.where(chunk < 0, -1.0, 1.0) * chunk.abs().mean()
+    return out
 
 
 def test_topk_sparse_result_and_bytes():
@@ -174,7 +180,8 @@ def test_signsgd_average_and_bytes():
     flats = [g.clone() for g in gs]
     states = [comp.init_state(layout) for _ in gs]
     sent = lockstep(comp, flats, states, layout)
-    assert sent == [math.ceil(numel / 8) + 4] * world == [comp.wire_bytes(layout, world)] * world
+    blocks = math.ceil(numel / comp.block_size)                 # one fp32 scale per 32 entries
+    assert sent == [math.ceil(numel / 8) + 4 * blocks] * world == [comp.wire_bytes(layout, world)] * world
     expect = sum(transmitted(comp, g) for g in gs) / world
     torch.testing.assert_close(flats[0], expect)
     assert all(torch.equal(f, flats[0]) for f in flats)
@@ -192,6 +199,23 @@ def test_signsgd_scale_per_tensor():
     expect = sum(torch.cat([transmitted(comp, g[:12]), transmitted(comp, g[12:])]) for g in gs) / 2
     torch.testing.assert_close(flats[0], expect)
     assert flats[0][12:].abs().max() < 1e-2          # the bias keeps its own small scale
+
+
+def test_signsgd_blocks_stay_inside_tensors():
+    from bitscom.compressors import TensorSlot
+    layout = BucketLayout(0, (TensorSlot("w", 0, 70, (7, 10)), TensorSlot("b", 70, 5, (5,))),
+                          torch.float32, torch.device("cpu"))
+    comp = SignSGD(block_size=32)
+    assert comp._sizes(layout, 75) == (32, 32, 6, 5)            # w: 32+32+6, then b alone
+    assert comp.wire_bytes(layout, 2) == math.ceil(75 / 8) + 4 * 4
+    gs = [torch.cat([torch.randn(70), 1e-3 * torch.randn(5)]) for _ in range(2)]
+    flats = [g.clone() for g in gs]
+    lockstep(comp, flats, [comp.init_state(layout) for _ in gs], layout)
+    expect = sum(torch.cat([transmitted(comp, g[:70]), transmitted(comp, g[70:])]) for g in gs) / 2
+    torch.testing.assert_close(flats[0], expect)
+    for bad in (0, -1, True, 2.5, "32"):
+        with pytest.raises(ValueError, match="block_size.*" + repr(bad)[:2]):
+            SignSGD(block_size=bad)
 
 
 def test_signsgd_majority_vote():

@@ -1,38 +1,42 @@
-"""Sign compression: EF-SignSGD (Karimireddy et al. 2019) and signSGD with majority vote
-(Bernstein et al. 2018/2019).
+"""Sign compression: EF-SignSGD (Karimireddy et al. 2019) with blockwise scales (Zheng et al.
+2019), and signSGD with majority vote (Bernstein et al. 2018/2019).
 
 Why a scale: a bare sign throws away the gradient's magnitude, so SGD's learning rate would
-have to be retuned. Sending one fp32 scale per tensor, ``s = ‖x‖₁ / d`` (its mean absolute
-value), makes ``s · sign(x)`` the best scaled-sign approximation of ``x`` in the ℓ2 sense
-given the signs, and keeps dense-SGD learning rates usable. Per tensor (layer), as
-Karimireddy et al. do, not per bucket: a bucket mixes layers and biases whose magnitudes
-differ by orders, and one shared scale measurably hurts accuracy (docs/compressors.md, "SignSGD").
+have to be retuned. Sending one fp32 scale ``s = ‖x‖₁ / d`` (the mean absolute value) per
+segment makes ``s · sign(x)`` the best scaled-sign approximation of ``x`` in the ℓ2 sense given
+the signs, and keeps dense-SGD learning rates usable.
 
-Wire format, per rank and bucket of d elements in T tensors: the d sign bits as the low-bit
-format's 1-bit codes (:func:`bitscom.quantization.pack_signs`: bit ``i % 8`` of byte
+Why per block (``block_size``, default 32): a segment's entries share one magnitude, so the
+finer the segments, the less each sign message distorts. One scale per bucket mixes layers
+whose magnitudes differ by orders; one per tensor (Karimireddy et al., ``block_size=None``)
+still makes every entry of a layer the same size, and the error-feedback residual then
+carries whole stale steps that momentum amplifies: measured on the digits MLP it diverged on
+some seeds (81% ± 14 over 12 seeds). With one scale per 32 entries (Zheng et al.'s blockwise
+EF-SignSGD) the same runs reach 96.23% ± 0.51 against S-SGD's 96.37% ± 0.34, for 2 bits per
+entry instead of 1.03 — still 16× fewer bytes than fp32 (docs/convergence.md). Blocks never
+cross a tensor boundary: a tensor of n entries has ``ceil(n / block_size)`` scales.
+
+Wire format, per rank and bucket of d elements in S scale segments: the d sign bits as the
+low-bit format's 1-bit codes (:func:`bitscom.quantization.pack_signs`: bit ``i % 8`` of byte
 ``i // 8`` is element i, a set bit means negative, so ``+0`` and ``-0`` both read as +),
-followed by the T fp32 scales: ``ceil(d / 8) + 4·T`` bytes, sent with one ``all_gather``
-(signs cannot be summed on the wire). fp32 all-reduce costs ``4·d``: about 32× more.
+followed by the S fp32 scales: ``ceil(d / 8) + 4·S`` bytes, sent with one ``all_gather``
+(signs cannot be summed on the wire).
 
-EF-SignSGD (``majority_vote=False``), per bucket and step:
+EF-SignSGD (``majority_vote=False``, the default), per bucket and step:
 
-1. ``x = g + e``; 2. ``s_t = ‖x_t‖₁ / d_t`` for each tensor t; 3. all-gather (bits, s);
+1. ``x = g + e``; 2. ``s_k = ‖x_k‖₁ / d_k`` for each segment k; 3. all-gather (bits, s);
 4. average: ``(1/N) Σ_r s_r · sign_r``, summed in rank order on every rank (bitwise
    identical); 5. ``e = x − s · sign(x)``.
 
 Majority vote (``majority_vote=True``): steps 1–3 as above; then
 ``result = sign(Σ_r sign_r) · (1/N) Σ_r s_r`` — the elementwise vote times the ranks' mean
-scale of the tensor (a tie, possible for even N, gives 0). Bernstein et al. use
+scale of the segment (a tie, possible for even N, gives 0). Bernstein et al. use
 ``lr · sign(vote)``; the mean scale makes the update's size match the gradient's, so
-learning rates tuned for S-SGD carry over. Error feedback in this mode is worker-side only:
-``e = x − s · sign(x)`` compensates what this rank's message lost, not what the vote lost
-(the worker half of the double error feedback of Zheng et al. 2019 / 1-bit Adam). It is off by default there
-(``error_feedback=None`` means on for EF-SignSGD, off for majority vote) because the vote
-already rounds and the paper's convergence argument is for plain signs.
-
-The default is the majority vote: EF-SignSGD's residual carries whole stale steps that
-momentum SGD and Adam amplify, and measured it diverged on some seeds (digits MLP 81% ± 14
-over 12 seeds against 94.8% for the vote; docs/convergence.md).
+learning rates tuned for S-SGD carry over. Error feedback in this mode is worker-side only
+and off unless asked for (``error_feedback=None`` means on for EF-SignSGD, off for the vote).
+The vote is robust to a minority of bad ranks, but loses accuracy (digits MLP: 92.7%, −3.6
+points); under AdamW on the byte-level GPT it did better than blockwise EF (+9% vs +12%
+final loss, one seed), a trade-off docs/convergence.md shows.
 """
 
 from __future__ import annotations
@@ -50,17 +54,18 @@ __all__ = ["SignSGD", "pack_signs", "unpack_signs"]
 
 @dataclass(frozen=True)
 class SignSGD(Compressor):
-    """One bit per gradient entry plus one fp32 scale per tensor, with error feedback.
+    """One bit per gradient entry plus one fp32 scale per 32-entry block, with error feedback.
 
     Args:
         error_feedback: keep ``x − s·sign(x)`` and add it to the next gradient. Needed for
             EF-SignSGD to converge like SGD (plain scaled sign is biased). ``None`` (the
             default) means on without majority vote and off with it.
-        majority_vote: ``True`` (default): the elementwise majority of the signs times the
-            mean scale (signSGD with majority vote; stable with momentum and Adam, robust
-            to a minority of bad ranks, but the update of every entry has the same size).
-            ``False``: average the ranks' scaled signs (EF-SignSGD, keeps magnitude
-            information across ranks; diverged on some seeds in our runs).
+        majority_vote: ``False`` (default): average the ranks' scaled signs (EF-SignSGD).
+            ``True``: the elementwise majority of the signs times the mean scale (signSGD
+            with majority vote: robust to a minority of bad ranks, less accurate).
+        block_size: entries per scale, blocks inside each tensor (default 32: 2 bits per
+            entry on the wire, 16× fewer bytes than fp32); ``None``: one scale per tensor
+            (1 bit per entry, ~32×, diverged on some seeds with momentum SGD).
         start_iter: plain all-reduce of the bucket (its dtype, full bytes) for the first
             ``start_iter`` steps of the bucket. With Adam, pair it with
             :class:`bitscom.FrozenVarianceAdamW` (``freeze_step == start_iter``), the recipe
