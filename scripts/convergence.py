@@ -83,7 +83,9 @@ VARIANTS = {
     "topk-0.01": ("topk", {"ratio": 0.01}),
     "topk-0.03": ("topk", {"ratio": 0.03}),
     "topk-0.05": ("topk", {"ratio": 0.05}),
-    "signsgd-vote": ("signsgd", {"majority_vote": True}),
+    "signsgd-vote": ("signsgd", {"majority_vote": True, "block_size": None}),   # the old default
+    "signsgd-pertensor": ("signsgd", {"block_size": None}),                      # EF, one scale per tensor
+    "signsgd-b64": ("signsgd", {"block_size": 64}),
     # AdamW study (text_lm): warm-ups, 1-bit Adam's frozen variance, tensors left uncompressed
     "acpsgd-warm10": ("acpsgd", {"start_iter": 10}),
     "acpsgd-r8-warm10": ("acpsgd", {"rank": 8, "start_iter": 10}),
@@ -93,6 +95,13 @@ VARIANTS = {
     "topk-warm30-fv30": ("topk", {"start_iter": 30, "opt.freeze_step": 30}),
     "signsgd-warm30": ("signsgd", {"start_iter": 30}),
     "signsgd-warm30-fv30": ("signsgd", {"start_iter": 30, "opt.freeze_step": 30}),
+    "signsgd-vote-warm30": ("signsgd", {"majority_vote": True, "block_size": None, "start_iter": 30}),
+    "signsgd-vote-warm30-fv30": ("signsgd", {"majority_vote": True, "block_size": None, "start_iter": 30,
+                                             "opt.freeze_step": 30}),
+    "signsgd-vote-keep-norms": ("signsgd", {"majority_vote": True, "block_size": None,
+                                            "exclude": "*.bias|*ln*"}),
+    "signsgd-vote-keep-emb": ("signsgd", {"majority_vote": True, "block_size": None,
+                                          "exclude": "*.bias|*ln*|tok.*|pos.*|head.*"}),
     "ssgd-fv30": ("none", {"opt.freeze_step": 30}),
     "topk-keep-norms": ("topk", {"exclude": "*.bias|*ln*"}),
     "topk-keep-emb": ("topk", {"exclude": "*.bias|*ln*|tok.*|pos.*|head.*"}),
@@ -107,14 +116,16 @@ SETS = {
     "sr": ["ssgd", "lowbit-rtn", "lowbit-sr"],
     "lowrank": ["ssgd", "powersgd-r1", "powersgd-r2", "powersgd-r4", "powersgd-r8", "powersgd-warm0",
                 "powersgd-warm30", "acpsgd-r1", "acpsgd-r4", "acpsgd-r8", "acpsgd-warm30"],
-    "sparse": ["ssgd", "topk-0.01", "topk-0.03", "topk-0.05", "signsgd", "signsgd-vote"],
+    "sparse": ["ssgd", "topk-0.01", "topk-0.03", "topk-0.05", "signsgd", "signsgd-b64", "signsgd-pertensor",
+               "signsgd-vote"],
     # why the biased compressors fall behind under AdamW, and what the literature's fixes buy
     # (text_lm only: the frozen variance replaces the task's AdamW; docs/convergence.md)
     "adamw": ["ssgd", "powersgd", "powersgd-warm0", "powersgd-r8", "acpsgd", "acpsgd-r8",
               "acpsgd-r8-warm10", "acpsgd-r8-noef", "acpsgd-r8-warm30-fv30", "acpsgd-keep-emb",
               "topk", "topk-warm30", "topk-warm30-fv30", "topk-keep-norms", "topk-keep-emb",
-              "signsgd", "signsgd-warm30", "signsgd-warm30-fv30", "signsgd-keep-norms",
-              "signsgd-keep-emb", "ssgd-fv30"],
+              "signsgd", "signsgd-b64", "signsgd-warm30", "signsgd-keep-emb", "signsgd-vote",
+              "signsgd-vote-warm30", "signsgd-vote-warm30-fv30", "signsgd-vote-keep-norms",
+              "signsgd-vote-keep-emb", "ssgd-fv30"],
 }
 RUN_FIELDS = ["task", "variant", "compressor", "settings", "seed", "steps", "world", "final_metric",
               "eval_loss", "test_acc", "train_loss_last", "bytes_sent", "dense_bytes", "ratio",
