@@ -86,6 +86,11 @@ VARIANTS = {
     "signsgd-vote": ("signsgd", {"majority_vote": True, "block_size": None}),   # the old default
     "signsgd-pertensor": ("signsgd", {"block_size": None}),                      # EF, one scale per tensor
     "signsgd-b64": ("signsgd", {"block_size": 64}),
+    "signsgd-b16": ("signsgd", {"block_size": 16}),
+    "topk-0.04-warm10": ("topk", {"ratio": 0.04, "start_iter": 10}),
+    # ResNet study: GroupNorm gains/biases (and all biases) left exact
+    "topk-keep-gn": ("topk", {"exclude": "*.n1.*|*.n2.*|norm.*|*.bias"}),
+    "signsgd-keep-gn": ("signsgd", {"exclude": "*.n1.*|*.n2.*|norm.*|*.bias"}),
     # AdamW study (text_lm): warm-ups, 1-bit Adam's frozen variance, tensors left uncompressed
     "acpsgd-warm10": ("acpsgd", {"start_iter": 10}),
     "acpsgd-r8-warm10": ("acpsgd", {"rank": 8, "start_iter": 10}),
@@ -118,6 +123,9 @@ SETS = {
                 "powersgd-warm30", "acpsgd-r1", "acpsgd-r4", "acpsgd-r8", "acpsgd-warm30"],
     "sparse": ["ssgd", "topk-0.01", "topk-0.03", "topk-0.05", "signsgd", "signsgd-b64", "signsgd-pertensor",
                "signsgd-vote"],
+    # why the biased compressors lose accuracy on the narrow GroupNorm ResNet (digits_resnet)
+    "resnet": ["ssgd", "acpsgd", "acpsgd-r8", "topk", "topk-keep-gn", "topk-0.04-warm10", "signsgd",
+               "signsgd-b16", "signsgd-keep-gn"],
     # why the biased compressors fall behind under AdamW, and what the literature's fixes buy
     # (text_lm only: the frozen variance replaces the task's AdamW; docs/convergence.md)
     "adamw": ["ssgd", "powersgd", "powersgd-warm0", "powersgd-r8", "acpsgd", "acpsgd-r8",
