@@ -138,15 +138,17 @@ def plot_task(curves, task, variants, metric, path, title):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     key = 3 if metric == "eval_loss" else 4
-    for v in variants:
+    styles = ["-", "--", ":", "-."]       # > 10 variants: colours repeat, line styles tell apart
+    for i, v in enumerate(variants):
         pts = curves.get((task, v))
         if not pts:
             continue
         steps = sorted(pts)
-        _band(axes[0], steps, [[p[1] for p in pts[s]] for s in steps], v)
-        _band(axes[1], steps, [[p[key] for p in pts[s]] for s in steps], v)
+        kw = {"linestyle": styles[(i // 10) % len(styles)], "color": f"C{i % 10}"}
+        _band(axes[0], steps, [[p[1] for p in pts[s]] for s in steps], v, **kw)
+        _band(axes[1], steps, [[p[key] for p in pts[s]] for s in steps], v, **kw)
         mb = [sum(p[2] for p in pts[s]) / len(pts[s]) / 1e6 for s in steps]
-        _band(axes[2], mb, [[p[key] for p in pts[s]] for s in steps], v)
+        _band(axes[2], mb, [[p[key] for p in pts[s]] for s in steps], v, **kw)
     axes[0].set(xlabel="step", ylabel="train loss (mean over ranks)", yscale="log")
     ylabel = "eval loss (nats/byte)" if metric == "eval_loss" else "test accuracy %"
     axes[1].set(xlabel="step", ylabel=ylabel)
@@ -156,7 +158,10 @@ def plot_task(curves, task, variants, metric, path, title):
             ax.set_ylim(bottom=max(ax.get_ylim()[0], 80), top=100)
     for ax in axes:
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8)
+    if len(variants) > 10:               # outside the axes, so it hides no curve
+        axes[2].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    else:
+        axes[1].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
