@@ -34,6 +34,7 @@ import torch
 
 from bitscom.compressors import ACPSGD, PowerSGD
 from bitscom.compressors.base import BucketLayout, TensorSlot
+from simranks import lockstep
 
 # two same-shaped matrices (a batch), a conv-like 4-D tensor (20 × 18), a matrix too small
 # to shrink (sent uncompressed) and a bias, in one bucket
@@ -151,31 +152,6 @@ def initial_q(state, rank) -> dict:
 
 
 # ---- bitscom's compressors, N ranks in one process ------------------------------------
-class LockstepComm:
-    """One simulated rank's Comm: records all-reduces for :func:`lockstep` to complete."""
-
-    def __init__(self, size, log):
-        self.size, self.log, self.bytes_sent = size, log, 0
-
-    def all_reduce(self, tensor):
-        self.log.append(tensor)
-        return None
-
-
-def lockstep(comp, flats, states, layout):
-    world, log = len(flats), []
-    gens = [comp.reduce(f, layout, s, LockstepComm(world, log)) for f, s in zip(flats, states)]
-    live = list(range(world))
-    while live:
-        log.clear()
-        live = [r for r in live if next(gens[r], StopIteration) is not StopIteration]
-        if log:
-            assert len(log) == world, "ranks issued different rounds"
-            total = torch.stack(log).sum(0)           # the sum over ranks, in float32
-            for t in log:
-                t.copy_(total)
-
-
 def run_bitscom(comp, world):
     layout = make_layout()
     states = [comp.init_state(layout) for _ in range(world)]

@@ -13,44 +13,7 @@ import bitscom
 from bitscom.compressors import BucketLayout, SignSGD, TopK, get, names
 from bitscom.compressors.error_feedback import ErrorFeedback
 from bitscom.compressors.signsgd import pack_signs, unpack_signs
-
-
-class FakeComm:
-    """One simulated rank's Comm: records all-gathers for :func:`lockstep` to complete."""
-
-    def __init__(self, rank, size, log):
-        self.rank, self.size, self.log, self.bytes_sent = rank, size, log, 0
-
-    def all_gather(self, output, input):
-        self.bytes_sent += input.numel() * input.element_size()
-        self.log.append((self.rank, output, input.clone()))
-        return None
-
-    def enter_later_rounds(self):
-        pass
-
-
-def lockstep(compressor, flats, states, layout):
-    """Run ``compressor.reduce`` for every simulated rank; returns bytes sent per rank."""
-    world, log = len(flats), []
-    comms = [FakeComm(r, world, log) for r in range(world)]
-    gens = [compressor.reduce(f, layout, s, c) for f, s, c in zip(flats, states, comms)]
-    live = list(range(world))
-    while live:
-        log.clear()
-        still = []
-        for r in live:
-            try:
-                next(gens[r])
-                still.append(r)
-            except StopIteration:
-                pass
-        if log:
-            inputs = torch.cat([inp for _, _, inp in sorted(log, key=lambda t: t[0])])
-            for _, out, _ in log:
-                out.copy_(inputs)
-        live = still
-    return [c.bytes_sent for c in comms]
+from simranks import lockstep
 
 
 def grads(world, numel, seed=0):
