@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import fnmatch
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -40,6 +41,7 @@ from .base import BucketLayout, Comm, Compressor, State, TensorSlot
 __all__ = ["Exclude", "split_layout"]
 
 
+@functools.lru_cache(maxsize=1024)      # per step and bucket: name matching is not free
 def split_layout(layout: BucketLayout, patterns) -> Tuple[BucketLayout, Tuple[TensorSlot, ...]]:
     """``(compressed sub-layout, excluded slots)`` of ``layout``: the sub-layout packs the
     unmatched slots contiguously (same bucket index, new offsets); the excluded slots keep
@@ -111,13 +113,12 @@ class Exclude(Compressor):
         exact = torch.cat([flat[s.offset:s.end].float() for s in excluded])
         work = comm.all_reduce(exact)
         if kept.slots:
-            sub = torch.cat([flat[s.offset:s.end] for s in layout.slots if s not in excluded])
+            skip = {s.offset for s in excluded}
+            original = [s for s in layout.slots if s.offset not in skip]    # kept.slots' sources
+            sub = torch.cat([flat[s.offset:s.end] for s in original])
             yield from self.inner.reduce(sub, kept, state.inner, comm)
-            at = 0
-            for s in layout.slots:
-                if s not in excluded:
-                    flat[s.offset:s.end].copy_(sub[at:at + s.numel])
-                    at += s.numel
+            for src, dst in zip(original, kept.slots):
+                flat[src.offset:src.end].copy_(sub[dst.offset:dst.end])
         yield work
         exact.div_(comm.size)
         at = 0

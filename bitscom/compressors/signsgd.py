@@ -41,6 +41,7 @@ final loss, one seed), a trade-off docs/convergence.md shows.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -51,6 +52,15 @@ from ..quantization import pack_signs, unpack_signs
 from .base import BucketLayout, Comm, Compressor, check_start_iter
 
 __all__ = ["SignSGD", "pack_signs", "unpack_signs"]
+
+@functools.lru_cache(maxsize=1024)     # called every step; a bucket can hold 10⁵ blocks
+def _blocks(sizes: tuple, block: int) -> tuple:
+    """Each of ``sizes`` cut into runs of ``block`` (the last run of each may be shorter)."""
+    out = []
+    for n in sizes:
+        out += [block] * (n // block) + ([n % block] if n % block else [])
+    return tuple(out)
+
 
 @dataclass(frozen=True)
 class SignSGD(Compressor):
@@ -130,12 +140,7 @@ class SignSGD(Compressor):
         sizes = tuple(s.numel for s in layout.slots)
         if not sizes or sum(sizes) != numel:
             sizes = (numel,)
-        if self.block_size is None:
-            return sizes
-        b, out = self.block_size, []
-        for n in sizes:
-            out += [b] * (n // b) + ([n % b] if n % b else [])
-        return tuple(out)
+        return sizes if self.block_size is None else _blocks(sizes, self.block_size)
 
     def reduce(self, flat, layout, state, comm: Comm):
         numel = flat.numel()
