@@ -221,8 +221,8 @@ def digits_resnet(steps: int = 300, batch: int = 32) -> Task:
     return Task(
         name="digits_resnet", metric="test_acc", steps=steps, batch_size=batch,
         make_model=SmallResNet,
-        make_optimizer=lambda m, world: torch.optim.SGD(m.parameters(), lr=0.005 * world, momentum=0.9,
-                                                        weight_decay=5e-4),
+        make_optimizer=lambda m, world, momentum=0.9, lr_scale=1.0: torch.optim.SGD(
+            m.parameters(), lr=0.005 * world * lr_scale, momentum=momentum, weight_decay=5e-4),
         lr_at=lr_at, batch=data, loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
         evaluate=_classify_eval(vx, vy),
         description="pre-activation ResNet (3×2 blocks, GroupNorm, 0.17 M params) on the same digits "
@@ -278,4 +278,5 @@ def text_lm(steps: int = 300, batch: int = 16, ctx: int = 64) -> Task:
 
 
 TASKS = {"digits_cnn": digits_cnn, "digits_resnet": digits_resnet, "text_lm": text_lm}
-OPT_TASKS = {"text_lm"}   # tasks whose make_optimizer takes options (variant settings "opt.X")
+# the options each task's make_optimizer takes (variant settings "opt.X"); others take none
+OPT_TASKS = {"text_lm": {"freeze_step"}, "digits_resnet": {"momentum", "lr_scale"}}

@@ -547,9 +547,10 @@ def test_convergence_parse_variant_with_exclude(convergence):
     assert convergence.build_compressor(name, settings) == Exclude(TopK(start_iter=3), ("*.bias", "*ln*"))
 
 
-def test_convergence_refuses_optimizer_settings_on_classification(convergence, tmp_path, monkeypatch):
+@pytest.mark.parametrize("task", ["digits_cnn", "digits_resnet"])   # none, or other options
+def test_convergence_refuses_optimizer_settings_on_classification(convergence, tmp_path, monkeypatch, task):
     def no_spawn(*args, **kwargs):
         raise AssertionError("the suite spawned training runs")
     monkeypatch.setattr(convergence.mp, "spawn", no_spawn)
-    with pytest.raises(SystemExit, match="digits_cnn"):
-        convergence.main(["--tasks", "digits_cnn", "--variants", "topk-warm30-fv30", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match=f"freeze_step.*{task}"):
+        convergence.main(["--tasks", task, "--variants", "topk-warm30-fv30", "--out", str(tmp_path)])
