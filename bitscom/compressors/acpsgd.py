@@ -28,9 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 
-from .base import BucketLayout, Comm
+from .base import BucketLayout, Comm, dense_bytes, plain_average
 from .lowrank import LowRankCompressor, LowRankPlan, LowRankState, forget_if_nonfinite, \
     orthogonalize, project, random_factors
 
@@ -79,14 +78,13 @@ class ACPSGD(LowRankCompressor):
         if step is None:
             return (p_bytes + q_bytes) // 2
         if step < self.start_iter:
-            return layout.numel * torch.empty((), dtype=layout.dtype).element_size()
+            return dense_bytes(layout)
         return p_bytes if (step - self.start_iter) % 2 == 0 else q_bytes
 
     def reduce(self, flat, layout, state: ACPSGDState, comm: Comm):
         step, state.step = state.step, state.step + 1
         if step < self.start_iter:
-            yield comm.all_reduce(flat)
-            flat.div_(comm.size)
+            yield from plain_average(flat, comm)
             return
         plan, ef = state.plan, state.ef
         x = ef.compensate(flat)                      # M + E, fp32; read-only until ef.update

@@ -38,6 +38,30 @@ def check_start_iter(owner: str, value) -> None:
         raise ValueError(f"{owner} start_iter must be an int >= 0, got {value!r}")
 
 
+def plain_average(flat: torch.Tensor, comm) -> Iterator[Any]:
+    """Round generator: ``flat`` ← the average over ``comm``'s ranks by one plain all-reduce
+    in its own dtype — what a compressor's warm-up steps (``start_iter``) do.
+
+    Example::
+
+        if step < self.start_iter:
+            yield from plain_average(flat, comm)
+            return
+    """
+    yield comm.all_reduce(flat)
+    flat.div_(comm.size)
+
+
+def dense_bytes(layout: "BucketLayout") -> int:
+    """Bytes one rank sends for a plain all-reduce of ``layout`` in its own dtype.
+
+    Example::
+
+        dense_bytes(BucketLayout.for_tensor(torch.zeros(10)))    # 40
+    """
+    return layout.numel * torch.empty((), dtype=layout.dtype).element_size()
+
+
 @dataclass(frozen=True)
 class TensorSlot:
     """Where one parameter's gradient lives inside its bucket's flat buffer.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BucketLayout, Compressor
+from .base import BucketLayout, Compressor, dense_bytes, plain_average
 
 __all__ = ["NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
 
@@ -33,8 +33,7 @@ class NoneCompressor(Compressor):
     name = "none"
 
     def reduce(self, flat, layout, state, comm):
-        yield comm.all_reduce(flat)
-        flat.div_(comm.size)
+        yield from plain_average(flat, comm)
 
     def compress(self, tensor: torch.Tensor):
         """Horovod's codec interface: the tensor itself, no context."""
@@ -45,7 +44,7 @@ class NoneCompressor(Compressor):
         return tensor
 
     def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:
-        return layout.numel * torch.empty((), dtype=layout.dtype).element_size()
+        return dense_bytes(layout)
 
 
 @dataclass(frozen=True)

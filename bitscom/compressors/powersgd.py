@@ -25,9 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 
-from .base import BucketLayout, Comm
+from .base import BucketLayout, Comm, dense_bytes, plain_average
 from .lowrank import LowRankCompressor, LowRankState, forget_if_nonfinite, \
     orthogonalize, project, random_factors
 
@@ -67,15 +66,14 @@ class PowerSGD(LowRankCompressor):
         """Bytes one rank sends for one step of ``layout`` (a compressed step unless
         ``step`` < ``start_iter``)."""
         if step is not None and step < self.start_iter:
-            return layout.numel * torch.empty((), dtype=layout.dtype).element_size()
+            return dense_bytes(layout)
         plan = self.plan(layout)
         return (plan.p_numel + plan.q_numel + plan.uncompressed_numel) * 4
 
     def reduce(self, flat, layout, state: PowerSGDState, comm: Comm):
         step, state.step = state.step, state.step + 1
         if step < self.start_iter:
-            yield comm.all_reduce(flat)
-            flat.div_(comm.size)
+            yield from plain_average(flat, comm)
             return
         plan, ef = state.plan, state.ef
         x = ef.compensate(flat)                      # M + E, fp32; read-only until ef.update

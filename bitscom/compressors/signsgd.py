@@ -49,7 +49,7 @@ import torch
 
 from ..error_feedback import SteppedErrorFeedback
 from ..quantization import pack_signs, unpack_signs
-from .base import BucketLayout, Comm, Compressor, check_start_iter
+from .base import BucketLayout, Comm, Compressor, check_start_iter, dense_bytes, plain_average
 
 __all__ = ["SignSGD", "pack_signs", "unpack_signs"]
 
@@ -148,8 +148,7 @@ class SignSGD(Compressor):
             return
         step, state.step = state.step, state.step + 1
         if step < self.start_iter:
-            yield comm.all_reduce(flat)
-            flat.div_(comm.size)
+            yield from plain_average(flat, comm)
             return
         sizes = self._sizes(layout, numel)
         counts = torch.tensor(sizes, device=flat.device)
@@ -182,5 +181,5 @@ class SignSGD(Compressor):
         """Bytes one rank sends for one step of ``layout`` (a sign step unless ``step`` <
         ``start_iter``)."""
         if step is not None and step < self.start_iter:
-            return layout.numel * torch.empty((), dtype=layout.dtype).element_size()
+            return dense_bytes(layout)
         return -(-layout.numel // 8) + 4 * max(len(self._sizes(layout, layout.numel)), 1)

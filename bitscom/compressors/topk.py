@@ -29,7 +29,7 @@ from fractions import Fraction
 
 import torch
 
-from .base import BucketLayout, Comm, Compressor, check_start_iter
+from .base import BucketLayout, Comm, Compressor, check_start_iter, dense_bytes, plain_average
 from ..error_feedback import SteppedErrorFeedback
 
 __all__ = ["TopK"]
@@ -104,8 +104,7 @@ class TopK(Compressor):
             return
         step, state.step = state.step, state.step + 1
         if step < self.start_iter:
-            yield comm.all_reduce(flat)
-            flat.div_(comm.size)
+            yield from plain_average(flat, comm)
             return
         x = state.compensate(flat)
         values, indices = self.compress(x, k)
@@ -131,6 +130,6 @@ class TopK(Compressor):
         """Bytes one rank sends for one step of ``layout`` (a sparse step unless ``step`` <
         ``start_iter``)."""
         if step is not None and step < self.start_iter:
-            return layout.numel * torch.empty((), dtype=layout.dtype).element_size()
+            return dense_bytes(layout)
         k = self.k_for(layout.numel)
         return k * (4 + (4 if self._index_dtype(layout.numel) == torch.int32 else 8))
