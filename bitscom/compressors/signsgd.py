@@ -62,6 +62,15 @@ def _blocks(sizes: tuple, block: int) -> tuple:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=256)
+def _segments(sizes: tuple, device: str):
+    """``(counts, ids)`` on ``device``: each segment's element count, and each element's
+    segment index (``scales[ids]`` expands per-segment scales to elements). Cached: rebuilding
+    them is a host-to-device copy of up to 10⁵ counts every step."""
+    counts = torch.tensor(sizes, device=device)
+    return counts, torch.repeat_interleave(torch.arange(len(sizes), device=device), counts)
+
+
 @dataclass(frozen=True)
 class SignSGD(Compressor):
     """One bit per gradient entry plus one fp32 scale per 32-entry block, with error feedback.
@@ -119,8 +128,7 @@ class SignSGD(Compressor):
         """The wire record of ``x``: packed signs, then one fp32 scale ``‖x_t‖₁/d_t`` per
         segment of ``sizes`` (element counts summing to ``x.numel()``: tensors, or blocks of
         them), as uint8. One vectorized pass: a bucket may hold tens of thousands of blocks."""
-        counts = torch.tensor(sizes, device=x.device)
-        ids = torch.repeat_interleave(torch.arange(len(sizes), device=x.device), counts)
+        counts, ids = _segments(tuple(sizes), str(x.device))
         sums = torch.zeros(len(sizes), dtype=torch.float32, device=x.device)
         sums.index_add_(0, ids, x.abs().float())
         scales = sums / counts.clamp(min=1)
@@ -151,11 +159,11 @@ class SignSGD(Compressor):
             yield from plain_average(flat, comm)
             return
         sizes = self._sizes(layout, numel)
-        counts = torch.tensor(sizes, device=flat.device)
+        _, ids = _segments(sizes, str(flat.device))
         x = state.compensate(flat)
         record = self.encode(x, sizes)
         signs, scales = self.decode(record, sizes)
-        state.update(signs * scales.repeat_interleave(counts))
+        state.update(signs * scales[ids])
         gathered = torch.empty(comm.size * record.numel(), dtype=torch.uint8, device=flat.device)
         yield comm.all_gather(gathered, record)
         gathered = gathered.view(comm.size, -1)
@@ -169,9 +177,9 @@ class SignSGD(Compressor):
                 acc += signs
                 scale_sum += scales
             else:
-                acc.add_(signs * scales.repeat_interleave(counts))
+                acc.add_(signs * scales[ids])
         if self.majority_vote:
-            flat.copy_(acc.sign_().mul_((scale_sum / comm.size).repeat_interleave(counts)))
+            flat.copy_(acc.sign_().mul_((scale_sum / comm.size)[ids]))
         else:
             flat.copy_(acc.div_(comm.size))
         if not bool(torch.isfinite(torch.stack(gathered_scales)).all()):
