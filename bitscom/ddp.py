@@ -241,6 +241,11 @@ def ddp_comm_hook(compressor="none", process_group=None, named_parameters=None):
         state, hook = bitscom.ddp_comm_hook(comp, named_parameters=net.named_parameters())
     """
     compressor = resolve_compressor(compressor, "compressor")
+    if compressor.applies_momentum:
+        raise ValueError(f"compressor={compressor.fingerprint()} applies SGD momentum before "
+                         "compressing and needs an optimizer without momentum, which a DDP hook "
+                         "cannot check; use bitscom.DistributedOptimizer with "
+                         "torch.optim.SGD(..., momentum=0)")
     names = None
     if named_parameters is not None:
         names = {id(p): n for n, p in checked_pairs(named_parameters)}

@@ -122,6 +122,27 @@ def _later_group(process_group):
     return runtime.new_group(ranks, use_local_synchronization=True), None
 
 
+def _check_momentum_free(optimizer, compression) -> None:
+    """A compressor that applies momentum itself (MomentumCorrection) needs an SGD with none:
+    momentum twice would train a different model, silently."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise TypeError(f"compression={compression.fingerprint()} applies SGD momentum before "
+                        f"compressing and needs torch.optim.SGD with momentum=0; got "
+                        f"{type(optimizer).__name__}")
+    for i, group in enumerate(optimizer.param_groups):
+        for key, bad in (("momentum", group.get("momentum", 0) != 0),
+                         ("nesterov", bool(group.get("nesterov", False))),
+                         ("maximize", bool(group.get("maximize", False))),
+                         ("dampening", group.get("dampening", 0) != 0)):
+            if bad:
+                raise ValueError(
+                    f"compression=MomentumCorrection(momentum={compression.momentum}) applies the "
+                    f"momentum before compressing, so the SGD must have momentum=0, nesterov=False, "
+                    f"maximize=False, dampening=0; param group {i} has {key}={group.get(key)!r}. "
+                    f"Build torch.optim.SGD(..., momentum=0) (and weight_decay=λ/(1-m) to keep "
+                    f"SGD(momentum=m, weight_decay=λ)'s regularization)")
+
+
 @functools.lru_cache(maxsize=None)
 def _distributed_class(base: type) -> type:
     """The class of ``DistributedOptimizer(base(...))``: a subclass of both, named like base."""
@@ -202,6 +223,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"compression={compression!r} matches parameter names; pass "
                              "named_parameters=model.named_parameters() (without it the "
                              "parameters are numbered param.0, param.1, …)")
+        if compression.applies_momentum:
+            _check_momentum_free(optimizer, compression)
         backward_passes_per_step = _passes(backward_passes_per_step)
         if op is Adasum:
             raise NotImplementedError("op=Adasum is not supported by bitscom (Horovod's Adasum has no "
@@ -500,6 +523,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if self._closed and self._size > 1:
             raise RuntimeError("this DistributedOptimizer was closed; build a new one")
+        if closure is not None and self._size == 1 and self.compression.applies_momentum:
+            raise NotImplementedError("step(closure) with a MomentumCorrection compressor on one "
+                                      "process is not supported; call backward() then step()")
         if closure is not None:
             def reduced_closure():
                 self._reset_step()
@@ -508,6 +534,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 return super().step(reduced_closure, **kwargs)
             finally:
                 self._reset_step()
+        if self.compression.applies_momentum:
+            _check_momentum_free(self, self.compression)     # a scheduler may have changed it
+            if self._size == 1:
+                self._solo_momentum()
         if self._size > 1:
             if self._should_sync and not self._completed:
                 self.synchronize()
@@ -518,6 +548,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._reset_step()
     step.hooked = True
+
+    def _solo_momentum(self) -> None:
+        """One process sends nothing, so it compresses nothing; but a MomentumCorrection
+        compressor still owes the momentum the SGD was built without: ``p.grad ← u = m·u + g``
+        (the velocity lives in the optimizer state, so it checkpoints with it)."""
+        m = self.compression.momentum
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                u = state.get("bitscom_velocity")
+                if u is None:
+                    u = state["bitscom_velocity"] = torch.zeros_like(p.grad, dtype=torch.float32)
+                u.mul_(m).add_(p.grad)
+                p.grad.copy_(u)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero ``p.grad`` and forget this step's passes (also after a step ``GradScaler``

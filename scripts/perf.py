@@ -251,10 +251,11 @@ def main(argv=None) -> int:
             stats = hook_state.comm_stats
         opt = torch.optim.SGD(params, lr=a.lr, momentum=0.9)
     else:
-        base = torch.optim.SGD(params, lr=a.lr, momentum=0.9)
+        comp = bitscom.compressors.get(name, **compressor_kwargs(name, a))
+        # dgc (MomentumCorrection) applies the momentum itself: the SGD then has none
+        base = torch.optim.SGD(params, lr=a.lr, momentum=0.0 if comp.applies_momentum else 0.9)
         opt = bitscom.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                           compression=bitscom.compressors.get(name, **compressor_kwargs(name, a)),
-                                           fusion_threshold_mb=a.threshold)
+                                           compression=comp, fusion_threshold_mb=a.threshold)
         stats = opt.comm_stats
         bitscom.broadcast_parameters(model.state_dict(), root_rank=0)
 

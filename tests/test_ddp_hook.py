@@ -77,7 +77,9 @@ def _train_with(rank, world, name):
     return same_on_all_ranks(flat_params(model)), losses, stats, len(state.bucket_states)
 
 
-@pytest.mark.parametrize("name", names())
+# "dgc" (MomentumCorrection) needs an SGD without momentum, which a hook cannot check: refused
+# (tests/test_momentum_correction.py)
+@pytest.mark.parametrize("name", [n for n in names() if n != "dgc"])
 def test_ddp_hook_trains_with_every_compressor(pools, name):
     results = pools.run(2, _train_with, name)
     for same, losses, stats, nbuckets in results:

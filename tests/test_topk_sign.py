@@ -79,6 +79,38 @@ def transmitted(comp, x):
     return out
 
 
+def test_topk_per_tensor_picks_within_each_tensor():
+    """per_tensor: each tensor sends its own ceil(ratio·numel) largest, even a tensor whose
+    entries are all smaller than every entry of another (the whole-bucket pick starves it)."""
+    from bitscom.compressors import BucketLayout, TensorSlot
+    shapes = [(30, 10), (7,), (64,)]
+    slots, off = [], 0
+    for i, shp in enumerate(shapes):
+        n = int(torch.tensor(shp).prod())
+        slots.append(TensorSlot(f"t{i}", off, n, shp))
+        off += n
+    layout = BucketLayout(0, tuple(slots), torch.float32, torch.device("cpu"))
+    comp = TopK(ratio=0.1, per_tensor=True)
+    gs = grads(2, off, seed=5)
+    for g in gs:
+        g[300:307] *= 1e-3                                  # the small tensor: never the largest
+    flats = [g.clone() for g in gs]
+    states = [comp.init_state(layout) for _ in gs]
+    sent = lockstep(comp, flats, states, layout)
+    assert comp.k_of(layout) == 30 + 1 + 7 == sent[0] // 8
+    assert sent == [comp.wire_bytes(layout, 2)] * 2
+    expect = torch.zeros(off, dtype=torch.float64)
+    for g in gs:
+        for sl in slots:
+            part = g[sl.offset:sl.end].double()
+            idx = part.abs().topk(comp.k_for(sl.numel)).indices + sl.offset
+            expect[idx] += g.double()[idx]
+    torch.testing.assert_close(flats[0].double(), expect / 2)
+    assert torch.count_nonzero(flats[0][300:307]) >= 1
+    whole = TopK(ratio=0.1).compress(gs[0], 38)[1]
+    assert not bool(((whole >= 300) & (whole < 307)).any())  # what per_tensor fixes
+
+
 def test_topk_sparse_result_and_bytes():
     numel, world = 1000, 2
     comp, layout = TopK(ratio=0.01), layout_for(numel)

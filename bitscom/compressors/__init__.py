@@ -10,6 +10,7 @@ from .casting import BF16Compressor, Compression, FP16Compressor, NoneCompressor
 from .error_feedback import ErrorFeedback
 from .exclude import Exclude
 from .lowbit import LowBit
+from .momentum import MomentumCorrection
 from .powersgd import PowerSGD
 from .registry import get, names, register, resolve
 from .signsgd import SignSGD
@@ -24,10 +25,11 @@ register("acpsgd", ACPSGD)
 register("topk", TopK)
 register("signsgd", SignSGD)
 register("exclude", Exclude)
+register("dgc", MomentumCorrection)
 
 __all__ = [
     "BucketLayout", "Comm", "Compressor", "State", "TensorSlot", "drive", "ErrorFeedback",
     "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
-    "LowBit", "PowerSGD", "ACPSGD", "TopK", "SignSGD", "Exclude",
+    "LowBit", "PowerSGD", "ACPSGD", "TopK", "SignSGD", "Exclude", "MomentumCorrection",
     "get", "names", "register", "resolve",
 ]

@@ -206,6 +206,9 @@ class Compressor(abc.ABC):
     uses_names = False
     """True for compressors that act on the slots' parameter names (:class:`Exclude`): the
     faces refuse to run them where slots carry no parameter names."""
+    applies_momentum = False
+    """True for :class:`MomentumCorrection`: it applies SGD momentum before compressing, so
+    only :class:`bitscom.DistributedOptimizer` (which checks the optimizer has none) runs it."""
 
     def init_state(self, layout: BucketLayout) -> State:
         """Per-bucket state. The default is stateless."""

@@ -93,6 +93,10 @@ class Exclude(Compressor):
         if isinstance(inner, Exclude):
             raise ValueError(f"Exclude inner must not be another Exclude (give one Exclude all "
                              f"the patterns), got {inner!r}")
+        if getattr(inner, "applies_momentum", False):
+            raise ValueError(f"Exclude inner must not be a MomentumCorrection: the excluded tensors "
+                             f"would get no momentum. Put it outside: MomentumCorrection(Exclude("
+                             f"..., patterns)), got {inner!r}")
         object.__setattr__(self, "inner", inner)
         pats = (self.patterns,) if isinstance(self.patterns, str) else self.patterns
         if not isinstance(pats, (tuple, list)) or not pats or \

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Optional
 
 import torch
 
@@ -49,6 +50,12 @@ class TopK(Compressor):
             both need error feedback. 1 sends everything (exact, 2× fp32's bytes).
         error_feedback: keep the unsent entries and add them to the next gradient. Without
             it the small coordinates are never updated.
+        per_tensor: pick ``ceil(ratio · numel)`` entries of *each* tensor of the bucket (DGC's
+            layer-wise selection) instead of the bucket's largest overall. With one pick per
+            bucket, tensors whose gradients are small next to the others' (narrow layers,
+            norm gains) are starved and then delivered in rare, stale bursts; per tensor,
+            every layer moves every step. Same wire format and about the same bytes (each
+            tensor's count is rounded up).
         start_iter: plain all-reduce of the bucket (its dtype, full bytes) for the first
             ``start_iter`` steps of the bucket, as PowerSGD's warm-up and DGC's. With Adam,
             pair it with :class:`bitscom.FrozenVarianceAdamW` (``freeze_step ==
@@ -63,6 +70,7 @@ class TopK(Compressor):
     ratio: float = 0.05
     error_feedback: bool = True
     start_iter: int = 0
+    per_tensor: bool = False
 
     name = "topk"
 
@@ -73,6 +81,8 @@ class TopK(Compressor):
         if not isinstance(self.error_feedback, bool):
             raise TypeError(f"TopK error_feedback must be a bool, got {self.error_feedback!r}")
         check_start_iter("TopK", self.start_iter)
+        if not isinstance(self.per_tensor, bool):
+            raise TypeError(f"TopK per_tensor must be a bool, got {self.per_tensor!r}")
 
     def k_for(self, numel: int) -> int:
         """Entries sent for a bucket of ``numel`` elements: ``ceil(ratio · numel)``, at least 1.
@@ -85,6 +95,13 @@ class TopK(Compressor):
         exact = Fraction(self.ratio).limit_denominator(10 ** 9) * numel
         return max(1, min(numel, math.ceil(exact)))
 
+    def k_of(self, layout: BucketLayout) -> int:
+        """Entries one rank sends per compressed step of ``layout``: :meth:`k_for` of the
+        bucket, or with ``per_tensor`` the sum of :meth:`k_for` of each tensor."""
+        if not self.per_tensor:
+            return self.k_for(layout.numel)
+        return sum(self.k_for(s.numel) for s in layout.slots)
+
     @staticmethod
     def _index_dtype(numel: int) -> torch.dtype:
         return torch.int32 if numel <= _INT32_LIMIT else torch.int64
@@ -92,22 +109,30 @@ class TopK(Compressor):
     def init_state(self, layout: BucketLayout) -> SteppedErrorFeedback:
         return SteppedErrorFeedback.for_layout(layout, enabled=self.error_feedback)
 
-    def compress(self, x: torch.Tensor, k: int):
-        """``(values, indices)`` of the ``k`` largest ``|x|`` (fp32 values, int64 indices)."""
-        indices = x.abs().topk(k, sorted=False).indices
+    def compress(self, x: torch.Tensor, k: int, layout: Optional[BucketLayout] = None):
+        """``(values, indices)`` of the ``k`` largest ``|x|`` (fp32 values, int64 indices);
+        with ``per_tensor`` and a ``layout``, of each tensor's ``k_for(numel)`` largest."""
+        if not (self.per_tensor and layout is not None and len(layout.slots) > 1):
+            indices = x.abs().topk(k, sorted=False).indices
+            return x[indices], indices
+        mag = x.abs()
+        indices = torch.cat([mag[s.offset:s.end].topk(self.k_for(s.numel), sorted=False).indices
+                             + s.offset for s in layout.slots if s.numel])
         return x[indices], indices
 
     def reduce(self, flat, layout, state, comm: Comm):
         numel = flat.numel()
-        k = self.k_for(numel)
+        k = self.k_of(layout) if numel == layout.numel else self.k_for(numel)
         if k == 0:
             return
         step, state.step = state.step, state.step + 1
+        state.last_sent = None       # which entries this step sent (MomentumCorrection's masking)
         if step < self.start_iter:
             yield from plain_average(flat, comm)
             return
         x = state.compensate(flat)
-        values, indices = self.compress(x, k)
+        values, indices = self.compress(x, k, layout if numel == layout.numel else None)
+        state.last_sent = indices
         index_dtype = self._index_dtype(numel)
         words = 1 if index_dtype == torch.int32 else 2          # int32 words per index
         record = torch.empty(k * (1 + words), dtype=torch.int32, device=flat.device)
@@ -131,5 +156,5 @@ class TopK(Compressor):
         ``start_iter``)."""
         if step is not None and step < self.start_iter:
             return dense_bytes(layout)
-        k = self.k_for(layout.numel)
+        k = self.k_of(layout)
         return k * (4 + (4 if self._index_dtype(layout.numel) == torch.int32 else 8))
