@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
+from typing import Optional
 
 import torch
 
@@ -340,7 +341,8 @@ class Codec:
         pb = kernels.payload_bytes(m, self.bits, self.block_size)
         return rows[..., :pb], rows[..., pb:].view(torch.bfloat16)
 
-    def encode(self, x: torch.Tensor, row: torch.Tensor, seed: int, offset: int) -> None:
+    def encode(self, x: torch.Tensor, row: torch.Tensor, seed: int, offset: int = 0) -> None:
+        """Write the contiguous float32 ``x`` into the uint8 ``row`` (``row_bytes(x.numel())``)."""
         if self.bits == FULL_PRECISION:
             row.view(torch.float32).copy_(x)
             return
@@ -354,23 +356,26 @@ class Codec:
         kernels.quantize_pack(x, self.bits, self.block_size, stochastic=self.stochastic,
                               seed=seed, index_offset=offset, payload=payload, scales=scales)
 
-    def decode(self, row: torch.Tensor, m: int, out: torch.Tensor) -> None:
+    def decode(self, row: torch.Tensor, m: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The ``m`` float32 values of one row (into ``out`` when given); returns them."""
         if self.raw:
-            out.copy_(row.view(torch.float32))
-            return
+            vals = row.view(torch.float32)
+            return vals.clone() if out is None else out.copy_(vals)
         payload, scales = self._split(row, m)
-        kernels.unpack_dequantize(payload, scales, m, self.bits, self.block_size, out=out)
+        return kernels.unpack_dequantize(payload, scales, m, self.bits, self.block_size, out=out)
 
-    def decode_sum(self, rows: torch.Tensor, m: int, out: torch.Tensor) -> None:
-        """``out = row_0 + row_1 + ...`` decoded, summed left to right (same bits everywhere)."""
+    def decode_sum(self, rows: torch.Tensor, m: int, out: torch.Tensor) -> torch.Tensor:
+        """``out = row_0 + row_1 + ...`` decoded, summed left to right (same bits everywhere);
+        returns ``out``."""
         if self.raw:
             vals = rows.view(torch.float32)
             out.copy_(vals[0])
             for j in range(1, vals.shape[0]):
                 out.add_(vals[j])
-            return
+            return out
         payloads, scales = self._split(rows, m)
-        kernels.unpack_dequantize_accumulate(payloads, scales, m, self.bits, self.block_size, out=out)
+        return kernels.unpack_dequantize_accumulate(payloads, scales, m, self.bits, self.block_size,
+                                                    out=out)
 
 
     def decode_sum_encode(self, rows: torch.Tensor, m: int, alpha: float, out: "Codec",

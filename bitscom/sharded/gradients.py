@@ -32,8 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops import Average
-from ..quantization import mix_seed
-from .codec import RowCodec
+from ..quantization import Codec, mix_seed
 from ..comm import reduce_scatter_flat
 from .config import ShardedConfig
 from .rotation import rotate
@@ -75,9 +74,11 @@ def gradient_wire_bytes(cfg: ShardedConfig, topo: Topology, shard_numel: int) ->
     total = 0
     for _ in range(cfg.gradient_alltoall_pipeline):
         if L > 1:
-            total += L * RowCodec(cfg.gradient_quantization_bits_intra, cfg.gq_group_size_intra).row_bytes(M * chunk)
+            total += L * Codec(cfg.gradient_quantization_bits_intra, cfg.gq_group_size_intra,
+                               stochastic=True).row_bytes(M * chunk)
         if M > 1:
-            total += M * RowCodec(cfg.gradient_quantization_bits_inter, cfg.gq_group_size_inter).row_bytes(chunk)
+            total += M * Codec(cfg.gradient_quantization_bits_inter, cfg.gq_group_size_inter,
+                               stochastic=True).row_bytes(chunk)
     return total
 
 
@@ -156,7 +157,7 @@ class GradientReducer:
         for c in range(cfg.gradient_alltoall_pipeline):
             ch = _Chunk(bucket, c, x[:, :, c * C:(c + 1) * C], out[c * C:(c + 1) * C])
             if L > 1:
-                codec = RowCodec(cfg.gradient_quantization_bits_intra, cfg.gq_group_size_intra)
+                codec = Codec(cfg.gradient_quantization_bits_intra, cfg.gq_group_size_intra, stochastic=True)
                 R = codec.row_bytes(M * C)
                 send = torch.empty(L, R, dtype=torch.uint8, device=flat.device)
                 for peer in range(L):
@@ -177,14 +178,14 @@ class GradientReducer:
         C = ch.out.numel()
         if ch.stage == 1 and (block or _completed(ch.work)):
             _wait(ch.work)
-            codec = RowCodec(cfg.gradient_quantization_bits_intra, cfg.gq_group_size_intra)
+            codec = Codec(cfg.gradient_quantization_bits_intra, cfg.gq_group_size_intra, stochastic=True)
             ch.partial = codec.decode_sum(ch.recv, M * C, torch.empty(M * C, dtype=torch.float32,
                                                                        device=ch.out.device))
             ch.recv, ch.work, ch.stage = None, None, 2
         if ch.stage == 2 and ch.issued2 and (block or _completed(ch.work)):
             _wait(ch.work)
             if M > 1:
-                codec = RowCodec(cfg.gradient_quantization_bits_inter, cfg.gq_group_size_inter)
+                codec = Codec(cfg.gradient_quantization_bits_inter, cfg.gq_group_size_inter, stochastic=True)
                 red = codec.decode_sum(ch.recv, C, torch.empty(C, dtype=torch.float32, device=ch.out.device))
             else:
                 red = ch.partial
@@ -203,7 +204,7 @@ class GradientReducer:
         ch.issued2 = True
         if M == 1:
             return
-        codec = RowCodec(cfg.gradient_quantization_bits_inter, cfg.gq_group_size_inter)
+        codec = Codec(cfg.gradient_quantization_bits_inter, cfg.gq_group_size_inter, stochastic=True)
         R = codec.row_bytes(C)
         send = torch.empty(M, R, dtype=torch.uint8, device=ch.out.device)
         for node in range(M):

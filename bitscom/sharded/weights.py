@@ -18,8 +18,7 @@ from typing import List, Sequence
 
 import torch
 
-from ..quantization import mix_seed
-from .codec import RowCodec
+from ..quantization import Codec, mix_seed
 from ..comm import all_gather_flat
 from .config import ShardedConfig
 from .gradients import Topology
@@ -38,7 +37,7 @@ def weight_wire_bytes(cfg: ShardedConfig, topo: Topology, shard_numel: int, para
     if topo.world == 1:
         return 0
     if cfg.quantized_weights:
-        return RowCodec(cfg.weight_quantization_bits, cfg.wq_group_size).row_bytes(shard_numel)
+        return Codec(cfg.weight_quantization_bits, cfg.wq_group_size, stochastic=True).row_bytes(shard_numel)
     return shard_numel * torch.empty((), dtype=param_dtype).element_size()
 
 
@@ -75,7 +74,7 @@ def gather_parameters(cfg: ShardedConfig, topo: Topology, plan: ShardPlan, maste
     for i, b in enumerate(plan.buckets):
         mine = master[b.master_offset:b.master_offset + b.shard_numel]
         if cfg.quantized_weights and world > 1:
-            codec = RowCodec(cfg.weight_quantization_bits, cfg.wq_group_size)
+            codec = Codec(cfg.weight_quantization_bits, cfg.wq_group_size, stochastic=True)
             diff = mine.to(torch.float32) - replica_shard(plan, i, params)
             row = torch.empty(codec.row_bytes(b.shard_numel), dtype=torch.uint8, device=device)
             codec.encode(diff, row, mix_seed(cfg.seed, step, topo.rank, i, 0, 3))
@@ -94,7 +93,7 @@ def gather_parameters(cfg: ShardedConfig, topo: Topology, plan: ShardPlan, maste
             work.wait()
         with torch.no_grad():
             if cfg.quantized_weights and world > 1:
-                codec = RowCodec(cfg.weight_quantization_bits, cfg.wq_group_size)
+                codec = Codec(cfg.weight_quantization_bits, cfg.wq_group_size, stochastic=True)
                 rows = out.view(world, R)
                 full = torch.empty(world * b.shard_numel, dtype=torch.float32, device=device)
                 for j in range(world):
