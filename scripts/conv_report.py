@@ -241,7 +241,7 @@ def report(out_dir: str, command: str | None = None) -> str:
                          "ef": f"{task}: low-bit error-feedback modes vs S-SGD",
                          "sr": f"{task}: 4-bit SR vs RTN vs fp32 (S-SGD), end to end"}[set_name]
                 plot_task(curves, task, vs, metric, os.path.join(out_dir, f"{task}_{set_name}.png"), title)
-        rest = ["ssgd"] + [v for v in present if v not in shown]
+        rest = ["ssgd"] + [v for v in present if v not in shown and v != "ssgd"]
         if len(rest) >= 2:
             plot_task(curves, task, rest, metric, os.path.join(out_dir, f"{task}_variants.png"),
                       f"{task}: other variants vs S-SGD")

@@ -97,7 +97,7 @@ VARIANTS = {
     # on each rank before compression, the SGD without momentum and with weight_decay/(1-0.9)
     # (opt.dgc); ssgd-mc isolates that change of algorithm with nothing compressed
     "ssgd-mc": ("none", {"mc": 0.9, "opt.dgc": True}),
-    "topk-dgc": ("topk", {"mc": 0.9, "opt.dgc": True}),
+    "topk-dgc": ("topk", {"mc": 0.9, "mc_masking": True, "opt.dgc": True}),     # + factor masking
     "topk-mc-nomask": ("topk", {"mc": 0.9, "mc_masking": False, "opt.dgc": True}),
     "signsgd-mc": ("signsgd", {"mc": 0.9, "opt.dgc": True}),
     "acpsgd-mc": ("acpsgd", {"mc": 0.9, "opt.dgc": True}),
@@ -106,7 +106,7 @@ VARIANTS = {
     # Top-k per tensor (DGC's layer-wise selection), with and without momentum correction
     "topk-pt": ("topk", {"per_tensor": True}),
     "topk-pt-mc": ("topk", {"per_tensor": True, "mc": 0.9, "mc_masking": False, "opt.dgc": True}),
-    "topk-pt-dgc": ("topk", {"per_tensor": True, "mc": 0.9, "opt.dgc": True}),
+    "topk-pt-dgc": ("topk", {"per_tensor": True, "mc": 0.9, "mc_masking": True, "opt.dgc": True}),
     # ResNet study: GroupNorm gains/biases (and all biases) left exact
     "topk-keep-gn": ("topk", {"exclude": "*.n1.*|*.n2.*|norm.*|*.bias"}),
     "signsgd-keep-gn": ("signsgd", {"exclude": "*.n1.*|*.n2.*|norm.*|*.bias"}),
@@ -145,9 +145,11 @@ SETS = {
     # why the biased compressors lose accuracy on the narrow GroupNorm ResNet (digits_resnet)
     "resnet": ["ssgd", "acpsgd", "acpsgd-r8", "topk", "topk-keep-gn", "topk-0.04-warm10", "signsgd",
                "signsgd-b16", "signsgd-keep-gn"],
+    # ... and with momentum correction (with --sets dgc: the ResNet table of docs/convergence.md)
+    "resnet-dgc": ["ssgd", "topk-pt", "topk-pt-mc", "topk-pt-dgc", "signsgd-b16-mc", "acpsgd-r8-mc"],
     # DGC's momentum correction against the defaults (SGD+momentum tasks: digits_cnn, digits_resnet)
-    "dgc": ["ssgd", "ssgd-mc", "topk", "topk-dgc", "topk-mc-nomask", "signsgd", "signsgd-mc",
-            "acpsgd", "acpsgd-mc"],
+    # (the defaults' own rows come from the default suite: same seeds, same S-SGD bit for bit)
+    "dgc": ["ssgd", "ssgd-mc", "topk-dgc", "topk-mc-nomask", "signsgd-mc", "acpsgd-mc"],
     # why the biased compressors fall behind under AdamW, and what the literature's fixes buy
     # (text_lm only: the frozen variance replaces the task's AdamW; docs/convergence.md)
     "adamw": ["ssgd", "powersgd", "powersgd-warm0", "powersgd-r8", "acpsgd", "acpsgd-r8",
@@ -211,7 +213,7 @@ def build_compressor(name, settings):
     import bitscom
     comp = dict(split_settings(settings)[0])
     exclude = comp.pop("exclude", None)
-    mc, masking = comp.pop("mc", None), comp.pop("mc_masking", None)
+    mc, masking = comp.pop("mc", None), comp.pop("mc_masking", False)
     if isinstance(exclude, str):
         exclude = tuple(exclude.split("|"))
     built = bitscom.compressors.get(name, **comp)
@@ -367,9 +369,13 @@ def main(argv=None) -> int:
         args.sets = args.sets or ([] if args.variants else ["defaults"])
     args.seeds = args.seeds or 3
     os.makedirs(args.out, exist_ok=True)
-    if not args.plot_only:
-        with open(os.path.join(args.out, "command.txt"), "w") as f:
-            f.write("python scripts/convergence.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    if not args.plot_only:     # every invocation that added to this directory, in order
+        line = "python scripts/convergence.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        path = os.path.join(args.out, "command.txt")
+        old = open(path).read() if os.path.exists(path) else ""
+        if line not in old.splitlines():
+            with open(path, "w") as f:
+                f.write("".join(f"{c}\n" for c in old.splitlines() + [line]))
     args.task_kwargs = {t: ({"steps": args.steps} if args.steps else {}) for t in TASKS}
 
     if not args.plot_only:

@@ -157,6 +157,11 @@ def test_mnist_opt_resolution():
         mnist.resolve_opt("adam")
     import bitscom
     assert {name for name, _ in mnist.OPTS.values()} <= set(bitscom.compressors.names())
+    # opt=dgc: --momentum moves into the compressor (the SGD is then built without it)
+    comp, kwargs = mnist.make_compressor(bitscom, "dgc", {"ratio": 0.02, "momentum": 0.8, "rank": 4})
+    assert comp == bitscom.compressors.MomentumCorrection(bitscom.compressors.TopK(ratio=0.02), momentum=0.8)
+    assert comp.applies_momentum and kwargs == {"ratio": 0.02, "momentum": 0.8}
+    assert not mnist.make_compressor(bitscom, "topk", {"ratio": 0.02})[0].applies_momentum
 
 
 # ---- shell scripts -------------------------------------------------------------------------------
