@@ -175,7 +175,7 @@ def test_signsgd_average_and_bytes():
     flats = [g.clone() for g in gs]
     states = [comp.init_state(layout) for _ in gs]
     sent = lockstep(comp, flats, states, layout)
-    blocks = math.ceil(numel / comp.block_size)                 # one fp32 scale per 32 entries
+    blocks = math.ceil(numel / comp.block_size)                 # one fp32 scale per block_size entries
     assert sent == [math.ceil(numel / 8) + 4 * blocks] * world == [comp.wire_bytes(layout, world)] * world
     expect = sum(transmitted(comp, g) for g in gs) / world
     torch.testing.assert_close(flats[0], expect)

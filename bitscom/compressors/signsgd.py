@@ -6,14 +6,15 @@ have to be retuned. Sending one fp32 scale ``s = ‖x‖₁ / d`` (the mean abso
 segment makes ``s · sign(x)`` the best scaled-sign approximation of ``x`` in the ℓ2 sense given
 the signs, and keeps dense-SGD learning rates usable.
 
-Why per block (``block_size``, default 32): a segment's entries share one magnitude, so the
+Why per block (``block_size``, default 16): a segment's entries share one magnitude, so the
 finer the segments, the less each sign message distorts. One scale per bucket mixes layers
 whose magnitudes differ by orders; one per tensor (Karimireddy et al., ``block_size=None``)
 still makes every entry of a layer the same size, and the error-feedback residual then
 carries whole stale steps that momentum amplifies: measured on the digits MLP it diverged on
 some seeds (81% ± 14 over 12 seeds). With one scale per 32 entries (Zheng et al.'s blockwise
-EF-SignSGD) the same runs reach 96.23% ± 0.51 against S-SGD's 96.37% ± 0.34, for 2 bits per
-entry instead of 1.03 — still 16× fewer bytes than fp32 (docs/convergence.md). Blocks never
+EF-SignSGD) the MLP reached 96.23% ± 0.51 against S-SGD's 96.37% ± 0.34 (2 bits per entry,
+16× fewer bytes), but the suite's CNN still lost 0.87 pp; 16-entry blocks (3 bits per entry,
+10.7×) lost 0.20 pp there (docs/convergence.md), so 16 is the default. Blocks never
 cross a tensor boundary: a tensor of n entries has ``ceil(n / block_size)`` scales.
 
 Wire format, per rank and bucket of d elements in S scale segments: the d sign bits as the
@@ -73,7 +74,7 @@ def _segments(sizes: tuple, device: str):
 
 @dataclass(frozen=True)
 class SignSGD(Compressor):
-    """One bit per gradient entry plus one fp32 scale per 32-entry block, with error feedback.
+    """One bit per gradient entry plus one fp32 scale per 16-entry block, with error feedback.
 
     Args:
         error_feedback: keep ``x − s·sign(x)`` and add it to the next gradient. Needed for
@@ -82,9 +83,10 @@ class SignSGD(Compressor):
         majority_vote: ``False`` (default): average the ranks' scaled signs (EF-SignSGD).
             ``True``: the elementwise majority of the signs times the mean scale (signSGD
             with majority vote: robust to a minority of bad ranks, less accurate).
-        block_size: entries per scale, blocks inside each tensor (default 32: 2 bits per
-            entry on the wire, 16× fewer bytes than fp32); ``None``: one scale per tensor
-            (1 bit per entry, ~32×, diverged on some seeds with momentum SGD).
+        block_size: entries per scale, blocks inside each tensor (default 16: 3 bits per
+            entry on the wire, 10.7× fewer bytes than fp32; 32 halves the scales' cost, 16×,
+            and lost 0.9 pp instead of 0.2 on the suite's CNN); ``None``: one scale per
+            tensor (1 bit per entry, ~32×, diverged on some seeds with momentum SGD).
         start_iter: plain all-reduce of the bucket (its dtype, full bytes) for the first
             ``start_iter`` steps of the bucket. With Adam, pair it with
             :class:`bitscom.FrozenVarianceAdamW` (``freeze_step == start_iter``), the recipe
@@ -98,7 +100,7 @@ class SignSGD(Compressor):
     error_feedback: Optional[bool] = None
     majority_vote: bool = False
     start_iter: int = 0
-    block_size: Optional[int] = 32
+    block_size: Optional[int] = 16
 
     name = "signsgd"
 

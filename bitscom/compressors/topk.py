@@ -121,8 +121,8 @@ class TopK(Compressor):
         return x[indices], indices
 
     def reduce(self, flat, layout, state, comm: Comm):
-        numel = flat.numel()
-        k = self.k_of(layout) if numel == layout.numel else self.k_for(numel)
+        numel = flat.numel()                     # == layout.numel: callers pass the bucket's flat
+        k = self.k_of(layout)
         if k == 0:
             return
         step, state.step = state.step, state.step + 1
@@ -131,7 +131,7 @@ class TopK(Compressor):
             yield from plain_average(flat, comm)
             return
         x = state.compensate(flat)
-        values, indices = self.compress(x, k, layout if numel == layout.numel else None)
+        values, indices = self.compress(x, k, layout)
         state.last_sent = indices
         index_dtype = self._index_dtype(numel)
         words = 1 if index_dtype == torch.int32 else 2          # int32 words per index
