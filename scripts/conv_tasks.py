@@ -267,12 +267,16 @@ def text_lm(steps: int = 300, batch: int = 16, ctx: int = 64) -> Task:
         return {"eval_loss": F.cross_entropy(out.reshape(-1, 256), ey.reshape(-1)).item(),
                 "test_acc": (out.argmax(-1) == ey).float().mean().item() * 100}
 
-    def make_optimizer(m, world, freeze_step=None):
+    def make_optimizer(m, world, freeze_step=None, local_adam=False):
         """AdamW; with ``freeze_step``, :class:`bitscom.FrozenVarianceAdamW` (1-bit Adam's
-        frozen variance) with the same hyper-parameters."""
+        frozen variance) with the same hyper-parameters; with ``local_adam`` (the compressor
+        applies Adam's preconditioning, scripts/conv_local_adam.py), a plain SGD with the same
+        learning rate and decoupled decay (for SGD, weight_decay is the decoupled decay)."""
         decay = [p for n, p in m.named_parameters() if p.dim() >= 2]
         other = [p for n, p in m.named_parameters() if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
+        if local_adam:
+            return torch.optim.SGD(groups, lr=3e-3, momentum=0.0)
         if freeze_step is None:
             return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
         import bitscom
@@ -289,5 +293,5 @@ def text_lm(steps: int = 300, batch: int = 16, ctx: int = 64) -> Task:
 
 TASKS = {"digits_cnn": digits_cnn, "digits_resnet": digits_resnet, "text_lm": text_lm}
 # the options each task's make_optimizer takes (variant settings "opt.X"); others take none
-OPT_TASKS = {"text_lm": {"freeze_step"}, "digits_resnet": {"momentum", "lr_scale", "dgc"},
+OPT_TASKS = {"text_lm": {"freeze_step", "local_adam"}, "digits_resnet": {"momentum", "lr_scale", "dgc"},
              "digits_cnn": {"dgc"}}

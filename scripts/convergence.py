@@ -74,11 +74,14 @@ VARIANTS = {
     "powersgd-r2": ("powersgd", {"rank": 2}),
     "powersgd-r4": ("powersgd", {"rank": 4}),
     "powersgd-r8": ("powersgd", {"rank": 8}),
+    "powersgd-r16": ("powersgd", {"rank": 16}),
     "powersgd-warm0": ("powersgd", {"start_iter": 0}),
     "powersgd-warm30": ("powersgd", {"start_iter": 30}),
     "acpsgd-r1": ("acpsgd", {"rank": 1}),
     "acpsgd-r4": ("acpsgd", {"rank": 4}),
     "acpsgd-r8": ("acpsgd", {"rank": 8}),
+    "acpsgd-r16": ("acpsgd", {"rank": 16}),
+    "acpsgd-r32": ("acpsgd", {"rank": 32}),
     "acpsgd-warm30": ("acpsgd", {"start_iter": 30}),
     "topk-0.01": ("topk", {"ratio": 0.01}),
     "topk-0.03": ("topk", {"ratio": 0.03}),
@@ -87,6 +90,7 @@ VARIANTS = {
     "signsgd-pertensor": ("signsgd", {"block_size": None}),                      # EF, one scale per tensor
     "signsgd-b64": ("signsgd", {"block_size": 64}),
     "signsgd-b16": ("signsgd", {"block_size": 16}),
+    "signsgd-b32": ("signsgd", {"block_size": 32}),                               # the default before block 16
     "topk-0.04-warm10": ("topk", {"ratio": 0.04, "start_iter": 10}),
     # ResNet study: plain SGD (no momentum, 10x lr: the same effective step) isolates momentum
     "ssgd-nomom": ("none", {"opt.momentum": 0.0, "opt.lr_scale": 10.0}),
@@ -97,6 +101,12 @@ VARIANTS = {
     # on each rank before compression, the SGD without momentum and with weight_decay/(1-0.9)
     # (opt.dgc); ssgd-mc isolates that change of algorithm with nothing compressed
     "ssgd-mc": ("none", {"mc": 0.9, "opt.dgc": True}),
+    # AdamW's preconditioning on each rank before compression (study-only, text_lm)
+    "ssgd-ladam": ("none", {"ladam": True, "opt.local_adam": True}),
+    "topk-ladam": ("topk", {"ladam": True, "opt.local_adam": True}),
+    "signsgd-ladam": ("signsgd", {"ladam": True, "opt.local_adam": True}),
+    "acpsgd-ladam": ("acpsgd", {"ladam": True, "opt.local_adam": True}),
+    "powersgd-ladam": ("powersgd", {"ladam": True, "opt.local_adam": True}),
     "topk-dgc": ("topk", {"mc": 0.9, "mc_masking": True, "opt.dgc": True}),     # + factor masking
     "topk-mc-nomask": ("topk", {"mc": 0.9, "mc_masking": False, "opt.dgc": True}),
     "signsgd-mc": ("signsgd", {"mc": 0.9, "opt.dgc": True}),
@@ -209,11 +219,13 @@ def build_compressor(name, settings):
     parameter names, ``|``-separated) wraps it in :class:`bitscom.compressors.Exclude`: those
     tensors travel uncompressed. ``mc=M`` (and ``mc_masking=False``) wraps the result in
     :class:`bitscom.compressors.MomentumCorrection` with momentum ``M`` (pair it with
-    ``opt.dgc=True``: the task's SGD then has no momentum of its own)."""
+    ``opt.dgc=True``: the task's SGD then has no momentum of its own). ``ladam=True`` wraps it
+    in the study-only ``conv_local_adam.LocalAdam`` (pair it with ``opt.local_adam=True``)."""
     import bitscom
     comp = dict(split_settings(settings)[0])
     exclude = comp.pop("exclude", None)
     mc, masking = comp.pop("mc", None), comp.pop("mc_masking", False)
+    ladam = comp.pop("ladam", False)
     if isinstance(exclude, str):
         exclude = tuple(exclude.split("|"))
     built = bitscom.compressors.get(name, **comp)
@@ -221,6 +233,9 @@ def build_compressor(name, settings):
         built = bitscom.compressors.Exclude(built, patterns=exclude)
     if mc is not None:
         built = bitscom.compressors.MomentumCorrection(built, momentum=mc, masking=masking)
+    if ladam:                    # study-only (scripts/conv_local_adam.py); pair with opt.local_adam
+        from conv_local_adam import LocalAdam
+        built = LocalAdam(built)
     return built
 
 

@@ -554,3 +554,30 @@ def test_convergence_refuses_optimizer_settings_on_classification(convergence, t
     monkeypatch.setattr(convergence.mp, "spawn", no_spawn)
     with pytest.raises(SystemExit, match=f"freeze_step.*{task}"):
         convergence.main(["--tasks", task, "--variants", "topk-warm30-fv30", "--out", str(tmp_path)])
+
+
+def test_study_local_adam_matches_float64(convergence):
+    """The study-only LocalAdam (scripts/conv_local_adam.py) delivers the average over ranks of
+    each rank's bias-corrected Adam update of its own gradients (float64 reference, 2 ranks,
+    5 steps), and with TopK inside, what TopK makes of those updates."""
+    from conv_local_adam import LocalAdam
+    b1, b2, eps, world, numel = 0.9, 0.95, 1e-8, 2, 40
+    layout = BucketLayout(0, (TensorSlot("w", 0, numel, (numel,)),), torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    comp = LocalAdam(get("none"))
+    states = [comp.init_state(layout) for _ in range(world)]
+    m = [torch.zeros(numel, dtype=torch.float64) for _ in range(world)]
+    v = [torch.zeros(numel, dtype=torch.float64) for _ in range(world)]
+    for t in range(1, 6):
+        gs = [torch.randn(numel, generator=gen) * (r + 1) for r in range(world)]
+        flats = [g.clone() for g in gs]
+        lockstep(comp, flats, states, layout)
+        expect = torch.zeros(numel, dtype=torch.float64)
+        for r in range(world):
+            g = gs[r].double()
+            m[r] = b1 * m[r] + (1 - b1) * g
+            v[r] = b2 * v[r] + (1 - b2) * g * g
+            expect += (m[r] / (1 - b1 ** t)) / ((v[r] / (1 - b2 ** t)).sqrt() + eps) / world
+        assert all(torch.equal(f, flats[0]) for f in flats)
+        torch.testing.assert_close(flats[0].double(), expect, rtol=1e-5, atol=1e-6)
+    assert LocalAdam(TopK(ratio=0.1)).wire_bytes(layout, 2) == TopK(ratio=0.1).wire_bytes(layout, 2)
