@@ -8,7 +8,8 @@
 
 Each training script prints a digest of its parameters per rank: the replicas must agree
 bit for bit. Accuracy bounds: the digits test split has 397 images; chance is 10% with a
-standard error of ~1.5 points, so 40% is far outside what an untrained model scores.
+standard error of ~1.5 points, so 40% is far outside what an untrained model scores. The
+ACP-SGD script trains longer (352 steps) and is held to 70%, ~19 points under its lowest seed.
 """
 import os
 import re
@@ -68,7 +69,8 @@ def test_acpsgd_authors_mnist_pattern_without_acpsgd_init():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     d = _digests(proc.stdout)
     assert d["0"] == d["1"]
-    assert _accuracy(proc.stdout) > 40
+    # rank-4 ACP-SGD scored 88.7-94.2% over seeds 1, 2, 3, 42 with the script's defaults
+    assert _accuracy(proc.stdout) > 70
 
 
 def test_acpsgd_authors_benchmark_pattern_positional_form():

@@ -6,6 +6,13 @@ before ``DistributedOptimizer(optimizer, rank=...)`` (no named_parameters), and
 ``hvd.allreduce(tensor, name=...)`` for the test metrics. CPU patch: gloo, no ``.cuda()``;
 data: scikit-learn's 8x8 digits instead of MNIST (no download). Every rank prints a digest
 of its parameters for the replica check.
+
+Hyper-parameters (batch 16/rank, lr 0.025 x size, momentum 0.9, 8 epochs: 352 steps) are
+chosen to train stably, since the test asserts the model learned. The earlier 32/rank,
+lr 0.1 x size, 3 epochs (66 steps) sat at the edge of stability for rank-4 ACP-SGD from step
+0: test accuracy 10-26% over seeds 1, 2, 3, 42 (S-SGD 54-81%), and whether it passed a 40%
+bound depended on the CPU's rounding. With these settings rank-4 ACP-SGD reaches 89-94% over
+the same seeds.
 """
 import argparse
 import hashlib
@@ -22,10 +29,10 @@ from sklearn.datasets import load_digits
 import acpsgd as hvd
 
 parser = argparse.ArgumentParser()
-parser.add_argument('--batch-size', type=int, default=32)
-parser.add_argument('--epochs', type=int, default=3)
+parser.add_argument('--batch-size', type=int, default=16)
+parser.add_argument('--epochs', type=int, default=8)
 parser.add_argument('--rank', type=int, default=4)
-parser.add_argument('--lr', type=float, default=0.1)
+parser.add_argument('--lr', type=float, default=0.025)
 parser.add_argument('--momentum', type=float, default=0.9)
 parser.add_argument('--seed', type=int, default=42)
 parser.add_argument('--log-interval', type=int, default=10)
