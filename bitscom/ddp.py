@@ -29,6 +29,7 @@ from .agreement import check_agreement, require_member
 from .compressors import Compressor, resolve as resolve_compressor
 from .compressors.base import BucketLayout, TensorSlot
 from .engine import Reducer, comm_stats
+from .lowbit.config import canonical_fingerprint
 from .params import checked_pairs
 
 __all__ = ["ddp_comm_hook", "DDPCommState"]
@@ -182,7 +183,7 @@ class DDPCommState:
         saved state waits until DDP hands over a bucket of that index with those shapes (a
         fresh DDP model builds its buckets during its first backward).
         """
-        if state_dict.get("compressor") != self.compressor.fingerprint():
+        if canonical_fingerprint(str(state_dict.get("compressor"))) != self.compressor.fingerprint():
             raise ValueError(f"checkpoint compressor {state_dict.get('compressor')} differs from "
                              f"{self.compressor.fingerprint()}")
         if self._pending:

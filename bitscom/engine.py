@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .comm import Comm, Rounds
 from .compressors.base import BucketLayout, Compressor, State
+from .lowbit.config import canonical_fingerprint
 
 __all__ = ["Reducer", "comm_stats"]
 
@@ -125,7 +126,8 @@ class Reducer:
         if len(saved) != len(self.states):
             raise ValueError(f"checkpoint holds compressor state for {len(saved)} buckets, "
                              f"this plan has {len(self.states)}")
-        if state.get("compressor") not in (None, self.compressor.fingerprint()):
+        saved = state.get("compressor")
+        if saved is not None and canonical_fingerprint(saved) != self.compressor.fingerprint():
             raise ValueError(f"checkpoint compressor {state['compressor']} differs from "
                              f"{self.compressor.fingerprint()}")
         for s, d in zip(self.states, saved):

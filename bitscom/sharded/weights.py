@@ -18,8 +18,9 @@ from typing import List, Sequence
 
 import torch
 
-from ..quantization import Codec, mix_seed
-from ..comm import all_gather_flat
+from ..comm import Comm, drive
+from ..lowbit.codec import Codec
+from ..lowbit.seeds import mix_seed
 from .config import ShardedConfig
 from .gradients import Topology
 from .layout import ShardPlan
@@ -58,53 +59,63 @@ def replica_shard(plan: ShardPlan, bucket: int, params: Sequence[torch.Tensor]) 
     return out
 
 
+def _encode(cfg: ShardedConfig, topo: Topology, plan: ShardPlan, master: torch.Tensor,
+            params: List[torch.Tensor], step: int, i: int) -> torch.Tensor:
+    """What this rank sends for bucket ``i``: ``Q(master - replica)`` bytes, or its master
+    shard in the parameters' dtype."""
+    b = plan.buckets[i]
+    mine = master[b.master_offset:b.master_offset + b.shard_numel]
+    if cfg.quantized_weights and topo.world > 1:
+        codec = Codec(cfg.weight_quantization_bits, cfg.wq_group_size, stochastic=True)
+        diff = mine.to(torch.float32) - replica_shard(plan, i, params)
+        row = torch.empty(codec.row_bytes(b.shard_numel), dtype=torch.uint8, device=master.device)
+        codec.encode(diff, row, mix_seed(cfg.seed, step, topo.rank, i, 0, 3))
+        return row
+    return mine.to(params[0].dtype).contiguous()
+
+
+def _apply(cfg: ShardedConfig, world: int, b, R: int, out: torch.Tensor, params: List[torch.Tensor]) -> None:
+    """Bring bucket ``b``'s parameters up to date from the gathered rows ``out``."""
+    with torch.no_grad():
+        if cfg.quantized_weights and world > 1:
+            codec = Codec(cfg.weight_quantization_bits, cfg.wq_group_size, stochastic=True)
+            rows = out.view(world, R)
+            full = torch.empty(world * b.shard_numel, dtype=torch.float32, device=out.device)
+            for j in range(world):
+                codec.decode(rows[j], b.shard_numel, full[j * b.shard_numel:(j + 1) * b.shard_numel])
+            for s in b.slots:
+                p = params[s.index]
+                wide = torch.promote_types(p.dtype, torch.float32)
+                new = p.detach().reshape(-1).to(wide) + full[s.offset:s.end]
+                p.detach().copy_(new.view(p.shape))
+        else:
+            for s in b.slots:
+                p = params[s.index]
+                p.detach().copy_(out[s.offset:s.end].view(p.shape))
+
+
+def _gather_rounds(cfg, topo, plan, master, params, step, comm: Comm):
+    """Round generator: every bucket's all-gather in one round (bucket order), then the updates."""
+    launched, works = [], []
+    for i, b in enumerate(plan.buckets):
+        row = _encode(cfg, topo, plan, master, params, step, i)
+        out = torch.empty(topo.world * row.numel(), dtype=row.dtype, device=master.device)
+        works.append(comm.all_gather(out, row))
+        launched.append((b, row.numel(), out))
+    yield works
+    for b, R, out in launched:
+        _apply(cfg, topo.world, b, R, out, params)
+
+
 def gather_parameters(cfg: ShardedConfig, topo: Topology, plan: ShardPlan, master: torch.Tensor,
                       params: List[torch.Tensor], step: int) -> int:
-    """Bring every replica up to date from the owners' master shards; returns bytes sent.
+    """Bring every replica up to date from the owners' master shards; returns bytes sent
+    (counted by the :class:`~bitscom.comm.Comm` that issues the all-gathers).
 
     Example::
 
         sent = gather_parameters(cfg, topo, plan, master, params, step)
     """
-    world = topo.world
-    dtype = params[0].dtype
-    device = master.device
-    launched = []
-    sent = 0
-    for i, b in enumerate(plan.buckets):
-        mine = master[b.master_offset:b.master_offset + b.shard_numel]
-        if cfg.quantized_weights and world > 1:
-            codec = Codec(cfg.weight_quantization_bits, cfg.wq_group_size, stochastic=True)
-            diff = mine.to(torch.float32) - replica_shard(plan, i, params)
-            row = torch.empty(codec.row_bytes(b.shard_numel), dtype=torch.uint8, device=device)
-            codec.encode(diff, row, mix_seed(cfg.seed, step, topo.rank, i, 0, 3))
-        else:
-            row = mine.to(dtype).contiguous()
-        out = torch.empty(world * row.numel(), dtype=row.dtype, device=device)
-        if world > 1:
-            sent += row.numel() * row.element_size()
-            work = all_gather_flat(out, row, group=topo.group, async_op=True)
-        else:
-            out.copy_(row)
-            work = None
-        launched.append((b, row.numel(), out, work))
-    for b, R, out, work in launched:
-        if work is not None:
-            work.wait()
-        with torch.no_grad():
-            if cfg.quantized_weights and world > 1:
-                codec = Codec(cfg.weight_quantization_bits, cfg.wq_group_size, stochastic=True)
-                rows = out.view(world, R)
-                full = torch.empty(world * b.shard_numel, dtype=torch.float32, device=device)
-                for j in range(world):
-                    codec.decode(rows[j], b.shard_numel, full[j * b.shard_numel:(j + 1) * b.shard_numel])
-                for s in b.slots:
-                    p = params[s.index]
-                    wide = torch.promote_types(p.dtype, torch.float32)
-                    new = p.detach().reshape(-1).to(wide) + full[s.offset:s.end]
-                    p.detach().copy_(new.view(p.shape))
-            else:
-                for s in b.slots:
-                    p = params[s.index]
-                    p.detach().copy_(out[s.offset:s.end].view(p.shape))
-    return sent
+    comm = Comm(topo.group, rank=topo.rank, size=topo.world)
+    drive(_gather_rounds(cfg, topo, plan, master, params, step, comm), comm)
+    return comm.bytes_sent

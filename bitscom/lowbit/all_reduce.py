@@ -1,0 +1,208 @@
+"""The low-bit all-reduce, flat and hierarchical, as one round generator (:func:`all_reduce_rounds`).
+
+Two-stage all-reduce, for P ranks:
+
+1. pad the flat tensor to ``N = P * m`` (``m`` a multiple of ``block_size``), optionally
+   rotate it by a Hadamard transform, apply error feedback;
+2. quantize shard ``j`` (``bitwidth``; wire format: ``docs/format.md``,
+   :class:`~bitscom.lowbit.codec.Codec`) into row ``j`` of a send buffer and all-to-all it:
+   rank ``r`` receives shard ``r`` of every rank;
+3. dequantize the P rows and sum them in float32, in rank order (scale by ``1/P`` to average);
+4. requantize the reduced shard at ``stage2_bitwidth`` (its own setting: see
+   :data:`~bitscom.lowbit.config.DEFAULT_STAGE2_BITS`) and all-gather the bytes;
+5. every rank dequantizes *the gathered bytes*, its own shard included, so every rank ends
+   with bitwise-identical values.
+
+Hierarchical variants stack the same steps over an intra-node and an inter-node group (see
+:class:`~bitscom.lowbit.config.LowBitConfig`'s ``hierarchy``); ``chunk_size`` cuts the tensor
+into chunks run in lockstep, so chunk ``k``'s inter-node round is in flight together with chunk
+``k+1``'s intra-node round.
+
+Stochastic-rounding seeds are derived from (config seed, key, step, rank, stage) by
+:func:`~bitscom.lowbit.seeds.stage_seed`: different for every rank, stage and step, and
+reproducible from a checkpoint. Error feedback is
+:class:`~bitscom.lowbit.error_feedback.ErrorFeedback`, the same object every compressor uses.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional
+
+import torch
+
+from .config import LowBitConfig
+from .error_feedback import ErrorFeedback
+from .hadamard import hadamard
+from .rounds import chunk_bounds, leader_rounds, levels_rounds, pad, pipeline, unit_size, world_rank
+from .seeds import key_id, stage_seed
+from .state import LowBitState
+
+__all__ = ["all_reduce_rounds", "wire_bytes_all_reduce"]
+
+
+def _route(cfg: LowBitConfig, comm, intra, inter):
+    """What actually runs: (hierarchy, flat comm, level sizes, world size). ``"single_node"``
+    is one full-precision all-reduce over ``intra``; ``two_level`` with one rank per node is
+    the flat algorithm over ``inter``."""
+    hier = cfg.hierarchy
+    if hier == "none":
+        return hier, comm, [comm.size], comm.size
+    if intra is None or inter is None:
+        raise ValueError(f"hierarchy={hier!r} needs intra and inter groups")
+    world = intra.size * inter.size
+    if inter.size == 1:
+        return "single_node", comm, [intra.size], world
+    if hier == "two_level" and intra.size == 1:
+        return "none", inter, [inter.size], world
+    return hier, comm, [intra.size, inter.size], world
+
+
+class _Feedback:
+    """The error-feedback side of one all-reduce: what is sent, what the wire carried, the
+    stage-2 residual and the EF21 anchors, per chunk; and the update once the result is known."""
+
+    def __init__(self, cfg: LowBitConfig, state: LowBitState, x: torch.Tensor, div: int):
+        N, dev = x.numel(), x.device
+        self.cfg, self.state, self.div, self.N = cfg, state, div, N
+        self.send, self.sent = x, None
+        if cfg.residual:
+            state.residual.ensure(N, dev)
+            self.send = state.residual.compensate(x)     # x + e, in the residual buffer
+            self.sent = torch.empty_like(self.send)      # receives D(C(send))
+        elif cfg.ef21:
+            g_i = state.estimate("local_estimate", N, dev)
+            self.send = x.sub_(g_i)
+            self.sent = torch.empty_like(self.send)
+        self.e2 = state.stage2_residual.ensure(N // div, dev) if cfg.stage2_error_feedback else None
+        # EF21 without stage-2 feedback: the shard owners keep g exactly and requantize g itself.
+        # Adding requantized *increments* to g instead (what ef21_plus does, with stage-2 feedback
+        # to pay the rounding back) lets g drift from the mean of the g_i by the sum of every
+        # step's stage-2 rounding error: measured, the output error grew from 0.2 to 3.4
+        # (relative) over 400 steps and training diverged (docs/lowbit.md, "EF21").
+        self.anchors = state.estimate("global_shard", N // div, dev) \
+            if cfg.error_feedback_mode == "ef21" else None
+        self.pending: list = []
+
+    def chunk(self, s: int, t: int):
+        """(send, sent, stage-2 feedback, anchor) of elements ``[s, t)``."""
+        d = self.div
+        sv = None if self.sent is None else self.sent[s:t]
+        ev = None if self.e2 is None else ErrorFeedback.over(self.e2[s // d:t // d])
+        av = None if self.anchors is None else self.anchors[s // d:t // d]
+        return self.send[s:t], sv, ev, av
+
+    def finish(self, out: torch.Tensor, follower: bool) -> torch.Tensor:
+        """Update residuals / estimates from this step; returns the output (EF21+: the estimate)."""
+        cfg, state = self.cfg, self.state
+        if cfg.residual:
+            if follower:           # a leader-hierarchy follower sends nothing across nodes
+                state.residual.reset()
+            else:
+                state.residual.update(self.sent)
+                state.residual.drop_nonfinite()
+            return out
+        if not cfg.ef21:
+            return out
+        # ``out`` is identical on every rank, so all ranks agree whether this step was finite.
+        # A step with NaN/Inf (an overflow AMP will skip) shows in the result but moves no
+        # estimate, keeping g the mean of the g_i and later steps finite.
+        finite = bool(torch.isfinite(out).all())
+        if finite and not follower:
+            state.local_estimate.add_(self.sent)
+        if self.anchors is not None:     # ef21: ``out`` already is the (requantized) estimate g
+            if finite:
+                for anchor, shard in self.pending:
+                    anchor.add_(shard)
+            return out
+        g = state.estimate("global_estimate", self.N, out.device)   # ef21_plus: g += increment
+        return g.add_(out) if finite else g + out
+
+
+def _chunk_rounds(hier, comm, intra, inter, cfg, fb: _Feedback, alpha, seeds, s, t) -> Iterator:
+    send, sent, stage2_ef, anchor = fb.chunk(s, t)
+    c1 = cfg.codec(cfg.bitwidth)
+    c2 = cfg.codec(cfg.resolved_stage2_bitwidth)
+    if hier == "none":
+        return levels_rounds(send, [(comm, c1)], c2, alpha, seeds, s, sent, stage2_ef, anchor, fb.pending)
+    if hier == "two_level":
+        levels = [(intra, cfg.codec(cfg.intra_bitwidth)), (inter, c1)]
+        return levels_rounds(send, levels, c2, alpha, seeds, s, sent, stage2_ef, anchor, fb.pending)
+    return leader_rounds(send, intra, inter, cfg, alpha, seeds, s, sent, stage2_ef, anchor, fb.pending)
+
+
+def _state_for(cfg: LowBitConfig, state: Optional[LowBitState]) -> LowBitState:
+    if state is not None:
+        return state
+    if cfg.error_feedback or cfg.stage2_error_feedback:
+        raise ValueError("error feedback needs a LowBitState (pass state=...)")
+    return LowBitState()
+
+
+def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Optional[LowBitState] = None,
+                      *, average: bool = True, key=0, intra=None, inter=None) -> Iterator:
+    """Round generator: replace ``flat`` by the low-bit sum (or average) over ranks, in place.
+
+    ``comm`` is the flat group; the hierarchies use ``intra`` and ``inter`` instead (with a
+    single node, ``inter.size == 1``, they take one full-precision all-reduce over ``intra``).
+    On exit ``flat`` is bitwise identical on every rank. ``state`` is required for error
+    feedback and reproducible stochastic rounding; it advances one step per call.
+
+    Example::
+
+        state = LowBitState()
+        drive(all_reduce_rounds(grad, Comm(group), LowBitConfig(bitwidth=4), state))
+    """
+    if not flat.is_floating_point():
+        raise TypeError(f"low-bit all_reduce needs a floating tensor, got {flat.dtype}")
+    state = _state_for(cfg, state)
+    hier, comm, sizes, world = _route(cfg, comm, intra, inter)
+    n = flat.numel()
+    if n == 0 or world == 1:
+        return
+    alpha = 1.0 / world if average else 1.0
+    if hier == "single_node":
+        # Single node: one full-precision all-reduce (intra-node links are not the bottleneck).
+        yield intra.all_reduce(flat)
+        if average:
+            flat.div_(world)
+        return
+    state.bind(n)
+    unit = unit_size(sizes, cfg)
+    x = pad(flat, unit, cfg, state)
+    rank = world_rank(comm if hier == "none" else intra)
+    step, kid = state.step, key_id(key)
+    state.step += 1
+
+    def seeds(stage):
+        return stage_seed(cfg.seed, kid, step, rank, stage)
+
+    div = inter.size if hier == "leader" else math.prod(sizes)  # elements per final shard: N/div
+    fb = _Feedback(cfg, state, x, div)
+    gens = [_chunk_rounds(hier, comm, intra, inter, cfg, fb, alpha, seeds, s, t)
+            for s, t in chunk_bounds(x.numel(), unit, cfg.chunk_size)]
+    parts = yield from pipeline(gens)
+    out = torch.cat(parts) if len(parts) > 1 else parts[0]
+    leader = hier == "leader"
+    if leader and len(parts) == 1:
+        out = out.clone()   # a follower's result is the broadcast into ``send``, which EF reuses
+    out = fb.finish(out, follower=leader and intra.rank != 0)
+    if cfg.hadamard:
+        out = hadamard(out)
+    flat.copy_(out[:n].view(flat.shape))
+
+
+def wire_bytes_all_reduce(numel: int, world: int, cfg: LowBitConfig) -> int:
+    """Bytes one rank hands to the network for a flat low-bit all_reduce of ``numel`` elements.
+
+    All-to-all of P rows at ``bitwidth`` plus the all-gather of one row at ``stage2_bitwidth``
+    (what :class:`~bitscom.comm.Comm` counts: each collective's input buffer).
+
+    Example::
+
+        wire_bytes_all_reduce(1 << 20, 4, LowBitConfig(bitwidth=4))
+    """
+    unit = world * cfg.block_size
+    N = max(unit, -(-numel // unit) * unit)
+    m = N // world
+    return world * cfg.codec(cfg.bitwidth).row_bytes(m) + cfg.codec(cfg.resolved_stage2_bitwidth).row_bytes(m)

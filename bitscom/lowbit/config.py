@@ -1,0 +1,275 @@
+"""Settings of the low-bit collectives: :class:`LowBitConfig`, one frozen object for every face.
+
+Vocabulary. Error feedback on the first-stage quantization keeps a *residual* ``e`` (send
+``C(x + e)``, keep ``e = x + e - D(C(x + e))``); its mode is called ``"residual"``. The seed
+project called it ``"legacy"``, and that spelling is still accepted everywhere (an exact alias,
+:data:`EF_MODE_ALIASES`): the config stores the canonical name, so two configs that differ only
+in the spelling are equal and have the same fingerprint on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import kernels
+from .codec import Codec
+from .format import FULL_PRECISION, SUPPORTED_BITS
+
+__all__ = ["FULL_PRECISION", "EF_MODES", "EF_MODE_ALIASES", "HIERARCHIES", "BACKEND_OPS", "ALIASES",
+           "DEFAULT_STAGE2_BITS", "LowBitConfig", "canonical_ef_mode", "canonical_fingerprint"]
+
+EF_MODES = ("none", "residual", "ef21", "ef21_plus")
+"""Error-feedback modes (see :class:`LowBitConfig`); :data:`EF_MODE_ALIASES` lists other spellings."""
+EF_MODE_ALIASES = {"legacy": "residual"}
+"""Accepted spellings of a mode: the seed project's ``"legacy"`` is ``"residual"``."""
+HIERARCHIES = ("none", "leader", "two_level")
+BACKEND_OPS = ("all_reduce", "reduce_scatter", "all_gather")
+"""Collectives the ``lowbit`` backend can send in low bit (:attr:`LowBitConfig.backend_ops`)."""
+ALIASES = {"bits": "bitwidth", "stage2_bits": "stage2_bitwidth", "intra_bits": "intra_bitwidth",
+           "hierarchical": "hierarchy"}
+"""Exact aliases :meth:`LowBitConfig.build` accepts for a setting (older bitscom names)."""
+
+DEFAULT_STAGE2_BITS = {1: 4, 2: 4, 4: 4, 8: 8, 12: 12, 16: 16, 32: 32}
+"""Default width of the requantized reduced shard, per first-stage width: never below 4.
+
+Measured (docs/lowbit.md; ``scripts/collective_compare.py``): requantizing a reduced
+shard at 1 or 2 bits has a relative error of 0.6-1.1 *by itself* (a ternary or sign code
+keeps little of a near-Gaussian sum, and stochastic rounding at 2 bits is worse than sending
+nothing), while 4 bits costs ~0.12 and 8 bits ~0.007. Stage 2 is not averaged over ranks,
+so a 1- or 2-bit first stage is paired with a 4-bit second stage; pass ``stage2_bitwidth=8``
+when accuracy matters more than the all-gather's bytes.
+"""
+
+_WIDTHS = tuple(SUPPORTED_BITS) + (FULL_PRECISION,)
+
+
+def _check_width(name, value, allow_none=False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value not in _WIDTHS:
+        raise ValueError(f"{name}={value!r} is not supported; allowed widths are {_WIDTHS} "
+                         f"({FULL_PRECISION} = full-precision float32)")
+
+
+@dataclass(frozen=True)
+class LowBitConfig:
+    """Settings of the low-bit collectives, one object for every face; every rank must use equal
+    settings (checked).
+
+    The same settings, by the same names, configure :class:`bitscom.compressors.LowBit`,
+    :class:`bitscom.LowBitGroup`, :func:`bitscom.register_lowbit_backend` and
+    ``bitscom.init(bitwidth=...)``: each takes ``config=`` or these names as keywords
+    (:meth:`build`).
+
+    Attributes:
+        bitwidth: first-stage width (what each rank sends in the all-to-all; in ``two_level`` the
+            inter-node all-to-all): 1, 2, 4, 8, 12, 16, or 32 (float32). Fewer bits = fewer bytes,
+            more error; 1 = scaled sign.
+        stage2_bitwidth: width of the requantized reduced shard that is all-gathered. It costs
+            as many bytes as stage 1 on a ring, but its error is not averaged over ranks; ``None``
+            takes :data:`DEFAULT_STAGE2_BITS` (max(bitwidth, 4)).
+        block_size: elements per scale (power of two, 32..65536). Small blocks track magnitudes
+            better, each block costs 16 bits of scale.
+        stochastic_rounding: unbiased rounding (errors average out over ranks and steps) at about
+            twice the per-element variance of round-to-nearest.
+        hadamard: rotate 32-element runs by an orthonormal Hadamard transform before quantizing
+            (SDP4Bit): spreads outliers so a block's scale fits its typical value; costs two
+            extra passes over memory.
+        error_feedback: the seed's switch: ``True`` means ``error_feedback_mode="residual"``.
+            After construction it reads ``error_feedback_mode != "none"``.
+        error_feedback_mode: ``"none"``; ``"residual"`` (the seed's ``"legacy"``, accepted as
+            an alias) keeps the residual of the first-stage quantization and adds it to the next
+            input (unbiased over time, one extra buffer);
+            ``"ef21"`` keeps an estimate ``g_i`` per rank, sends ``C(x - g_i)`` and maintains the
+            aggregate estimate (two extra buffers; the output is the estimate, not the raw
+            average); ``"ef21_plus"`` is ``"ef21"`` plus ``stage2_error_feedback``. ``None``
+            (default) follows ``error_feedback``.
+        stage2_error_feedback: keep the residual of the stage-2 requantization of this rank's
+            reduced shard and add it back next step; one buffer of n/P. Implied by ``ef21_plus``.
+        hierarchy: ``"none"`` (flat over one group), ``"leader"`` (the seed's pipeline A: local
+            reduce to the node leader -> low-bit all-reduce among the leaders -> local broadcast:
+            fewer inter-node flows, the local stage in full precision unless ``local_quantize``)
+            or ``"two_level"`` (SDP4Bit: intra-node all-to-all at ``intra_bitwidth`` ->
+            inter-node all-to-all at ``bitwidth`` -> all-gathers: every rank uses the inter-node
+            links, 1/L of the data each).
+        intra_bitwidth: width of the intra-node stage (``two_level``; ``leader`` with
+            ``local_quantize``). Intra-node links are fast, so 8 bits or 32 (full) is typical.
+        local_quantize: ``leader`` only: quantize the local stage at ``intra_bitwidth``.
+        chunk_size: elements per pipelined chunk (``None`` = one chunk). Smaller chunks overlap
+            the stages better but launch more, smaller collectives.
+        seed: base of the stochastic-rounding seeds.
+        simulate_quantization: compute exactly what the low-bit wire would give (every setting
+            above honoured) but send the dequantized values as float32: the accuracy of a
+            setting without its bandwidth saving, for validation.
+        backend_ops: which collectives the ``lowbit`` backend sends in low bit: any of
+            :data:`BACKEND_OPS`; the others are forwarded exactly. :class:`~bitscom.LowBitGroup`
+            and :class:`~bitscom.compressors.LowBit` ignore it (their methods say what they do).
+
+    Example::
+
+        cfg = LowBitConfig(bitwidth=4, stochastic_rounding=True, error_feedback=True)
+        cfg.error_feedback_mode            # 'residual' (the seed's 'legacy' is accepted too)
+        LowBitConfig.build(cfg, bits=2)    # aliases and overrides, validated
+    """
+
+    bitwidth: int = 4
+    stage2_bitwidth: Optional[int] = None
+    block_size: int = 128
+    stochastic_rounding: bool = False
+    hadamard: bool = False
+    error_feedback: bool = False
+    error_feedback_mode: Optional[str] = None
+    stage2_error_feedback: bool = False
+    hierarchy: str = "none"
+    intra_bitwidth: int = 8
+    local_quantize: bool = False
+    chunk_size: Optional[int] = None
+    seed: int = 0
+    simulate_quantization: bool = False
+    backend_ops: tuple = ("all_reduce",)
+
+    def __post_init__(self):
+        _check_width("bitwidth", self.bitwidth)
+        _check_width("stage2_bitwidth", self.stage2_bitwidth, allow_none=True)
+        _check_width("intra_bitwidth", self.intra_bitwidth)
+        kernels.format.check_block_size(self.block_size)
+        for name in ("stochastic_rounding", "hadamard", "error_feedback", "stage2_error_feedback",
+                     "local_quantize", "simulate_quantization"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool (True or False), got {getattr(self, name)!r}"
+                                + (f"; pick a mode with error_feedback_mode={EF_MODES}"
+                                   if name == "error_feedback" else ""))
+        self._resolve_error_feedback()
+        if self.hierarchy not in HIERARCHIES:
+            raise ValueError(f"hierarchy={self.hierarchy!r} is not one of {HIERARCHIES}")
+        if self.local_quantize and self.hierarchy != "leader":
+            raise ValueError("local_quantize=True applies to hierarchy='leader' only, "
+                             f"got hierarchy={self.hierarchy!r}")
+        if self.chunk_size is not None and (isinstance(self.chunk_size, bool)
+                                            or not isinstance(self.chunk_size, int)
+                                            or self.chunk_size < 1):
+            raise ValueError(f"chunk_size={self.chunk_size!r} must be None or an int >= 1")
+        kernels.format.check_seed(self.seed)
+        self._resolve_backend_ops()
+
+    def _resolve_error_feedback(self) -> None:
+        """Store the canonical mode (aliases resolved, ``ef21`` + stage-2 feedback = ``ef21_plus``)
+        and the switches it implies."""
+        mode = self.error_feedback_mode
+        if mode is None:
+            mode = "residual" if self.error_feedback else "none"
+        mode = canonical_ef_mode(mode)
+        if self.error_feedback and mode == "none":
+            raise ValueError("error_feedback=True contradicts error_feedback_mode='none'; pass one "
+                             f"of them (error_feedback=True means 'residual'; modes: {EF_MODES})")
+        stage2_ef = self.stage2_error_feedback
+        if mode == "ef21_plus":
+            stage2_ef = True
+        elif mode == "ef21" and stage2_ef:
+            mode = "ef21_plus"          # the same algorithm under its one name
+        object.__setattr__(self, "error_feedback_mode", mode)
+        object.__setattr__(self, "error_feedback", mode != "none")
+        object.__setattr__(self, "stage2_error_feedback", stage2_ef)
+
+    def _resolve_backend_ops(self) -> None:
+        ops = self.backend_ops
+        if isinstance(ops, str) or not isinstance(ops, (tuple, list, set, frozenset)) \
+                or any(op not in BACKEND_OPS for op in ops):
+            raise ValueError(f"backend_ops={ops!r} must be a tuple of names from {BACKEND_OPS}")
+        object.__setattr__(self, "backend_ops", tuple(op for op in BACKEND_OPS if op in ops))
+        if self.ef21 and set(self.backend_ops) - {"all_reduce"}:
+            raise ValueError(f"error_feedback_mode={self.error_feedback_mode!r} is defined for all_reduce "
+                             f"only; backend_ops={self.backend_ops} also compresses reduce_scatter/all_gather "
+                             "(use 'residual' or 'none' there)")
+
+    @classmethod
+    def build(cls, config: Optional["LowBitConfig"] = None, **settings) -> "LowBitConfig":
+        """``config`` (default: all defaults) with ``settings`` replaced, by their names or
+        :data:`ALIASES`; an unknown name is a ``TypeError`` listing the allowed ones.
+
+        Example::
+
+            LowBitConfig.build(bits=2, error_feedback_mode="ef21")
+        """
+        if config is not None and not isinstance(config, LowBitConfig):
+            raise TypeError(f"config must be a LowBitConfig, got {type(config).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        values = {}
+        for key, value in settings.items():
+            name = ALIASES.get(key, key)
+            if name not in names:
+                raise TypeError(f"unknown low-bit setting {key!r}; the settings are {names} "
+                                f"(aliases: {ALIASES})")
+            if name in values:
+                raise TypeError(f"setting {name!r} given twice (as {key!r} and by its other name)")
+            values[name] = value
+        if config is None:
+            return cls(**values)
+        if "error_feedback_mode" in values and "error_feedback" not in values:
+            values["error_feedback"] = False       # the mode decides
+        if "error_feedback" in values and "error_feedback_mode" not in values:
+            values["error_feedback_mode"] = None   # the switch decides
+            values.setdefault("stage2_error_feedback", False if config.error_feedback_mode == "ef21_plus"
+                              else config.stage2_error_feedback)
+        return dataclasses.replace(config, **values)
+
+    @property
+    def resolved_stage2_bitwidth(self) -> int:
+        return DEFAULT_STAGE2_BITS[self.bitwidth] if self.stage2_bitwidth is None else self.stage2_bitwidth
+
+    @property
+    def residual(self) -> bool:
+        """Residual error feedback on the first stage (mode ``"residual"``)."""
+        return self.error_feedback_mode == "residual"
+
+    @property
+    def legacy(self) -> bool:
+        """The seed's name of :attr:`residual` (mode ``"legacy"`` = ``"residual"``)."""
+        return self.residual
+
+    @property
+    def ef21(self) -> bool:
+        """EF21 estimates (modes ``"ef21"`` and ``"ef21_plus"``)."""
+        return self.error_feedback_mode in ("ef21", "ef21_plus")
+
+    @property
+    def needs_state(self) -> bool:
+        return self.error_feedback or self.stage2_error_feedback or self.stochastic_rounding
+
+    def codec(self, bits: int) -> Codec:
+        """The :class:`~bitscom.lowbit.codec.Codec` of a stage at width ``bits``."""
+        return Codec(bits, self.block_size, self.stochastic_rounding, self.simulate_quantization)
+
+
+def canonical_ef_mode(mode) -> str:
+    """The canonical name of an error-feedback mode (:data:`EF_MODES`), resolving
+    :data:`EF_MODE_ALIASES`; anything else is a ``ValueError`` listing the modes.
+
+    Example::
+
+        canonical_ef_mode("legacy")   # 'residual'
+    """
+    if isinstance(mode, str):
+        mode = EF_MODE_ALIASES.get(mode, mode)
+    if mode not in EF_MODES:
+        hint = " ('ef' is now called 'legacy', documented as 'residual')" if mode == "ef" else ""
+        raise ValueError(f"error_feedback_mode={mode!r} is not one of {EF_MODES} (aliases: "
+                         f"{EF_MODE_ALIASES}){hint}")
+    return mode
+
+
+def canonical_fingerprint(text: str) -> str:
+    """A settings fingerprint (``repr`` of a :class:`LowBitConfig`, or text containing one) with
+    the seed's mode spelling replaced by the canonical one: what a checkpoint written before the
+    rename compares equal to.
+
+    Example::
+
+        canonical_fingerprint("LowBitConfig(..., error_feedback_mode='legacy', ...)")
+        # "LowBitConfig(..., error_feedback_mode='residual', ...)"
+    """
+    for alias, name in EF_MODE_ALIASES.items():
+        text = text.replace(f"error_feedback_mode={alias!r}", f"error_feedback_mode={name!r}")
+    return text

@@ -1,0 +1,239 @@
+"""Building blocks of the low-bit round generators, shared by :mod:`.all_reduce`,
+:mod:`.scatter_gather` and :mod:`.levelwise`.
+
+A *round generator* issues asynchronous collectives through :class:`bitscom.comm.Comm`
+objects, yields their work handle(s) and continues once they completed (driven by
+:class:`bitscom.comm.Rounds`). The pieces here: one all-to-all stage (:func:`scatter`,
+:func:`scatter_reduce`), the reduce-then-gather ladder over levels of groups
+(:func:`levels_rounds`, :func:`leader_rounds`), lockstep pipelining of chunks
+(:func:`pipeline`), padding, and the cross-rank size check (:func:`same_size_rounds`).
+Names without ``__all__`` membership are package-internal.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .config import LowBitConfig
+from .error_feedback import ErrorFeedback
+from .hadamard import hadamard
+from .state import LowBitState
+
+__all__ = ["pipeline", "same_size_rounds"]
+
+
+def scatter(x, comm, codec, seed, offset, sent=None, row_stride=None):
+    """Round: quantize x [P*m] in P shards and all-to-all them; returns the received rows
+    (row j = this rank's shard from rank j).
+
+    ``sent`` (optional, [P*m]) receives D(C(x)), what the wire actually carried (for EF).
+    Row ``j`` is keyed for stochastic rounding at element index ``offset + j * row_stride``
+    (``row_stride`` defaults to ``m``: every element keyed by its global position).
+    """
+    P = comm.size
+    m = x.numel() // P
+    step = m if row_stride is None else row_stride
+    R = codec.row_bytes(m)
+    send = torch.empty(P, R, dtype=torch.uint8, device=x.device)
+    for j in range(P):
+        codec.encode(x[j * m:(j + 1) * m], send[j], seed, offset + j * step)
+    if sent is not None:
+        for j in range(P):
+            codec.decode(send[j], m, sent[j * m:(j + 1) * m])
+    recv = torch.empty_like(send)
+    yield comm.all_to_all(recv.view(-1), send.view(-1))
+    return recv
+
+
+def scatter_reduce(x, comm, codec, seed, offset, sent=None, row_stride=None):
+    """Round: x [P*m] -> this rank's shard summed over the group (float32 [m])."""
+    recv = yield from scatter(x, comm, codec, seed, offset, sent, row_stride)
+    m = x.numel() // comm.size
+    acc = torch.empty(m, dtype=torch.float32, device=x.device)
+    codec.decode_sum(recv, m, acc)
+    return acc
+
+
+def encode_with_feedback(x, codec, row, seed, offset, ef: Optional[ErrorFeedback]):
+    """Encode ``x`` into ``row``; with ``ef``, encode ``x + e`` and keep ``e = x + e - D(C(x + e))``
+    (NaN/Inf entries of the new residual dropped: that step's output shows them)."""
+    if ef is None:
+        codec.encode(x, row, seed, offset)
+        return
+    x = ef.compensate(x)
+    codec.encode(x, row, seed, offset)
+    decoded = torch.empty_like(x)
+    codec.decode(row, x.numel(), decoded)
+    ef.update(decoded)
+    ef.drop_nonfinite()
+
+
+def levels_rounds(x, levels, out_codec, alpha, seeds, offset, sent=None, stage2_ef=None,
+                  anchor=None, pending=None):
+    """Reduce ``x`` through ``levels`` [(comm, codec), ...] (outermost first), then gather back.
+
+    After the last level this rank holds one fully reduced shard; it is scaled by ``alpha``,
+    requantized with ``out_codec`` (with ``stage2_ef``'s error feedback) and its bytes travel
+    back through the levels by all-gathers (intermediate ranks forward bytes, never re-encode),
+    so every rank decodes identical bytes.
+
+    ``anchor`` (EF21 without stage-2 feedback): this rank's exact fp32 shard of the global
+    estimate g. What is requantized is then ``anchor + shard`` (the new estimate itself, not
+    its increment), and ``(anchor, shard)`` is appended to ``pending`` so the caller adds the
+    increment once it knows the step was finite on every rank.
+    """
+    shard, off = x, offset
+    for k, (comm, codec) in enumerate(levels[:-1]):
+        m = shard.numel() // comm.size
+        shard = yield from scatter_reduce(shard, comm, codec, seeds(k), off, sent if k == 0 else None)
+        off += comm.rank * m
+    comm, codec = levels[-1]
+    m = shard.numel() // comm.size
+    last = len(levels) - 1
+    recv = yield from scatter(shard, comm, codec, seeds(last), off, sent if last == 0 else None)
+    off += comm.rank * m
+    R = out_codec.row_bytes(m)
+    buf = torch.empty(R, dtype=torch.uint8, device=x.device)
+    if anchor is not None:
+        shard = torch.empty(m, dtype=torch.float32, device=x.device)
+        codec.decode_sum(recv, m, shard)
+        if alpha != 1.0:
+            shard.mul_(alpha)
+        out_codec.encode(anchor + shard, buf, seeds(len(levels)), off)
+        pending.append((anchor, shard))
+    elif stage2_ef is None:   # the fused dequantize-sum-scale-requantize kernel
+        codec.decode_sum_encode(recv, m, alpha, out_codec, buf, seeds(len(levels)), off)
+    else:
+        shard = torch.empty(m, dtype=torch.float32, device=x.device)
+        codec.decode_sum(recv, m, shard)
+        if alpha != 1.0:
+            shard.mul_(alpha)
+        encode_with_feedback(shard, out_codec, buf, seeds(len(levels)), off, stage2_ef)
+    for comm, _ in reversed(levels):
+        gathered = torch.empty(comm.size * buf.numel(), dtype=torch.uint8, device=x.device)
+        yield comm.all_gather(gathered, buf)
+        buf = gathered
+    rows = buf.view(-1, R)
+    out = torch.empty(rows.shape[0] * m, dtype=torch.float32, device=x.device)
+    for i in range(rows.shape[0]):
+        out_codec.decode(rows[i], m, out[i * m:(i + 1) * m])
+    return out
+
+
+def leader_rounds(x, intra, inter, cfg, alpha, seeds, offset, sent=None, stage2_ef=None,
+                  anchor=None, pending=None):
+    """Hierarchy "leader" (the seed's pipeline A): local reduce to the node leader -> low-bit
+    all-reduce among the leaders -> local broadcast.
+
+    Non-leaders yield ``None`` for each leader round so every chunk takes the same number of
+    rounds on every rank: the pipeline then issues collectives in the same order everywhere.
+    """
+    if cfg.local_quantize:
+        local = cfg.codec(cfg.intra_bitwidth)
+        y = yield from levels_rounds(x, [(intra, local)], local, 1.0, lambda s: seeds(10 + s), offset)
+        x.copy_(y)  # in place: the caller's error feedback reads the local sum from x
+    else:
+        yield intra.reduce(x, 0)
+    if intra.rank == 0:
+        x = yield from levels_rounds(x, [(inter, cfg.codec(cfg.bitwidth))],
+                                     cfg.codec(cfg.resolved_stage2_bitwidth), alpha, seeds, offset,
+                                     sent, stage2_ef, anchor, pending)
+    else:
+        yield None
+        yield None
+    yield intra.broadcast(x, 0)
+    return x
+
+
+def pipeline(gens: Sequence[Iterator]) -> Iterator:
+    """Run several round generators in lockstep, starting one more each round.
+
+    Round t advances chunk t (its first stage) together with chunk t-1 (its second stage) and
+    so on, so different stages of different chunks are in flight at once. Generators are
+    advanced in list order, which is the same on every rank: per group, collectives are issued
+    in the same order everywhere. Yields lists of work handles; returns the generators' results.
+
+    Example::
+
+        results = yield from pipeline([chunk_rounds(c) for c in chunks])
+    """
+    pending = list(enumerate(gens))
+    results = [None] * len(pending)
+    active = []
+    while pending or active:
+        if pending:
+            active.append(pending.pop(0))
+        works = []
+        for item in list(active):
+            i, g = item
+            try:
+                w = next(g)
+            except StopIteration as stop:
+                results[i] = stop.value
+                active.remove(item)
+                continue
+            if w is not None:
+                works.append(w)
+        if works or active:
+            yield works
+    return results
+
+
+def unit_size(sizes: Sequence[int], cfg: LowBitConfig) -> int:
+    return math.prod(sizes) * cfg.block_size
+
+
+def pad(flat: torch.Tensor, unit: int, cfg: LowBitConfig, state: LowBitState) -> torch.Tensor:
+    n = flat.numel()
+    N = max(unit, -(-n // unit) * unit)
+    x = state.workspace(N, flat.device)
+    x[:n].copy_(flat.reshape(-1))
+    x[n:].zero_()
+    if cfg.hadamard:
+        x = hadamard(x)
+    return x
+
+
+def chunk_bounds(N: int, unit: int, chunk_size: Optional[int]):
+    if chunk_size is None:
+        return [(0, N)]
+    c = max(unit, -(-chunk_size // unit) * unit)
+    return [(s, min(N, s + c)) for s in range(0, N, c)]
+
+
+def world_rank(comm) -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else comm.rank
+
+
+def same_size_rounds(comm, what: str, numel: int, average: bool = False, device=None) -> Iterator:
+    """Round generator: fail on every rank, with the same message, unless every rank of ``comm``
+    passed the same element count (and the same SUM/AVG choice).
+
+    Ranks that pass different sizes to a low-bit collective would otherwise exchange buffers
+    of different sizes (gloo aborts the process) or, when the padded sizes happen to agree,
+    silently sum misaligned data. One all-gather of two integers per call buys the check;
+    the optimizer's compressor does not need it (its plan is checked once, up front).
+
+    Example::
+
+        drive(chain(same_size_rounds(comm, "all_reduce", t.numel()), all_reduce_rounds(...)))
+    """
+    if comm.size == 1:
+        return
+    mine = torch.tensor([int(numel), int(bool(average))], dtype=torch.int64, device=device)
+    seen = torch.empty(comm.size * 2, dtype=torch.int64, device=mine.device)
+    yield comm.all_gather(seen, mine)
+    seen = seen.view(comm.size, 2).tolist()
+    sizes = [s[0] for s in seen]
+    if len(set(sizes)) > 1:
+        listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
+        raise ValueError(f"low-bit {what}: ranks passed tensors with different element counts "
+                         f"({listing}); every rank must pass the same number of elements")
+    if len({s[1] for s in seen}) > 1:
+        ops = ", ".join(f"rank {r}: {'AVG' if s[1] else 'SUM'}" for r, s in enumerate(seen))
+        raise ValueError(f"low-bit {what}: ranks passed different reduce ops ({ops}); every rank "
+                         "must pass the same op")

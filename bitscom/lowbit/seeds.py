@@ -1,0 +1,59 @@
+"""The one seed mixer of bitscom: stochastic-rounding seeds from integer parts.
+
+Every stochastic-rounding seed of every face (the low-bit collectives, the sharded optimizer's
+gradient and weight rounds) comes from :func:`mix_seed`, a splitmix64 chain: different parts
+give unrelated seeds, the same parts the same seed in every process, so a resumed run repeats
+its bytes and no two ranks, stages or steps share a stream.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+__all__ = ["mix_seed", "stage_seed", "key_id"]
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def mix_seed(*parts: int, start: int = 0) -> int:
+    """A 64-bit seed from integer parts (a splitmix64 chain from ``start``): different parts
+    give unrelated seeds, the same parts the same seed in every process.
+
+    Example::
+
+        seed = mix_seed(base_seed, step, rank, bucket, chunk, stage)
+    """
+    h = start & _M64
+    for part in parts:
+        h = _splitmix64(h ^ _splitmix64(int(part) & _M64))
+    return h
+
+
+def stage_seed(seed: int, key: int, step: int, rank: int, stage: int) -> int:
+    """The stochastic-rounding seed of one (key, step, rank, stage) of a collective: distinct for
+    every rank, stage and step, and reproducible from a checkpoint (a 64-bit splitmix chain).
+
+    Example::
+
+        stage_seed(0, key=3, step=10, rank=1, stage=0) != stage_seed(0, 3, 10, 1, 1)   # True
+    """
+    return mix_seed(key, step, rank, stage, start=seed)
+
+
+def key_id(key) -> int:
+    """A stable integer for a user key (ints as they are, anything else via CRC32 of its repr).
+
+    Example::
+
+        key_id("layer1.weight") == key_id("layer1.weight")   # True, in every process
+    """
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key & _M64
+    return zlib.crc32(repr(key).encode())

@@ -1,0 +1,80 @@
+"""Mutable state of one stream of low-bit reductions (:class:`LowBitState`): step counter,
+error-feedback residuals, EF21 estimates; checkpointable."""
+
+from __future__ import annotations
+
+import torch
+
+from .error_feedback import ErrorFeedback
+
+__all__ = ["LowBitState"]
+
+
+class LowBitState:
+    """Mutable state of one stream of reductions (one bucket, or one user key).
+
+    ``step`` advances once per reduction and keys the stochastic-rounding seeds; ``residual``
+    (mode ``"residual"``) and ``stage2_residual`` (``stage2_error_feedback``) are
+    :class:`~bitscom.lowbit.error_feedback.ErrorFeedback` residuals, ``local_estimate`` /
+    ``global_estimate`` the EF21 estimates g_i and g; tensors are created on first use, in the
+    transformed domain when ``hadamard`` is on.
+
+    Example::
+
+        state = LowBitState()
+        drive(all_reduce_rounds(grad, Comm(group), LowBitConfig(), state))
+    """
+
+    _ESTIMATES = ("local_estimate", "global_estimate", "global_shard")
+
+    def __init__(self):
+        self.step = 0
+        self.numel = None
+        self.residual = ErrorFeedback.lazy()
+        self.stage2_residual = ErrorFeedback.lazy()
+        self.local_estimate = None
+        self.global_estimate = None
+        self.global_shard = None    # ef21: this rank's exact shard of g (it owns that shard)
+        self._workspace = None  # the padded send buffer, reused every step (not checkpointed)
+
+    def workspace(self, numel: int, device) -> torch.Tensor:
+        """A float32 scratch buffer of ``numel`` elements kept between steps: allocating a
+        bucket-sized buffer each step costs a page-faulting pass over it."""
+        t = self._workspace
+        if t is None or t.numel() != numel or t.device != torch.device(device):
+            t = self._workspace = torch.empty(numel, dtype=torch.float32, device=device)
+        return t
+
+    def estimate(self, name: str, numel: int, device) -> torch.Tensor:
+        """The EF21 estimate ``name`` (zeros on first use)."""
+        t = getattr(self, name)
+        if t is None or t.numel() != numel or t.device != torch.device(device):
+            t = torch.zeros(numel, dtype=torch.float32, device=device)
+            setattr(self, name, t)
+        return t
+
+    def bind(self, numel: int) -> None:
+        """Tie this state to tensors of ``numel`` elements (a different size is an error)."""
+        if self.numel is not None and self.numel != numel:
+            raise ValueError(f"this low-bit state was used for tensors of {self.numel} elements and "
+                             f"now gets {numel}; use a different key per tensor")
+        self.numel = numel
+
+    def state_dict(self) -> dict:
+        out = {"step": self.step, "numel": self.numel, "residual": self.residual.state_dict(),
+               "stage2_residual": self.stage2_residual.state_dict()}
+        for name in self._ESTIMATES:
+            t = getattr(self, name)
+            out[name] = None if t is None else t.detach().clone()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.numel = state.get("numel")
+        for name in ("residual", "stage2_residual"):
+            ef = ErrorFeedback.lazy()
+            ef.load_state_dict(state[name])
+            setattr(self, name, ef)
+        for name in self._ESTIMATES:
+            t = state.get(name)
+            setattr(self, name, None if t is None else t.detach().clone().to(torch.float32))
