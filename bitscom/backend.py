@@ -6,43 +6,60 @@ backends (CPU tensors) and, where CUDA exists, ProcessGroupNCCL ones (CUDA tenso
 the same store. Float SUM/AVG all-reduces run :func:`bitscom.collectives.all_reduce_rounds`;
 with ``backend_ops`` (see :class:`~bitscom.collectives.LowBitConfig`) the flat
 reduce-scatter and all-gather (``dist.reduce_scatter_tensor`` / ``all_gather_into_tensor``,
-``*_single`` on torch 2.13) run their low-bit versions too. Every other operation (integer or
-MAX all-reduce, broadcast, list all-gather, all-to-all, barrier, point-to-point, ...) is handed
-to the inner backend unchanged. Both torch's 2.11 method names (``_allgather_base``,
+``*_single`` on torch 2.13) run their low-bit versions too. Integer or MAX all-reduces run
+exactly on the inner backend after the agreement header (below); every other operation
+(broadcast, list all-gather, all-to-all, barrier, point-to-point, ...) is handed to the inner
+backend unchanged. Both torch's 2.11 method names (``_allgather_base``,
 ``_reduce_scatter_base``, ``alltoall_base``) and 2.13's (``all_gather_single``,
 ``reduce_scatter_single``, ``all_to_all_single``) are implemented.
 
-Asynchronous: a compressed collective returns at once with its first round (a two-integer
-size check) issued on the inner backend, in call order; a driver thread of the group runs
-the remaining rounds on a second inner backend, one collective after another in call order
-(the same on every rank), and completes the returned work's future. So DDP overlaps the
-compressed all-reduce of a bucket with backward, as on NCCL. Ranks passing different element
-counts get the same ``ValueError`` from ``wait()`` on every rank.
+Agreement: every all-reduce (and every flat reduce-scatter / all-gather named in
+``backend_ops``) first all-gathers a 16-byte header from every rank: the kind of collective,
+the reduce op, the dtype, the element count and where this rank keeps the call's state. Ranks
+that call different collectives, ops or dtypes get the same ``RuntimeError`` naming every
+rank's call, ranks passing different element counts the same ``ValueError``, and the group
+stays in step. What low bit cannot compute (integer tensors, MAX / MIN / PRODUCT / bitwise
+ops) then runs exactly on the inner backend; integer AVG, which gloo cannot compute, is the
+same clear error on every rank (on NCCL it is delegated).
 
-Error-feedback state is keyed by the tensor's storage (address, numel, dtype): DDP's bucket
-buffers are persistent, so every bucket keeps its own residual across steps.
+Asynchronous: a collective with a header returns at once with its first round (the header)
+issued on the inner backend, in call order; a driver thread of the group runs the remaining
+rounds on a second inner backend, one collective after another in call order (the same on
+every rank), and completes the returned work's future. So DDP overlaps the compressed
+all-reduce of a bucket with backward, as on NCCL.
+
+State (error feedback, seed steps) is found by the tensor's storage (address, numel, dtype):
+DDP's bucket buffers are persistent, so every bucket keeps its own residual across steps. A
+group keeps at most :data:`MAX_STATES` states, in slots every rank assigns alike (see
+:class:`StateSlots`), so fresh tensors cannot grow it without bound and every rank keeps the
+same number of states.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import warnings
 import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from .collectives import (LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds,
-                          reduce_scatter_rounds, same_size_rounds)
+from .collectives import LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds, reduce_scatter_rounds
 from .comm import Comm, Rounds, is_sum_or_avg
 
 __all__ = ["register_lowbit_backend", "LowBitProcessGroup", "registered_config", "BACKEND_NAME",
-           "FutureWork", "InnerTransport"]
+           "FutureWork", "InnerTransport", "StateSlots", "MAX_STATES"]
 
 BACKEND_NAME = "lowbit"
+MAX_STATES = 256
+"""How many compressed-collective states (error-feedback residuals, seed steps) one lowbit
+group keeps: the least recently used one is dropped beyond that (see :class:`StateSlots`)."""
 _registered: dict = {}  # torch's backend registry is process-global; so is what we told it
 
 
@@ -93,18 +110,34 @@ def _check_flat(cfg: LowBitConfig) -> None:
                          f"{cfg.hierarchy!r} is available through LowBitGroup and LowBit")
 
 
-def _check_same_config(store, rank: int, size: int, config: LowBitConfig) -> None:
+def _check_same_config(store, rank: int, size: int, config: LowBitConfig, timeout=None) -> None:
     """Every rank publishes its settings in the group's store and compares them with all
     others', so ranks registered with different options fail at group creation, each with
-    the same message, instead of exchanging bytes of different formats."""
+    the same message, instead of exchanging bytes of different formats.
+
+    On a mismatch every rank raises; rank 0 leaves last. Rank 0 usually hosts the store
+    (``env://`` and ``tcp://`` start its server there): had it raised and exited while a peer
+    was still reading the keys, that peer would get a store connection error instead of the
+    message. So every other rank, once it read every key, says so (a ``set``, its last store
+    call) and rank 0 waits for all of them (at most ``timeout``, default the store's) first.
+    """
     mine = repr(config)
     store.set(str(rank), mine)
     seen = [store.get(str(r)).decode() for r in range(size)]
     differ = [r for r in range(size) if seen[r] != seen[0]]
-    if differ:
-        raise RuntimeError(f"bitscom lowbit backend: ranks registered different options; rank 0 has "
-                           f"{seen[0]}, rank {differ[0]} has {seen[differ[0]]}. Call "
-                           "register_lowbit_backend with the same settings on every rank")
+    if not differ:
+        return
+    message = (f"bitscom lowbit backend: ranks registered different options; rank 0 has {seen[0]}, "
+               f"rank {differ[0]} has {seen[differ[0]]}. Call register_lowbit_backend with the same "
+               "settings on every rank")
+    try:
+        if rank == 0:
+            store.wait([f"read/{r}" for r in range(1, size)], timeout or store.timeout)
+        else:
+            store.set(f"read/{rank}", "1")
+    except RuntimeError:   # a peer gone, or rank 0 gone already: the message is what matters
+        pass
+    raise RuntimeError(message)
 
 
 def _create(dist_opts, pg_options):
@@ -113,6 +146,150 @@ def _create(dist_opts, pg_options):
         raise RuntimeError("the 'lowbit' backend was used before bitscom.register_lowbit_backend()")
     return LowBitProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
                               dist_opts.timeout, cfg)
+
+
+# -- the agreement header -----------------------------------------------------------------------
+_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+_OPS = tuple(dist.ReduceOp.RedOpType.__members__)            # SUM, AVG, PRODUCT, MIN, MAX, ...
+_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8,
+           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)
+_SLOT_BITS, _GEN_BITS = 16, 32
+
+
+def _op_code(op) -> int:
+    """The RedOpType number of a reduce op (torch hands backends ``ReduceOp`` objects)."""
+    return int(getattr(op, "op", op))
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What one rank called, as the header carries it: kind, op, dtype and element count."""
+
+    kind: int
+    op: int
+    dtype: int
+    numel: int
+
+    @classmethod
+    def of(cls, kind: str, op, dtype: torch.dtype, numel: int) -> "_Call":
+        code = _DTYPES.index(dtype) if dtype in _DTYPES else 0
+        return cls(_KINDS.index(kind), _op_code(op), code, int(numel))
+
+    def header(self, slot_code: int) -> list:
+        return [self.numel, self.kind | self.op << 2 | self.dtype << 6 | slot_code << 12]
+
+    @classmethod
+    def decode(cls, row) -> tuple:
+        numel, packed = int(row[0]), int(row[1])
+        return cls(packed & 3, (packed >> 2) & 15, (packed >> 6) & 63, numel), packed >> 12
+
+    @property
+    def name(self) -> str:
+        return _KINDS[self.kind]
+
+    def describe(self) -> str:
+        op = _OPS[self.op] if self.op < len(_OPS) else f"op {self.op}"
+        dtype = _DTYPES[self.dtype] if self.dtype else "tensors of another dtype"
+        return f"{self.name} {op} of {self.numel} {dtype}"
+
+
+def _check_calls(calls) -> None:
+    """The same error on every rank (they all see the same headers) unless all calls match."""
+    if any((c.kind, c.op, c.dtype) != (calls[0].kind, calls[0].op, calls[0].dtype) for c in calls):
+        listing = ", ".join(f"rank {r}: {c.describe()}" for r, c in enumerate(calls))
+        raise RuntimeError(f"bitscom lowbit backend: ranks called different collectives ({listing}); "
+                           "every rank must call the same collective with the same reduce op and dtype, "
+                           "in the same order")
+    if len({c.numel for c in calls}) > 1:
+        listing = ", ".join(f"rank {r}: {c.numel}" for r, c in enumerate(calls))
+        raise ValueError(f"low-bit {calls[0].name}: ranks passed tensors with different element counts "
+                         f"({listing}); every rank must pass the same number of elements")
+
+
+def _agree_rounds(comm: Comm, call: _Call, slot_code: int, device) -> Iterator:
+    """Round generator: all-gather every rank's header, check it; returns every rank's slot code."""
+    if comm.size == 1:
+        return [slot_code]
+    mine = torch.tensor(call.header(slot_code), dtype=torch.int64, device=device)
+    seen = torch.empty(comm.size * 2, dtype=torch.int64, device=mine.device)
+    yield comm.all_gather(seen, mine)
+    decoded = [_Call.decode(row) for row in seen.view(comm.size, 2).tolist()]
+    _check_calls([c for c, _ in decoded])
+    return [code for _, code in decoded]
+
+
+class StateSlots:
+    """The states of a lowbit group's compressed collectives: at most ``capacity``, in slots
+    that every rank assigns the same way.
+
+    A call's state is found by this rank's storage key (address, numel, dtype). Addresses
+    differ per rank and the allocator reuses them on one rank and not on another, so whether
+    a state exists cannot be decided per rank: the slot this rank found (with the slot's
+    generation) travels in the agreement header, and the state is used only when every rank
+    found its state in the same slot of the same generation. Otherwise every rank starts a
+    fresh state in the same new slot, or, when all ``capacity`` slots are taken, in the least
+    recently used one (its residual is dropped; its key starts afresh if it comes back). Every
+    rank makes the same choices in the same call order (the group's driver thread), so every
+    rank keeps the same number of states, never more than ``capacity``.
+
+    Example::
+
+        slots = StateSlots(256)
+        code = slots.code(key)                         # at call time, into the header
+        states = slots.resolve(key, every_ranks_code, 1)   # after the header, in call order
+    """
+
+    def __init__(self, capacity: int = MAX_STATES, warn: bool = False):
+        if not 1 <= capacity < 1 << _SLOT_BITS:
+            raise ValueError(f"capacity={capacity} must be in [1, {(1 << _SLOT_BITS) - 1}]")
+        self.capacity = capacity
+        self.evicted = 0
+        self._warn = warn
+        self._lru: "OrderedDict[int, list]" = OrderedDict()   # slot -> states, least recent first
+        self._gen = [0] * capacity
+        self._where: dict = {}      # this rank's key -> slot
+        self._owner: dict = {}      # slot -> this rank's key
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def code(self, key) -> int:
+        """This rank's slot for ``key`` and the slot's generation, packed (0: none)."""
+        with self._lock:
+            slot = self._where.get(key)
+            return 0 if slot is None else (slot + 1) | self._gen[slot] << _SLOT_BITS
+
+    def resolve(self, key, codes, count: int) -> list:
+        """The ``count`` states of ``key``: the agreed slot's, or fresh ones in a new slot."""
+        with self._lock:
+            code = codes[0]
+            slot = (code & ((1 << _SLOT_BITS) - 1)) - 1
+            if code and all(c == code for c in codes) and code >> _SLOT_BITS == self._gen[slot]:
+                self._lru.move_to_end(slot)
+                return self._lru[slot]
+            return self._fresh(key, count)
+
+    def _fresh(self, key, count: int) -> list:
+        if len(self._lru) < self.capacity:
+            slot = len(self._lru)
+        else:
+            slot, _ = self._lru.popitem(last=False)
+            self._gen[slot] = (self._gen[slot] + 1) % (1 << _GEN_BITS)
+            self.evicted += 1
+            if self._warn and self.evicted == 1:
+                warnings.warn(f"bitscom lowbit backend: more than {self.capacity} distinct buffers carried "
+                              "error-feedback state; the least recently used one's residual was dropped. "
+                              "Reuse buffers (DDP does) or use fewer, larger ones", RuntimeWarning)
+        old = self._owner.pop(slot, None)
+        if old is not None:
+            self._where.pop(old, None)
+        prev = self._where.pop(key, None)
+        if prev is not None:
+            self._owner.pop(prev, None)
+        self._where[key], self._owner[slot] = slot, key
+        self._lru[slot] = [LowBitState() for _ in range(count)]
+        return self._lru[slot]
 
 
 class InnerTransport:
@@ -199,7 +376,8 @@ class FutureWork(dist.Work):
 
 
 class _Driver:
-    """One thread per group that runs compressed collectives' later rounds in call order."""
+    """One thread per group that runs the later rounds of the collectives with a header
+    (compressed or exact), in call order."""
 
     def __init__(self):
         self._queue: "queue.Queue" = queue.Queue()
@@ -238,7 +416,9 @@ class LowBitProcessGroup(dist.ProcessGroup):
 
     Created by torch through the registered backend (``init_process_group("lowbit")``,
     ``new_group(backend="lowbit")``), not by users. ``bytes_sent`` counts the payload of
-    compressed collectives (after they completed).
+    compressed collectives and their headers (after they completed); exact collectives are
+    not counted. ``num_states`` is the number of states kept (at most ``max_states``, the
+    same on every rank).
 
     Example::
 
@@ -263,7 +443,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 table["cuda"] = dist.ProcessGroupNCCL(dist.PrefixStore(name, store), rank, size, opts)
-        self._states = {}
+        self._slots = StateSlots(MAX_STATES, warn=config.error_feedback or config.stage2_error_feedback)
         self._driver = None
         self._lock = threading.Lock()
 
@@ -274,6 +454,16 @@ class LowBitProcessGroup(dist.ProcessGroup):
     def inner_groups(self) -> dict:
         """The wrapped backends by device type ("cpu": gloo, "cuda": nccl)."""
         return dict(self._inner)
+
+    @property
+    def num_states(self) -> int:
+        """How many compressed-collective states this group keeps (the same on every rank)."""
+        return len(self._slots)
+
+    @property
+    def max_states(self) -> int:
+        """The most states this group keeps (:data:`MAX_STATES`)."""
+        return self._slots.capacity
 
     def _kind(self, *tensors) -> str:
         for t in tensors:
@@ -291,86 +481,107 @@ class LowBitProcessGroup(dist.ProcessGroup):
     def _for(self, *tensors):
         return self._inner[self._kind(*tensors)]
 
-    def _state(self, op: str, t: torch.Tensor) -> LowBitState:
-        key = (op, t.data_ptr(), t.numel(), t.dtype)
-        if key not in self._states:
-            self._states[key] = LowBitState()
-        return self._states[key]
-
-    # -- the compressed ops --------------------------------------------------------------------
+    # -- the collectives with a header --------------------------------------------------------
     def _comm(self, kind: str) -> Comm:
         return Comm(self._inner[kind], self._later[kind], transport=_INNER, rank=self._rank,
                     size=self._size)
 
-    def _launch(self, kind: str, what: str, numel: int, average: bool, device, body, result):
-        """Start ``body(comm)`` after the size check; returns a Work completed by the driver."""
+    def _rounds(self, comm: Comm, call: _Call, key, body, device) -> Iterator:
+        """The header, then ``body(comm, states)``: ``states`` are ``key``'s (None: stateless)."""
+        codes = yield from _agree_rounds(comm, call, 0 if key is None else self._slots.code(key), device)
+        states = None if key is None else self._slots.resolve(key, codes, len(key) - 1)
+        yield from body(comm, states)
+
+    def _launch(self, call: _Call, tensors: list, key, body, result, counted: bool):
+        """Issue the header now (in call order); the driver runs ``body`` after it. Returns a
+        Work the driver completes; ``counted``: add the bytes to :attr:`bytes_sent`."""
+        kind = self._kind(tensors)
         comm = self._comm(kind)
-        rounds = Rounds(_then(same_size_rounds(comm, what, numel, average, device), body, comm), [comm])
-        rounds.start()                 # the size check, issued now, in call order
+        device = tensors[0].device
+        rounds = Rounds(self._rounds(comm, call, key, body, device), [comm])
+        rounds.start()                 # the header, issued now, in call order
         future = torch.futures.Future()
         stream = torch.cuda.current_stream(device) if kind == "cuda" else None
         with self._lock:
             if self._driver is None:
                 self._driver = _Driver()
                 weakref.finalize(self, self._driver.close)   # no thread outlives its group
-        self._driver.submit(_Counted(rounds, self), future, result, stream)
+        self._driver.submit(_Counted(rounds, self if counted else None), future, result, stream)
         return FutureWork(future)
+
+    def _exact(self, call: _Call, tensors: list, issue, result):
+        """An op low bit cannot compute: after the header, ``issue(comm)`` runs it exactly on
+        the inner backend (not counted)."""
+        def body(comm, _states):
+            yield issue(comm)
+
+        return self._launch(call, tensors, None, body, result, counted=False)
 
     def allreduce(self, tensors, opts=None):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-        if opts is None:
-            opts = dist.AllreduceOptions()
-        op = opts.reduceOp
-        compress = is_sum_or_avg(op) and \
-            all(t.is_floating_point() for t in tensors) and "all_reduce" in self.config.backend_ops
-        if not compress:
+        opts = opts or dist.AllreduceOptions()
+        if "all_reduce" not in self.config.backend_ops or not tensors:
             return self._for(tensors).allreduce(tensors, opts)
-        kind = self._kind(tensors)
+        op = opts.reduceOp
+        call = _Call.of("all_reduce", op, tensors[0].dtype, sum(t.numel() for t in tensors))
+        if not (is_sum_or_avg(op) and all(t.is_floating_point() for t in tensors)):
+            return self._exact(call, tensors, self._exact_all_reduce(tensors, op), list(tensors))
         average = op == dist.ReduceOp.AVG
-        states = [self._state("all_reduce", t) for t in tensors]
 
-        def body(comm):
+        def body(comm, states):
             for t, st in zip(tensors, states):
                 flat = t if t.is_contiguous() else t.contiguous()
                 yield from all_reduce_rounds(flat, comm, self.config, st, average=average, key=t.numel())
                 if flat is not t:
                     t.copy_(flat)
 
-        numel = sum(t.numel() for t in tensors)
-        return self._launch(kind, "all_reduce", numel, average, tensors[0].device, body, list(tensors))
+        key = ("all_reduce",) + tuple(_storage(t) for t in tensors)
+        return self._launch(call, tensors, key, body, list(tensors), counted=True)
 
-    def _lowbit_reduce_scatter(self, output, input, opts):
+    def _exact_all_reduce(self, tensors, op):
+        integer_avg = op == dist.ReduceOp.AVG and not tensors[0].is_floating_point() \
+            and tensors[0].device.type != "cuda"
+        dtype = tensors[0].dtype
+
+        def issue(comm):
+            if integer_avg:
+                raise RuntimeError(f"bitscom lowbit backend: all_reduce with op=AVG of {dtype} tensors: the "
+                                   "inner gloo backend cannot average integers (it divides in floating point "
+                                   "and cannot store the result). Use op=SUM and divide, e.g. "
+                                   "t.div_(world_size, rounding_mode='floor'), or pass a floating tensor")
+            return [comm.all_reduce(t, op) for t in tensors]
+
+        return issue
+
+    def _reduce_scatter_with_header(self, output, input, opts):
         op = opts.reduceOp
-        if not ("reduce_scatter" in self.config.backend_ops and output.is_floating_point()
-                and input.is_floating_point() and is_sum_or_avg(op)):
-            return None
+        call = _Call.of("reduce_scatter", op, input.dtype, output.numel())
+        if not (output.is_floating_point() and input.is_floating_point() and is_sum_or_avg(op)):
+            return self._exact(call, [output], lambda comm: comm.reduce_scatter(output, input, op), output)
         average = op == dist.ReduceOp.AVG
-        st = self._state("reduce_scatter", input)
 
-        def body(comm):
-            yield from reduce_scatter_rounds(output, input, comm, self.config, st, average=average,
+        def body(comm, states):
+            yield from reduce_scatter_rounds(output, input, comm, self.config, states[0], average=average,
                                              key=output.numel())
 
-        return self._launch(self._kind(output), "reduce_scatter", output.numel(), average,
-                            output.device, body, output)
+        return self._launch(call, [output], ("reduce_scatter", _storage(input)), body, output, counted=True)
 
-    def _lowbit_all_gather(self, output, input):
-        if not ("all_gather" in self.config.backend_ops and output.is_floating_point()
-                and input.is_floating_point()):
-            return None
-        st = self._state("all_gather", input)
+    def _all_gather_with_header(self, output, input):
+        call = _Call.of("all_gather", dist.ReduceOp.SUM, input.dtype, input.numel())
+        if not (output.is_floating_point() and input.is_floating_point()):
+            return self._exact(call, [input], lambda comm: comm.all_gather(output, input), output)
 
-        def body(comm):
-            yield from all_gather_rounds(output, input, comm, self.config, st, key=input.numel())
+        def body(comm, states):
+            yield from all_gather_rounds(output, input, comm, self.config, states[0], key=input.numel())
 
-        return self._launch(self._kind(input), "all_gather", input.numel(), False, input.device,
-                            body, output)
+        return self._launch(call, [input], ("all_gather", _storage(input)), body, output, counted=True)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         opts = opts or dist.ReduceScatterOptions()
-        work = self._lowbit_reduce_scatter(output, input, opts)
-        return work if work is not None else self._for(output)._reduce_scatter_base(output, input, opts)
+        if "reduce_scatter" in self.config.backend_ops:
+            return self._reduce_scatter_with_header(output, input, opts)
+        return self._for(output)._reduce_scatter_base(output, input, opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
         """torch >= 2.13's name of :meth:`_reduce_scatter_base`."""
@@ -378,8 +589,9 @@ class LowBitProcessGroup(dist.ProcessGroup):
 
     def _allgather_base(self, output, input, opts=None):
         opts = opts or AllgatherOptions()
-        work = self._lowbit_all_gather(output, input)
-        return work if work is not None else self._for(input)._allgather_base(output, input, opts)
+        if "all_gather" in self.config.backend_ops:
+            return self._all_gather_with_header(output, input)
+        return self._for(input)._allgather_base(output, input, opts)
 
     def all_gather_single(self, output, input, opts=None):
         """torch >= 2.13's name of :meth:`_allgather_base`."""
@@ -458,19 +670,21 @@ class LowBitProcessGroup(dist.ProcessGroup):
         return self._inner["cpu"].monitored_barrier(timeout, wait_all_ranks)
 
 
-def _then(check, body, comm):
-    yield from check
-    yield from body(comm)
+def _storage(t: torch.Tensor) -> tuple:
+    """This rank's identity of a tensor's buffer: (address, numel, dtype)."""
+    return (t.data_ptr(), t.numel(), t.dtype)
 
 
 class _Counted:
-    """Rounds whose bytes are added to the group's ``bytes_sent`` once they finished."""
+    """Rounds whose bytes are added to the group's ``bytes_sent`` once they finished (when a
+    group is given: exact collectives are not counted)."""
 
-    def __init__(self, rounds: Rounds, group: LowBitProcessGroup):
+    def __init__(self, rounds: Rounds, group: Optional[LowBitProcessGroup]):
         self._rounds, self._group = rounds, group
 
     def wait(self) -> None:
         try:
             self._rounds.wait()
         finally:
-            self._group.bytes_sent += self._rounds.bytes_sent
+            if self._group is not None:
+                self._group.bytes_sent += self._rounds.bytes_sent

@@ -4,7 +4,8 @@ A thin adapter over :mod:`bitscom.collectives`: it holds one
 :class:`~bitscom.collectives.LowBitConfig`, one :class:`~bitscom.collectives.LowBitState` per
 key (error feedback, seeds) and drives the round generators through
 :class:`~bitscom.comm.Rounds`, synchronously or as a :class:`LowBitWork` whose ``wait()``
-drives the rounds still to come. Every low-bit call first checks that all ranks passed the
+drives the rounds still to come. The works of one process group are driven in call order,
+whatever order they are waited in (see :class:`LowBitWork`). Every low-bit call first checks that all ranks passed the
 same element count (one all-gather of two integers), so a size mismatch is the same clear
 error on every rank instead of a gloo abort or a silently misaligned sum. Non-float tensors
 and reductions other than SUM/AVG take the exact ``torch.distributed`` collective.
@@ -13,6 +14,8 @@ and reductions other than SUM/AVG take the exact ``torch.distributed`` collectiv
 from __future__ import annotations
 
 import dataclasses
+import weakref
+from collections import deque
 from typing import Any, Dict, Optional
 
 import torch
@@ -31,15 +34,84 @@ __all__ = ["LowBitGroup", "LowBitWork"]
 class LowBitWork(Rounds):
     """Handle of an asynchronous low-bit collective (a :class:`~bitscom.comm.Rounds`).
 
-    On return from the collective its first round is already in flight; ``wait()`` waits for
-    it and drives the remaining rounds (issuing them in the order ``wait()`` calls happen, the
-    same on every rank as long as every rank waits in the same order). ``bytes_sent`` counts
-    what this rank handed to the network.
+    On return from the collective its first round (the size check) is in flight, unless an
+    earlier work of the same process group is still pending: then it is issued once those
+    finished. ``wait()`` (or ``poll()``) drives the group's works in call order up to this
+    one, so every rank issues the same rounds in the same order whatever order each rank
+    waits in. An error of an earlier work met on the way is kept for that work's own
+    ``wait()``. ``bytes_sent`` counts what this rank handed to the network.
 
     Example::
 
-        work = lb.all_reduce(t, async_op=True, key="t"); ...; work.wait()
+        wa = lb.all_reduce(a, async_op=True, key="a"); wb = lb.all_reduce(b, async_op=True, key="b")
+        wb.wait(); wa.wait()          # any order, on any rank
     """
+
+    def __init__(self, rounds, comms=(), queue: Optional["_WorkQueue"] = None):
+        super().__init__(rounds, comms)
+        self.error: Optional[BaseException] = None
+        self._queue = queue
+
+    def poll(self, block: bool = False) -> bool:
+        if not self.done:
+            if self._queue is None:
+                return super().poll(block)
+            self._queue.advance(self, block)
+        if self.done and self.error is not None:
+            raise self.error
+        return self.done
+
+
+class _WorkQueue:
+    """The pending low-bit works of one process group, in call order (the per-group FIFO).
+
+    A work is started (its first round issued) when nothing is ahead of it, else when the
+    works ahead finished; every round of a work is issued before the next work's first. So
+    the collectives each rank issues are its calls' rounds concatenated in call order: the
+    same on every rank, whenever and in whatever order the works are waited on.
+    """
+
+    def __init__(self):
+        self._pending: deque = deque()
+
+    def submit(self, work: LowBitWork) -> None:
+        while self._pending and self._pending[0].done:
+            self._pending.popleft()
+        if not self._pending:
+            work.start()                  # errors here reach the caller; nothing is queued
+        self._pending.append(work)
+
+    def advance(self, target: Optional[LowBitWork] = None, block: bool = False) -> None:
+        """Drive works in call order until ``target`` is done (every work when None); without
+        ``block`` only as far as completed rounds allow."""
+        while self._pending:
+            head = self._pending[0]
+            try:
+                finished = Rounds.poll(head, block)
+            except Exception as err:  # noqa: BLE001 — kept for whoever waits on that work
+                head.error, finished = err, True
+            if not finished:
+                return
+            self._pending.popleft()
+            if head is target:
+                return
+
+    def flush(self) -> None:
+        """Finish every pending work (before an exact collective is issued after them)."""
+        self.advance(None, block=True)
+
+
+_QUEUES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _queue_for(group) -> _WorkQueue:
+    """The FIFO of ``group``, shared by every LowBitGroup over it (a private one for None)."""
+    if group is None:
+        return _WorkQueue()
+    queue = _QUEUES.get(group)
+    if queue is None:
+        queue = _QUEUES[group] = _WorkQueue()
+    return queue
 
 
 class _ExactWork:
@@ -107,6 +179,7 @@ class LowBitGroup:
         self.inter_group = inter_group
         self._states: Dict[Any, LowBitState] = {}
         self._calls = 0
+        self._queue = _queue_for(self.process_group)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
             # Ranks with different settings would exchange bytes of different formats: fail
             # here, on every rank, with what differs.
@@ -157,7 +230,8 @@ class LowBitGroup:
 
     # -- helpers ------------------------------------------------------------------------------
     def _start(self, rounds, comms, async_op: bool):
-        work = LowBitWork(rounds, comms).start()
+        work = LowBitWork(rounds, comms, self._queue)
+        self._queue.submit(work)
         if async_op:
             return work
         work.wait()
@@ -169,6 +243,7 @@ class LowBitGroup:
         return _chain(same_size_rounds(check, what, numel, average, device), rounds), check
 
     def _exact_all_reduce(self, tensor, op, async_op):
+        self._queue.flush()
         w = _ExactWork(dist.all_reduce(tensor, op=op, group=self.process_group, async_op=True))
         if async_op:
             return w
@@ -240,6 +315,7 @@ class LowBitGroup:
             input = torch.cat([t.reshape(-1) for t in input])
         if not (input.is_floating_point() and output.is_floating_point()) \
                 or not is_sum_or_avg(op):
+            self._queue.flush()
             return reduce_scatter_flat(output, input, op=op, group=self.process_group, async_op=async_op)
         st, full_key = self._state("reduce_scatter", key, input, self.config)
         comm = Comm(self.process_group)
@@ -273,6 +349,7 @@ class LowBitGroup:
             w.wait()
             return None
         if not (input.is_floating_point() and output.is_floating_point()):
+            self._queue.flush()
             return all_gather_flat(output, input, group=self.process_group, async_op=async_op)
         st, full_key = self._state("all_gather", key, input, self.config)
         comm = Comm(self.process_group)
@@ -287,6 +364,7 @@ class LowBitGroup:
 
             lb.broadcast(t, src=0)
         """
+        self._queue.flush()
         return dist.broadcast(tensor, src=src, group=self.process_group, async_op=async_op)
 
     # -- format helpers -----------------------------------------------------------------------
