@@ -126,8 +126,8 @@ class Reducer:
         if len(saved) != len(self.states):
             raise ValueError(f"checkpoint holds compressor state for {len(saved)} buckets, "
                              f"this plan has {len(self.states)}")
-        saved = state.get("compressor")
-        if saved is not None and canonical_fingerprint(saved) != self.compressor.fingerprint():
+        fingerprint = state.get("compressor")
+        if fingerprint is not None and canonical_fingerprint(fingerprint) != self.compressor.fingerprint():
             raise ValueError(f"checkpoint compressor {state['compressor']} differs from "
                              f"{self.compressor.fingerprint()}")
         for s, d in zip(self.states, saved):
