@@ -10,7 +10,7 @@ from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_pa
 from .compressors import Compression
 from .ddp import ddp_comm_hook
 from .group import LowBitGroup
-from .hvd_ops import (Handle, allgather, allgather_async, allgather_object, allreduce,
+from .horovod import (Handle, allgather, allgather_async, allgather_object, allreduce,
                       allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async,
                       barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
                       grouped_allreduce, poll, synchronize)

@@ -12,23 +12,18 @@ collectives assume the same); see docs/reliability.md.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from . import runtime
 from .agreement import check_agreement, require_member
+from .comm import Comm, drive, wait
+from .horovod.failures import guard
+from .horovod.groups import group_device, require_group
+from .horovod.objects import broadcast_object_rounds
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object"]
-
-
-def _group(process_group):
-    if process_group is not None:
-        return process_group
-    if runtime.is_initialized():
-        return runtime.world_group()
-    return None
 
 
 def _active(group, what: str) -> bool:
@@ -46,7 +41,7 @@ def _check_root(root_rank, group) -> None:
         raise ValueError(f"root_rank {root_rank} is not a rank of the process group (ranks {list(ranks)})")
 
 
-def broadcast_parameters(params, root_rank: int = 0, process_group=None) -> None:
+def broadcast_parameters(params: Any, root_rank: int = 0, process_group: Optional[Any] = None) -> None:
     """Overwrite ``params`` on every rank with root's values, in place.
 
     ``params`` is a ``state_dict()`` (parameters and buffers), ``named_parameters()`` or
@@ -56,7 +51,7 @@ def broadcast_parameters(params, root_rank: int = 0, process_group=None) -> None
 
         bitscom.broadcast_parameters(model.state_dict(), root_rank=0)
     """
-    group = _group(process_group)
+    group = require_group(process_group, "bitscom.broadcast_parameters")
     if isinstance(params, dict):
         items = sorted(params.items(), key=lambda kv: kv[0])
     else:
@@ -70,12 +65,12 @@ def broadcast_parameters(params, root_rank: int = 0, process_group=None) -> None
     _check_root(root_rank, group)
     check_agreement({"tensors": [(str(n), tuple(t.shape), str(t.dtype)) for n, t in items]}, group,
                     "tensors given to broadcast_parameters")
-    works = []
+    comm = Comm(group)
+    src = dist.get_group_rank(group, root_rank)
     with torch.no_grad():
-        for _, tensor in items:
-            works.append(dist.broadcast(tensor.data, src=root_rank, group=group, async_op=True))
-    for w in works:
-        w.wait()
+        works = [guard(comm.broadcast(tensor.data, src), "bitscom.broadcast_parameters")
+                 for _, tensor in items]
+    wait(works)
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -88,7 +83,8 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name=None, process_group=None) -> Any:
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_group: Optional[Any] = None) -> Any:
     """Return root's ``obj`` (any picklable object) on every rank (unpickled on receipt: trust
     your peers). ``name`` is accepted for Horovod compatibility and unused.
 
@@ -96,19 +92,18 @@ def broadcast_object(obj: Any, root_rank: int = 0, name=None, process_group=None
 
         epoch = bitscom.broadcast_object(epoch, root_rank=0)
     """
-    group = _group(process_group)
+    group = require_group(process_group, "bitscom.broadcast_object")
     if not _active(group, "broadcast_object"):
         return obj
     _check_root(root_rank, group)
-    box = [obj if dist.get_rank() == root_rank else None]
-    device = None
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    dist.broadcast_object_list(box, src=root_rank, group=group, device=device)
-    return box[0]
+    comm = Comm(group)
+    rounds = broadcast_object_rounds(comm, obj, dist.get_group_rank(group, root_rank),
+                                     group_device(group), "bitscom.broadcast_object")
+    return drive(rounds, comm)
 
 
-def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None, process_group=None) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0, model: Any = None,
+                              process_group: Optional[Any] = None) -> None:
     """Load root's optimizer state (moments, step counts, learning rates) on every rank.
 
     Accepts a ``torch.optim.Optimizer`` or a :class:`bitscom.DistributedOptimizer` (whose
@@ -123,7 +118,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None, process
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"broadcast_optimizer_state expects an optimizer, got {type(optimizer).__name__}")
-    group = _group(process_group)
+    group = require_group(process_group, "bitscom.broadcast_optimizer_state")
     if not _active(group, "broadcast_optimizer_state"):
         return
     _check_root(root_rank, group)

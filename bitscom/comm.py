@@ -91,6 +91,10 @@ class TorchTransport:
     def reduce_scatter(self, group, output, input, op):
         return reduce_scatter_flat(output, input, op=op, group=group, async_op=True)
 
+    def all_to_all_v(self, group, output, input, output_splits, input_splits):
+        return dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
+                                      async_op=True)
+
     def broadcast(self, group, tensor, src):
         root = dist.get_global_rank(group, src) if group is not None else src
         return dist.broadcast(tensor, src=root, group=group, async_op=True)
@@ -177,6 +181,16 @@ class Comm:
             return None
         self.count(input)
         return self.transport.all_to_all(self.current_group, output, input)
+
+    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_splits, input_splits):
+        """Uneven splits (first-dimension rows): ``input_splits[j]`` rows go to rank j,
+        ``output_splits[j]`` rows come from rank j (Horovod's ``alltoall(splits=)``)."""
+        if self.solo:
+            output.copy_(input)
+            return None
+        self.count(input)
+        return self.transport.all_to_all_v(self.current_group, output, input, list(output_splits),
+                                           list(input_splits))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM):
         """``output`` = this rank's chunk of the sum of every rank's ``input``."""

@@ -11,6 +11,10 @@ it exactly like ``Compression.fp16``. What the wrapper does with one bucket:
 3. all-reduce (sum) ``wire``;
 4. ``flat = codec.decompress(wire, ctx)``.
 
+The codec's base class (Horovod's ``hvd.compression.Compressor``) is
+:class:`bitscom.horovod.codec.HorovodCodec`, in the Horovod face; this module needs only the
+duck type (``compress``/``decompress``), so ``compressors`` never imports the face above it.
+
 The wire tensor must be floating point: the ranks' wire tensors are summed, and a codec whose
 wire values only make sense together with a per-rank ``ctx`` (e.g. int8 with a local scale)
 cannot be averaged on the wire; such codecs need a bitscom compressor (``LowBit``, ``TopK``).
@@ -25,37 +29,7 @@ import torch
 
 from .base import Compressor
 
-__all__ = ["HorovodCompressor", "HorovodAdapter", "is_codec"]
-
-
-class HorovodCompressor:
-    """Base class for a Horovod-style codec (``horovod.torch.compression.Compressor``).
-
-    Subclass it (or any class with static ``compress``/``decompress``) and pass the class
-    itself as ``compression=``; bitscom wraps it in :class:`HorovodAdapter`.
-
-    Example::
-
-        class HalfCodec(bitscom.compression.Compressor):
-            @staticmethod
-            def compress(tensor):
-                return tensor.to(torch.float16), tensor.dtype
-            @staticmethod
-            def decompress(tensor, ctx):
-                return tensor.to(ctx)
-
-        avg = bitscom.allreduce(t, compression=HalfCodec)
-    """
-
-    @staticmethod
-    def compress(tensor: torch.Tensor):
-        """Return ``(wire_tensor, ctx)``."""
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx):
-        """Return the tensor rebuilt from the reduced ``wire_tensor`` and this rank's ``ctx``."""
-        raise NotImplementedError
+__all__ = ["HorovodAdapter", "is_codec"]
 
 
 def is_codec(obj: Any) -> bool:
@@ -115,3 +89,17 @@ class HorovodAdapter(Compressor):
         # The class's qualified name, never repr(): an instance's repr holds its address,
         # which differs across ranks and would fail the agreement check.
         return f"HorovodAdapter({_codec_name(self.codec)})"
+
+
+def __getattr__(name: str) -> Any:
+    # ``bitscom.compressors.hvd_adapter.HorovodCompressor`` was the codec base class's first
+    # home. Resolved lazily (on access only), so importing this module never imports the
+    # Horovod face above it; new code uses bitscom.compression.Compressor.
+    if name == "HorovodCompressor":
+        import warnings
+        warnings.warn("bitscom.compressors.hvd_adapter.HorovodCompressor moved: use "
+                      "bitscom.compression.Compressor (bitscom.horovod.codec.HorovodCodec)",
+                      DeprecationWarning, stacklevel=2)
+        from ..horovod.codec import HorovodCodec
+        return HorovodCodec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

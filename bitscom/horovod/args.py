@@ -1,0 +1,60 @@
+"""Argument checks shared by the Horovod face's calls (local: they raise before any collective)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..ops import Adasum, Average, ReduceOp, Sum
+from .negotiation import DTYPES, OPS
+
+__all__ = ["resolve_op", "check_tensor", "check_name", "check_root", "label"]
+
+
+def resolve_op(op: Optional[ReduceOp], average: Optional[bool]) -> ReduceOp:
+    """The reduce op from Horovod's ``op=`` or its deprecated ``average=``.
+
+    Example::
+
+        resolve_op(None, False)    # bitscom.Sum
+    """
+    if average is not None:
+        if op is not None:
+            raise ValueError("pass either op= or the deprecated average=, not both")
+        return Average if average else Sum
+    op = Average if op is None else op
+    if op is Adasum:
+        raise NotImplementedError("hvd.Adasum is not supported by bitscom; use op=bitscom.Average "
+                                  "(or a compressor to cut traffic)")
+    if op not in OPS:
+        raise ValueError(f"op must be one of bitscom.Average, Sum, Min, Max, Product; got {op!r}")
+    return op
+
+
+def check_tensor(fn: str, tensor: Any) -> None:
+    """A dense tensor of a dtype the header can describe."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"bitscom.{fn} expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_sparse:
+        raise TypeError(f"bitscom.{fn} reduces dense tensors; got a sparse tensor (call .to_dense())")
+    if tensor.dtype not in DTYPES:
+        raise TypeError(f"bitscom.{fn}: dtype {tensor.dtype} is not supported; supported: "
+                        f"{[str(d).replace('torch.', '') for d in DTYPES]}")
+
+
+def check_name(name: Any) -> None:
+    """Horovod's ``name=``: a label for error messages."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str or None, got {type(name).__name__}")
+
+
+def check_root(root_rank: Any) -> None:
+    """``root_rank`` is a global rank (an int)."""
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
+        raise TypeError(f"root_rank must be an int (a global rank), got {root_rank!r}")
+
+
+def label(fn: str, name: Optional[str]) -> str:
+    """How errors name a call: ``bitscom.allreduce 'loss'``."""
+    return f"bitscom.{fn}" + ("" if name is None else f" {name!r}")

@@ -1,0 +1,70 @@
+"""Collective failures that name the bitscom call: a stalled or dead peer, explained.
+
+Why: torch reports a stalled peer as gloo's "Timed out waiting 5000ms for recv operation" or
+NCCL's watchdog abort, with nothing about which user call was waiting. Every work handle this
+face hands to the round driver is wrapped by :func:`guard`, so the error a user sees says
+which bitscom call failed and the likely cause (a peer that did not reach the same call
+within the process group's timeout, which :func:`bitscom.init` sets), and keeps torch's error
+as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .. import runtime
+
+__all__ = ["peer_failure", "guard", "GuardedWork"]
+
+
+def _timeout_words() -> str:
+    timeout = runtime.timeout()
+    if timeout is None:
+        return "the process group's timeout (torch's default, 30 minutes; set it with bitscom.init(timeout=...))"
+    return f"init's timeout ({timeout})"
+
+
+def peer_failure(what: str, err: BaseException, during: str = "a collective") -> RuntimeError:
+    """The error for ``what`` (e.g. ``"bitscom.allreduce_async 'loss'"``) whose collective failed.
+
+    Example::
+
+        raise peer_failure("bitscom.barrier", err) from err
+    """
+    return RuntimeError(
+        f"{what}: {during} did not complete ({type(err).__name__}: {err}). Most likely a peer "
+        f"did not reach the same call within {_timeout_words()}, or it died; every rank must "
+        "make the same bitscom calls in the same order.")
+
+
+class GuardedWork:
+    """A torch work handle whose ``wait()`` failure is re-raised as :func:`peer_failure`.
+
+    Speaks what :class:`bitscom.comm.Rounds` needs (``is_completed()``, ``wait()``).
+    """
+
+    __slots__ = ("work", "what")
+
+    def __init__(self, work: Any, what: str):
+        self.work = work
+        self.what = what
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self, timeout: Optional[Any] = None) -> bool:
+        try:
+            self.work.wait()
+        except RuntimeError as err:
+            raise peer_failure(self.what, err) from err
+        return True
+
+
+def guard(work: Any, what: str) -> Optional[GuardedWork]:
+    """Wrap the work a :class:`~bitscom.comm.Comm` call returned (``None``: nothing to wait for).
+
+    Example::
+
+        yield guard(comm.all_reduce(buf), "bitscom.allreduce")
+    """
+    return None if work is None else GuardedWork(work, what)

@@ -1,0 +1,105 @@
+"""The process groups of the Horovod face: which group a call uses, and its payload group.
+
+:func:`require_group` is the one answer to "which group does this call reduce over": the
+group passed in, else the world, else — one process — ``None`` (every collective is the
+identity). Under a launcher that started more than one process but before ``bitscom.init()``
+it raises instead: silently returning this rank's own value (what ``allreduce`` used to do)
+trains each rank on its own, like an optimizer built before init (the
+library's one check, :func:`bitscom.lifecycle.require_group`).
+
+Payload groups. Handles issue their header round on the call's group at call time and their
+payload round later, in call order; the payload goes to a second group so that a later
+call's header never pairs with an earlier call's payload. It is created by
+:func:`bitscom.runtime.new_group` (so it has init's timeout), once per group, always inside
+the user's call (creating a group synchronizes its members, so it must happen at the same
+point of the program on every rank).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import lifecycle, runtime
+from ..comm import Comm
+from .failures import peer_failure
+
+__all__ = ["require_group", "face_group", "group_size", "group_device", "payload_group",
+           "face_comm"]
+
+
+def require_group(process_group: Optional[Any], what: str) -> Optional[Any]:
+    """The group ``what`` (e.g. ``"bitscom.allreduce"``) uses — the library's one
+    :func:`bitscom.lifecycle.require_group`: the given group, else the world, else ``None`` (a
+    single process); a clear error under a launcher before init, or on a non-member rank.
+
+    Example::
+
+        group = require_group(process_group, "bitscom.allreduce")
+    """
+    return lifecycle.require_group(process_group, what)
+
+
+def face_group(process_group: Optional[Any], process_set: Optional[Any], what: str) -> Optional[Any]:
+    """:func:`require_group` for a Horovod call, refusing Horovod's ``process_set=``.
+
+    Example::
+
+        group = face_group(process_group, process_set, "bitscom.allgather")
+    """
+    if process_set is not None:
+        raise NotImplementedError("Horovod process sets are not supported by bitscom; pass "
+                                  "process_group=<a torch.distributed ProcessGroup> "
+                                  "(e.g. torch.distributed.new_group(ranks)) instead")
+    return require_group(process_group, what)
+
+
+def group_size(group: Optional[Any]) -> int:
+    """Members of ``group`` (1 for ``None``: a single process)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_device(group: Any, tensor: Optional[torch.Tensor] = None) -> torch.device:
+    """Where small control tensors for ``group`` live: CUDA for NCCL, CPU for gloo."""
+    backend = str(dist.get_backend(group))
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "gloo" or tensor is None:
+        return torch.device("cpu")
+    return tensor.device
+
+
+_payload_groups: Dict[int, Tuple[Any, Any]] = {}     # id(group) -> (group, payload group)
+
+
+def payload_group(group: Any, what: str) -> Any:
+    """The payload group of ``group``, created (with init's timeout) on first use.
+
+    Example::
+
+        later = payload_group(group, "bitscom.allreduce")
+    """
+    entry = _payload_groups.get(id(group))
+    if entry is None or entry[0] is not group:
+        try:
+            later = runtime.new_group(dist.get_process_group_ranks(group),
+                                      use_local_synchronization=True)
+        except RuntimeError as err:
+            raise peer_failure(what, err, "creating its payload process group") from err
+        entry = _payload_groups[id(group)] = (group, later)
+    return entry[1]
+
+
+def face_comm(group: Optional[Any], what: str) -> Optional[Comm]:
+    """The :class:`Comm` of one call: header round on ``group``, later rounds on its payload
+    group; ``None`` for a single process (the call is local).
+
+    Example::
+
+        comm = face_comm(group, "bitscom.allreduce")
+    """
+    if group_size(group) == 1:
+        return None
+    return Comm(group, payload_group(group, what))

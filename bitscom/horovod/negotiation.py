@@ -1,0 +1,122 @@
+"""The negotiation round: every call first all-gathers a small header describing it.
+
+Why: Horovod's coordinator checks that every rank submitted the same operation (same kind,
+dtype, shape, op, root) before any byte moves; torch.distributed does not, and a mismatch
+there hangs or silently mixes bytes. So every rank all-gathers a header describing its call,
+compares all headers and raises the same ``RuntimeError`` on a mismatch, instead of hanging.
+Per-rank problems with the arguments (bad ``splits``, a scalar to gather) travel in the header
+too (an error code), so all ranks fail together.
+
+Header layout (int64): kind, op, root, dtype index, prescale bits, postscale bits, error code,
+number of dimensions, shape (padded to :data:`MAX_DIMS` with -1), then ``extra`` (one value
+per rank: alltoall's splits).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Callable, Iterator, List, Sequence, Tuple
+
+import torch
+
+from ..comm import Comm
+from ..ops import Average, Max, Min, Product, Sum
+from .failures import guard
+from .groups import group_device
+
+__all__ = ["MAX_DIMS", "H_FIXED", "KINDS", "OPS", "DTYPES", "ERRORS", "negotiate", "float_bits"]
+
+MAX_DIMS = 16
+H_FIXED = 8
+KINDS = {"allreduce": 1, "allgather": 2, "broadcast": 3, "alltoall": 4}
+OPS = {Average: 1, Sum: 2, Min: 3, Max: 4, Product: 5}
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
+          torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
+ERRORS = {1: f"the tensor has more than {MAX_DIMS} dimensions",
+          2: "splits must have one non-negative entry per rank summing to tensor.shape[0]",
+          3: "tensor.shape[0] is not divisible by the number of ranks (pass splits=)",
+          4: "the tensor must have at least one dimension"}
+_ERROR, _NDIM = 6, 7
+
+
+def float_bits(x: float) -> int:
+    """The IEEE-754 bits of ``x`` as an int64 (scale factors travel exactly)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+def _kind_name(code: int) -> str:
+    return next((k for k, v in KINDS.items() if v == code), "?")
+
+
+def _op_name(code: int) -> str:
+    return next((o.name.title() for o, v in OPS.items() if v == code), "-")
+
+
+# (header index, what it is, how to show it)
+_FIELDS: List[Tuple[int, str, Callable[[List[int]], object]]] = [
+    (0, "operation", lambda h: _kind_name(h[0])),
+    (1, "op", lambda h: _op_name(h[1])),
+    (2, "root_rank", lambda h: h[2]),
+    (3, "dtype", lambda h: DTYPES[h[3]]),
+    (4, "prescale_factor", lambda h: _bits_float(h[4])),
+    (5, "postscale_factor", lambda h: _bits_float(h[5])),
+    (_NDIM, "number of dimensions", lambda h: h[_NDIM])]
+
+
+def _header(tensor: torch.Tensor, world: int, kind: int, op: int, root: int, pre: float,
+            post: float, err: int, extra: Sequence[int]) -> List[int]:
+    if tensor.dim() > MAX_DIMS:
+        err = err or 1
+    shape = list(tensor.shape) if tensor.dim() <= MAX_DIMS else []
+    header = [kind, op, root, DTYPES.index(tensor.dtype), float_bits(pre), float_bits(post), err,
+              tensor.dim()] + shape + [-1] * (MAX_DIMS - len(shape))
+    return header + list(extra) + [0] * (world - len(extra))
+
+
+def _check_errors(label: str, rows: List[List[int]]) -> None:
+    for r, row in enumerate(rows):
+        if row[_ERROR]:
+            raise RuntimeError(f"{label}: on rank {r}, {ERRORS.get(row[_ERROR], row[_ERROR])}")
+
+
+def _check_fields(label: str, rows: List[List[int]]) -> None:
+    for index, what, show in _FIELDS:
+        if len({row[index] for row in rows}) > 1:
+            seen = ", ".join(f"rank {r}: {show(row)}" for r, row in enumerate(rows))
+            raise RuntimeError(f"{label}: ranks disagree on the {what} ({seen}); every rank must "
+                               "make the same collective calls in the same order")
+
+
+def _check_shapes(label: str, rows: List[List[int]], kind: int) -> None:
+    first_dim_free = kind in (KINDS["allgather"], KINDS["alltoall"])
+    dims = rows[0][_NDIM]
+    start = H_FIXED + (1 if first_dim_free else 0)
+    if len({tuple(row[start:H_FIXED + dims]) for row in rows}) > 1:
+        seen = ", ".join(f"rank {r}: {tuple(row[H_FIXED:H_FIXED + dims])}" for r, row in enumerate(rows))
+        part = "shape (beyond the first dimension)" if first_dim_free else "shape"
+        raise RuntimeError(f"{label}: ranks disagree on the tensor {part} ({seen})")
+
+
+def negotiate(comm: Comm, label: str, tensor: torch.Tensor, kind: int, op: int = 0,
+              root: int = -1, pre: float = 1.0, post: float = 1.0, err: int = 0,
+              extra: Sequence[int] = ()) -> Iterator:
+    """Round generator: all-gather this rank's header on ``comm``; return every rank's header
+    (a list of int lists, in rank order) after checking that they describe the same call.
+
+    Example::
+
+        rows = yield from negotiate(comm, "bitscom.allgather", tensor, KINDS["allgather"])
+    """
+    values = _header(tensor, comm.size, kind, op, root, pre, post, err, extra)
+    header = torch.tensor(values, dtype=torch.int64, device=group_device(comm.group, tensor))
+    everyone = torch.empty(comm.size * header.numel(), dtype=torch.int64, device=header.device)
+    yield guard(comm.all_gather(everyone, header), label)
+    rows = [[int(x) for x in row] for row in everyone.view(comm.size, -1).cpu()]
+    _check_errors(label, rows)
+    _check_fields(label, rows)
+    _check_shapes(label, rows, kind)
+    return rows
