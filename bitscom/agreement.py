@@ -84,7 +84,9 @@ def check_agreement(description: Dict[str, Any], group=None, what: str = "reduct
     for r, desc in enumerate(gathered[1:], start=1):
         if desc == reference:
             continue
-        for key in sorted(set(reference) | set(desc)):
+        # rank 0's order first (a description leads with what matters most, e.g. the face),
+        # then keys only the other rank has
+        for key in list(reference) + sorted(set(desc) - set(reference), key=str):
             if reference.get(key) != desc.get(key):
                 problems.append(f"rank {r} differs from rank 0 in {key}: "
                                 f"rank 0 vs rank {r}: {_first_difference(reference.get(key), desc.get(key))}")

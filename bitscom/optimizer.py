@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import numbers
-import warnings
-import weakref
 import zlib
 from typing import Dict
 
@@ -35,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from . import runtime, uneven
-from .comm import resolve_group
-from .agreement import check_agreement, describe_state
+from .agreement import describe_state
+from .lifecycle import StepLifecycle, check_trainable, ddp_owner, require_group
 from .buckets import FlatBucket, plan_buckets, plan_groups
 from .compressors import Compression, resolve as resolve_compressor
 from .engine import Reducer, comm_stats
@@ -62,49 +61,6 @@ def _passes(value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"backward_passes_per_step must be an int >= 1, got {value!r}")
     return value
-
-
-def _resolve_group(process_group):
-    """The group to reduce over; refuses to become a silent local optimizer (issue: an
-    optimizer built before ``bitscom.init()`` used to train each rank on its own)."""
-    group = resolve_group(process_group)
-    if group is not None:
-        return group
-    info = runtime.discover()
-    if info.size > 1:
-        raise RuntimeError(
-            f"DistributedOptimizer was built before bitscom.init(): the launcher ({info.launcher}) "
-            f"started {info.size} processes but torch.distributed is not initialized, so this "
-            "optimizer would train each rank on its own and the replicas would diverge. Call "
-            "bitscom.init() (or torch.distributed.init_process_group) before building it.")
-    warnings.warn("bitscom.DistributedOptimizer: neither bitscom.init() nor torch.distributed "
-                  "was initialized, so it runs as a plain single-process optimizer; call "
-                  "bitscom.init() first (a no-op for one process) to silence this warning",
-                  stacklevel=3)
-    return None
-
-
-def _forward_hook(ref, param) -> None:
-    opt = ref()
-    if opt is not None:
-        opt._hook(param)
-
-
-def _end_of_backward(ref) -> None:
-    opt = ref()
-    if opt is not None:
-        opt._on_backward_end()
-
-
-def _release(handles, group) -> None:
-    """Remove the hooks and destroy the later-round group (close() or garbage collection)."""
-    for handle in handles:
-        handle.remove()
-    if group is not None and dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group(group)
-        except (RuntimeError, ValueError):   # already gone with the default group
-            pass
 
 
 def _later_group(process_group):
@@ -203,7 +159,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         opt.close()
     """
 
-    def __new__(cls, *args, **kwargs):
+    def __new__(cls, *args, **kwargs):   # the real arguments: see __signature__ below
         if cls is not DistributedOptimizer:          # an already concrete class (copy, pickle)
             return super().__new__(cls)
         optimizer = args[0] if args else kwargs.get("optimizer")
@@ -249,28 +205,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.sparse_as_dense = bool(sparse_as_dense)
 
         named = named_parameters_of(optimizer, named_parameters)
-        for name, p in named:
-            if p.is_meta:
-                raise ValueError(f"parameter {name!r} is on the meta device (it has no data); "
-                                 "materialize the model (e.g. model.to_empty(device=...) and "
-                                 "initialize it) before building DistributedOptimizer")
-            if p.requires_grad and not (p.is_floating_point() or p.is_complex()):
-                raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only floating-point "
-                                "parameters can be trained")
-            if p.requires_grad and p.is_complex():
-                raise TypeError(f"parameter {name!r} is complex ({p.dtype}); bitscom reduces real "
-                                "tensors only (view it with torch.view_as_real)")
+        check_trainable(named, "DistributedOptimizer")
         self._named = named
-        self._planned_grad = [p.requires_grad for _, p in named]
         self._trainable = [(n, p) for n, p in named if p.requires_grad]
 
-        process_group = _resolve_group(process_group)
-        if process_group is not None and dist.get_rank(process_group) < 0:
-            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of "
-                             f"process_group (ranks {dist.get_process_group_ranks(process_group)}); "
-                             "build DistributedOptimizer on member ranks only")
+        process_group = require_group(process_group, "DistributedOptimizer", warn_single=True)
         self.process_group = process_group
         self._size = dist.get_world_size(process_group) if process_group is not None else 1
+        self._rank = dist.get_rank(process_group) if process_group is not None else 0
 
         if groups is not None:
             self._layouts = plan_groups(self._trainable, groups)
@@ -283,33 +225,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for s, p in enumerate(bucket.params):
                 self._slot[id(p)] = (b, s)
         self._next_launch = 0
-        self._passes_done = 0          # backward passes finished in this step
-        self._callback_queued = False  # the end-of-backward callback of the running pass
-        self._completed = False        # reduced gradients are in p.grad, step() not yet run
-        self._began = False            # this step's first collective was issued
-        self._notice = None            # the join notice of this step (see bitscom.join)
-        self._agreed = False
-        self._check_state = False      # agree on compressor state once after a load
         self._should_sync = True
-        self._closed = False
         # Names this optimizer to the other ranks (bitscom.join): the same on every rank that
         # built the same plan.
+        self._ddp = ddp_owner([p for _, p in self._trainable]) if self._size > 1 else None
         self._uid = zlib.crc32(repr(self._description()).encode()) & 0x3FFFFFFF
         self._stats = {"bytes_sent": 0, "dense_bytes": 0, "buckets": len(self._buckets)}
-        later, owned, hooks = None, None, []
+        self._life = StepLifecycle(self, "DistributedOptimizer", named, process_group,
+                                   backward_passes_per_step)
+        self._life.agree()                      # every rank, before any other collective
+        if self._ddp is not None:
+            raise TypeError(
+                f"the model's parameters belong to a {self._ddp} (e.g. from Accelerate's prepare()): "
+                "DDP already all-reduces them in full precision during backward, so bitscom would "
+                "reduce them a second time and comm_stats() would hide DDP's traffic. Give "
+                "DistributedOptimizer the unwrapped model's parameters (model.module), or keep DDP "
+                "and compress with bitscom.ddp_comm_hook instead")
+        later, owned = (None, None)
         if self._size > 1:
             later, owned = _later_group(process_group)
         self._reducer = Reducer(compression, self._layouts, process_group, later)
-        if self._size > 1:
-            # The hooks hold the optimizer weakly; when it is closed or collected they are
-            # removed and its group destroyed, so a replaced optimizer stops reducing.
-            this = weakref.ref(self)
-            for _, p in self._trainable:
-                hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda param, this=this: _forward_hook(this, param)))
-            uneven.register(self)
-        self._finalizer = weakref.finalize(self, _release, hooks, owned)
-        self._finalizer.atexit = False
+        if owned is not None:
+            self._life.own(owned)
+        # The hooks hold the optimizer weakly; when it is closed or collected they are removed
+        # and its group destroyed, so a replaced optimizer stops reducing.
+        self._life.attach([p for _, p in self._trainable])
 
     @property
     def optimizer(self):
@@ -334,35 +274,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         "be pickled or copied; save opt.state_dict() instead")
 
     # -- the backward hook and the end-of-backward callback ----------------------------------
-    def _hook(self, p: torch.Tensor) -> None:
-        if self._closed:
-            return
+    def _on_gradient(self, p: torch.Tensor, last_pass: bool) -> None:
+        """The lifecycle's per-gradient call: on the pass that completes the step, copy the
+        gradient into its bucket and launch every bucket that became ready, in plan order."""
         if p.grad is not None and p.grad.is_sparse:
             if not self.sparse_as_dense:
                 raise TypeError(f"parameter {self._name_of(p)!r} has a sparse gradient; bitscom "
                                 "reduces dense gradients: pass sparse_as_dense=True or use a dense "
                                 "embedding")
             p.grad = p.grad.to_dense()
-        if self._completed:
-            raise RuntimeError(
-                f"gradients were computed again after the step's reduction (backward_passes_per_step="
-                f"{self.backward_passes_per_step}): call step() or zero_grad() before the next "
-                "backward, or raise backward_passes_per_step to accumulate more passes locally")
-        if not self._callback_queued:
-            self._callback_queued = True
-            this = weakref.ref(self)
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_of_backward(this))
-        if self._passes_done + 1 == self.backward_passes_per_step:
+        if last_pass:
             b, s = self._slot[id(p)]
             self._buckets[b].fill(s, p.grad)
             self._launch_ready()
         self._reducer.poll()
-
-    def _on_backward_end(self) -> None:
-        self._callback_queued = False
-        self._passes_done += 1
-        if self._passes_done >= self.backward_passes_per_step and not self._completed:
-            self._finish()
 
     def _name_of(self, p) -> str:
         b, s = self._slot[id(p)]
@@ -374,19 +299,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._next_launch += 1
 
     def _begin(self, notify: bool) -> None:
-        """The collectives every step starts with, in the same order on every rank: the join
-        notice (see :func:`bitscom.join`), then once the plan agreement check."""
-        if self._began:
-            return
-        self._began = True
-        if notify:
-            self._notice = uneven.notify(self)
-        if not self._agreed:
-            description = self._description()
-            if self._check_state:
-                description["compressor state"] = [describe_state(s) for s in self._reducer.states]
-            check_agreement(description, self.process_group)
-            self._agreed, self._check_state = True, False
+        """The collectives every step starts with (the join notice, then the agreement check
+        after a load or a setting change), in the same order on every rank."""
+        self._life.begin(notify, self._state_description)
+
+    def _state_description(self) -> dict:
+        """After a load: what the ranks' restored state must agree on (counters, shapes and
+        the wrapped optimizer's step counts — never residual values, which differ by design)."""
+        steps = sorted({int(s["step"]) for s in self.state.values() if "step" in s})
+        return {"compressor state": [describe_state(s) for s in self._reducer.states],
+                "wrapped optimizer steps": steps}
 
     def _launch(self, b: int) -> None:
         self._begin(notify=True)
@@ -397,37 +319,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _description(self) -> dict:
         return {
-            "world size": self._size,
             "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in self._trainable],
             "buckets": [l.describe() for l in self._layouts],
             "compressor": self.compression.fingerprint(),
             "backward_passes_per_step": self.backward_passes_per_step,
             "op": self.op.value,
             "gradient_predivide_factor": self.gradient_predivide_factor,
+            "wrapped in DistributedDataParallel": self._ddp is not None,
         }
-
-    def _check_requires_grad(self) -> None:
-        for (name, p), planned in zip(self._named, self._planned_grad):
-            if p.requires_grad != planned:
-                change = "unfrozen" if p.requires_grad else "frozen"
-                raise RuntimeError(
-                    f"parameter {name!r} was {change} (requires_grad={p.requires_grad}) after "
-                    "DistributedOptimizer was built; bitscom plans its buckets once, so it would "
-                    "be reduced wrongly. close() this optimizer and build a new one after "
-                    "changing requires_grad")
 
     def _finish(self) -> None:
         """Complete the step's reduction and write the reduced gradients into ``p.grad``."""
-        if self._closed:
-            raise RuntimeError("this DistributedOptimizer was closed; build a new one")
-        self._check_requires_grad()
+        self._life.check_open()
+        self._life.check_requires_grad()
         try:
             for bucket in self._buckets[self._next_launch:]:
                 bucket.fill_missing()
             self._launch_ready()
             sent = self._reducer.wait_all()
-            if self._notice is not None:
-                self._notice.wait()
+            self._life.end()
         except BaseException:
             self._reducer.abort()
             raise
@@ -445,12 +355,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             bucket.write_back()
             dense += bucket.layout.numel * 4
         self._stats = {"bytes_sent": sent, "dense_bytes": dense, "buckets": len(self._buckets)}
-        self._completed = True
+        self._life.completed = True
 
     def _reset_buckets(self) -> None:
         self._next_launch = 0
-        self._began = False
-        self._notice = None
+        self._life.reset_collectives()
         for bucket in self._buckets:
             bucket.reset()
 
@@ -458,9 +367,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._reducer.in_flight:
             self._reducer.abort()
         self._reset_buckets()
-        self._passes_done = 0
-        self._completed = False
-        self._callback_queued = False   # also after a backward that raised before its end
+        self._life.reset_step()
+
+    def _mid_step(self) -> bool:
+        """Whether a step is under way (bitscom.join() refuses to start in one)."""
+        return bool(self._life.in_step or self._next_launch or self._reducer.in_flight)
+
+    def _after_join(self, root_rank: int, group) -> None:
+        """bitscom.join(): take the last joiner's parameters and state (joined ranks did not step)."""
+        uneven.resync_replicated(self, root_rank, group)
 
     def shadow_step(self) -> None:
         """Take part in one step of the other ranks with zero gradients (used by
@@ -488,7 +403,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with opt.skip_synchronize():
                 opt.step()
         """
-        if self._size == 1 or self._completed:
+        if self._size == 1 or self._life.completed:
             return
         self._finish()
 
@@ -521,8 +436,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             loss.backward()
             opt.step()
         """
-        if self._closed and self._size > 1:
-            raise RuntimeError("this DistributedOptimizer was closed; build a new one")
+        self._life.check_open()
         if closure is not None and self._size == 1 and self.compression.applies_momentum:
             raise NotImplementedError("step(closure) with a MomentumCorrection compressor on one "
                                       "process is not supported; call backward() then step()")
@@ -539,14 +453,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self._size == 1:
                 self._solo_momentum()
         if self._size > 1:
-            if self._should_sync and not self._completed:
+            if self._should_sync and not self._life.completed:
                 self.synchronize()
             else:
-                self._check_requires_grad()
+                self._life.check_requires_grad()
         try:
-            return super().step(**kwargs)
+            result = super().step(**kwargs)
         finally:
             self._reset_step()
+        self._life.stepped()
+        return result
     step.hooked = True
 
     def _solo_momentum(self) -> None:
@@ -583,11 +499,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
             opt.set_backward_passes_per_step(4)
         """
-        if self._passes_done or self._next_launch or self._completed:
+        if self._life.in_step or self._next_launch or self._life.completed:
             raise RuntimeError("set_backward_passes_per_step() was called in the middle of a step; "
                                "call it after step() or zero_grad()")
-        self.backward_passes_per_step = _passes(passes)
-        self._agreed = False      # the ranks check the new setting together on the next step
+        self.backward_passes_per_step = self._life.passes = _passes(passes)
+        self._life.agreed = False      # the ranks check the new setting together on the next step
 
     def close(self) -> None:
         """Remove the gradient hooks and destroy the process group this optimizer created.
@@ -597,10 +513,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
             opt.close()
         """
-        self._closed = True
         self._reducer.abort()
-        uneven.unregister(self)
-        self._finalizer()
+        self._life.close()
 
     def comm_stats(self) -> dict:
         """Bytes of the last synchronized step: ``bytes_sent`` (payload this rank handed to
@@ -621,7 +535,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
         """
         out = super().state_dict()
-        out["bitscom"] = {"reducer": self._reducer.state_dict()}
+        out["bitscom"] = {"reducer": self._reducer.state_dict(), "steps": self._life.steps,
+                          "rank": self._rank, "world": self._size}
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -645,9 +560,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             raise ValueError("not an optimizer state dict: expected the keys 'state' and "
                              f"'param_groups', got {sorted(map(str, state_dict))}")
-        if self._passes_done or self._next_launch:
+        if self._life.in_step or self._next_launch:
             raise RuntimeError("load_state_dict() was called in the middle of a step; call it "
                                "between steps")
+        if extra is not None:
+            self._check_owner(extra)
         backup = self._reducer.state_dict() if extra is not None else None
         try:
             if extra is not None:
@@ -657,8 +574,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if backup is not None:
                 self._reducer.load_state_dict(backup)
             raise
-        if extra is not None:
-            self._check_state, self._agreed = True, False
+        self._life.loaded(extra.get("steps") if extra is not None else None)
+
+    def _check_owner(self, extra: dict) -> None:
+        """Compressor state is per rank (error-feedback residuals): loading another rank's —
+        DDP's habit "save on rank 0, load everywhere" — would resume, but not exactly."""
+        saved, world = extra.get("rank"), extra.get("world")
+        if saved is None or (saved == self._rank and world == self._size):
+            return
+        if any(isinstance(v, torch.Tensor) for v in _leaves(extra["reducer"]["states"])):
+            raise ValueError(
+                f"this checkpoint holds the compressor state of rank {saved} of {world} (per-rank "
+                f"error-feedback memory); this is rank {self._rank} of {self._size}, so resuming "
+                "from it would not reproduce the run. Save opt.state_dict() on every rank (e.g. "
+                "f'opt.{bitscom.rank()}.pt') and load each rank's own file, or drop the compressor "
+                "state (del state_dict['bitscom']) to restart it from zero")
 
     @property
     def bucket_layouts(self):
@@ -669,6 +599,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def compressor_states(self):
         """Per-bucket compressor state objects (index = bucket index)."""
         return list(self._reducer.states)
+
+
+# help() and inspect show __init__'s arguments, not __new__'s (*args, **kwargs).
+DistributedOptimizer.__signature__ = inspect.signature(DistributedOptimizer.__init__).replace(
+    parameters=list(inspect.signature(DistributedOptimizer.__init__).parameters.values())[1:])
+
+
+def _leaves(obj):
+    """Every non-container value in a nested dict/list state."""
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _leaves(v)
+    else:
+        yield obj
 
 
 def _groups(groups, num_groups):

@@ -29,11 +29,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .comm import resolve_group
-from .agreement import check_agreement, require_member
-from .broadcast import broadcast_optimizer_state, broadcast_parameters
+from .agreement import check_agreement
+from .comm import Comm, wait
 
-__all__ = ["join", "register", "unregister", "notify"]
+__all__ = ["join", "register", "unregister", "notify", "resync_replicated"]
 
 _live: "weakref.WeakSet" = weakref.WeakSet()
 _notices: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # optimizer -> (template, buffer)
@@ -69,7 +68,7 @@ def notify(optimizer):
         buffers = _notices[optimizer] = (template, torch.empty_like(template))
     template, notice = buffers
     notice.copy_(template)
-    return dist.all_reduce(notice, group=optimizer.process_group, async_op=True)
+    return Comm(optimizer.process_group).all_reduce(notice)
 
 
 def _same_group(a, b) -> bool:
@@ -95,24 +94,25 @@ def join(process_group=None) -> int:
         last = bitscom.join()
         val_loss = evaluate(model)                 # collectives after join() line up again
     """
-    group = resolve_group(process_group)
+    from .lifecycle import require_group      # lifecycle registers faces here: no cycle at import
+    group = require_group(process_group, "bitscom.join")
     if group is None:
         return 0
-    require_member(group, "bitscom.join")
     if dist.get_world_size(group) == 1:
         return dist.get_rank()
     mine = {}
     for opt in list(_live):
-        if not opt._closed and _same_group(opt.process_group, group):
-            if opt._next_launch or opt._passes_done or opt._reducer.in_flight:
+        if not opt._life.closed and _same_group(opt.process_group, group):
+            if opt._mid_step():
                 raise RuntimeError("bitscom.join() was called in the middle of an optimizer step "
                                    "(after backward, before step()); call it after the last step")
             mine.setdefault(opt._uid, opt)
     device = _device(group)
+    comm = Comm(group)
     shadowed = 0
     while True:
         notice = torch.zeros(2, dtype=torch.int64, device=device)
-        dist.all_reduce(notice, group=group)
+        wait(comm.all_reduce(notice))
         count, ids = int(notice[0]), int(notice[1])
         if count == 0:
             break
@@ -120,13 +120,13 @@ def join(process_group=None) -> int:
         opt = mine.get(uid) if ids % count == 0 else None
         if opt is None:
             raise RuntimeError(
-                "bitscom.join(): the other ranks are stepping a DistributedOptimizer this rank "
+                "bitscom.join(): the other ranks are stepping a bitscom optimizer this rank "
                 "does not have (or several different ones at once); every rank must build the "
                 "same optimizers on the same process group")
         opt.shadow_step()
         shadowed += 1
-    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(counts, torch.tensor([shadowed], dtype=torch.int64, device=device), group=group)
+    counts = torch.zeros(comm.size, dtype=torch.int64, device=device)
+    wait(comm.all_gather(counts, torch.tensor([shadowed], dtype=torch.int64, device=device)))
     counts = [int(c) for c in counts]
     last = dist.get_global_rank(group, max(i for i, c in enumerate(counts) if c == min(counts)))
     if max(counts) > 0:
@@ -135,8 +135,19 @@ def join(process_group=None) -> int:
         # for the model).
         check_agreement({"optimizers": sorted(mine)}, group, "optimizers to synchronize after join")
         for uid in sorted(mine):
-            opt = mine[uid]
-            params = [p for g in opt.param_groups for p in g["params"]]
-            broadcast_parameters(params, root_rank=last, process_group=group)
-            broadcast_optimizer_state(opt, root_rank=last, process_group=group)
+            mine[uid]._after_join(last, group)
     return last
+
+
+def resync_replicated(optimizer, root_rank: int, group) -> None:
+    """After :func:`join`, for a replicated optimizer (DistributedOptimizer): the joined ranks
+    reduced but did not step, so they take the last joiner's parameters and optimizer state.
+
+    Example::
+
+        resync_replicated(opt, last, group)
+    """
+    from .broadcast import broadcast_optimizer_state, broadcast_parameters
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    broadcast_parameters(params, root_rank=root_rank, process_group=group)
+    broadcast_optimizer_state(optimizer, root_rank=root_rank, process_group=group)

@@ -219,10 +219,10 @@ def test_bad_input_errors(pools):
 
 def _mismatch(rank, world):
     model = make_model(hidden=8 if rank == 0 else 9)
-    opt = bitscom.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters())
     x, y = global_batch(0, world)
-    try:
+    try:      # the plans are compared when the optimizer is built, before any gradient moves
+        opt = bitscom.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters())
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     except RuntimeError as err:

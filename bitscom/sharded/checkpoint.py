@@ -79,6 +79,9 @@ def join_pieces(contributions: List[dict], shapes: Dict[str, tuple], dtype_of: D
                         state[key][start:stop] = v
         if covered != numel:
             raise RuntimeError(f"parameter {name!r}: pieces cover {covered} of {numel} elements")
+        if master is None:               # a zero-size parameter: no rank owns a piece of it
+            master = torch.zeros(0, dtype=torch.float64 if dtype_of[name] == torch.float64 else torch.float32)
+            replica = torch.zeros(0, dtype=dtype_of[name])
         out[name] = {"master": master.view(shape), "replica": replica.view(shape),
                      "state": {k: (v.view(shape) if k in elem_keys else v) for k, v in state.items()},
                      "element_keys": sorted(elem_keys)}

@@ -16,26 +16,23 @@ parameter) in the flat master shard.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Sequence, Tuple
 
+import torch
+
+from ..buckets import plan_buckets
+from ..compressors.base import TensorSlot
 from ..quantization import HADAMARD_BLOCK
 
 __all__ = ["Slot", "Piece", "BucketShard", "ShardPlan", "plan_shards"]
 
 
 @dataclass(frozen=True)
-class Slot:
-    """Where parameter ``index`` (registration order) lives in its bucket's flat buffer."""
+class Slot(TensorSlot):
+    """The library's slot (name, offset, numel, shape in the bucket's flat buffer) plus the
+    parameter's registration ``index``, which keys the sharded optimizer's per-parameter data."""
 
-    index: int
-    name: str
-    shape: Tuple[int, ...]
-    offset: int
-    numel: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.numel
+    index: int = -1
 
 
 @dataclass(frozen=True)
@@ -104,21 +101,18 @@ def plan_shards(params: Sequence[Tuple[str, Tuple[int, ...], int]], world: int, 
     if threshold_bytes < 0:
         raise ValueError(f"threshold_bytes={threshold_bytes} must be >= 0")
     unit = HADAMARD_BLOCK * pipeline
-    groups: List[List[Tuple[int, str, tuple, int]]] = []
-    used = 0
-    for index in reversed(range(len(params))):
-        name, shape, numel = params[index]
-        nbytes = numel * element_size
-        if not groups or used + nbytes > threshold_bytes:
-            groups.append([])
-            used = 0
-        groups[-1].append((index, name, tuple(shape), numel))
-        used += nbytes
+    # The one bucket planner (reverse registration order, closed at the threshold), on meta
+    # stand-ins with the master dtype's element size: no memory, the same plan everywhere.
+    dtype = {8: torch.float64, 4: torch.float32, 2: torch.float16}[element_size]
+    index_of = {name: i for i, (name, _, _) in enumerate(params)}
+    stand_ins = [(name, torch.empty(tuple(shape), dtype=dtype, device="meta")) for name, shape, _ in params]
+    groups = [[(index_of[s.name], s.name, tuple(s.shape), s.numel) for s in layout.slots]
+              for layout in plan_buckets(stand_ins, threshold_bytes)]
     buckets, pieces, master_offset = [], [], 0
     for group in groups:
         slots, off = [], 0
         for index, name, shape, numel in group:
-            slots.append(Slot(index, name, shape, off, numel))
+            slots.append(Slot(name, off, numel, shape, index))
             off += numel
         shard = max(unit, -(-off // (world * unit)) * unit)
         lo, hi = rank * shard, (rank + 1) * shard

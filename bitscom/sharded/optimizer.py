@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import weakref
+import math
+import zlib
 from collections import defaultdict
 from typing import Dict, List, Optional
 
@@ -28,10 +29,13 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
-from ..comm import resolve_group
-from ..agreement import check_agreement
+from ..comm import Comm, wait
+from ..engine import comm_stats
+from ..lifecycle import StepLifecycle, check_trainable, ddp_owner, require_group
+from ..node_groups import node_groups
 from ..ops import Average, ReduceOp
 from ..params import named_parameters_of
+from .norms import clip_coefficient, global_norm, norm_summary
 from .checkpoint import FORMAT, join_pieces, piece_state, split_state
 from .config import ShardedConfig
 from .gradients import GradientReducer, Topology, gradient_wire_bytes
@@ -51,21 +55,22 @@ compute something else; pass ``elementwise=True`` only if you know yours is elem
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _forward_hook(ref, param) -> None:
-    opt = ref()
-    if opt is not None:
-        opt._hook(param)
+def _check_local_size(local_size) -> None:
+    if local_size is None:
+        return
+    if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1:
+        raise ValueError(f"local_size={local_size!r} must be an int >= 1 (ranks per node) or None")
 
 
-def _remove_hooks(handles) -> None:
-    for handle in handles:
-        handle.remove()
+def _check_threshold(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0:
+        raise ValueError(f"fusion_threshold_mb={value!r} must be a finite number >= 0")
 
 
 def _resolve_topology(process_group, intra_group, inter_group, local_size):
-    process_group = resolve_group(process_group)
     if process_group is None:
-        return Topology(None, None, None, 1, 0, 1), "single process"
+        return Topology(None, None, None, 1, 0, 1), "consistent"
     world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
     if (intra_group is None) != (inter_group is None):
         raise ValueError("pass both intra_group and inter_group, or neither")
@@ -94,6 +99,19 @@ def _resolve_topology(process_group, intra_group, inter_group, local_size):
                   f"{dist.get_process_group_ranks(inter_group)}; expected contiguous nodes of "
                   f"{L} ranks (intra {expect_intra}, inter {expect_inter})")
     return Topology(process_group, intra_group, inter_group, world, rank, L), layout
+
+
+def _check_optimizer(optimizer, elementwise: bool) -> None:
+    if isinstance(optimizer, ShardedOptimizer):
+        raise TypeError("optimizer is already a bitscom.ShardedOptimizer; wrap it only once")
+    if not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "compression"):
+        raise TypeError("optimizer must be a plain torch.optim.Optimizer (not a bitscom "
+                        f"DistributedOptimizer), got {type(optimizer).__name__}")
+    if not elementwise and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        raise TypeError(f"{type(optimizer).__name__} is not known to be elementwise; sharding it "
+                        "would change its result silently. Known: "
+                        f"{[c.__name__ for c in ELEMENTWISE_OPTIMIZERS]}; pass elementwise=True "
+                        "if every update of an element depends only on that element")
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -158,16 +176,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  fusion_threshold_mb: float = 25, backward_passes_per_step: int = 1,
                  op: ReduceOp = Average, intra_group=None, inter_group=None,
                  local_size: Optional[int] = None, elementwise: bool = False, seed: int = 0):
-        if isinstance(optimizer, ShardedOptimizer):
-            raise TypeError("optimizer is already a bitscom.ShardedOptimizer; wrap it only once")
-        if not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "compression"):
-            raise TypeError("optimizer must be a plain torch.optim.Optimizer (not a bitscom "
-                            f"DistributedOptimizer), got {type(optimizer).__name__}")
-        if not elementwise and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-            raise TypeError(f"{type(optimizer).__name__} is not known to be elementwise; sharding it "
-                            "would change its result silently. Known: "
-                            f"{[c.__name__ for c in ELEMENTWISE_OPTIMIZERS]}; pass elementwise=True "
-                            "if every update of an element depends only on that element")
+        _check_optimizer(optimizer, elementwise)
+        _check_local_size(local_size)
+        _check_threshold(fusion_threshold_mb)
         self.config = ShardedConfig(
             quantized_weights=quantized_weights, weight_quantization_bits=weight_quantization_bits,
             wq_group_size=wq_group_size, quantized_gradients=quantized_gradients,
@@ -179,14 +190,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             fusion_threshold_mb=fusion_threshold_mb, backward_passes_per_step=backward_passes_per_step,
             op=op, seed=seed)
         named = named_parameters_of(optimizer, named_parameters)
+        check_trainable(named, "ShardedOptimizer", dtypes=_DTYPES)
         self._trainable = [(n, p) for n, p in named if p.requires_grad]
         if not self._trainable:
             raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
-        for name, p in self._trainable:
-            if p.dtype not in _DTYPES:
-                raise TypeError(f"parameter {name!r} has dtype {p.dtype}; allowed: {list(_DTYPES)}")
-            if p.layout != torch.strided:
-                raise TypeError(f"parameter {name!r} is not dense ({p.layout})")
         dtypes = sorted({str(p.dtype) for _, p in self._trainable})
         devices = sorted({str(p.device) for _, p in self._trainable})
         if len(dtypes) > 1 or len(devices) > 1:
@@ -196,32 +203,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._master_dtype = torch.float64 if self._param_dtype == torch.float64 else torch.float32
         device = self._trainable[0][1].device
 
-        topo, layout = _resolve_topology(process_group, intra_group, inter_group, local_size)
-        pending_groups = None
+        group = require_group(process_group, "ShardedOptimizer")
+        topo, layout = _resolve_topology(group, intra_group, inter_group, local_size)
+        pending_local = None
         if topo is None:
-            pending_groups, layout = layout, "consistent"
-            group, world, rank, L = pending_groups
-            topo = Topology(group, None, None, world, rank, L)
+            group, world, rank, pending_local = layout
+            topo, layout = Topology(group, None, None, world, rank, pending_local), "consistent"
         self.process_group = topo.group
         self.plan = plan_shards([(n, tuple(p.shape), p.numel()) for n, p in self._trainable],
                                 topo.world, topo.rank, self.config.fusion_threshold_bytes,
                                 self.config.gradient_alltoall_pipeline,
                                 torch.empty((), dtype=self._master_dtype).element_size())
-        if topo.world > 1:
-            check_agreement(self._description(optimizer, topo, layout), topo.group,
-                            what="sharded optimizer plan")
-            if layout != "consistent":
-                raise RuntimeError(layout)
-        if pending_groups is not None and topo.world > 1:
-            topo = self._build_groups(topo, self.config.quantized_gradients)
+        self._ddp = ddp_owner([p for _, p in self._trainable]) if topo.world > 1 else None
+        self._static = self._describe(optimizer, topo, layout)
+        self._life = StepLifecycle(self, "ShardedOptimizer", named, topo.group, backward_passes_per_step)
+        self._life.agree()                      # every rank, before any other collective
+        if layout != "consistent":
+            raise RuntimeError(layout)
+        if self._ddp is not None:
+            raise TypeError(f"the model's parameters belong to a {self._ddp}; DDP would all-reduce "
+                            "them in full precision as well. Give ShardedOptimizer the unwrapped "
+                            "model's parameters (model.module)")
+        if pending_local is not None and topo.world > 1 and self.config.quantized_gradients:
+            intra, inter = node_groups(topo.group, pending_local)
+            topo = Topology(topo.group, intra, inter, topo.world, topo.rank, pending_local)
         self.topo = topo
         self._params = [p for _, p in self._trainable]
         self._names = [n for n, _ in self._trainable]
-        if topo.world > 1:
-            src = dist.get_global_rank(topo.group, 0)
-            with torch.no_grad():
-                for p in self._params:
-                    dist.broadcast(p.data, src=src, group=topo.group)
+        self._broadcast_parameters()
 
         # Master shard, its gradient, and the pieces the wrapped optimizer now works on.
         self._master = torch.zeros(self.plan.master_numel, dtype=self._master_dtype, device=device)
@@ -242,43 +251,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for bi, b in enumerate(self.plan.buckets):
             for s in b.slots:
                 self._where[id(self._params[s.index])] = (bi, s)
-        self._passes = [0] * len(self._params)
-        self._pending = [len(b.slots) for b in self.plan.buckets]
-        self._next_launch = 0
-        self._synchronized = False
-        self._step_count = 0
+        self._reset_buckets()
         self._reducer = GradientReducer(self.config, topo)
         self._stats = {}
+        self._norms = None              # this step's global gradient norm summary (clip_grad_norm_)
+        self._uid = zlib.crc32(repr(self._static).encode()) & 0x3FFFFFFF
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
-        this = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(lambda param, this=this: _forward_hook(this, param))
-                       for p in self._params]
-        weakref.finalize(self, _remove_hooks, list(self._hooks))
+        self._life.attach(self._params, solo=True)
 
     # -- construction helpers ---------------------------------------------------------------
-    def _description(self, optimizer, topo, layout) -> dict:
+    def _describe(self, optimizer, topo, layout) -> dict:
         groups = [{k: repr(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        return {"world size": topo.world, "ranks per node": topo.local_size,
+        return {"ranks per node": topo.local_size,
                 "node layout": "consistent" if layout == "consistent" else "inconsistent (see the rank's error)",
                 "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in self._trainable],
                 "buckets": self.plan.describe(), "settings": self.config.describe(),
-                "optimizer": type(optimizer).__name__, "param_groups": groups}
+                "wrapped optimizer": type(optimizer).__name__, "param_groups": groups,
+                "wrapped in DistributedDataParallel": self._ddp is not None}
 
-    @staticmethod
-    def _build_groups(topo: Topology, needed: bool) -> Topology:
-        """This rank's intra-node and inter-node groups (only the members create each one)."""
-        L, M = topo.local_size, topo.world // topo.local_size
-        if not needed:
-            return Topology(topo.group, None, None, topo.world, topo.rank, L)
-        ranks = dist.get_process_group_ranks(topo.group)
-        node, local = divmod(topo.rank, L)
-        intra = topo.group if M == 1 else None
-        inter = topo.group if L == 1 else None
-        if L > 1 and M > 1:
-            intra = dist.new_group([ranks[node * L + i] for i in range(L)], use_local_synchronization=True)
-            inter = dist.new_group([ranks[n * L + local] for n in range(M)], use_local_synchronization=True)
-        return Topology(topo.group, intra, inter, topo.world, topo.rank, L)
+    def _description(self) -> dict:
+        return self._static
+
+    def _broadcast_parameters(self) -> None:
+        """Replicas start identical (like DDP): rank 0's parameters, through the one Comm."""
+        if self.topo.world == 1:
+            return
+        comm = Comm(self.topo.group)
+        with torch.no_grad():
+            wait([comm.broadcast(p.data, 0) for p in self._params])
 
     def _take_over(self, optimizer) -> None:
         """Re-point ``optimizer`` at this rank's pieces, slicing any state it already has."""
@@ -341,78 +342,124 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __repr__(self):
         return f"ShardedOptimizer({type(self.optimizer).__name__}, {self.config})"
 
-    # -- backward hooks ------------------------------------------------------------------------
-    def _hook(self, p: torch.Tensor) -> None:
+    # -- the lifecycle's calls: one gradient, the end of a step -------------------------------
+    @property
+    def _step_count(self) -> int:
+        """Optimizer steps taken (seeds every quantized round; checkpointed and agreed)."""
+        return self._life.steps
+
+    def _on_gradient(self, p: torch.Tensor, last_pass: bool) -> None:
+        """Move ``p.grad`` into its bucket (adding on later passes), drop the full-size local
+        gradient, and on the step's last pass launch every bucket that became ready."""
         bi, slot = self._where[id(p)]
         if p.grad is None:
             return
         if p.grad.is_sparse:
             raise TypeError(f"parameter {slot.name!r} has a sparse gradient; ShardedOptimizer "
                             "reduces dense gradients only (use a dense embedding)")
-        k = self.config.backward_passes_per_step
-        count = self._passes[slot.index] + 1
-        if count > k:
-            raise RuntimeError(f"gradients were computed {count} times before optimizer.step() with "
-                               f"backward_passes_per_step={k}; raise backward_passes_per_step or call step()")
         if self._next_launch > bi:
             raise RuntimeError(f"parameter {slot.name!r} got a gradient after its bucket was already "
                                "reduced this step; call step() before the next backward")
         view = self._buckets[bi][slot.offset:slot.end]
         with torch.no_grad():
-            if count == 1:
+            if self._passes[slot.index] == 0:
                 view.copy_(p.grad.reshape(-1))
             else:
                 view.add_(p.grad.reshape(-1))
         p.grad = None
-        self._passes[slot.index] = count
-        self._synchronized = False
-        if count == k:
-            self._pending[bi] -= 1
+        self._passes[slot.index] += 1
+        if last_pass:
+            self._mark_ready(bi, slot.index)
             self._launch_ready()
         self._reducer.poll(self._step_count)
 
+    def _mark_ready(self, bi: int, index: int) -> None:
+        if not self._ready[index]:
+            self._ready[index] = True
+            self._pending[bi] -= 1
+
     def _launch_ready(self) -> None:
         while self._next_launch < len(self._buckets) and self._pending[self._next_launch] == 0:
+            self._life.begin(notify=True)
             b = self.plan.buckets[self._next_launch]
             out = self._master_grad[b.master_offset:b.master_offset + b.shard_numel]
             self._reducer.launch(self._next_launch, self._buckets[self._next_launch], out, self._step_count)
             self._next_launch += 1
 
+    def _finish(self) -> None:
+        """Complete the reduce-scatter (the end of the completing backward pass, or an early
+        :meth:`synchronize`): this rank's master gradient holds its shard of the reduced
+        gradient; parameters without a gradient count as zeros."""
+        self._life.check_open()
+        self._life.check_requires_grad()
+        try:
+            for bi in range(self._next_launch, len(self._buckets)):
+                for s in self.plan.buckets[bi].slots:
+                    if self._passes[s.index] == 0:
+                        self._buckets[bi][s.offset:s.end].zero_()
+                    self._mark_ready(bi, s.index)
+            self._launch_ready()
+            sent = self._reducer.wait_all(self._step_count)
+            for piece, tensor in zip(self.plan.pieces, self._pieces):
+                tensor.grad = self._master_grad[piece.master_offset:piece.master_offset + piece.numel]
+            self._norms = norm_summary([t.grad for t in self._pieces], self._master.device, self.topo)
+            self._life.end()
+        except BaseException:
+            self._reducer.abort()
+            raise
+        finally:
+            self._reset_buckets()
+        dense = sum(gradient_wire_bytes(ShardedConfig(), self.topo, b.shard_numel) for b in self.plan.buckets)
+        self._stats = {"gradient_bytes": sent, "dense_gradient_bytes": dense}
+        self._life.completed = True
+
+    def _reset_buckets(self) -> None:
+        self._next_launch = 0
+        self._passes = [0] * len(self._params)
+        self._ready = [False] * len(self._params)
+        self._pending = [len(b.slots) for b in self.plan.buckets]
+        if hasattr(self, "_life"):
+            self._life.reset_collectives()
+
+    def _reset_step(self) -> None:
+        if self._reducer.in_flight:
+            self._reducer.abort()
+        self._reset_buckets()
+        self._life.reset_step()
+
+    def _mid_step(self) -> bool:
+        """Whether a step is under way (bitscom.join() refuses to start in one)."""
+        return bool(self._life.in_step or self._next_launch or self._reducer.in_flight)
+
+    def shadow_step(self) -> None:
+        """Take part in one step of the other ranks with zero gradients (bitscom.join() on a
+        rank that ran out of data). Unlike a replicated optimizer, this rank *does* step: it
+        owns a shard of the parameters, which the others' all-gather needs updated."""
+        for bucket in self._buckets:
+            bucket.zero_()
+        self._life.begin(notify=False)     # join's all-reduce took the place of the notice
+        self._finish()
+        self._apply_step()
+
+    def _after_join(self, root_rank: int, group) -> None:
+        """Nothing to resynchronize: every rank stepped its own shard, and the all-gather of
+        each step left the replicas identical."""
+
     # -- the public step API -----------------------------------------------------------------
     def synchronize(self) -> None:
-        """Finish the reduce-scatter: this rank's master shard gradient holds the reduced
-        (averaged or summed) gradient. Parameters without a gradient count as zeros.
+        """Finish this step's reduce-scatter now; a no-op when backward already did it (the
+        backward pass that completes a step finishes it). Parameters without a gradient count
+        as zeros.
 
         Example::
 
             loss.backward()
-            opt.synchronize()
-            print(opt.shard_gradient_norm())
+            opt.synchronize()                      # no-op: already reduced
+            print(opt.clip_grad_norm_(1.0))
         """
-        if self._synchronized:
+        if self._life.completed:
             return
-        for bi in range(self._next_launch, len(self._buckets)):
-            for s in self.plan.buckets[bi].slots:
-                if self._passes[s.index] == 0:
-                    self._buckets[bi][s.offset:s.end].zero_()
-                if self._passes[s.index] < self.config.backward_passes_per_step:
-                    self._passes[s.index] = self.config.backward_passes_per_step
-                    self._pending[bi] -= 1
-        self._launch_ready()
-        try:
-            sent = self._reducer.wait_all(self._step_count)
-        finally:
-            self._reset_step()
-        for piece, tensor in zip(self.plan.pieces, self._pieces):
-            tensor.grad = self._master_grad[piece.master_offset:piece.master_offset + piece.numel]
-        dense = sum(gradient_wire_bytes(ShardedConfig(), self.topo, b.shard_numel) for b in self.plan.buckets)
-        self._stats = {"gradient_bytes": sent, "dense_gradient_bytes": dense}
-        self._synchronized = True
-
-    def _reset_step(self) -> None:
-        self._next_launch = 0
-        self._passes = [0] * len(self._params)
-        self._pending = [len(b.slots) for b in self.plan.buckets]
+        self._finish()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -426,8 +473,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the reduced gradient by its global norm over all shards (what
-        ``torch.nn.utils.clip_grad_norm_`` computes on an unsharded model); returns the norm,
-        identical on every rank. Synchronizes first if needed.
+        ``torch.nn.utils.clip_grad_norm_`` computes on an unsharded model, for any
+        ``norm_type`` including ``inf``, ``-inf`` and ``0``); returns the norm, identical on
+        every rank. Norms of order 2, 1, inf and -inf come from the step's own reduction
+        (no extra collective, so it also works while another rank is in :func:`bitscom.join`);
+        other orders cost one all-reduce.
 
         Example::
 
@@ -436,24 +486,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             opt.step()
         """
         self.synchronize()
-        norm_type = float(norm_type)
         grads = [t.grad for t in self._pieces]
-        dev = self._master.device
-        if norm_type == float("inf"):
-            local = torch.stack([g.abs().max() for g in grads]).max().double() if grads \
-                else torch.zeros((), dtype=torch.float64, device=dev)
-            if self.topo.world > 1:
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.topo.group)
-            total = local
-        else:
-            local = torch.stack([(g.double().abs() ** norm_type).sum() for g in grads]).sum() if grads \
-                else torch.zeros((), dtype=torch.float64, device=dev)
-            if self.topo.world > 1:
-                dist.all_reduce(local, group=self.topo.group)
-            total = local ** (1.0 / norm_type)
+        total = global_norm(grads, float(norm_type), self._norms, self._master.device, self.topo,
+                            [piece.index for piece in self.plan.pieces], len(self._params))
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
-        coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+        coef = clip_coefficient(max_norm, total)
         for g in grads:
             g.mul_(coef.to(g.dtype))
         return total.to(torch.float32)
@@ -462,6 +500,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # p.grad itself; step() uses that hand-over to refuse AMP loudly (see the class docstring).
     _step_supports_amp_scaling = True
 
+    def _refuse_grad_scaler(self) -> None:
+        """GradScaler's unscale and inf check would see only this rank's shard. Refuse it —
+        leaving the optimizer usable: the step's reduction is completed (every rank reaches the
+        same point) and the attributes GradScaler set are removed (it deletes them only after
+        a step that returns)."""
+        if "grad_scale" not in self.__dict__ and "found_inf" not in self.__dict__:
+            return
+        self.__dict__.pop("grad_scale", None)
+        self.__dict__.pop("found_inf", None)
+        self.synchronize()
+        self._reset_step()
+        raise RuntimeError(
+            "ShardedOptimizer does not support torch.amp.GradScaler: its unscale and inf check "
+            "would see only this rank's shard (ranks could skip differently). Train with bf16 "
+            "autocast without a scaler, or use bitscom.DistributedOptimizer with GradScaler")
+
     def step(self, closure=None):
         """Synchronize (if not done), update this rank's shard, all-gather the parameters.
 
@@ -469,35 +523,52 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
             loss.backward(); opt.step()
         """
-        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
-            raise RuntimeError(
-                "ShardedOptimizer does not support torch.amp.GradScaler: its unscale and inf check "
-                "would see only this rank's shard (ranks could skip differently). Train with bf16 "
-                "autocast without a scaler, or use bitscom.DistributedOptimizer with GradScaler")
+        self._refuse_grad_scaler()
         if closure is not None:
             raise ValueError("ShardedOptimizer.step() takes no closure: the closure's backward "
                              "would be reduced by the hooks; call backward yourself, then step()")
+        self._life.check_open()
+        if self._life.completed:
+            self._life.check_requires_grad()
         self.synchronize()
-        result = self.optimizer.step()
-        sent = gather_parameters(self.config, self.topo, self.plan, self._master, self._params,
-                                 self._step_count)
+        return self._apply_step()
+
+    def _apply_step(self):
+        try:
+            result = self.optimizer.step()
+            sent = gather_parameters(self.config, self.topo, self.plan, self._master, self._params,
+                                     self._step_count)
+        finally:
+            self._reset_step()
         self._stats["weight_bytes"] = sent
         self._stats["dense_weight_bytes"] = sum(
             weight_wire_bytes(ShardedConfig(), self.topo, b.shard_numel, self._param_dtype)
             for b in self.plan.buckets)
-        self._step_count += 1
-        self._synchronized = False
+        self._life.stepped()
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop gradients of this step; refuses while gradients are being reduced."""
-        if self._reducer.in_flight or self._next_launch > 0:
-            raise RuntimeError("zero_grad() was called while gradients are being reduced (after "
-                               "backward, before step()/synchronize()); call step() first")
+        """Drop this step's gradients (a reduction already completed at the end of backward is
+        discarded, as a plain optimizer's zero_grad discards ``p.grad``).
+
+        Example::
+
+            opt.zero_grad()
+        """
         self._reset_step()
-        self._synchronized = False
         for p in self._params:
             p.grad = None
+
+    def close(self) -> None:
+        """Remove the gradient hooks (the node groups are shared per layout and stay); later
+        steps raise.
+
+        Example::
+
+            opt.close()
+        """
+        self._reducer.abort()
+        self._life.close()
 
     # -- statistics ------------------------------------------------------------------------
     def comm_stats(self) -> dict:
@@ -508,11 +579,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
             opt.step(); print(opt.comm_stats()["gradient_bytes"])
         """
-        s = dict(self._stats)
-        s["bytes_sent"] = s.get("gradient_bytes", 0) + s.get("weight_bytes", 0)
-        dense = s.get("dense_gradient_bytes", 0) + s.get("dense_weight_bytes", 0)
-        s["compression_ratio"] = dense / s["bytes_sent"] if s["bytes_sent"] else float("nan")
-        return s
+        s = self._stats
+        return comm_stats(s.get("gradient_bytes", 0) + s.get("weight_bytes", 0),
+                          s.get("dense_gradient_bytes", 0) + s.get("dense_weight_bytes", 0), **s)
 
     def memory_stats(self) -> dict:
         """Bytes this rank holds for optimizer state, the master shard and its gradient.
@@ -571,8 +640,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              "Use consolidated_state_dict() to change the world size")
         with torch.no_grad():
             self._master.copy_(sh["master"])
-        self._step_count = int(sh["step"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
+        self._life.loaded(int(sh["step"]))   # the ranks compare their steps before the next one
 
     def consolidated_state_dict(self, to_rank: int = 0) -> Optional[dict]:
         """Gather a world-size-independent checkpoint on rank ``to_rank`` (``None`` elsewhere).
@@ -658,7 +727,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     g[k] = v
         self.optimizer.state = new_state
-        self._step_count = int(state_dict["step"])
+        self._life.loaded(int(state_dict["step"]))
 
     @classmethod
     def from_args(cls, optimizer, args, named_parameters=None, process_group=None, **kwargs):

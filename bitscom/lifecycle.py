@@ -1,0 +1,320 @@
+"""What every optimizer face shares: its group, its setup checks and the life of one step.
+
+Why one module. ``DistributedOptimizer`` and ``ShardedOptimizer`` differ in what they do with
+a gradient (copy it into a bucket and hand back the average; move it into a bucket and keep
+only this rank's shard) but not in when: a post-accumulate-grad hook per parameter, passes
+counted to ``backward_passes_per_step``, the reduction completed when the backward pass that
+completes a step ends (the autograd engine's end-of-backward callback, as DDP does), a plan
+that every rank must agree on, ``requires_grad`` frozen at construction, a step counter that
+must agree after a resume, hooks and groups released by ``close()``. Each of these used to be
+written twice and drifted (a sharded optimizer that trained each rank alone before ``init()``,
+ignored ``requires_grad`` flips, resumed from stale files silently and leaked its groups); here
+it exists once, and a face only says what a gradient and the end of a step mean to it.
+
+The face implements three methods, called by :class:`StepLifecycle`:
+
+* ``_on_gradient(p, last_pass)``: ``p.grad`` was accumulated on this backward pass;
+  ``last_pass`` is True on the pass that completes the step;
+* ``_finish()``: complete the step's reduction (the end of the completing pass, or an early
+  ``synchronize()``);
+* ``_description()``: what every rank must agree on (a dict; compared across ranks).
+
+Example::
+
+    class MyFace(torch.optim.Optimizer):
+        def __init__(self, optimizer, named, process_group=None):
+            group = require_group(process_group, "MyFace")
+            self._life = StepLifecycle(self, "MyFace", named, group, passes=1)
+            self._life.agree()                      # every rank, at construction
+            self._life.attach([p for _, p in named])
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import runtime, uneven
+from .agreement import check_agreement, require_member
+from .comm import resolve_group
+
+__all__ = ["require_group", "check_trainable", "ddp_owner", "StepLifecycle"]
+
+
+def require_group(process_group, face: str, *, warn_single: bool = False):
+    """The group ``face`` reduces over (``process_group`` or the world group), or ``None`` for
+    one process; a clear error instead of a silent local run when a launcher started several
+    processes but torch.distributed is not initialized, or when this rank is not a member.
+
+    Example::
+
+        group = require_group(None, "ShardedOptimizer")
+    """
+    group = resolve_group(process_group)
+    if group is None:
+        info = runtime.discover()
+        if info.size > 1:
+            raise RuntimeError(
+                f"{face} was used before bitscom.init(): the launcher ({info.launcher}) started "
+                f"{info.size} processes but torch.distributed is not initialized, so it would run "
+                "each rank on its own and the replicas would diverge. Call bitscom.init() (or "
+                "torch.distributed.init_process_group) first.")
+        if warn_single:
+            warnings.warn(f"bitscom.{face}: neither bitscom.init() nor torch.distributed was "
+                          "initialized, so it runs as a plain single-process optimizer; call "
+                          "bitscom.init() first (a no-op for one process) to silence this warning",
+                          stacklevel=3)
+        return None
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of "
+                         f"process_group (ranks {dist.get_process_group_ranks(group)}); build "
+                         f"{face} on member ranks only")
+    require_member(group, face)
+    return group
+
+
+def check_trainable(named: Sequence[Tuple[str, torch.Tensor]], face: str,
+                    dtypes: Optional[Sequence[torch.dtype]] = None) -> None:
+    """Refuse parameters no face can reduce: meta tensors (no data), non-floating or complex
+    trainable parameters, sparse layouts, and (when ``dtypes`` is given) other dtypes.
+
+    Example::
+
+        check_trainable(list(model.named_parameters()), "DistributedOptimizer")
+    """
+    for name, p in named:
+        if p.is_meta:
+            raise ValueError(f"parameter {name!r} is on the meta device (it has no data); "
+                             "materialize the model (e.g. model.to_empty(device=...) and "
+                             f"initialize it) before building {face}")
+        if not p.requires_grad:
+            continue
+        if p.is_complex():
+            raise TypeError(f"parameter {name!r} is complex ({p.dtype}); bitscom reduces real "
+                            "tensors only (view it with torch.view_as_real)")
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only floating-point "
+                            "parameters can be trained")
+        if p.layout != torch.strided:
+            raise TypeError(f"parameter {name!r} is not dense ({p.layout}); {face} reduces dense "
+                            "parameters")
+        if dtypes is not None and p.dtype not in dtypes:
+            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; {face} allows {list(dtypes)}")
+
+
+def ddp_owner(params: Sequence[torch.Tensor]) -> Optional[str]:
+    """The class name of a ``DistributedDataParallel`` module that owns any of ``params``, or
+    ``None``. A model already wrapped in DDP (e.g. by Accelerate's ``prepare()``) would be
+    reduced twice — DDP's full-precision all-reduce in backward, then ours — while
+    ``comm_stats()`` reported only ours; the faces refuse it.
+
+    Example::
+
+        assert ddp_owner(list(model.parameters())) is None
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ours = {id(p) for p in params}
+    for obj in gc.get_objects():
+        if isinstance(obj, DDP) and any(id(p) in ours for p in obj.module.parameters()):
+            return type(obj).__name__
+    return None
+
+
+def _hook(ref, param) -> None:
+    life = ref()
+    if life is not None:
+        life.on_hook(param)
+
+
+def _end_of_backward(ref) -> None:
+    life = ref()
+    if life is not None:
+        life.on_backward_end()
+
+
+def _release(handles, groups) -> None:
+    """Remove the hooks and destroy the groups a face owns (close() or garbage collection)."""
+    for handle in handles:
+        handle.remove()
+    for group in groups:
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError):   # already gone with the default group
+                pass
+
+
+class StepLifecycle:
+    """The life of one face's steps: hooks, pass counting, end-of-backward completion, the
+    cross-rank agreement, ``requires_grad`` and step-counter checks, ``close()``.
+
+    State it keeps (read by the face, reset by :meth:`reset_step`): ``passes_done`` (backward
+    passes of this step), ``completed`` (the step's reduced gradients are in place),
+    ``began`` (the step's first collective — the join notice — was issued), ``steps`` (optimizer
+    steps taken; checkpointed and agreed on after a load).
+
+    Example::
+
+        life = StepLifecycle(face, "DistributedOptimizer", named, group, passes=2)
+        life.agree()
+        life.attach(params)
+        ...
+        life.close()
+    """
+
+    def __init__(self, face, name: str, named: Sequence[Tuple[str, torch.Tensor]], group,
+                 passes: int, owned_groups: Sequence[Any] = ()):
+        self._face = weakref.ref(face)
+        self.name = name
+        self.group = group
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.named = list(named)
+        self.planned_grad = [p.requires_grad for _, p in self.named]
+        self.passes = passes
+        self.passes_done = 0
+        self.callback_queued = False
+        self.completed = False
+        self.began = False
+        self.notice = None
+        self.closed = False
+        self.steps = 0
+        self.agreed = False
+        self.check_state = False     # after a load: agree on step counters / compressor state
+        self._handles: List[Any] = []
+        self._groups: List[Any] = list(owned_groups)
+        self._finalizer = weakref.finalize(face, _release, self._handles, self._groups)
+        self._finalizer.atexit = False
+
+    # -- setup ---------------------------------------------------------------------------------
+    def attach(self, params: Sequence[torch.Tensor], solo: bool = False) -> None:
+        """Register the post-accumulate-grad hooks (held weakly: a face that is closed or
+        collected stops reducing) and make the face shadowable by :func:`bitscom.join`.
+        ``solo``: hook even in a single process (a face whose gradients live elsewhere)."""
+        if self.size == 1 and not solo:
+            return
+        this = weakref.ref(self)
+        for p in params:
+            self._handles.append(p.register_post_accumulate_grad_hook(
+                lambda param, this=this: _hook(this, param)))
+        if self.size > 1:
+            uneven.register(self._face())
+
+    def own(self, group) -> None:
+        """Destroy ``group`` with the face (``close()`` or garbage collection)."""
+        self._groups.append(group)
+
+    def description(self, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """What the ranks compare: the face's kind first, its own description, and after a
+        load the step counter (a stale checkpoint on one rank is an error, not drift)."""
+        face = self._face()
+        desc: Dict[str, Any] = {"optimizer": self.name, "world size": self.size}
+        desc.update(face._description())
+        if self.check_state:
+            desc.update(extra or {})
+            desc["optimizer steps taken"] = self.steps
+        return desc
+
+    def agree(self, extra: Optional[Dict[str, Any]] = None) -> None:
+        """Every rank checks that every other rank built the same face with the same plan and
+        (after a load) resumed from the same step; the same RuntimeError everywhere if not."""
+        if self.size > 1:
+            check_agreement(self.description(extra), self.group, what="optimizer plan")
+        self.agreed, self.check_state = True, False
+
+    def loaded(self, steps: Optional[int]) -> None:
+        """A checkpoint was loaded: the next step first re-checks the agreement."""
+        if steps is not None:
+            self.steps = int(steps)
+        self.agreed, self.check_state = False, True
+
+    # -- one step --------------------------------------------------------------------------------
+    def on_hook(self, p: torch.Tensor) -> None:
+        if self.closed:
+            return
+        face = self._face()
+        if face is None:
+            return
+        if self.completed:
+            raise RuntimeError(
+                f"gradients were computed again after the step's reduction (backward_passes_per_step="
+                f"{self.passes}): call step() or zero_grad() before the next backward, or raise "
+                "backward_passes_per_step to accumulate more passes locally")
+        if not self.callback_queued:
+            self.callback_queued = True
+            this = weakref.ref(self)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_of_backward(this))
+        face._on_gradient(p, self.passes_done + 1 == self.passes)
+
+    def on_backward_end(self) -> None:
+        self.callback_queued = False
+        self.passes_done += 1
+        face = self._face()
+        if face is not None and self.passes_done >= self.passes and not self.completed \
+                and not self.closed:
+            face._finish()
+
+    def begin(self, notify: bool, state_description: Optional[Callable[[], Dict[str, Any]]] = None) -> None:
+        """The collectives every step starts with, in the same order on every rank: the join
+        notice (see :func:`bitscom.join`), then the agreement when a load or a setting change
+        asked for it."""
+        if self.began:
+            return
+        self.began = True
+        if notify and self.size > 1:
+            self.notice = uneven.notify(self._face())
+        if not self.agreed:
+            self.agree(state_description() if (state_description and self.check_state) else None)
+
+    def end(self) -> None:
+        """Wait for this step's join notice."""
+        if self.notice is not None:
+            self.notice.wait()
+            self.notice = None
+
+    def check_requires_grad(self) -> None:
+        """Buckets are planned once: a parameter frozen or unfrozen since is an error."""
+        for (name, p), planned in zip(self.named, self.planned_grad):
+            if p.requires_grad != planned:
+                change = "unfrozen" if p.requires_grad else "frozen"
+                raise RuntimeError(
+                    f"parameter {name!r} was {change} (requires_grad={p.requires_grad}) after "
+                    f"{self.name} was built; bitscom plans its buckets once, so it would be "
+                    "reduced wrongly. close() this optimizer and build a new one after changing "
+                    "requires_grad")
+
+    def check_open(self) -> None:
+        if self.closed and self.size > 1:
+            raise RuntimeError(f"this {self.name} was closed; build a new one")
+
+    @property
+    def in_step(self) -> bool:
+        """Whether a step has started (a backward pass ran or a collective was issued)."""
+        return bool(self.passes_done or self.began)
+
+    def reset_collectives(self) -> None:
+        """Forget this step's first collectives (the buckets were reset)."""
+        self.began = False
+        self.notice = None
+
+    def reset_step(self) -> None:
+        self.passes_done = 0
+        self.completed = False
+        self.began = False
+        self.notice = None
+        self.callback_queued = False   # also after a backward that raised before its end
+
+    def stepped(self) -> None:
+        self.steps += 1
+
+    def close(self) -> None:
+        """Remove the hooks, forget the face in :func:`bitscom.join`, destroy owned groups."""
+        self.closed = True
+        face = self._face()
+        if face is not None:
+            uneven.unregister(face)
+        self._finalizer()

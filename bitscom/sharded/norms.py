@@ -1,0 +1,125 @@
+"""Global gradient norms over shards: what ``torch.nn.utils.clip_grad_norm_`` would compute
+on the unsharded gradient, identical on every rank.
+
+Why a summary per step. A norm over shards needs one collective; issued from
+``clip_grad_norm_`` it would be a collective that only some loops make (and that a rank in
+:func:`bitscom.join` could not mirror). So the end of every reduction all-gathers a five-number
+summary of this rank's shard — sum of squares, sum of magnitudes, largest and smallest magnitude
+— from which the norms of order 2, 1, inf and -inf follow exactly; other orders (rare) cost one
+all-reduce of their own. Sums are float64, combined in rank order.
+
+Order 0 follows torch's definition, which is not the count of non-zero elements:
+``clip_grad_norm_`` takes the norm of the per-tensor norms, so order 0 counts the *parameters*
+whose gradient has any non-zero element; a parameter split over ranks is counted once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from ..comm import Comm
+
+__all__ = ["norm_summary", "global_norm", "clip_coefficient"]
+
+_SUMSQ, _SUMABS, _MAX, _NEGMIN = range(4)
+_N = 4
+
+
+def _local_summary(grads: Sequence[torch.Tensor], device) -> torch.Tensor:
+    out = torch.zeros(_N, dtype=torch.float64, device=device)
+    out[_MAX] = 0.0
+    out[_NEGMIN] = -math.inf
+    for g in grads:
+        if g.numel() == 0:
+            continue
+        a = g.detach().double().abs()
+        out[_SUMSQ] += (a ** 2.0).sum()
+        out[_SUMABS] += a.sum()
+        out[_MAX] = torch.maximum(out[_MAX], a.max())
+        out[_NEGMIN] = torch.maximum(out[_NEGMIN], -a.min())
+    return out
+
+
+def norm_summary(grads: Sequence[torch.Tensor], device, topo) -> torch.Tensor:
+    """The five-number summary of the whole reduced gradient (every rank's shard), identical
+    on every rank.
+
+    Example::
+
+        summary = norm_summary([t.grad for t in pieces], master.device, topo)
+    """
+    mine = _local_summary(grads, device)
+    if topo.world == 1:
+        return mine
+    everyone = torch.empty(topo.world * _N, dtype=torch.float64, device=device)
+    work = Comm(topo.group).all_gather(everyone, mine)
+    if work is not None:
+        work.wait()
+    rows = everyone.view(topo.world, _N)
+    total = rows[0].clone()
+    for r in range(1, topo.world):
+        total[_SUMSQ] += rows[r, _SUMSQ]
+        total[_SUMABS] += rows[r, _SUMABS]
+        total[_MAX] = torch.maximum(total[_MAX], rows[r, _MAX])
+        total[_NEGMIN] = torch.maximum(total[_NEGMIN], rows[r, _NEGMIN])
+    return total
+
+
+def _all_reduce(t: torch.Tensor, topo) -> torch.Tensor:
+    if topo.world > 1:
+        work = Comm(topo.group).all_reduce(t)
+        if work is not None:
+            work.wait()
+    return t
+
+
+def _nonzero_parameters(grads, owners: Sequence[int], n_params: int, device, topo) -> torch.Tensor:
+    counts = torch.zeros(n_params, dtype=torch.float64, device=device)
+    for g, owner in zip(grads, owners):
+        if g.numel():
+            counts[owner] += (g.detach() != 0).sum()
+    return (_all_reduce(counts, topo) > 0).sum().double()
+
+
+def global_norm(grads: Sequence[torch.Tensor], norm_type: float, summary: Optional[torch.Tensor],
+                device, topo, owners: Sequence[int] = (), n_params: int = 0) -> torch.Tensor:
+    """The norm of order ``norm_type`` of the whole gradient (float64, same on every rank);
+    ``owners[i]`` is the parameter index of ``grads[i]`` (needed for order 0 only).
+
+    Example::
+
+        total = global_norm(grads, 2.0, summary, device, topo)
+    """
+    if math.isnan(norm_type):
+        raise ValueError(f"norm_type must be a number (inf, -inf and 0 included), got {norm_type!r}")
+    if summary is not None:
+        if norm_type == 2.0:
+            return summary[_SUMSQ] ** 0.5
+        if norm_type == 1.0:
+            return summary[_SUMABS].clone()
+        if norm_type == math.inf:
+            return summary[_MAX].clone()
+        if norm_type == -math.inf:
+            if float(summary[_NEGMIN]) == -math.inf:        # no elements at all
+                return torch.zeros((), dtype=torch.float64, device=device)
+            return -summary[_NEGMIN]                         # NaN stays NaN
+    if norm_type == 0.0:
+        return _nonzero_parameters(grads, owners, n_params, device, topo)
+    local = torch.zeros(1, dtype=torch.float64, device=device)
+    for g in grads:
+        if g.numel():
+            local += (g.detach().double().abs() ** norm_type).sum()
+    return _all_reduce(local, topo).reshape(()) ** (1.0 / norm_type)
+
+
+def clip_coefficient(max_norm: float, total: torch.Tensor) -> torch.Tensor:
+    """``min(1, max_norm / (total + 1e-6))``, torch's clipping factor.
+
+    Example::
+
+        coef = clip_coefficient(1.0, total)
+    """
+    return (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
