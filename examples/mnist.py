@@ -170,6 +170,22 @@ def evaluate(model, x, y, batch=1000):
     return loss / len(x), correct / len(x)
 
 
+class Progress:
+    """A "still training" line from rank 0 inside a long epoch (full MNIST on CPU takes
+    minutes per epoch): at most one every ``every_s`` seconds; ``every_s=0`` turns it off."""
+
+    def __init__(self, every_s: float, enabled: bool):
+        self.every_s, self.enabled = every_s, enabled and every_s > 0
+        self.last = time.perf_counter()
+
+    def tick(self, epoch: int, epochs: int, step: int, steps: int, loss: float):
+        now = time.perf_counter()
+        if self.enabled and now - self.last >= self.every_s:
+            self.last = now
+            print(f"  epoch {epoch}/{epochs}  step {step}/{steps}  loss {loss:.4f} (this rank, so far)",
+                  flush=True)
+
+
 EPOCH_FIELDS = ["opt", "nworkers", "bandwidth", "epoch", "elapsed_s", "epoch_s", "train_loss", "train_acc",
                 "test_loss", "test_acc", "bytes_sent", "dense_bytes", "data"]
 
@@ -207,6 +223,8 @@ def parse_args(argv=None):
     ap.add_argument("--check-opt", action="store_true",
                     help="only check that --opt is a known name, then exit (no training)")
     ap.add_argument("--csv", default=None, help="append one row per epoch (loss, accuracy, bytes, time) here")
+    ap.add_argument("--progress-s", type=float, default=30,
+                    help="print a progress line inside an epoch at most every this many seconds (0: off)")
     ap.add_argument("--target", type=float, default=0.0, help="exit 1 if final test accuracy is below this")
     return ap.parse_args(argv)
 
@@ -253,6 +271,7 @@ def main(argv=None) -> int:
     if a.max_steps:
         steps_per_epoch = min(steps_per_epoch, a.max_steps)
     t_start = time.perf_counter()
+    progress = Progress(a.progress_s, rank == 0)
     for epoch in range(1, a.epochs + 1):
         t0 = time.perf_counter()
         # every rank draws the same permutation and takes its own interleaved shard
@@ -274,6 +293,7 @@ def main(argv=None) -> int:
             loss_sum += loss.item() * len(y)
             correct += (out.argmax(1) == y).sum().item()
             seen += len(y)
+            progress.tick(epoch, a.epochs, step + 1, steps_per_epoch, loss_sum / seen)
         # the epoch's train loss/accuracy over all ranks
         agg = torch.tensor([loss_sum, correct, seen], dtype=torch.float64)
         if size > 1:

@@ -5,25 +5,21 @@ source "${ENVS_CONF:-$ROOT/envs.conf}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 
-# ensure_deps MODULE... : install torch, bitscom (editable) and the modules named, if missing.
-# Module names map to pip names below; nothing is installed when everything imports.
+# ensure_deps MODULE... : make sure the project's virtual environment (scripts/venv.sh: ./.venv
+# or $BITSCOM_VENV) has torch, bitscom (editable) and the modules named, and switch to it.
+# Nothing is installed into the interpreter that created it.
 ensure_deps() {
-    if ! "$PY" -c "import torch" >/dev/null 2>&1; then
-        echo "[setup] torch not found; pip install torch==$TORCH_VERSION" >&2
-        "$PY" -m pip install "torch==$TORCH_VERSION" || return 1
-    fi
-    if ! (cd / && "$PY" -c "import bitscom" >/dev/null 2>&1); then
-        echo "[setup] installing bitscom from $ROOT (pip install -e)" >&2
-        "$PY" -m pip install -e "$ROOT" || return 1
-    fi
-    local missing=() mod
+    # shellcheck source=venv.sh
+    source "$ROOT/scripts/venv.sh" || return 1
+    local extras=() mod
     for mod in "$@"; do
-        "$PY" -c "import $mod" >/dev/null 2>&1 || missing+=("$mod")
+        case "$mod" in
+            mlxtend|sklearn|matplotlib) extras+=(examples) ;;
+            transformers) extras+=(bench) ;;
+            *) echo "[setup] ensure_deps: no extra provides '$mod'" >&2; return 1 ;;
+        esac
     done
-    if [ ${#missing[@]} -gt 0 ]; then
-        echo "[setup] pip install ${missing[*]}" >&2
-        "$PY" -m pip install "${missing[@]}" || return 1
-    fi
+    venv_install "$(printf '%s\n' "${extras[@]}" | sort -u | paste -sd, -)"
 }
 
 # first host's name and the total slot count of envs.conf's hosts

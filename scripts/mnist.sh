@@ -12,12 +12,17 @@
 # download=1 (fetch full MNIST into data_dir when online), device (auto|cpu|cuda),
 # bandwidth (e.g. 1gbit: train on the emulated cluster, one namespace per rank; needs root),
 # csv (append one row per epoch, for batch.sh's loss-vs-time plot).
-# Installs torch, bitscom and mlxtend with pip when they are missing.
+# Everything runs in the project's virtual environment ./.venv (scripts/venv.sh): the first run
+# creates it with "$PY -m venv" (PY from envs.conf, default python3), installs torch there when
+# it has none and bitscom with its examples extras (pip install -e ".[examples]"); $PY itself is
+# never changed. BITSCOM_VENV=/path uses another environment instead (e.g. a conda env with the
+# CUDA build of torch).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+source "$ROOT/scripts/venv.sh"      # PY is now the venv's python
 cd "$ROOT"
 
-ensure_deps mlxtend
+venv_install examples
 
 nworkers=${nworkers:-2}
 device=${device:-auto}

@@ -165,7 +165,7 @@ def test_mnist_opt_resolution():
 
 
 # ---- shell scripts -------------------------------------------------------------------------------
-@pytest.mark.parametrize("script", ["perf.sh", "batch.sh", "mnist.sh", "cluster.sh", "common.sh"])
+@pytest.mark.parametrize("script", ["perf.sh", "batch.sh", "mnist.sh", "cluster.sh", "common.sh", "venv.sh"])
 def test_shell_syntax(script):
     subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", script)], check=True)
 
