@@ -25,7 +25,7 @@ from . import runtime
 from .agreement import check_agreement
 from .collectives import (LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds,
                           reduce_scatter_rounds, same_size_rounds)
-from .comm import Comm, Rounds, all_gather_flat, is_sum_or_avg, reduce_scatter_flat, resolve_group
+from .comm import Comm, Rounds, is_sum_or_avg, resolve_group
 from .quantization import FULL_PRECISION, Quantized, dequantize, quantize
 
 __all__ = ["LowBitGroup", "LowBitWork"]
@@ -244,7 +244,7 @@ class LowBitGroup:
 
     def _exact_all_reduce(self, tensor, op, async_op):
         self._queue.flush()
-        w = _ExactWork(dist.all_reduce(tensor, op=op, group=self.process_group, async_op=True))
+        w = _ExactWork(Comm(self.process_group).all_reduce(tensor, op))
         if async_op:
             return w
         w.wait()
@@ -316,7 +316,11 @@ class LowBitGroup:
         if not (input.is_floating_point() and output.is_floating_point()) \
                 or not is_sum_or_avg(op):
             self._queue.flush()
-            return reduce_scatter_flat(output, input, op=op, group=self.process_group, async_op=async_op)
+            w = _ExactWork(Comm(self.process_group).reduce_scatter(output, input, op))
+            if async_op:
+                return w
+            w.wait()
+            return None
         st, full_key = self._state("reduce_scatter", key, input, self.config)
         comm = Comm(self.process_group)
         average = op == dist.ReduceOp.AVG
@@ -350,7 +354,11 @@ class LowBitGroup:
             return None
         if not (input.is_floating_point() and output.is_floating_point()):
             self._queue.flush()
-            return all_gather_flat(output, input, group=self.process_group, async_op=async_op)
+            w = _ExactWork(Comm(self.process_group).all_gather(output, input))
+            if async_op:
+                return w
+            w.wait()
+            return None
         st, full_key = self._state("all_gather", key, input, self.config)
         comm = Comm(self.process_group)
         rounds = all_gather_rounds(output, input, comm, self.config, st, key=full_key)
@@ -365,7 +373,13 @@ class LowBitGroup:
             lb.broadcast(t, src=0)
         """
         self._queue.flush()
-        return dist.broadcast(tensor, src=src, group=self.process_group, async_op=async_op)
+        comm = Comm(self.process_group)
+        root = dist.get_group_rank(self.process_group, src) if self.process_group is not None else src
+        w = _ExactWork(comm.broadcast(tensor, root))
+        if async_op:
+            return w
+        w.wait()
+        return None
 
     # -- format helpers -----------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Quantized:
