@@ -1,0 +1,34 @@
+"""FSDP2 with bitscom compression: ``fully_shard``'s gradient reduce-scatter in low bit.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) reduce-scatters every sharded module's
+gradients in float32 (or its reduce dtype). :func:`compress` replaces that collective, through
+``FSDPModule.set_custom_reduce_scatter`` (torch 2.11+), by bitscom's low-bit reduce-scatter:
+the flat one (:func:`bitscom.lowbit.reduce_scatter_rounds`, optional residual error feedback
+per module) or SDP4Bit's two-level one (:func:`bitscom.lowbit.levelwise_reduce_scatter_rounds`).
+Parameters are all-gathered by FSDP as usual (``weights=`` is not implemented). See
+``docs/fsdp.md``.
+
+Where the code lives::
+
+    settings.py        which LowBitConfig settings apply; the torch-hook check
+    reduce_scatter.py  LowBitReduceScatter: FSDP's ReduceScatter protocol for one module
+    compress.py        compress(), FSDPCompression (bytes, checkpoint), comm_stats()
+
+Example::
+
+    import bitscom.fsdp
+    from bitscom.lowbit import LowBitConfig
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    handle = bitscom.fsdp.compress(model, gradients=LowBitConfig(bitwidth=4, error_feedback=True))
+    loss.backward(); optimizer.step()
+    print(bitscom.fsdp.comm_stats(model))
+"""
+
+from .compress import FSDPCompression, comm_stats, compress, handle
+from .reduce_scatter import ByteCount, LowBitReduceScatter, reduce_scale
+from .settings import gradient_config, require_hook
+
+__all__ = ["compress", "comm_stats", "handle", "FSDPCompression", "LowBitReduceScatter", "ByteCount",
+           "reduce_scale", "gradient_config", "require_hook"]

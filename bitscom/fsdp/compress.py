@@ -1,0 +1,201 @@
+"""``bitscom.fsdp.compress``: turn FSDP2's gradient reduce-scatter into bitscom's low-bit one.
+
+Every ``fully_shard``-ed submodule of the model owns one parameter group and reduce-scatters
+its gradients once per backward; :func:`compress` installs one
+:class:`~bitscom.fsdp.reduce_scatter.LowBitReduceScatter` per such module (its own
+:class:`~bitscom.lowbit.LowBitState`, keyed by the module's name) through
+``FSDPModule.set_custom_reduce_scatter``. The returned :class:`FSDPCompression` reports bytes and
+checkpoints the states.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from .. import runtime
+from ..engine import comm_stats as _stats
+from ..lowbit.config import LowBitConfig
+from ..lowbit.state import LowBitState
+from .reduce_scatter import ByteCount, LowBitReduceScatter
+from .settings import gradient_config, require_hook
+
+__all__ = ["FSDPCompression", "compress", "comm_stats", "handle"]
+
+_ATTR = "_bitscom_fsdp"
+
+
+def _fsdp_module_class():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError as err:   # pragma: no cover - torch without FSDP2
+        raise RuntimeError(f"bitscom.fsdp needs torch.distributed.fsdp.FSDPModule (FSDP2), which torch "
+                           f"{torch.__version__} does not have; use torch 2.11 or newer") from err
+    return FSDPModule
+
+
+def _param_groups(module):
+    """The FSDP parameter groups of ``module`` (torch 2.13: a list; 2.11/2.12: one or None)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        one = getattr(state, "_fsdp_param_group", None)
+        groups = [] if one is None else [one]
+    return list(groups)
+
+
+def _divide_factor(module):
+    """For a torch whose PREMUL_SUM op does not carry its factor: the module's
+    ``set_gradient_divide_factor`` value."""
+    def factor():
+        groups = _param_groups(module)
+        return getattr(groups[0], "gradient_divide_factor", None) if groups else None
+    return factor
+
+
+def _levels(cfg: LowBitConfig, intra_group, inter_group):
+    if (intra_group is None) != (inter_group is None):
+        raise ValueError("pass both intra_group and inter_group, or neither")
+    if cfg.hierarchy != "two_level":
+        if intra_group is not None:
+            raise ValueError(f"intra_group/inter_group are for hierarchy='two_level'; the config has "
+                             f"hierarchy={cfg.hierarchy!r}")
+        return None
+    if intra_group is None:
+        if not runtime.is_initialized():
+            raise ValueError("hierarchy='two_level' needs the node groups: pass intra_group and "
+                             "inter_group, or call bitscom.init() first")
+        intra_group, inter_group = runtime.intra_group(), runtime.inter_group()
+    if intra_group is None or inter_group is None:
+        raise ValueError("hierarchy='two_level' needs a distributed run (bitscom.init() found one process)")
+    return intra_group, inter_group
+
+
+class FSDPCompression:
+    """What :func:`compress` installed on one model: byte counts and the per-module states.
+
+    Attributes:
+        config: the gradient settings.
+        states: ``{module name: LowBitState}``, one per ``fully_shard``-ed module with parameters.
+        counter: the bytes so far (:meth:`comm_stats`).
+
+    Example::
+
+        handle = bitscom.fsdp.compress(model, gradients=4)
+        ...
+        handle.comm_stats()["compression_ratio"]
+        torch.save(handle.state_dict(), "fsdp_lowbit.pt")
+    """
+
+    def __init__(self, config: LowBitConfig, states: Dict[str, LowBitState], counter: ByteCount):
+        self.config, self.states, self.counter = config, states, counter
+
+    def comm_stats(self) -> dict:
+        """``bytes_sent`` / ``dense_bytes`` / ``compression_ratio`` of the gradient
+        reduce-scatters so far (dense = FSDP's float32 reduce-scatter of the same inputs), plus
+        ``reduce_scatters`` (how many were run) and, for ``hierarchy="two_level"``,
+        ``inter_node_bytes`` (the part of ``bytes_sent`` that crossed the slow inter-node level)."""
+        c = self.counter
+        extra = {"inter_node_bytes": c.inter_bytes} if self.config.hierarchy == "two_level" else {}
+        return _stats(c.bytes_sent, c.dense_bytes, reduce_scatters=c.calls, **extra)
+
+    def reset_stats(self) -> None:
+        """Start counting bytes from zero again (e.g. after warm-up)."""
+        c = self.counter
+        c.bytes_sent = c.dense_bytes = c.calls = c.inter_bytes = 0
+
+    def state_dict(self) -> dict:
+        """Step counters and error-feedback residuals, per module (this rank's; every rank saves
+        its own, like an optimizer's sharded state)."""
+        return {"config": repr(self.config), "states": {k: s.state_dict() for k, s in self.states.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output; the modules and settings must be the same."""
+        if state.get("config") != repr(self.config):
+            raise ValueError(f"checkpoint was written with {state.get('config')}, this model is "
+                             f"compressed with {self.config!r}")
+        saved = state["states"]
+        if set(saved) != set(self.states):
+            raise ValueError(f"checkpoint has FSDP modules {sorted(saved)}, this model {sorted(self.states)}")
+        for name, s in self.states.items():
+            s.load_state_dict(saved[name])
+
+
+def compress(module: torch.nn.Module, gradients=None, weights=None, process_group=None, *,
+             intra_group=None, inter_group=None) -> FSDPCompression:
+    """Send the gradient reduce-scatters of a ``fully_shard``-ed (FSDP2) model in low bit.
+
+    Call it after ``fully_shard`` (every submodule you sharded, and the root) and before the
+    first backward. Each sharded module's reduce-scatter is replaced by bitscom's: ``"none"``
+    hierarchy = the flat low-bit reduce-scatter (quantize P shards -> one all-to-all -> sum in
+    float32), ``"two_level"`` = SDP4Bit's intra-node then inter-node level-wise one. FSDP's
+    averaging (``AVG``, ``set_gradient_divide_factor``, fp16 pre/post division) is honoured.
+
+    Args:
+        module: the root module (an ``FSDPModule``); every ``FSDPModule`` under it is compressed.
+        gradients: a :class:`~bitscom.lowbit.LowBitConfig` or an int bit width (default
+            ``LowBitConfig()``: 4 bits, blocks of 128). ``bitwidth=32`` is an exact float32 path.
+        weights: low-bit parameter all-gather (ZeRO++ qwZ): not implemented; must be ``None``.
+        process_group: where the collectives run (default: FSDP's shard group); it must have
+            the same ranks in the same order as FSDP's group (checked on the first backward).
+        intra_group, inter_group: the node groups of ``hierarchy="two_level"`` (default:
+            :func:`bitscom.intra_group` / :func:`bitscom.inter_group`).
+
+    Example::
+
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        handle = bitscom.fsdp.compress(model, gradients=LowBitConfig(bitwidth=4, error_feedback=True))
+        loss.backward(); opt.step()
+        bitscom.fsdp.comm_stats(model)   # {'bytes_sent': ..., 'dense_bytes': ..., 'compression_ratio': ...}
+    """
+    if weights is not None:
+        raise NotImplementedError("bitscom.fsdp.compress(weights=...): low-bit parameter all-gather is "
+                                  "not implemented yet; pass weights=None (parameters are all-gathered "
+                                  "by FSDP as usual)")
+    cfg = gradient_config(LowBitConfig() if gradients is None else gradients)
+    levels = _levels(cfg, intra_group, inter_group)
+    FSDPModule = _fsdp_module_class()
+    require_hook(FSDPModule, "set_custom_reduce_scatter")
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"module must be an FSDP2 module (call torch.distributed.fsdp.fully_shard on it "
+                        f"first), got {type(module).__name__}")
+    if getattr(module, _ATTR, None) is not None:
+        raise RuntimeError("this model is already compressed by bitscom.fsdp.compress; use the handle "
+                           "it returned (or bitscom.fsdp.handle(model))")
+    states: Dict[str, LowBitState] = {}
+    counter = ByteCount()
+    for name, sub in module.named_modules():
+        if not isinstance(sub, FSDPModule) or not _param_groups(sub):
+            continue
+        states[name] = LowBitState()
+        sub.set_custom_reduce_scatter(LowBitReduceScatter(cfg, name, states[name], counter, process_group,
+                                                          levels, _divide_factor(sub)))
+    compression = FSDPCompression(cfg, states, counter)
+    setattr(module, _ATTR, compression)
+    return compression
+
+
+def handle(module: torch.nn.Module) -> FSDPCompression:
+    """The :class:`FSDPCompression` :func:`compress` installed on ``module``.
+
+    Example::
+
+        bitscom.fsdp.handle(model).state_dict()
+    """
+    found: Optional[FSDPCompression] = getattr(module, _ATTR, None)
+    if found is None:
+        raise RuntimeError(f"{type(module).__name__} is not compressed; call bitscom.fsdp.compress(model) first")
+    return found
+
+
+def comm_stats(module: torch.nn.Module) -> dict:
+    """The byte report of a compressed model (:meth:`FSDPCompression.comm_stats`).
+
+    Example::
+
+        bitscom.fsdp.comm_stats(model)["compression_ratio"]   # ~7 for 4-bit blocks of 128
+    """
+    return handle(module).comm_stats()

@@ -1,0 +1,184 @@
+"""The reduce-scatter FSDP2 calls for one parameter group, sent in low bit.
+
+``fully_shard``'s ``FSDPModule.set_custom_reduce_scatter(comm)`` takes an object with FSDP's
+``ReduceScatter`` protocol (``torch.distributed.fsdp._fully_shard._fsdp_api``): ``allocate(size,
+*, dtype, device)`` for its buffers and ``comm(output_tensor=, input_tensor=, group=, op=)``.
+What FSDP hands it, per backward of one FSDP module (torch 2.11-2.13, ``foreach_reduce``):
+
+* ``input_tensor``: the flat reduce-scatter input of the module's parameter group, in the
+  reduce dtype (``MixedPrecisionPolicy.reduce_dtype``, default the gradient dtype): ``P`` equal
+  shards, dim 0 of every gradient padded to a multiple of ``P``; shard ``j`` goes to group rank ``j``;
+* ``output_tensor``: this rank's shard (``input.numel() / P`` elements, same dtype);
+* ``op``: ``AVG`` (fp32/bf16, the default), ``PREMUL_SUM(1/f)`` (after
+  ``set_gradient_divide_factor(f)``) or ``SUM`` (fp16 or ``set_force_sum_reduction_for_comms``:
+  FSDP then divides before and after the call itself). The averaging factor is therefore read
+  from ``op``, never assumed: ``AVG`` = ``1/P``, ``PREMUL_SUM`` = its factor, ``SUM`` = 1.
+
+FSDP calls it without ``async_op`` and ignores what it returns (on GPU it runs inside FSDP's
+reduce-scatter stream and records an event after it), so the rounds are driven to completion
+here, with the one driver, and ``None`` is returned. The collectives go through
+:class:`bitscom.comm.Comm`, which counts the bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Comm, drive, Rounds
+from ..lowbit.config import LowBitConfig
+from ..lowbit.hadamard import HADAMARD_BLOCK
+from ..lowbit.levelwise import levelwise_reduce_scatter_rounds
+from ..lowbit.scatter_gather import reduce_scatter_rounds
+from ..lowbit.seeds import key_id
+from ..lowbit.state import LowBitState
+
+__all__ = ["ByteCount", "LowBitReduceScatter", "reduce_scale"]
+
+
+@dataclass
+class ByteCount:
+    """Bytes of the compressed reduce-scatters (what :class:`~bitscom.comm.Comm` counted) and
+    what FSDP's float32 reduce-scatter of the same inputs would have sent."""
+
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    calls: int = 0
+    inter_bytes: int = 0      # hierarchy="two_level": the part sent on the inter-node level
+
+
+def reduce_scale(op, size: int, divide_factor=None) -> float:
+    """The factor FSDP asks the reduce-scatter to apply to the sum: ``AVG`` = ``1/size``,
+    ``PREMUL_SUM(s)`` = ``s``, ``SUM`` = 1. ``divide_factor`` (a callable) is asked for
+    ``PREMUL_SUM`` on a torch whose op does not carry its factor.
+
+    Example::
+
+        reduce_scale(dist.ReduceOp.PREMUL_SUM(0.25), 2)   # 0.25
+    """
+    if op == dist.ReduceOp.SUM:
+        return 1.0
+    if op == dist.ReduceOp.AVG:
+        return 1.0 / size
+    if getattr(op, "op", None) == dist.ReduceOp.PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        if factor is None and divide_factor is not None:
+            f = divide_factor()
+            factor = None if f is None else 1.0 / f
+        if isinstance(factor, (int, float)):
+            return float(factor)
+        raise RuntimeError(f"FSDP asked for PREMUL_SUM and torch {torch.__version__} does not say its "
+                           "factor; do not call set_gradient_divide_factor with bitscom.fsdp")
+    raise ValueError(f"FSDP asked for reduce op {op!r}; the low-bit reduce-scatter computes SUM, "
+                     "AVG and PREMUL_SUM only")
+
+
+def _ranks(group):
+    return dist.get_process_group_ranks(group)
+
+
+class LowBitReduceScatter:
+    """FSDP2's ``ReduceScatter`` for one parameter group (one ``fully_shard``-ed module).
+
+    Args:
+        cfg: the gradient settings (checked by :func:`bitscom.fsdp.settings.gradient_config`).
+        key: the module's name; keys the stochastic-rounding seeds.
+        state: this group's :class:`~bitscom.lowbit.LowBitState` (step, residual).
+        counter: where the bytes are added.
+        process_group: where the collectives run (default: the group FSDP passes); it must
+            have FSDP's ranks, in FSDP's order (checked on first use).
+        levels: ``(intra_group, inter_group)`` for ``hierarchy="two_level"``.
+        divide_factor: callable returning the module's gradient divide factor (old torch only).
+
+    Example::
+
+        fsdp_module.set_custom_reduce_scatter(LowBitReduceScatter(cfg, "layers.0", LowBitState(),
+                                                                  ByteCount()))
+    """
+
+    def __init__(self, cfg: LowBitConfig, key: str, state: LowBitState, counter: ByteCount,
+                 process_group=None, levels=None, divide_factor=None):
+        self.cfg, self.key, self.state, self.counter = cfg, key, state, counter
+        self.process_group, self.levels, self.divide_factor = process_group, levels, divide_factor
+        self._checked = None
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """FSDP's buffers: plain ``torch.empty``."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
+                 async_op: bool = False) -> Optional[object]:
+        """``output_tensor`` = this rank's shard of the reduced ``input_tensor``; synchronous
+        (returns ``None``: FSDP's protocol allows it and FSDP ignores the return value)."""
+        group = self._group(group)
+        alpha = reduce_scale(op, dist.get_world_size(group), self.divide_factor)
+        acc = output_tensor if output_tensor.dtype == torch.float32 else \
+            torch.empty(output_tensor.numel(), dtype=torch.float32, device=output_tensor.device)
+        if self.cfg.hierarchy == "two_level":
+            comms = self._levelwise(acc.view(-1), input_tensor, alpha)
+        else:
+            comms = [Comm(group)]
+            drive(reduce_scatter_rounds(acc, input_tensor, comms[0], self.cfg, self.state,
+                                        key=self.key), comms[0])
+            if alpha != 1.0:
+                acc.mul_(alpha)
+        if acc is not output_tensor:
+            output_tensor.copy_(acc.view(output_tensor.shape))
+        self.counter.bytes_sent += sum(c.bytes_sent for c in comms)
+        self.counter.dense_bytes += input_tensor.numel() * 4
+        self.counter.calls += 1
+        return None
+
+    def _levelwise(self, out: torch.Tensor, flat: torch.Tensor, alpha: float):
+        """SDP4Bit's two levels; shards padded to whole Hadamard runs when rotating."""
+        intra, inter = Comm(self.levels[0]), Comm(self.levels[1])
+        P, S = intra.size * inter.size, out.numel()
+        padded = -(-S // HADAMARD_BLOCK) * HADAMARD_BLOCK if self.cfg.hadamard else S
+        x, y = flat, out
+        if padded != S:
+            x = torch.zeros(P, padded, dtype=torch.float32, device=flat.device)
+            x[:, :S].copy_(flat.view(P, S))
+            y = torch.empty(padded, dtype=torch.float32, device=flat.device)
+        step, self.state.step = self.state.step, self.state.step + 1
+        levels = [(intra, self.cfg.codec(self.cfg.intra_bitwidth)), (inter, self.cfg.codec(self.cfg.bitwidth))]
+        rounds = levelwise_reduce_scatter_rounds(
+            x.view(-1), y, levels, hadamard=self.cfg.hadamard, hadamard_backend="butterfly",
+            alpha=alpha, seed_parts=(self.cfg.seed, key_id(self.key), step, dist.get_rank()))
+        Rounds(rounds, [intra, inter]).wait()
+        if y is not out:
+            out.copy_(y[:S])
+        self.counter.inter_bytes += inter.bytes_sent
+        return [intra, inter]
+
+    def _group(self, fsdp_group):
+        """The group to use, checked once against FSDP's (and the two levels' layout)."""
+        if self._checked is not None:
+            return self._checked
+        group = fsdp_group if self.process_group is None else self.process_group
+        if self.process_group is not None and _ranks(self.process_group) != _ranks(fsdp_group):
+            raise ValueError(f"process_group has ranks {_ranks(self.process_group)}, FSDP reduce-scatters "
+                             f"over ranks {_ranks(fsdp_group)}; pass FSDP's shard group (or None)")
+        if self.levels is not None:
+            _check_levels(_ranks(fsdp_group), dist.get_rank(fsdp_group), *self.levels)
+        self._checked = group
+        return group
+
+
+def _check_levels(ranks, rank, intra, inter) -> None:
+    """Shard ``r`` of the level-wise rounds is group rank ``r = node * L + local``: the intra
+    group must be this node's contiguous ranks, the inter group the ranks with this local rank."""
+    L = dist.get_world_size(intra)
+    M = dist.get_world_size(inter)
+    if L * M != len(ranks):
+        raise ValueError(f"hierarchy='two_level': intra group ({L} ranks) x inter group ({M} ranks) "
+                         f"!= FSDP's reduce-scatter group ({len(ranks)} ranks)")
+    node, local = divmod(rank, L)
+    want_intra = [ranks[node * L + i] for i in range(L)]
+    want_inter = [ranks[n * L + local] for n in range(M)]
+    if _ranks(intra) != want_intra or _ranks(inter) != want_inter:
+        raise ValueError(f"hierarchy='two_level': intra group {_ranks(intra)} / inter group {_ranks(inter)} "
+                         f"do not match FSDP's ranks {ranks} laid out as nodes of {L} (expected intra "
+                         f"{want_intra}, inter {want_inter})")

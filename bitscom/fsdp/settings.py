@@ -1,0 +1,69 @@
+"""What :func:`bitscom.fsdp.compress` accepts: the gradient settings and the torch hook it needs.
+
+The gradient reduce-scatter is one of two low-bit round generators, chosen by
+:attr:`~bitscom.lowbit.LowBitConfig.hierarchy`:
+
+* ``"none"``: the flat low-bit reduce-scatter (:func:`bitscom.lowbit.reduce_scatter_rounds`):
+  every rank quantizes its P shards at ``bitwidth`` and one all-to-all exchanges them; residual
+  error feedback (``error_feedback=True``) is kept per FSDP parameter group;
+* ``"two_level"``: SDP4Bit's level-wise reduce-scatter
+  (:func:`bitscom.lowbit.levelwise_reduce_scatter_rounds`): intra-node at ``intra_bitwidth``
+  then inter-node at ``bitwidth``, Hadamard optional; no error feedback (SDP4Bit has none).
+
+Settings that have no meaning for a reduce-scatter are refused here rather than silently
+ignored: a user who asked for them would otherwise believe they are on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..lowbit.config import LowBitConfig
+
+__all__ = ["gradient_config", "require_hook"]
+
+
+def gradient_config(gradients) -> LowBitConfig:
+    """The :class:`~bitscom.lowbit.LowBitConfig` of the gradient reduce-scatter: ``gradients``
+    itself, or ``LowBitConfig(bitwidth=gradients)`` for an int; refused settings raise
+    ``ValueError`` naming the setting and what is allowed.
+
+    Example::
+
+        gradient_config(4)                                          # 4-bit, flat
+        gradient_config(LowBitConfig(bitwidth=4, hierarchy="two_level", hadamard=True))
+    """
+    if isinstance(gradients, int) and not isinstance(gradients, bool):
+        gradients = LowBitConfig(bitwidth=gradients)
+    if not isinstance(gradients, LowBitConfig):
+        raise TypeError(f"gradients must be a bitscom.lowbit.LowBitConfig or an int bit width, got "
+                        f"{type(gradients).__name__}")
+    cfg = gradients
+    if cfg.ef21:
+        raise ValueError(f"error_feedback_mode={cfg.error_feedback_mode!r} is defined for all_reduce "
+                         "only; the FSDP reduce-scatter allows 'residual' or 'none'")
+    if cfg.stage2_error_feedback:
+        raise ValueError("stage2_error_feedback=True has no meaning here: a reduce-scatter has no "
+                         "second (all-gather) stage; leave it False")
+    if cfg.hierarchy not in ("none", "two_level"):
+        raise ValueError(f"hierarchy={cfg.hierarchy!r} is not available for the FSDP reduce-scatter; "
+                         "use 'none' (flat) or 'two_level' (SDP4Bit intra/inter)")
+    if cfg.hierarchy == "two_level" and cfg.error_feedback:
+        raise ValueError("error_feedback with hierarchy='two_level' is not supported (the level-wise "
+                         "reduce-scatter keeps no residual); use hierarchy='none' for error feedback")
+    if cfg.chunk_size is not None:
+        raise ValueError(f"chunk_size={cfg.chunk_size!r} is not used by the FSDP reduce-scatter "
+                         "(one round per FSDP parameter group); leave it None")
+    return cfg
+
+
+def require_hook(cls, name: str) -> None:
+    """Raise a ``RuntimeError`` naming the torch version when FSDP2's ``name`` hook is missing.
+
+    Example::
+
+        require_hook(FSDPModule, "set_custom_reduce_scatter")
+    """
+    if not hasattr(cls, name):
+        raise RuntimeError(f"bitscom.fsdp needs FSDPModule.{name}, which torch {torch.__version__} "
+                           "does not have; use torch 2.11 or newer")
