@@ -3,7 +3,7 @@
 The public face: re-exports only. See README.md for the tour.
 """
 
-from . import compression, compressors
+from . import compression, compressors, fsdp
 from .backend import register_lowbit_backend
 from .build_info import cuda_built, gloo_built, mpi_built, nccl_built
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -13,7 +13,8 @@ from .group import LowBitGroup
 from .horovod import (Handle, allgather, allgather_async, allgather_object, allreduce,
                       allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async,
                       barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
-                      grouped_allreduce, poll, synchronize)
+                      grouped_allreduce, poll, sparse_allreduce, sparse_allreduce_async,
+                      synchronize)
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .frozen_adam import FrozenVarianceAdamW
 from .optimizer import DistributedOptimizer
@@ -34,6 +35,7 @@ __all__ = [
     "Min", "Max", "Product", "Adasum", "Handle", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "grouped_allreduce", "allgather", "allgather_async", "allgather_object",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall",
-    "alltoall_async", "synchronize", "poll", "barrier",
+    "alltoall_async", "synchronize", "poll", "barrier", "sparse_allreduce", "sparse_allreduce_async",
+    "fsdp",
     "nccl_built", "gloo_built", "mpi_built", "cuda_built",
 ]

@@ -39,6 +39,7 @@ from .lifecycle import StepLifecycle, check_trainable, ddp_owner, require_group
 from .buckets import FlatBucket, plan_buckets, plan_groups
 from .compressors import Compression, resolve as resolve_compressor
 from .engine import Reducer, comm_stats
+from .horovod.sparse import SparseGradients
 from .ops import Adasum, Average, ReduceOp, Sum
 from .params import named_parameters_of
 
@@ -137,7 +138,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             collectives, smaller ones start communicating earlier. 0 = one tensor per bucket.
         process_group: the group to reduce over (default: the world group).
         sparse_as_dense: turn sparse gradients (``nn.Embedding(sparse=True)``) into dense ones
-            before reducing them (otherwise they are an error).
+            before reducing them. Without it (Horovod's default) they are reduced sparse, as
+            Horovod does: every rank's indices and values are all-gathered and summed into a
+            coalesced sparse ``p.grad`` (what ``SparseAdam`` needs), bitwise the same on every
+            rank; see :mod:`bitscom.horovod.sparse`.
         groups: Horovod's explicit fusion instead of ``fusion_threshold_mb``: a number of
             buckets, or a list of lists of parameters that travel together.
         num_groups: Horovod's older spelling of ``groups=<int>``.
@@ -229,6 +233,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Names this optimizer to the other ranks (bitscom.join): the same on every rank that
         # built the same plan.
         self._ddp = ddp_owner([p for _, p in self._trainable]) if self._size > 1 else None
+        # Horovod's sparse path (sparse_as_dense=False): the weights of sparse embeddings, found
+        # now so that every rank agrees on them before the first step
+        self._sparse_grads = None if self.sparse_as_dense else SparseGradients(self._trainable)
         self._uid = zlib.crc32(repr(self._description()).encode()) & 0x3FFFFFFF
         self._stats = {"bytes_sent": 0, "dense_bytes": 0, "buckets": len(self._buckets)}
         self._life = StepLifecycle(self, "DistributedOptimizer", named, process_group,
@@ -277,15 +284,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _on_gradient(self, p: torch.Tensor, last_pass: bool) -> None:
         """The lifecycle's per-gradient call: on the pass that completes the step, copy the
         gradient into its bucket and launch every bucket that became ready, in plan order."""
-        if p.grad is not None and p.grad.is_sparse:
-            if not self.sparse_as_dense:
-                raise TypeError(f"parameter {self._name_of(p)!r} has a sparse gradient; bitscom "
-                                "reduces dense gradients: pass sparse_as_dense=True or use a dense "
-                                "embedding")
-            p.grad = p.grad.to_dense()
+        grad = p.grad
+        if self.sparse_as_dense:
+            if grad is not None and grad.is_sparse:
+                grad = p.grad = grad.to_dense()
+        elif self._sparse_grads.on_gradient(self, p, last_pass):
+            grad = None                  # reduced sparse in _finish; its slot carries zeros
         if last_pass:
             b, s = self._slot[id(p)]
-            self._buckets[b].fill(s, p.grad)
+            self._buckets[b].fill(s, grad)
             self._launch_ready()
         self._reducer.poll()
 
@@ -326,6 +333,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "op": self.op.value,
             "gradient_predivide_factor": self.gradient_predivide_factor,
             "wrapped in DistributedDataParallel": self._ddp is not None,
+            "sparse-gradient parameters": [] if self._sparse_grads is None else
+            [n for n, _ in self._sparse_grads.params],
         }
 
     def _finish(self) -> None:
@@ -356,6 +365,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             dense += bucket.layout.numel * 4
         self._stats = {"bytes_sent": sent, "dense_bytes": dense, "buckets": len(self._buckets)}
         self._life.completed = True
+        if self._sparse_grads is not None and self._sparse_grads.params:
+            self._sparse_grads.finish(self)      # every rank, plan order: sparse p.grad
 
     def _reset_buckets(self) -> None:
         self._next_launch = 0

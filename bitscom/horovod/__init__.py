@@ -6,6 +6,8 @@ on :mod:`bitscom.comm` and :mod:`bitscom.runtime`):
 * :mod:`.allreduce`, :mod:`.allgather`, :mod:`.broadcast`, :mod:`.alltoall`: the tensor
   collectives with their in-place and ``_async`` forms and their autograd functions;
 * :mod:`.objects`: ``allgather_object``, ``barrier`` and the object broadcast;
+* :mod:`.sparse`: ``sparse_allreduce(_async)`` (all-gathered indices and values, coalesced)
+  and DistributedOptimizer's sparse-gradient path;
 * :mod:`.handles`: :class:`Handle`, :func:`synchronize`, :func:`poll` — handles wrap the one
   round driver, :class:`bitscom.comm.Rounds`, and finish in call order;
 * :mod:`.negotiation`: the header all-gather that checks every rank makes the same call;
@@ -34,9 +36,10 @@ from .codec import HorovodCodec, HorovodCompressor
 from .groups import require_group
 from .handles import Handle, poll, synchronize
 from .objects import allgather_object, barrier
+from .sparse import SparseHandle, sparse_allreduce, sparse_allreduce_async
 
 __all__ = ["Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
            "grouped_allreduce", "allgather", "allgather_async", "broadcast", "broadcast_",
            "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "synchronize",
            "poll", "allgather_object", "barrier", "HorovodCodec", "HorovodCompressor",
-           "require_group"]
+           "require_group", "SparseHandle", "sparse_allreduce", "sparse_allreduce_async"]

@@ -28,7 +28,7 @@ __all__ = ["MAX_DIMS", "H_FIXED", "KINDS", "OPS", "DTYPES", "ERRORS", "negotiate
 
 MAX_DIMS = 16
 H_FIXED = 8
-KINDS = {"allreduce": 1, "allgather": 2, "broadcast": 3, "alltoall": 4}
+KINDS = {"allreduce": 1, "allgather": 2, "broadcast": 3, "alltoall": 4, "sparse_allreduce": 5}
 OPS = {Average: 1, Sum: 2, Min: 3, Max: 4, Product: 5}
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]

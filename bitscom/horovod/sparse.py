@@ -1,0 +1,351 @@
+"""Sparse all-reduce: Horovod's ``sparse_allreduce_async`` and DistributedOptimizer's sparse path.
+
+Why all-gather. Two ranks' sparse tensors touch different rows, so their sum cannot be formed
+on the wire as a dense all-reduce would; Horovod all-gathers every rank's indices and values
+and builds the sum locally. bitscom does the same, in two rounds on one :class:`Comm`:
+
+1. the negotiation header (:mod:`.negotiation`) carries each rank's nnz and layout, so the
+   sizes of the next round are known without a separate count round and a mismatched call
+   (a sparse tensor here, a dense one there; different shapes or ``sparse_dim``) raises the
+   same ``RuntimeError`` on every rank instead of hanging;
+2. the indices and values, padded to the largest nnz, are all-gathered.
+
+Deterministic result. Each rank coalesces its own tensor before sending (its indices are then
+unique); every rank then sums the gathered rows in rank order into one coalesced tensor, so
+every rank holds bitwise the same result (Horovod returns the uncoalesced concatenation).
+``Average`` divides the sum by the group size, as the dense all-reduce does.
+
+DistributedOptimizer (``sparse_as_dense=False``, Horovod's default): the weights of
+``nn.Embedding`` / ``nn.EmbeddingBag`` modules built with ``sparse=True`` take this path
+(:class:`SparseGradients`). Their bucket slot carries zeros; at the end of the backward pass
+that completes the step, after the dense buckets were written back, each such gradient is
+reduced here and put into ``p.grad`` as a coalesced sparse tensor (what ``SparseAdam`` needs).
+
+Example::
+
+    h = bitscom.sparse_allreduce_async(emb_grad, name="emb")
+    avg = h()                       # or bitscom.synchronize(h); coalesced, same on every rank
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from ..comm import Comm, drive
+from ..ops import Average, ReduceOp, Sum
+from .args import check_name, label, resolve_op
+from .failures import guard
+from .groups import face_comm, face_group
+from .handles import Handle, submit, synchronize
+from .negotiation import DTYPES, H_FIXED, KINDS, MAX_DIMS, OPS, negotiate
+
+__all__ = ["SparseHandle", "sparse_allreduce_async", "sparse_allreduce", "sparse_embedding_weights",
+           "SparseGradients"]
+
+KIND = KINDS.get("sparse_allreduce", 5)
+"""The header's operation code (``KINDS["sparse_allreduce"]`` once negotiation names it)."""
+NONE, SPARSE, DENSE = 0, 1, 2
+"""A rank's layout in the header: no gradient, a sparse one, a dense one (the optimizer's)."""
+_NNZ = H_FIXED + MAX_DIMS           # the header's first extra field: nnz; the second: layout code
+_LAYOUT_NAMES = {NONE: "no gradient", SPARSE: "sparse", DENSE: "dense"}
+
+
+def _check_sparse(fn: str, tensor: Any) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"bitscom.{fn} expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.sparse_coo:
+        raise TypeError(f"bitscom.{fn} reduces sparse COO tensors; got layout {tensor.layout} "
+                        "(use bitscom.allreduce for dense tensors, or .to_sparse())")
+    if tensor.dtype not in DTYPES or tensor.dtype == torch.bool:
+        raise TypeError(f"bitscom.{fn}: dtype {tensor.dtype} is not supported; supported: "
+                        f"{[str(d).replace('torch.', '') for d in DTYPES if d != torch.bool]}")
+    if tensor.dim() > MAX_DIMS:
+        raise ValueError(f"bitscom.{fn}: the tensor has {tensor.dim()} dimensions; at most "
+                         f"{MAX_DIMS} are supported")
+
+
+def _resolve_sparse_op(op: Optional[ReduceOp]) -> ReduceOp:
+    op = resolve_op(op, None)
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce sums the gathered rows: op must be bitscom.Average or "
+                         f"bitscom.Sum, got {op!r}")
+    return op
+
+
+def _local(tensor: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (indices [sparse_dim, nnz], values [nnz, *dense]) with unique indices."""
+    t = tensor.detach().coalesce()
+    return t.indices(), t.values()
+
+
+def _layout_code(layout: int, sparse_dim: int) -> int:
+    return layout + 4 * sparse_dim
+
+
+def _check_rows(lbl: str, rows: List[List[int]]) -> Optional[Tuple[List[int], int]]:
+    """(every rank's nnz, the common sparse_dim), or ``None`` when no rank has a sparse tensor;
+    the same ``RuntimeError`` on every rank when the layouts disagree."""
+    layouts = [row[_NNZ + 1] % 4 for row in rows]
+    if SPARSE not in layouts:
+        return None
+    if DENSE in layouts:
+        seen = ", ".join(f"rank {r}: {_LAYOUT_NAMES[x]}" for r, x in enumerate(layouts))
+        raise RuntimeError(f"{lbl}: the gradient is sparse on some ranks and dense on others "
+                           f"({seen}); every rank must compute it the same way, or pass "
+                           "sparse_as_dense=True to reduce it as a dense tensor everywhere")
+    dims = {row[_NNZ + 1] // 4 for row, x in zip(rows, layouts) if x == SPARSE}
+    if len(dims) > 1:
+        seen = ", ".join(f"rank {r}: {row[_NNZ + 1] // 4}" for r, row in enumerate(rows))
+        raise RuntimeError(f"{lbl}: ranks disagree on sparse_dim ({seen})")
+    return [row[_NNZ] for row in rows], dims.pop()
+
+
+def _combine(parts: Sequence[Tuple[torch.Tensor, torch.Tensor]], shape: torch.Size,
+             sparse_dim: int) -> torch.Tensor:
+    """Sum every rank's (unique-index) rows in rank order into one coalesced sparse tensor."""
+    indices = torch.cat([i for i, _ in parts], dim=1)
+    values = parts[0][1]
+    if sparse_dim == 1:
+        uniq, inverse = torch.unique(indices[0], sorted=True, return_inverse=True)
+        uniq = uniq.unsqueeze(0)
+    else:
+        uniq, inverse = torch.unique(indices, dim=1, sorted=True, return_inverse=True)
+    out = values.new_zeros((uniq.shape[1],) + tuple(values.shape[1:]))
+    offset = 0
+    for i, v in parts:             # positions are unique within a rank: exact, in rank order
+        n = i.shape[1]
+        out.index_add_(0, inverse[offset:offset + n], v)
+        offset += n
+    return torch.sparse_coo_tensor(uniq, out, shape, is_coalesced=True)
+
+
+def _apply_op(result: torch.Tensor, op: ReduceOp, size: int) -> torch.Tensor:
+    if op is not Average or size == 1:
+        return result
+    values = result.values()
+    if values.is_floating_point() or values.is_complex():
+        values.div_(size)
+    else:
+        values.copy_(torch.div(values, size, rounding_mode="trunc"))
+    return result
+
+
+def _gather(lbl: str, comm: Comm, local: Tuple[torch.Tensor, torch.Tensor], counts: List[int],
+            sparse_dim: int, dense: Tuple[int, ...], dtype: torch.dtype) -> Iterator:
+    """Round: all-gather the padded indices and values; returns every rank's (indices, values)."""
+    longest, row = max(counts), 1
+    for d in dense:
+        row *= d
+    indices, values = local
+    device = values.device
+    send_i = torch.zeros(sparse_dim, longest, dtype=torch.int64, device=device)
+    send_v = torch.zeros(longest * row, dtype=dtype, device=device)
+    send_i[:, :indices.shape[1]] = indices
+    send_v[:values.numel()] = values.reshape(-1)
+    recv_i = send_i.new_empty(comm.size * send_i.numel())
+    recv_v = send_v.new_empty(comm.size * send_v.numel())
+    yield [guard(comm.all_gather(recv_i, send_i.view(-1)), lbl),
+           guard(comm.all_gather(recv_v, send_v), lbl)]
+    recv_i = recv_i.view(comm.size, sparse_dim, longest)
+    recv_v = recv_v.view((comm.size, longest) + dense)
+    return [(recv_i[r, :, :n], recv_v[r, :n]) for r, n in enumerate(counts)]
+
+
+def reduce_rounds(lbl: str, template: torch.Tensor, local: Optional[torch.Tensor], layout: int,
+                  op: ReduceOp, comm: Optional[Comm]) -> Iterator:
+    """Round generator: the sum (or average) of every rank's sparse ``local`` as a coalesced
+    sparse tensor shaped like ``template``; ``None`` when no rank holds a sparse tensor.
+
+    ``layout`` says what this rank holds (:data:`SPARSE`, or for the optimizer :data:`NONE` —
+    it contributes nothing — or :data:`DENSE`, an error when another rank is sparse).
+
+    Example::
+
+        avg = drive(reduce_rounds("bitscom.x", grad, grad, SPARSE, Average, comm), comm)
+    """
+    shape = template.shape
+    if layout == SPARSE:
+        indices, values = _local(local)
+        sparse_dim = local.sparse_dim()
+    else:
+        sparse_dim = 0
+        indices = torch.zeros(0, 0, dtype=torch.int64, device=template.device)
+        values = torch.zeros(0, dtype=template.dtype, device=template.device)
+    if comm is None:
+        if layout != SPARSE:
+            return None
+        return _apply_op(_combine([(indices, values)], shape, sparse_dim), op, 1)
+    rows = yield from negotiate(comm, lbl, template, KIND, OPS[op],
+                                extra=[indices.shape[1], _layout_code(layout, sparse_dim)])
+    checked = _check_rows(lbl, rows)
+    if checked is None:
+        return None
+    counts, sparse_dim = checked
+    dense = tuple(shape[sparse_dim:])
+    if max(counts) == 0:
+        empty = torch.sparse_coo_tensor(torch.zeros(sparse_dim, 0, dtype=torch.int64),
+                                        torch.zeros((0,) + dense, dtype=template.dtype),
+                                        shape, device=template.device)
+        return empty.coalesce()
+    if layout != SPARSE:
+        indices = indices.new_zeros(sparse_dim, 0)
+    parts = yield from _gather(lbl, comm, (indices, values), counts, sparse_dim, dense,
+                               template.dtype)
+    return _apply_op(_combine(parts, shape, sparse_dim), op, comm.size)
+
+
+class SparseHandle(Handle):
+    """The handle of :func:`sparse_allreduce_async`: pass it to :func:`bitscom.synchronize`,
+    or call it as Horovod's is called (``handle()`` returns the result).
+
+    Example::
+
+        avg = bitscom.sparse_allreduce_async(grad, name="emb")()
+    """
+
+    def __call__(self) -> torch.Tensor:
+        return synchronize(self)
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None,
+                           op: Optional[ReduceOp] = Average, process_set: Any = None, *,
+                           process_group: Any = None) -> SparseHandle:
+    """Start reducing a sparse COO ``tensor`` over ranks (Horovod's ``sparse_allreduce_async``).
+
+    Every rank's indices and values are all-gathered (nnz may differ between ranks; shape,
+    dtype and ``sparse_dim`` must agree) and summed into one coalesced sparse tensor, bitwise
+    the same on every rank; ``op=bitscom.Average`` (default) divides it by the group size,
+    ``bitscom.Sum`` keeps the sum.
+
+    Example::
+
+        h = bitscom.sparse_allreduce_async(emb.weight.grad, name="emb", op=bitscom.Average)
+        avg = bitscom.synchronize(h)          # or h(), as in Horovod
+    """
+    _check_sparse("sparse_allreduce_async", tensor)
+    check_name(name)
+    op = _resolve_sparse_op(op)
+    lbl = label("sparse_allreduce_async", name)
+    group = face_group(process_group, process_set, lbl)
+    comm = face_comm(group, lbl)
+    handle = submit("sparse_allreduce_async", name,
+                    reduce_rounds(lbl, tensor, tensor, SPARSE, op, comm), comm)
+    handle.__class__ = SparseHandle         # same object: it stays in the call-order queue
+    return handle
+
+
+def sparse_allreduce(tensor: torch.Tensor, name: Optional[str] = None,
+                     op: Optional[ReduceOp] = Average, process_set: Any = None, *,
+                     process_group: Any = None) -> torch.Tensor:
+    """Return the average (or sum) of a sparse COO ``tensor`` over ranks, coalesced; see
+    :func:`sparse_allreduce_async`.
+
+    Example::
+
+        avg = bitscom.sparse_allreduce(emb.weight.grad)
+    """
+    return synchronize(sparse_allreduce_async(tensor, name, op, process_set,
+                                              process_group=process_group))
+
+
+def sparse_embedding_weights(params: Sequence[torch.Tensor]) -> Set[int]:
+    """The ids of those ``params`` that are the weight of an ``nn.Embedding`` or
+    ``nn.EmbeddingBag`` built with ``sparse=True`` (their gradients are sparse).
+
+    Why by module: a gradient is only seen once computed, and a rank whose batch did not use
+    the embedding sees none, yet it must take part in the same reduction as the others
+    (Horovod cannot tell either, and mismatches there). The module says it up front, the same
+    on every rank that built the same model.
+
+    Example::
+
+        ids = sparse_embedding_weights([p for _, p in model.named_parameters()])
+    """
+    ours = {id(p) for p in params}
+    found: Set[int] = set()
+    for obj in gc.get_objects():
+        if isinstance(obj, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and obj.sparse:
+            weight = getattr(obj, "weight", None)
+            if weight is not None and id(weight) in ours:
+                found.add(id(weight))
+    return found
+
+
+class SparseGradients:
+    """DistributedOptimizer's sparse path (``sparse_as_dense=False``): state of one optimizer.
+
+    ``params`` (plan order) are the sparse-embedding weights among the trainable parameters.
+    On the pass that completes a step, :meth:`on_gradient` takes a sparse ``p.grad`` out
+    (``p.grad = None``; the caller fills its bucket slot with zeros, which the dense
+    write-back turns into a zero ``p.grad``) and queues :meth:`finish` after the optimizer's
+    own end-of-backward callback. :meth:`finish` reduces every such parameter, in plan order
+    on every rank (a rank without a gradient contributes nothing), and sets ``p.grad`` to the
+    coalesced result. A dense gradient of such a parameter (weight tying) stays on the dense
+    path when it is dense on every rank.
+
+    Example::
+
+        path = SparseGradients(opt._trainable)
+        if path.on_gradient(opt, p, last_pass):
+            ...                                 # fill p's slot with zeros
+    """
+
+    def __init__(self, trainable: Sequence[Tuple[str, torch.Tensor]]):
+        ids = sparse_embedding_weights([p for _, p in trainable])
+        self.params: List[Tuple[str, torch.Tensor]] = [(n, p) for n, p in trainable if id(p) in ids]
+        self.ids = {id(p) for _, p in self.params}
+        self.stash: Dict[int, torch.Tensor] = {}
+        self.dense: Set[int] = set()
+        self.armed_task = None
+
+    def on_gradient(self, opt, p: torch.Tensor, last_pass: bool) -> bool:
+        """True when ``p`` is on the sparse path (the caller puts zeros in its slot on the
+        last pass, and leaves ``p.grad`` alone otherwise)."""
+        sparse = p.grad is not None and p.grad.is_sparse
+        if id(p) not in self.ids:
+            if sparse:
+                raise TypeError(
+                    f"parameter {opt._name_of(p)!r} has a sparse gradient but is not the weight of "
+                    "an nn.Embedding/nn.EmbeddingBag(sparse=True), so the other ranks cannot know "
+                    "to reduce it as sparse; pass sparse_as_dense=True")
+            if last_pass and self.ids:
+                self._arm(opt)           # also where this rank's sparse-path gradients are None
+            return False
+        if last_pass:
+            self._arm(opt)
+            if not sparse:
+                self.dense.add(id(p))
+                return False
+            self.stash[id(p)] = p.grad
+            p.grad = None
+        return sparse
+
+    def _arm(self, opt) -> None:
+        """Start this step's record on the first sparse-path event of the completing pass
+        (:meth:`finish` is called by the optimizer's own ``_finish``, after its dense buckets)."""
+        task = torch._C._current_graph_task_id()
+        if task == self.armed_task:
+            return
+        self.armed_task = task
+        self.stash, self.dense = {}, set()
+
+    def finish(self, opt) -> None:
+        """Reduce every sparse-path gradient (every rank, plan order) into ``p.grad``."""
+        stash, dense = self.stash, self.dense
+        self.stash, self.dense, self.armed_task = {}, set(), None
+        if opt is None or not opt._life.completed or opt._life.closed:
+            return                       # the dense reduction did not complete: nothing to add
+        comm = Comm(opt.process_group)
+        for name, p in self.params:
+            grad = stash.get(id(p))
+            layout = SPARSE if grad is not None else (DENSE if id(p) in dense else NONE)
+            lbl = f"bitscom.DistributedOptimizer sparse gradient {name!r}"
+            result = drive(reduce_rounds(lbl, p.detach(), grad, layout, opt.op, comm), comm)
+            if result is not None:
+                p.grad = result
+        opt._stats["bytes_sent"] = opt._stats.get("bytes_sent", 0) + comm.bytes_sent
+
+
