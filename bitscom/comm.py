@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["all_gather_flat", "reduce_scatter_flat", "resolve_group", "is_sum_or_avg", "TorchTransport", "Comm",
-           "Rounds", "drive", "wait", "is_completed"]
+           "Rounds", "drive", "wait", "is_completed", "gather_objects"]
 
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 """``all_gather_single`` on torch >= 2.13, ``all_gather_into_tensor`` before."""
@@ -215,6 +215,22 @@ class Comm:
         if self.rank != group_dst:
             self.count(tensor)
         return self.transport.reduce(self.current_group, tensor, group_dst, op)
+
+
+def gather_objects(obj: Any, group, group_dst: int = 0) -> Optional[list]:
+    """Every rank's picklable ``obj`` on the rank with group rank ``group_dst`` (``None`` on the
+    others; ``[obj]`` for one process). Unpickles peer data: see docs/reliability.md.
+
+    Example::
+
+        pieces = gather_objects(my_pieces, group)      # a list on group rank 0
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return [obj]
+    me = dist.get_rank(group)
+    out = [None] * dist.get_world_size(group) if me == group_dst else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(group, group_dst), group=group)
+    return out
 
 
 def is_completed(work) -> bool:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
-from ..comm import Comm, wait
+from ..comm import Comm, gather_objects, wait
 from ..engine import comm_stats
 from ..lifecycle import StepLifecycle, check_trainable, ddp_owner, require_group
 from ..node_groups import node_groups
@@ -666,12 +666,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                      {k: (kind, v.cpu() if isinstance(v, torch.Tensor) else v)
                                       for k, (kind, v) in st.items()}))
         mine = dict(mine)
-        if world > 1:
-            gathered = [None] * world if self.topo.rank == to_rank else None
-            dist.gather_object(mine, gathered, dst=dist.get_global_rank(self.topo.group, to_rank),
-                               group=self.topo.group)
-        else:
-            gathered = [mine]
+        gathered = gather_objects(mine, self.topo.group, to_rank)
         if self.topo.rank != to_rank:
             return None
         shapes = {n: tuple(p.shape) for n, p in self._trainable}
