@@ -1,25 +1,23 @@
 """Node groups for a process group: this node's ranks (intra) and the ranks with this local
 rank (inter), made once per layout and shared by every face that asks.
 
-Why a cache. A face that builds its own intra/inter groups per instance leaks two process
+Why shared. A face that builds its own intra/inter groups per instance leaks two process
 groups (sockets, threads) each time it is built, and a sub-group named by its ranks cannot be
 destroyed and made again safely (the new one meets the old one's rendezvous keys). So groups
-are created once per rank list through :func:`bitscom.runtime.new_group` (init's timeout) and
-reused; the groups :func:`bitscom.init` built are used whenever they are the ones asked for.
+are made once per rank list and world by :func:`bitscom.runtime.shared_group` (init's
+timeout; held weakly, so a destroyed world frees them) and reused; the groups
+:func:`bitscom.init` built are used whenever they are the ones asked for.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch.distributed as dist
 
 from . import runtime
 
 __all__ = ["node_groups"]
-
-_made: Dict[Tuple[int, ...], object] = {}
-
 
 def _runtime_group(which: str, ranks: list) -> Optional[object]:
     if not (runtime.is_initialized() and runtime.size() == dist.get_world_size()):
@@ -37,10 +35,7 @@ def _group(which: str, ranks: list):
     found = _runtime_group(which, ranks)
     if found is not None:
         return found
-    key = tuple(ranks)
-    if key not in _made:
-        _made[key] = runtime.new_group(ranks, use_local_synchronization=True)
-    return _made[key]
+    return runtime.shared_group(ranks, tag="node")
 
 
 def node_groups(group, local_size: int) -> Tuple[object, object]:

@@ -21,15 +21,16 @@ import datetime
 import os
 import socket
 import subprocess
+import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "world_group", "intra_group", "inter_group", "device",
-           "LaunchInfo", "discover", "timeout", "new_group"]
+           "LaunchInfo", "discover", "timeout", "new_group", "shared_group"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ def _int(env, *names, default=None):
     return default
 
 
-def discover(env=None) -> LaunchInfo:
+def discover(env: Optional[Mapping[str, str]] = None) -> LaunchInfo:
     """Read the launcher's environment (a dict for tests; ``os.environ`` by default).
 
     Example::
@@ -129,18 +130,86 @@ def _my_address() -> str:
 
 
 class _Runtime:
-    def __init__(self):
+    """What :func:`init` (or adoption) recorded about this process's world.
+
+    Groups are held through weak references: torch's registry owns them, and a group
+    ``dist.destroy_process_group()`` dropped must really go then (a gloo group kept alive past
+    it is torn down at interpreter exit instead, where its threads can abort the process).
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (a fresh, uninitialized runtime)."""
         self.info: Optional[LaunchInfo] = None
         self.owns_pg = False
-        self.world = None
-        self.intra = None
-        self.inter = None
+        self.has_world = False        # a world group was recorded (its reference may have died)
+        self._world: Callable[[], Any] = _none
+        self._intra: Callable[[], Any] = _none
+        self._inter: Callable[[], Any] = _none
         self.device = torch.device("cpu")
         self.timeout: Optional[datetime.timedelta] = None
         self.adopted = False          # info taken from a process group the user started
 
+    @property
+    def world(self):
+        return self._world()
+
+    @world.setter
+    def world(self, group) -> None:
+        self._world = _ref(group)
+        self.has_world = group is not None
+
+    @property
+    def intra(self):
+        return self._intra()
+
+    @intra.setter
+    def intra(self, group) -> None:
+        self._intra = _ref(group)
+
+    @property
+    def inter(self):
+        return self._inter()
+
+    @inter.setter
+    def inter(self, group) -> None:
+        self._inter = _ref(group)
+
+    def stale(self) -> bool:
+        """Whether the recorded world is no longer torch's default group (destroyed, or
+        replaced by one started since): then everything recorded about it is wrong."""
+        world = self._world()
+        return self.info is not None and (world is not _current_world() or (self.has_world and world is None))
+
+
+def _none():
+    return None
+
+
+def _ref(group) -> Callable[[], Any]:
+    """A weak reference to a process group; a plain closure for None / NON_GROUP_MEMBER."""
+    if isinstance(group, dist.ProcessGroup):
+        return weakref.ref(group)
+    return lambda: group
+
+
+def _current_world():
+    """torch's default process group now (None when torch.distributed is not running)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
 
 _rt = _Runtime()
+
+
+def _forget_if_stale() -> None:
+    """Forget a world that is gone (``dist.destroy_process_group()`` ran, or the user started
+    a new one), so :func:`init` starts or adopts again instead of answering for a dead group."""
+    if _rt.stale():
+        _rt.reset()
 
 
 def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta] = None,
@@ -149,7 +218,9 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
 
     ``backend`` defaults to ``nccl`` when CUDA is available and ``gloo`` otherwise; the CUDA
     device is set from the local rank. Calling ``init()`` again is harmless. If the process
-    group already exists (the user called ``init_process_group``), it is adopted.
+    group already exists (the user called ``init_process_group``), it is adopted; if the one
+    bitscom recorded is gone (``dist.destroy_process_group()`` or :func:`shutdown`), ``init()``
+    starts (or adopts) a new one.
 
     Example::
 
@@ -157,6 +228,7 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
         bitscom.init()
         print(bitscom.rank(), bitscom.size(), bitscom.local_rank())
     """
+    _forget_if_stale()
     if _rt.info is not None and not _rt.adopted:
         return _rt.info
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
@@ -182,21 +254,7 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
     if dist.is_initialized():
         info = _adopted_info(info)
     elif info.size > 1:
-        kwargs = {"backend": backend, "rank": info.rank, "world_size": info.size}
-        if timeout is not None:
-            kwargs["timeout"] = timeout
-        if info.launcher == "torchrun":
-            kwargs["init_method"] = "env://"
-        else:
-            addr, port = (info.master_addr, info.master_port)
-            if info.launcher == "mpi" and (addr is None or port is None):
-                addr, port = _mpi_rendezvous(info)
-            if addr is None or port is None:
-                raise RuntimeError(f"launcher {info.launcher!r} gave no MASTER_ADDR/MASTER_PORT; "
-                                   "export both")
-            kwargs["init_method"] = f"tcp://{addr}:{port}"
-        dist.init_process_group(**kwargs)
-        _rt.owns_pg = True
+        _start(info, backend, timeout)
     _rt.info = info
     _rt.timeout = timeout
     if dist.is_initialized():
@@ -208,6 +266,25 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
             world_backend = "nccl" if _rt.device.type == "cuda" else "gloo"
         _build_node_groups(info, world_backend)
     return info
+
+
+def _start(info: LaunchInfo, backend: str, timeout: Optional[datetime.timedelta]) -> None:
+    """``init_process_group`` from the launcher's rendezvous (env:// or tcp://)."""
+    kwargs: dict = {"backend": backend, "rank": info.rank, "world_size": info.size}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if info.launcher == "torchrun":
+        kwargs["init_method"] = "env://"
+    else:
+        addr, port = (info.master_addr, info.master_port)
+        if info.launcher == "mpi" and (addr is None or port is None):
+            addr, port = _mpi_rendezvous(info)
+        if addr is None or port is None:
+            raise RuntimeError(f"launcher {info.launcher!r} gave no MASTER_ADDR/MASTER_PORT; "
+                               "export both")
+        kwargs["init_method"] = f"tcp://{addr}:{port}"
+    dist.init_process_group(**kwargs)
+    _rt.owns_pg = True
 
 
 def _adopted_info(env_info: LaunchInfo) -> LaunchInfo:
@@ -229,6 +306,7 @@ def _adopt() -> bool:
     == 0: print(bitscom.size())``). Node groups need one, so they are built only by
     :func:`init`, which every rank calls.
     """
+    _forget_if_stale()
     if _rt.info is None and dist.is_available() and dist.is_initialized():
         _rt.info = _adopted_info(discover())
         _rt.world = dist.group.WORLD
@@ -242,13 +320,13 @@ def _build_node_groups(info: LaunchInfo, backend: str) -> None:
     """Intra-node groups (ranks of one node) and inter-node groups (same local rank).
 
     Ranks of a node must be contiguous (torchrun, ``mpirun --map-by slot``, Slurm block
-    distribution); this is checked, since wrong groups would silently mix bytes.
+    distribution); this is checked, since wrong groups would silently mix bytes. The layout
+    travels as an int64 tensor (two numbers per rank), so nothing a peer sends is unpickled.
     """
     size, local = info.size, info.local_size
     if local < 1 or size % local != 0:
         raise RuntimeError(f"world size {size} is not a multiple of the local size {local}")
-    layout = [None] * size
-    dist.all_gather_object(layout, (info.local_rank, local))
+    layout = _exchange_layout(info, backend)
     for r, (lr, ls) in enumerate(layout):
         if ls != local or lr != r % local:
             raise RuntimeError(f"rank {r} reports local rank {lr} of {ls}; bitscom needs the ranks "
@@ -265,6 +343,15 @@ def _build_node_groups(info: LaunchInfo, backend: str) -> None:
             _rt.inter = g
 
 
+def _exchange_layout(info: LaunchInfo, backend: str) -> list:
+    """Every rank's ``(local_rank, local_size)``, gathered on the world group."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    mine = torch.tensor([info.local_rank, info.local_size], dtype=torch.int64, device=dev)
+    everyone = [torch.empty_like(mine) for _ in range(info.size)]
+    dist.all_gather(everyone, mine)
+    return [tuple(int(v) for v in t.tolist()) for t in everyone]
+
+
 def timeout() -> Optional[datetime.timedelta]:
     """The ``timeout`` given to :func:`init` (None: torch's default, 30 minutes for gloo).
 
@@ -277,8 +364,8 @@ def timeout() -> Optional[datetime.timedelta]:
     return _rt.timeout
 
 
-def new_group(ranks, *, backend: Optional[str] = None, use_local_synchronization: bool = False,
-              settle: bool = False):
+def new_group(ranks: Iterable[int], *, backend: Optional[str] = None, use_local_synchronization: bool = False,
+              settle: bool = False) -> Any:
     """``torch.distributed.new_group`` with the :func:`init` timeout: the one way bitscom
     creates its own groups (the optimizer's later-round group, the DDP hook's, node groups).
 
@@ -290,7 +377,7 @@ def new_group(ranks, *, backend: Optional[str] = None, use_local_synchronization
 
         later = bitscom.runtime.new_group([0, 1], use_local_synchronization=True)
     """
-    kwargs = {"backend": backend, "use_local_synchronization": use_local_synchronization}
+    kwargs: Dict[str, Any] = {"backend": backend, "use_local_synchronization": use_local_synchronization}
     if _rt.timeout is not None:
         kwargs["timeout"] = _rt.timeout
     group = dist.new_group(list(ranks), **kwargs)
@@ -301,16 +388,49 @@ def new_group(ranks, *, backend: Optional[str] = None, use_local_synchronization
     return group
 
 
+_shared: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # world -> {key: group}
+
+
+def shared_group(ranks: Iterable[int], *, tag: str, backend: Optional[str] = None) -> Any:
+    """A group of ``ranks`` made once per ``(tag, ranks, backend)`` in the current world and
+    then shared: for faces that need an extra group per group of the user (a payload group,
+    node groups of a sub-group), instead of keeping their own cache.
+
+    Only the members call it (``use_local_synchronization=True``). Held weakly and keyed by
+    the world: torch's registry owns the group, so ``dist.destroy_process_group()`` really
+    frees it, and after a restart the next call makes a new one. A cache holding groups
+    strongly would keep a destroyed world alive (its TCPStore still listening on the master
+    port, which stalls the next ``init_process_group``; its gloo threads torn down at exit).
+
+    Example::
+
+        payload = bitscom.runtime.shared_group(dist.get_process_group_ranks(group), tag="payload")
+    """
+    world = _current_world()
+    if world is None:
+        raise RuntimeError("shared_group() needs torch.distributed: call bitscom.init() first")
+    made = _shared.setdefault(world, weakref.WeakValueDictionary())
+    ranks = list(ranks)
+    key = (tag, tuple(ranks), backend)
+    group = made.get(key)
+    if group is None:
+        group = new_group(ranks, backend=backend, use_local_synchronization=True)
+        if isinstance(group, dist.ProcessGroup):
+            made[key] = group
+    return group
+
+
 def shutdown() -> None:
-    """Destroy the process group bitscom created (if it created it) and forget the groups.
+    """Destroy the process group bitscom created (if it created it and it is still the
+    default group) and forget the groups.
 
     Example::
 
         bitscom.init(); train(); bitscom.shutdown()
     """
-    if _rt.owns_pg and dist.is_initialized():
+    if _rt.owns_pg and not _rt.stale() and dist.is_initialized():
         dist.destroy_process_group()
-    _rt.__init__()
+    _rt.reset()
 
 
 def is_initialized() -> bool:
@@ -329,10 +449,11 @@ def _info() -> LaunchInfo:
     if not _adopt():
         raise RuntimeError("bitscom is not initialized: call bitscom.init() (or "
                            "torch.distributed.init_process_group) first")
+    assert _rt.info is not None
     return _rt.info
 
 
-def _node_group(which: str):
+def _node_group(which: str) -> Optional[dist.ProcessGroup]:
     _info()
     if _rt.adopted and dist.get_world_size() > 1:
         raise RuntimeError(f"bitscom.{which}() needs the node groups, which bitscom builds in "
@@ -404,13 +525,13 @@ def cross_size() -> int:
     return info.size // info.local_size
 
 
-def world_group():
+def world_group() -> Optional[dist.ProcessGroup]:
     """The world process group (None when running as a single process)."""
     _info()
     return _rt.world
 
 
-def intra_group():
+def intra_group() -> Optional[dist.ProcessGroup]:
     """The process group of this node's ranks (None for a single process).
 
     Example::
@@ -421,7 +542,7 @@ def intra_group():
     return _node_group("intra_group")
 
 
-def inter_group():
+def inter_group() -> Optional[dist.ProcessGroup]:
     """The process group of ranks with this local rank, one per node (None for a single process).
 
     Example::

@@ -39,21 +39,24 @@ Python API::
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 DEFAULT_PREFIX = "bcns"
 DEFAULT_SUBNET = "10.213.0"          # /24, only inside the namespaces
 NODE_IFNAME = "veth0"                # the node's "NIC" inside its namespace
 BRIDGE = "br0"                       # the switch, inside <prefix>br
-STATE_DIR = "/tmp"
+STATE_DIR = tempfile.gettempdir()   # state files: mkstemp names, mode 0600, checked on read
 
 _RATE_UNITS = {"": 1, "bit": 1, "k": 1e3, "kbit": 1e3, "m": 1e6, "mbit": 1e6,
                "g": 1e9, "gbit": 1e9, "t": 1e12, "tbit": 1e12}
@@ -148,17 +151,67 @@ def teardown(prefix: str = DEFAULT_PREFIX, quiet: bool = True) -> list[str]:
         _kill_ns_processes(ns)
         if _sh("ip", "netns", "del", ns, check=False) == 0:
             removed.append(ns)
-    try:
-        os.unlink(_state_path(prefix))
-    except FileNotFoundError:
-        pass
+    for path in _state_files(prefix):
+        _unlink(path)
     if removed and not quiet:
         print(f"[cluster] removed {' '.join(removed)}", file=sys.stderr)
     return removed
 
 
-def _state_path(prefix):
-    return os.path.join(STATE_DIR, f"bitscom_cluster_{prefix}.json")
+# The state `up` leaves for `launch` lives in the shared temporary directory, so it is written
+# only through mkstemp (an unpredictable name, O_EXCL, mode 0600: nothing planted there or
+# linked from there is followed or overwritten) and read back only from a regular file that
+# this user owns and nobody else can read or write (checked on the open file descriptor).
+def _private(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+def _state_files(prefix: str) -> list[str]:
+    """This user's private state files for ``prefix``, oldest first."""
+    found = []
+    for path in glob.glob(os.path.join(glob.escape(STATE_DIR), f"bitscom_cluster_{prefix}.*.json")):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if _private(st):
+            found.append((st.st_mtime_ns, path))
+    return [path for _, path in sorted(found)]
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _save_state(c: "Cluster") -> str:
+    """Write ``c``'s settings for a later ``launch``; replaces earlier files of its prefix."""
+    old = _state_files(c.prefix)
+    fd, path = tempfile.mkstemp(prefix=f"bitscom_cluster_{c.prefix}.", suffix=".json", dir=STATE_DIR)
+    with os.fdopen(fd, "w") as f:
+        json.dump({k: v for k, v in asdict(c).items() if not k.startswith("_")}, f)
+    for p in old:
+        _unlink(p)
+    return path
+
+
+def _load_state(prefix: str) -> dict:
+    files = _state_files(prefix)
+    if not files:
+        raise RuntimeError(f"no cluster with prefix {prefix!r} is up; run 'cluster.py up' first")
+    path = files[-1]
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as f:
+        if not _private(os.fstat(f.fileno())):
+            raise RuntimeError(f"{path} is not a state file of this user (owner or mode changed); remove it")
+        cfg = json.load(f)
+    known = {fl.name for fl in fields(Cluster) if not fl.name.startswith("_")}
+    if not isinstance(cfg, dict) or set(cfg) - known:
+        what = sorted(cfg) if isinstance(cfg, dict) else type(cfg).__name__
+        raise RuntimeError(f"{path} is not a state file of cluster.py (got {what}); remove it")
+    return cfg
 
 
 @dataclass
@@ -241,8 +294,7 @@ class Cluster:
                 for where, dev in ((ns, NODE_IFNAME), (br, port)):   # node->switch, switch->node
                     _sh("tc", "-n", where, "qdisc", "replace", "dev", dev, "root", "tbf",
                         "rate", p["rate"], "burst", p["burst"], "latency", p["latency"])
-        with open(_state_path(self.prefix), "w") as f:
-            json.dump({k: v for k, v in asdict(self).items() if not k.startswith("_")}, f)
+        _save_state(self)
         return self
 
     def down(self):
@@ -263,12 +315,7 @@ class Cluster:
     @classmethod
     def attach(cls, prefix: str = DEFAULT_PREFIX) -> "Cluster":
         """The cluster that ``up`` left running under ``prefix`` (for ``launch``)."""
-        try:
-            with open(_state_path(prefix)) as f:
-                cfg = json.load(f)
-        except FileNotFoundError:
-            raise RuntimeError(f"no cluster with prefix {prefix!r} is up; run 'cluster.py up' first") from None
-        c = cls(**cfg)
+        c = cls(**_load_state(prefix))
         c._is_up = True
         return c
 

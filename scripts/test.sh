@@ -5,14 +5,11 @@
 #   bash scripts/test.sh -k lowbit  # extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
-fi
-. .venv/bin/activate
+# ./.venv (or $BITSCOM_VENV), torch in it (a CPU build keeps CI small; on a GPU machine install
+# the CUDA build you want first), activated; PY=its python. Shared with mnist.sh / perf.sh.
+source scripts/venv.sh
 python -m pip install -q --upgrade pip >/dev/null
-# A CPU build of torch keeps CI small; on a GPU machine install the CUDA build you want first.
-python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test,mpi,examples,bench]"
-python -m ruff check bitscom acpsgd tests scripts examples   # errors and likely bugs (ruff.toml)
+venv_install "test,mpi,examples,bench"
+python -m ruff check bitscom acpsgd tests scripts examples   # errors, likely bugs, complexity (ruff.toml)
+python -m mypy -p bitscom                                    # types ([mypy] in setup.cfg)
 exec python -m pytest -q "$@"

@@ -4,6 +4,7 @@ Needs root and iproute2; skips cleanly otherwise. Uses its own namespace prefix,
 touches a cluster a benchmark has up. No torch here: throughput is checked with plain sockets.
 """
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -135,3 +136,54 @@ def test_shaped_link_limits_throughput(clean):
         out, _ = srv.communicate(timeout=30)
     measured = float(out)
     assert 0.4 * rate < measured < 1.3 * rate, f"measured {measured / 1e6:.1f} Mbit/s on a 50 Mbit/s link"
+
+
+# The state file `up` leaves for `launch`/`down` lives in a shared temporary directory: it must
+# be created unpredictably and privately (mkstemp, 0600), and only a private regular file of
+# this user may be read back (another user could plant or link one there).
+@pytest.fixture
+def state_dir(tmp_path, monkeypatch):
+    d = tmp_path / "tmp"
+    d.mkdir()
+    monkeypatch.setattr(cluster, "STATE_DIR", str(d))
+    return d
+
+
+def test_state_file_is_private_and_unpredictable(state_dir):
+    c = cluster.Cluster(nodes=3, ranks_per_node=2, bandwidth="10gbit", prefix="xs")
+    path = cluster._save_state(c)
+    assert os.path.dirname(path) == str(state_dir) and path != str(state_dir / "bitscom_cluster_xs.json")
+    assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+    back = cluster.Cluster.attach("xs")
+    assert (back.nodes, back.ranks_per_node, back.bits_per_s, back._is_up) == (3, 2, 10**10, True)
+    again = cluster._save_state(c)                 # a second `up` replaces the first file
+    assert os.listdir(state_dir) == [os.path.basename(again)]
+    cluster.teardown("xs")
+    assert os.listdir(state_dir) == []
+
+
+def _plant(state_dir, name, text='{"nodes": 9, "prefix": "xs"}'):
+    path = state_dir / name
+    path.write_text(text)
+    os.chmod(path, 0o600)
+    return path
+
+
+@pytest.mark.parametrize("how", ["predictable name", "group readable", "other owner", "symlink",
+                                 "unknown key"])
+def test_planted_state_file_is_not_trusted(state_dir, tmp_path, how):
+    if how == "predictable name":          # what older versions wrote and read
+        _plant(state_dir, "bitscom_cluster_xs.json")
+    elif how == "group readable":
+        os.chmod(_plant(state_dir, "bitscom_cluster_xs.abc123.json"), 0o640)
+    elif how == "other owner":
+        if os.geteuid() != 0:
+            pytest.skip("needs root to hand a file to another user")
+        os.chown(_plant(state_dir, "bitscom_cluster_xs.abc123.json"), 12345, 12345)
+    elif how == "symlink":
+        target = _plant(tmp_path, "elsewhere.json")
+        (state_dir / "bitscom_cluster_xs.abc123.json").symlink_to(target)
+    else:
+        _plant(state_dir, "bitscom_cluster_xs.abc123.json", '{"nodes": 2, "__class__": 1}')
+    with pytest.raises(RuntimeError, match="no cluster with prefix 'xs' is up|not a state file"):
+        cluster.Cluster.attach("xs")

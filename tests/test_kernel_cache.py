@@ -116,3 +116,72 @@ def test_uncreatable_cache_directory_falls_back_to_torch(tmp_path):
     blocker.write_text("x")
     with pytest.warns(UserWarning, match="cannot be created"):
         assert cpu_native.load(blocker / "bitscom") is None
+
+
+# Every directory from the file-system root down to the cache must be safe: a directory above
+# it that another user can write to lets that user swap the cache (or a parent) for their own.
+def _ancestor(tmp_path):
+    top = tmp_path / "shared"
+    top.mkdir(mode=0o755)
+    return top, top / "cache" / "bitscom"
+
+
+@pytest.mark.parametrize("mode,owner,words", [
+    (0o777, None, "writable by group or others (mode 777)"),
+    (0o775, None, "writable by group or others (mode 775)"),
+    (0o755, 12345, "owned by uid 12345"),
+    (0o1777, 12345, "owned by uid 12345"),                  # sticky, but not root's: no exception
+])
+def test_unsafe_directory_above_the_cache_is_refused(tmp_path, mode, owner, words):
+    top, d = _ancestor(tmp_path)
+    if owner is not None:
+        if os.geteuid() != 0:
+            pytest.skip("needs root to hand a directory to another user")
+        os.chown(top, owner, owner)
+    os.chmod(top, mode)
+    with pytest.warns(UserWarning, match="slower eager torch path") as record:
+        assert cpu_native.cache_dir(d) is None
+    text = " ".join(str(w.message) for w in record)
+    assert words in text and str(top) in text, text
+    assert not (top / "cache").exists(), "created a directory inside an unsafe one"
+
+
+def test_root_owned_sticky_directory_above_the_cache_is_accepted(tmp_path):
+    top, d = _ancestor(tmp_path)
+    os.chmod(top, 0o1777)                                    # like /tmp (owned by root here only as root)
+    if os.stat(top).st_uid != 0:
+        pytest.skip("needs root: the sticky exception is for root-owned directories")
+    got = cpu_native.cache_dir(d)
+    assert got is not None and got == d.resolve()
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+
+
+def test_missing_directories_above_the_cache_are_created_private(tmp_path):
+    d = tmp_path / "a" / "b" / "bitscom"
+    old = os.umask(0)                                        # a permissive umask must not leak through
+    try:
+        assert cpu_native.cache_dir(d) is not None
+    finally:
+        os.umask(old)
+    for p in (tmp_path / "a", tmp_path / "a" / "b", d):
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o700, p
+
+
+def test_symlinked_directory_above_the_cache_is_judged_by_its_target(tmp_path):
+    target = tmp_path / "open"
+    target.mkdir()
+    os.chmod(target, 0o777)
+    (tmp_path / "link").symlink_to(target)
+    with pytest.warns(UserWarning, match=r"writable by group or others \(mode 777\)"):
+        assert cpu_native.cache_dir(tmp_path / "link" / "bitscom") is None
+
+
+def test_default_cache_under_a_world_writable_dot_cache_is_refused(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    (home / ".cache").mkdir(parents=True)
+    os.chmod(home, 0o755)
+    os.chmod(home / ".cache", 0o777)
+    monkeypatch.setenv("HOME", str(home))
+    with pytest.warns(UserWarning, match=r"\.cache above it: it is writable by group or others \(mode 777\)"):
+        assert cpu_native.cache_dir() is None
+    assert not (home / ".cache" / "bitscom").exists()

@@ -17,7 +17,7 @@ point of the program on every rank).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -71,9 +71,6 @@ def group_device(group: Any, tensor: Optional[torch.Tensor] = None) -> torch.dev
     return tensor.device
 
 
-_payload_groups: Dict[int, Tuple[Any, Any]] = {}     # id(group) -> (group, payload group)
-
-
 def payload_group(group: Any, what: str) -> Any:
     """The payload group of ``group``, created (with init's timeout) on first use.
 
@@ -81,15 +78,11 @@ def payload_group(group: Any, what: str) -> Any:
 
         later = payload_group(group, "bitscom.allreduce")
     """
-    entry = _payload_groups.get(id(group))
-    if entry is None or entry[0] is not group:
-        try:
-            later = runtime.new_group(dist.get_process_group_ranks(group),
-                                      use_local_synchronization=True)
-        except RuntimeError as err:
-            raise peer_failure(what, err, "creating its payload process group") from err
-        entry = _payload_groups[id(group)] = (group, later)
-    return entry[1]
+    try:
+        return runtime.shared_group(dist.get_process_group_ranks(group),
+                                    tag=f"horovod-payload-{id(group)}")
+    except RuntimeError as err:
+        raise peer_failure(what, err, "creating its payload process group") from err
 
 
 def face_comm(group: Optional[Any], what: str) -> Optional[Comm]:

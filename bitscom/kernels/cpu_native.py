@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from typing import Optional
+from typing import List, Optional, Tuple
 
 from . import format as fmt
 
@@ -29,7 +29,7 @@ SOURCE = pathlib.Path(__file__).with_name("quant_cpu.cpp")
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno",
               "-fno-trapping-math"]
 # -march=native first (vectorized rint/floor/div); plain -O3 if the compiler refuses it.
-FLAG_SETS = (["-march=native"], [])
+FLAG_SETS: Tuple[List[str], ...] = (["-march=native"], [])
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -70,26 +70,69 @@ def _problem(st: os.stat_result, kind: str) -> Optional[str]:
     return None
 
 
+def _above_problem(st: os.stat_result) -> Optional[str]:
+    """Why a directory above the cache (from ``os.lstat``) must not be trusted, or None.
+
+    Root's and this user's directories are fine; one others can write to is fine only when
+    it is root's and sticky (``/tmp``): there nobody may rename or remove what they do not own.
+    """
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"      # only seen if it is swapped in while we look
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory, so the cache cannot be created"
+    if st.st_uid not in (0, os.geteuid()):
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) or root"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (st.st_mode & stat.S_ISVTX and st.st_uid == 0):
+        return (f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}) and is not a "
+                "root-owned sticky directory like /tmp")
+    return None
+
+
+def _make_private(path: pathlib.Path) -> os.stat_result:
+    """``os.lstat(path)``, creating ``path`` with mode 0700 first when it is missing."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    return os.lstat(path)
+
+
+def _walk(d: pathlib.Path) -> tuple:
+    """Create and check every directory from ``/`` down to the cache ``d``.
+
+    Returns ``(resolved path, problem or None)``. Symbolic links above the cache are resolved
+    once, up front, and the resolved path is what gets checked and used from then on, so a
+    link changed afterwards points nowhere bitscom looks.
+    """
+    parent = pathlib.Path(os.path.realpath(d.parent))
+    for p in [*reversed(parent.parents), parent]:
+        problem = _above_problem(_make_private(p))
+        if problem:
+            return parent / d.name, f"the directory {p} above it: {problem}"
+    final = parent / d.name
+    return final, _problem(_make_private(final), "dir")
+
+
 def cache_dir(root: Optional[pathlib.Path] = None) -> Optional[pathlib.Path]:
     """The private directory compiled kernels live in (``~/.cache/bitscom`` by default).
 
-    Created with mode 0700; refused (None, with a warning: the torch path is used instead)
-    unless it is a real directory owned by this user and not writable by group or others.
-    There is deliberately no fallback to a shared temporary directory: a library planted
-    there by another local user would run inside this process.
+    Created with mode 0700 (missing parents too); refused (None, with a warning: the torch
+    path is used instead) unless it is a real directory owned by this user and not writable
+    by group or others, and every directory above it, from ``/`` down, is owned by this user
+    or root and not writable by group or others (a root-owned sticky one like ``/tmp`` is
+    fine). A directory above it that another user can write to would let that user replace
+    the cache. There is deliberately no fallback to a shared temporary directory: a library
+    planted there by another local user would run inside this process. Returns the path with
+    symbolic links above it resolved.
 
     Example::
 
         d = bitscom.kernels.cpu_native.cache_dir()
     """
     d = pathlib.Path.home() / ".cache" / "bitscom" if root is None else pathlib.Path(root)
+    d = pathlib.Path(os.path.abspath(d))
     try:
-        d.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            pass
-        problem = _problem(os.lstat(d), "dir")
+        d, problem = _walk(d)
     except OSError as err:
         problem = f"it cannot be created ({err})"
     if problem:

@@ -1,0 +1,115 @@
+"""bitscom.init() after the process group is gone: torch.distributed is started again, and
+nothing bitscom recorded keeps the old groups alive.
+
+Each test gets its own 2-rank pool (torchrun-style variables, ``bitscom.init()`` at start),
+because it destroys and restarts the world that the shared pools keep for other tests.
+"""
+
+import datetime
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import bitscom
+from distpool import WorkerPool
+
+TIMEOUT = datetime.timedelta(seconds=60)
+SUMS = (True, 2, 3.0, 3.0)               # 1 + 2 on every path
+
+
+def _sums(rank, face=False):
+    """What the world computes now: a raw all_reduce, the node group's (and bitscom's
+    allreduce with ``face=True``: the Horovod face's payload groups are held weakly, so a
+    destroyed world is really freed)."""
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    u = torch.tensor([rank + 1.0])
+    dist.all_reduce(u, group=bitscom.intra_group())
+    out = (dist.is_initialized(), bitscom.size(), t.item(), u.item())
+    if face:
+        assert bitscom.allreduce(torch.tensor([rank + 1.0]), op=bitscom.Sum).item() == 3.0
+    return out
+
+
+def _destroy_and_count_survivors():
+    """``dist.destroy_process_group()``; how many of the groups bitscom knew are still alive.
+
+    A gloo group that outlives it is torn down at interpreter exit instead, where its threads
+    can abort the process ("terminate called without an active exception")."""
+    refs = [weakref.ref(g) for g in (dist.group.WORLD, bitscom.intra_group(), bitscom.inter_group())]
+    dist.destroy_process_group()
+    gc.collect()
+    return sum(r() is not None for r in refs)
+
+
+def _raises(fn):
+    try:
+        fn()
+    except RuntimeError as err:
+        return "bitscom.init()" in str(err)
+    return False
+
+
+def _after_destroy(rank, world):
+    before = _sums(rank)
+    survivors = _destroy_and_count_survivors()
+    gone = (bitscom.is_initialized(), _raises(bitscom.size))
+    bitscom.init(timeout=TIMEOUT)          # must start torch.distributed again
+    return before, survivors, gone, _sums(rank)
+
+
+def _after_shutdown(rank, world):
+    bitscom.shutdown()
+    down = (dist.is_initialized(), bitscom.is_initialized())
+    bitscom.init(timeout=TIMEOUT)
+    return down, _sums(rank), bitscom.runtime.timeout() == TIMEOUT
+
+
+def _shared(rank, world):
+    a = bitscom.runtime.shared_group([0, 1], tag="test")
+    same = bitscom.runtime.shared_group([0, 1], tag="test") is a
+    other = bitscom.runtime.shared_group([0, 1], tag="other") is not a
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t, group=a)
+    ref = weakref.ref(a)
+    del a
+    survivors = _destroy_and_count_survivors()
+    gc.collect()
+    freed = ref() is None
+    bitscom.init(timeout=TIMEOUT)
+    b = bitscom.runtime.shared_group([0, 1], tag="test")
+    u = torch.tensor([rank + 1.0])
+    dist.all_reduce(u, group=b)
+    return same, other, t.item(), survivors, freed, u.item()
+
+
+def _face_then_destroy(rank, world):
+    _sums(rank, face=True)
+    return _destroy_and_count_survivors()   # no init() after: a surviving old world stalls it
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """One private pool for this module: its tests restart the world in turn."""
+    p = WorkerPool(2)
+    yield p
+    p.close()
+
+
+def test_init_after_destroy_process_group_starts_torch_distributed_again(pool):
+    assert pool.run(_after_destroy, timeout=120) == [(SUMS, 0, (False, True), SUMS)] * 2
+
+
+def test_init_after_shutdown_starts_again(pool):
+    assert pool.run(_after_shutdown, timeout=120) == [((False, False), SUMS, True)] * 2
+
+
+def test_shared_group_is_made_once_per_world_and_released_by_destroy(pool):
+    assert pool.run(_shared, timeout=120) == [(True, True, 3.0, 0, True, 3.0)] * 2
+
+
+def test_destroy_releases_the_groups_after_the_horovod_face(pool):
+    assert pool.run(_face_then_destroy, timeout=120) == [0, 0]
