@@ -77,7 +77,7 @@ def check_agreement(description: Dict[str, Any], group=None, what: str = "reduct
     """
     require_member(group, f"the {what} check")
     size = dist.get_world_size(group)
-    gathered: List[Dict[str, Any]] = [None] * size
+    gathered: List[Any] = [None] * size
     dist.all_gather_object(gathered, description, group=group)
     reference = gathered[0]
     problems = []

@@ -88,7 +88,7 @@ def plan_groups(params: Sequence[Tuple[str, torch.Tensor]], groups) -> List[Buck
         chosen += [[item] for item in rev if id(item[1]) not in taken]
         # First the bucket whose last gradient arrives earliest in backward.
         chosen.sort(key=lambda members: max(position[id(p)] for _, p in members))
-    order = []
+    order: List[list] = []
     for members in chosen:
         by_key: Dict[tuple, list] = {}
         for name, p in members:

@@ -15,7 +15,7 @@ first round.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -60,10 +60,10 @@ class Reducer:
                  group: Optional[dist.ProcessGroup] = None,
                  later_group: Optional[dist.ProcessGroup] = None):
         self.compressor = compressor
-        self.layouts = list(layouts)
+        self.layouts: List[Any] = list(layouts)       # None where DDP has not defined one yet
         self.group = group
         self.later_group = later_group
-        self.states: List[State] = [compressor.init_state(l) for l in self.layouts]
+        self.states: List[Any] = [compressor.init_state(l) for l in self.layouts]
         self._flights: List[Tuple[int, Rounds]] = []
 
     def set_bucket(self, index: int, layout: BucketLayout, state: Optional[State] = None) -> State:

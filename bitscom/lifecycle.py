@@ -212,6 +212,7 @@ class StepLifecycle:
         """What the ranks compare: the face's kind first, its own description, and after a
         load the step counter (a stale checkpoint on one rank is an error, not drift)."""
         face = self._face()
+        assert face is not None, "the face owns its lifecycle"
         desc: Dict[str, Any] = {"optimizer": self.name, "world size": self.size}
         desc.update(face._description())
         if self.check_state:

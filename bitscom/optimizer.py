@@ -288,7 +288,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.sparse_as_dense:
             if grad is not None and grad.is_sparse:
                 grad = p.grad = grad.to_dense()
-        elif self._sparse_grads.on_gradient(self, p, last_pass):
+        elif self._sparse_grads is not None and self._sparse_grads.on_gradient(self, p, last_pass):
             grad = None                  # reduced sparse in _finish; its slot carries zeros
         if last_pass:
             b, s = self._slot[id(p)]
@@ -474,7 +474,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._reset_step()
         self._life.stepped()
         return result
-    step.hooked = True
+    step.hooked = True  # type: ignore[attr-defined]
 
     def _solo_momentum(self) -> None:
         """One process sends nothing, so it compresses nothing; but a MomentumCorrection
@@ -613,8 +613,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 
 # help() and inspect show __init__'s arguments, not __new__'s (*args, **kwargs).
-DistributedOptimizer.__signature__ = inspect.signature(DistributedOptimizer.__init__).replace(
-    parameters=list(inspect.signature(DistributedOptimizer.__init__).parameters.values())[1:])
+_INIT = inspect.signature(DistributedOptimizer.__init__)
+DistributedOptimizer.__signature__ = _INIT.replace(  # type: ignore[attr-defined]
+    parameters=list(_INIT.parameters.values())[1:])
 
 
 def _leaves(obj):

@@ -25,6 +25,7 @@ from the returned rank if they matter). Only optimizer steps are shadowed: other
 from __future__ import annotations
 
 import weakref
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
@@ -100,7 +101,7 @@ def join(process_group=None) -> int:
         return 0
     if dist.get_world_size(group) == 1:
         return dist.get_rank()
-    mine = {}
+    mine: Dict[int, Any] = {}
     for opt in list(_live):
         if not opt._life.closed and _same_group(opt.process_group, group):
             if opt._mid_step():
@@ -125,9 +126,9 @@ def join(process_group=None) -> int:
                 "same optimizers on the same process group")
         opt.shadow_step()
         shadowed += 1
-    counts = torch.zeros(comm.size, dtype=torch.int64, device=device)
-    wait(comm.all_gather(counts, torch.tensor([shadowed], dtype=torch.int64, device=device)))
-    counts = [int(c) for c in counts]
+    everyone = torch.zeros(comm.size, dtype=torch.int64, device=device)
+    wait(comm.all_gather(everyone, torch.tensor([shadowed], dtype=torch.int64, device=device)))
+    counts = [int(c) for c in everyone]
     last = dist.get_global_rank(group, max(i for i, c in enumerate(counts) if c == min(counts)))
     if max(counts) > 0:
         # The joined ranks reduced but did not step: give them the last joiner's parameters

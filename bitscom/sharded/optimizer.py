@@ -23,7 +23,7 @@ import copy
 import math
 import zlib
 from collections import defaultdict
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -253,8 +253,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._where[id(self._params[s.index])] = (bi, s)
         self._reset_buckets()
         self._reducer = GradientReducer(self.config, topo)
-        self._stats = {}
-        self._norms = None              # this step's global gradient norm summary (clip_grad_norm_)
+        self._stats: Dict[str, Any] = {}
+        self._norms: Optional[torch.Tensor] = None   # this step's global gradient norm summary (clip_grad_norm_)
         self._uid = zlib.crc32(repr(self._static).encode()) & 0x3FFFFFFF
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
@@ -288,7 +288,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for k, piece in enumerate(self.plan.pieces):
             pieces_of[piece.index].append(k)
         old_state = optimizer.state
-        new_state = defaultdict(dict)
+        new_state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
         for group in optimizer.param_groups:
             new_params = []
             for p in group["params"]:
@@ -402,7 +402,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             sent = self._reducer.wait_all(self._step_count)
             for piece, tensor in zip(self.plan.pieces, self._pieces):
                 tensor.grad = self._master_grad[piece.master_offset:piece.master_offset + piece.numel]
-            self._norms = norm_summary([t.grad for t in self._pieces], self._master.device, self.topo)
+            self._norms = norm_summary([cast(torch.Tensor, t.grad) for t in self._pieces], self._master.device, self.topo)
             self._life.end()
         except BaseException:
             self._reducer.abort()
@@ -486,7 +486,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             opt.step()
         """
         self.synchronize()
-        grads = [t.grad for t in self._pieces]
+        grads = [cast(torch.Tensor, t.grad) for t in self._pieces]   # set by every _finish
         total = global_norm(grads, float(norm_type), self._norms, self._master.device, self.topo,
                             [piece.index for piece in self.plan.pieces], len(self._params))
         if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -667,7 +667,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                       for k, (kind, v) in st.items()}))
         mine = dict(mine)
         gathered = gather_objects(mine, self.topo.group, to_rank)
-        if self.topo.rank != to_rank:
+        if gathered is None:          # not the destination rank
             return None
         shapes = {n: tuple(p.shape) for n, p in self._trainable}
         params = join_pieces(gathered, shapes, {n: p.dtype for n, p in self._trainable})
@@ -705,7 +705,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if len(state_dict["param_groups"]) != len(self.optimizer.param_groups):
             raise ValueError(f"checkpoint has {len(state_dict['param_groups'])} param groups, the "
                              f"optimizer {len(self.optimizer.param_groups)}")
-        new_state = defaultdict(dict)
+        new_state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
         with torch.no_grad():
             for piece, tensor in zip(self.plan.pieces, self._pieces):
                 entry = params[piece.name]
