@@ -133,6 +133,15 @@ class _ExactWork:
         return True
 
 
+def _handed(work, async_op: bool):
+    """``work`` for an asynchronous call; otherwise wait for it here and return ``None``
+    (torch's ``async_op`` contract)."""
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 def _chain(*gens):
     result = None
     for g in gens:
@@ -232,10 +241,7 @@ class LowBitGroup:
     def _start(self, rounds, comms, async_op: bool):
         work = LowBitWork(rounds, comms, self._queue)
         self._queue.submit(work)
-        if async_op:
-            return work
-        work.wait()
-        return None
+        return _handed(work, async_op)
 
     def _checked(self, what, numel, average, device, rounds):
         """``rounds`` after the cross-rank size check on the whole group."""
@@ -245,10 +251,7 @@ class LowBitGroup:
     def _exact_all_reduce(self, tensor, op, async_op):
         self._queue.flush()
         w = _ExactWork(Comm(self.process_group).all_reduce(tensor, op))
-        if async_op:
-            return w
-        w.wait()
-        return None
+        return _handed(w, async_op)
 
     # -- collectives --------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
@@ -317,10 +320,7 @@ class LowBitGroup:
                 or not is_sum_or_avg(op):
             self._queue.flush()
             w = _ExactWork(Comm(self.process_group).reduce_scatter(output, input, op))
-            if async_op:
-                return w
-            w.wait()
-            return None
+            return _handed(w, async_op)
         st, full_key = self._state("reduce_scatter", key, input, self.config)
         comm = Comm(self.process_group)
         average = op == dist.ReduceOp.AVG
@@ -348,17 +348,11 @@ class LowBitGroup:
                     o.copy_(p.view(o.shape))
 
             w = _ExactWork(work, scatter)
-            if async_op:
-                return w
-            w.wait()
-            return None
+            return _handed(w, async_op)
         if not (input.is_floating_point() and output.is_floating_point()):
             self._queue.flush()
             w = _ExactWork(Comm(self.process_group).all_gather(output, input))
-            if async_op:
-                return w
-            w.wait()
-            return None
+            return _handed(w, async_op)
         st, full_key = self._state("all_gather", key, input, self.config)
         comm = Comm(self.process_group)
         rounds = all_gather_rounds(output, input, comm, self.config, st, key=full_key)
@@ -376,10 +370,7 @@ class LowBitGroup:
         comm = Comm(self.process_group)
         root = dist.get_group_rank(self.process_group, src) if self.process_group is not None else src
         w = _ExactWork(comm.broadcast(tensor, root))
-        if async_op:
-            return w
-        w.wait()
-        return None
+        return _handed(w, async_op)
 
     # -- format helpers -----------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Quantized:

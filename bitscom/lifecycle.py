@@ -43,7 +43,7 @@ from . import runtime, uneven
 from .agreement import check_agreement, require_member
 from .comm import resolve_group
 
-__all__ = ["require_group", "check_trainable", "ddp_owner", "StepLifecycle"]
+__all__ = ["require_group", "check_trainable", "ddp_owner", "StepLifecycle", "StepFace"]
 
 
 def require_group(process_group, face: str, *, warn_single: bool = False):
@@ -319,3 +319,32 @@ class StepLifecycle:
         if face is not None:
             uneven.unregister(face)
         self._finalizer()
+
+
+class StepFace:
+    """What the optimizer faces do alike around their :class:`StepLifecycle` (``self._life``),
+    their reducer (``self._reducer``: ``in_flight``, ``abort()``) and their bucket cursor
+    (``self._next_launch``, ``self._reset_buckets()``).
+
+    Example::
+
+        class MyFace(StepFace, torch.optim.Optimizer): ...
+    """
+
+    _life: StepLifecycle
+    _reducer: Any
+    _next_launch: int
+
+    def _reset_buckets(self) -> None:
+        raise NotImplementedError
+
+    def _reset_step(self) -> None:
+        """Forget this step: in-flight work (after a failure), bucket fills, passes."""
+        if self._reducer.in_flight:
+            self._reducer.abort()
+        self._reset_buckets()
+        self._life.reset_step()
+
+    def _mid_step(self) -> bool:
+        """Whether a step is under way (bitscom.join() refuses to start in one)."""
+        return bool(self._life.in_step or self._next_launch or self._reducer.in_flight)

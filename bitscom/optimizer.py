@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from . import runtime, uneven
 from .agreement import describe_state
-from .lifecycle import StepLifecycle, check_trainable, ddp_owner, require_group
+from .lifecycle import StepFace, StepLifecycle, check_trainable, ddp_owner, require_group
 from .buckets import FlatBucket, plan_buckets, plan_groups
 from .compressors import Compression, resolve as resolve_compressor
 from .engine import Reducer, comm_stats
@@ -110,7 +110,7 @@ def _distributed_class(base: type) -> type:
     return _Distributed
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(StepFace, torch.optim.Optimizer):
     """Wrap ``optimizer`` so its gradients are reduced (and compressed) across ranks.
 
     The result is an instance of a subclass of ``type(optimizer)`` (``isinstance(opt,
@@ -374,16 +374,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for bucket in self._buckets:
             bucket.reset()
 
-    def _reset_step(self) -> None:
-        if self._reducer.in_flight:
-            self._reducer.abort()
-        self._reset_buckets()
-        self._life.reset_step()
-
-    def _mid_step(self) -> bool:
-        """Whether a step is under way (bitscom.join() refuses to start in one)."""
-        return bool(self._life.in_step or self._next_launch or self._reducer.in_flight)
-
     def _after_join(self, root_rank: int, group) -> None:
         """bitscom.join(): take the last joiner's parameters and state (joined ranks did not step)."""
         uneven.resync_replicated(self, root_rank, group)
@@ -610,6 +600,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def compressor_states(self):
         """Per-bucket compressor state objects (index = bucket index)."""
         return list(self._reducer.states)
+
+    def save_dcp(self, path, *, extra=None) -> None:
+        """Save through ``torch.distributed.checkpoint``; see :func:`bitscom.checkpointing.save`.
+
+        Example::
+
+            opt.save_dcp("ckpt/step100", extra={"model": model.state_dict()})
+        """
+        from .checkpointing import save
+        save(self, path, extra=extra)
+
+    def load_dcp(self, path, *, extra=None, reset_compressor_state: bool = False) -> None:
+        """Load a :meth:`save_dcp` checkpoint; see :func:`bitscom.checkpointing.load`.
+
+        Example::
+
+            opt.load_dcp("ckpt/step100", extra={"model": model.state_dict()})
+        """
+        from .checkpointing import load
+        load(self, path, extra=extra, reset_compressor_state=reset_compressor_state)
 
 
 # help() and inspect show __init__'s arguments, not __new__'s (*args, **kwargs).

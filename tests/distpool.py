@@ -63,6 +63,29 @@ def _worker(rank: int, world: int, port: int, local_size: int, conn) -> None:
         pass
 
 
+def run_spawned(target, world: int, *args, results: int = None, timeout: float = 150):
+    """Start ``world`` fresh processes running ``target(rank, world, port, queue, release, *args)``
+    (for tests that need their own init, e.g. a short timeout or a stalled peer); collect
+    ``results`` (default ``world``) items from ``queue``, then set ``release`` and make sure
+    every process is gone. Returns the collected items in arrival order.
+    """
+    ctx = mp.get_context("spawn")
+    queue, release, port = ctx.Queue(), ctx.Event(), free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, queue, release, *args), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return [queue.get(timeout=timeout) for _ in range(world if results is None else results)]
+    finally:
+        release.set()
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+
+
 class RankError(AssertionError):
     """A test function failed on one or more ranks."""
 

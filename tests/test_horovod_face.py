@@ -49,22 +49,9 @@ def _stalled_pair(rank, world, port, queue, release, ready):
 
 
 def test_async_allreduce_with_a_stalled_peer_fails_within_the_init_timeout():
-    from distpool import free_port
-    ctx = mp.get_context("spawn")
-    queue, release, ready, port = ctx.Queue(), ctx.Event(), ctx.Barrier(2), free_port()
-    procs = [ctx.Process(target=_stalled_pair, args=(r, 2, port, queue, release, ready), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        elapsed, outcome = queue.get(timeout=90)
-    finally:
-        release.set()
-        for p in procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+    from distpool import run_spawned
+    [(elapsed, outcome)] = run_spawned(_stalled_pair, 2, mp.get_context("spawn").Barrier(2), results=1,
+                                       timeout=90)
     assert outcome != "completed" and not outcome.startswith("init failed"), outcome
     assert elapsed < 30, f"rank 0 waited {elapsed:.0f} s for a stalled peer (init timeout: 5 s)"
     assert outcome.startswith("RuntimeError") and "bitscom.allreduce_async 'stalled'" in outcome, outcome

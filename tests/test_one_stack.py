@@ -6,7 +6,6 @@ of issue 20 that the sharded face had while it carried its own copies of the mec
 import datetime
 import inspect
 import math
-import multiprocessing as mp
 import os
 import time
 
@@ -16,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import bitscom
-from distpool import free_port, worker_env
+from distpool import run_spawned, worker_env
 from helpers import global_batch, make_model, shard
 
 
@@ -67,20 +66,7 @@ def _stalled_sharded(rank, world, port, queue, release):
 
 
 def test_sharded_two_level_fails_within_the_init_timeout_when_a_peer_stalls():
-    ctx = mp.get_context("spawn")
-    queue, release, port = ctx.Queue(), ctx.Event(), free_port()
-    procs = [ctx.Process(target=_stalled_sharded, args=(r, 4, port, queue, release), daemon=True)
-             for r in range(4)]
-    for p in procs:
-        p.start()
-    try:
-        results = {r: (o, t) for r, o, t in (queue.get(timeout=150) for _ in range(4))}
-    finally:
-        release.set()
-        for p in procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
+    results = {r: (o, t) for r, o, t in run_spawned(_stalled_sharded, 4)}
     for r in range(3):
         outcome, elapsed = results[r]
         assert outcome.startswith("failed"), (r, outcome)

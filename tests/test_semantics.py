@@ -517,23 +517,8 @@ def _stalled_peer(rank, world, port, queue, release):
 
 
 def test_bitscom_groups_use_the_init_timeout():
-    import multiprocessing as mp
-
-    from distpool import free_port
-    ctx = mp.get_context("spawn")
-    queue, release, port = ctx.Queue(), ctx.Event(), free_port()
-    procs = [ctx.Process(target=_stalled_peer, args=(r, 2, port, queue, release), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=150) for _ in range(2))
-    finally:
-        release.set()
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    from distpool import run_spawned
+    results = dict(run_spawned(_stalled_peer, 2))
     assert set(results[0]) == {"optimizer", "ddp hook", "intra-node"}
     for name, outcome in results[0].items():
         assert outcome.startswith("failed") and "imed out" in outcome, \

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .. import runtime
 from ..comm import Comm, gather_objects, wait
 from ..engine import comm_stats
-from ..lifecycle import StepLifecycle, check_trainable, ddp_owner, require_group
+from ..lifecycle import StepFace, StepLifecycle, check_trainable, ddp_owner, require_group
 from ..node_groups import node_groups
 from ..ops import Average, ReduceOp
 from ..params import named_parameters_of
@@ -114,7 +114,7 @@ def _check_optimizer(optimizer, elementwise: bool) -> None:
                         "if every update of an element depends only on that element")
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(StepFace, torch.optim.Optimizer):
     """Shard ``optimizer``'s state over ranks (ZeRO / Megatron distributed optimizer) and
     optionally quantize its communication the SDP4Bit way.
 
@@ -421,16 +421,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if hasattr(self, "_life"):
             self._life.reset_collectives()
 
-    def _reset_step(self) -> None:
-        if self._reducer.in_flight:
-            self._reducer.abort()
-        self._reset_buckets()
-        self._life.reset_step()
-
-    def _mid_step(self) -> bool:
-        """Whether a step is under way (bitscom.join() refuses to start in one)."""
-        return bool(self._life.in_step or self._next_launch or self._reducer.in_flight)
-
     def shadow_step(self) -> None:
         """Take part in one step of the other ranks with zero gradients (bitscom.join() on a
         rank that ran out of data). Unlike a replicated optimizer, this rank *does* step: it
@@ -735,3 +725,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         from .args import settings_from_args
         return cls(optimizer, named_parameters, process_group, **settings_from_args(args), **kwargs)
+
+    def save_dcp(self, path, *, extra=None) -> None:
+        """Save through ``torch.distributed.checkpoint``; see :func:`bitscom.checkpointing.save`.
+
+        Example::
+
+            opt.save_dcp("ckpt/step100")
+        """
+        from ..checkpointing import save
+        save(self, path, extra=extra)
+
+    def load_dcp(self, path, *, extra=None, load_replicas: bool = True) -> None:
+        """Load a :meth:`save_dcp` checkpoint of any world size; see
+        :func:`bitscom.checkpointing.load`.
+
+        Example::
+
+            opt.load_dcp("ckpt/step100")
+        """
+        from ..checkpointing import load
+        load(self, path, extra=extra, load_replicas=load_replicas)
