@@ -3,7 +3,7 @@
 The public face: re-exports only. See README.md for the tour.
 """
 
-from . import compression, compressors, fsdp
+from . import checkpointing, compression, compressors, fsdp
 from .backend import register_lowbit_backend
 from .build_info import cuda_built, gloo_built, mpi_built, nccl_built
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -36,6 +36,6 @@ __all__ = [
     "allreduce_async_", "grouped_allreduce", "allgather", "allgather_async", "allgather_object",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall",
     "alltoall_async", "synchronize", "poll", "barrier", "sparse_allreduce", "sparse_allreduce_async",
-    "fsdp",
+    "fsdp", "checkpointing",
     "nccl_built", "gloo_built", "mpi_built", "cuda_built",
 ]

@@ -1,0 +1,76 @@
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP): every rank saves in one call,
+in parallel, and a run of another world size can load (see docs/checkpoints.md).
+
+* :class:`~bitscom.ShardedOptimizer`: each rank writes its own pieces; any world size loads
+  them back, each rank reading only the pieces that overlap its own.
+* :class:`~bitscom.DistributedOptimizer`: torch's (replicated) optimizer state is written once;
+  each rank's compressor state under its own key. Same world size: exact resume. Another
+  world size: compressor state that was the same on every rank (PowerSGD factors without
+  error feedback) loads; per-rank state (error-feedback residuals) is an error unless
+  ``reset_compressor_state=True``.
+
+The torch-format ``state_dict()`` / ``consolidated_state_dict()`` paths are unchanged.
+
+Example::
+
+    bitscom.checkpointing.save(opt, "ckpt/step100", extra={"model": model.state_dict()})
+    bitscom.checkpointing.load(opt, "ckpt/step100", extra={"model": model.state_dict()})
+"""
+
+from __future__ import annotations
+
+from .distributed import load_distributed, save_distributed
+from .sharded import load_sharded, save_sharded
+
+__all__ = ["save", "load"]
+
+
+def _kind(opt, what: str) -> str:
+    from ..optimizer import DistributedOptimizer
+    from ..sharded.optimizer import ShardedOptimizer
+    if isinstance(opt, ShardedOptimizer):
+        return "sharded"
+    if isinstance(opt, DistributedOptimizer):
+        return "distributed"
+    raise TypeError(f"{what}() takes a bitscom.DistributedOptimizer or bitscom.ShardedOptimizer, "
+                    f"got {type(opt).__name__}")
+
+
+def save(opt, path, *, extra=None) -> None:
+    """Save ``opt`` (and ``extra``, e.g. ``{"model": model.state_dict()}``) to the DCP checkpoint
+    directory ``path``. Every rank of the optimizer's group calls it with the same path on
+    storage all ranks share.
+
+    Example::
+
+        bitscom.checkpointing.save(opt, "ckpt/step100", extra={"model": model.state_dict()})
+    """
+    if _kind(opt, "save") == "sharded":
+        save_sharded(opt, path, extra)
+    else:
+        save_distributed(opt, path, extra)
+
+
+def load(opt, path, *, extra=None, reset_compressor_state: bool = False,
+         load_replicas: bool = True) -> None:
+    """Load a :func:`save` checkpoint into ``opt``; ``extra`` (the same keys as saved) is loaded
+    in place. Every rank calls it.
+
+    ``reset_compressor_state`` (DistributedOptimizer): start the compressor state from zero
+    instead of loading it — needed to load per-rank error-feedback state on another world
+    size. ``load_replicas`` (ShardedOptimizer): also set the model's parameters.
+
+    Example::
+
+        bitscom.checkpointing.load(opt, "ckpt/step100", extra={"model": model.state_dict()})
+    """
+    if _kind(opt, "load") == "sharded":
+        if reset_compressor_state:
+            raise ValueError("reset_compressor_state applies to DistributedOptimizer; a "
+                             "ShardedOptimizer has no compressor state to reset")
+        load_sharded(opt, path, extra, load_replicas)
+    else:
+        if load_replicas is not True:
+            raise ValueError("load_replicas applies to ShardedOptimizer; a DistributedOptimizer "
+                             "checkpoint holds no parameters (save them in extra)")
+        load_distributed(opt, path, extra, reset_compressor_state)

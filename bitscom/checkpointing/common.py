@@ -1,0 +1,124 @@
+"""What both optimizers' DCP checkpoints share: calling ``torch.distributed.checkpoint`` over
+the optimizer's group, reading a checkpoint's key list, and splitting a nested state into
+tensors (one DCP entry each) and a pickled *skeleton* (one opaque entry).
+
+Why a skeleton: DCP flattens nested dicts and lists itself and wants the same structure back
+as the load template; optimizer state has integer keys, tuples and ``None`` whose template a
+fresh optimizer cannot build. Keeping the non-tensor structure as one pickled blob and every
+tensor as its own flat key gives DCP only plain tensors (saved in parallel, deduplicated when
+replicated) and makes the load template a function of the checkpoint's metadata alone.
+
+Trust: loading unpickles the skeletons, as ``torch.load(weights_only=False)`` (and DCP itself
+for non-tensor values) does; load checkpoints you wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+__all__ = ["blob", "unblob", "split_tensors", "join_tensors", "digest", "read_entries",
+           "template", "save_dict", "load_dict"]
+
+_MARK = "__bitscom_tensor__"
+
+
+def blob(value: Any) -> bytes:
+    """``value`` pickled: one opaque DCP entry (DCP would otherwise flatten a nested dict)."""
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unblob(data: Any) -> Any:
+    if not isinstance(data, (bytes, bytearray)):
+        raise ValueError(f"expected a bitscom skeleton entry (bytes), got {type(data).__name__}")
+    return pickle.loads(data)
+
+
+def split_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by ``{_MARK: i}`` (appended to ``tensors``)."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach())
+        return {_MARK: len(tensors) - 1}
+    if isinstance(obj, dict):
+        return {k: split_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(split_tensors(v, tensors) for v in obj)
+    return obj
+
+
+def join_tensors(skeleton: Any, tensors: Dict[int, torch.Tensor]) -> Any:
+    """The inverse of :func:`split_tensors`."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {_MARK}:
+            return tensors[skeleton[_MARK]]
+        return {k: join_tensors(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(join_tensors(v, tensors) for v in skeleton)
+    return skeleton
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """A hash of a tensor's dtype, shape and bytes: tells, after the fact, whether a state
+    tensor was the same on every rank (no collective at save time)."""
+    t = tensor.detach().cpu().contiguous().reshape(-1)
+    h = hashlib.blake2b(f"{t.dtype}{tuple(tensor.shape)}".encode(), digest_size=16)
+    if t.numel():
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def read_entries(path) -> Dict[str, Any]:
+    """Key -> storage metadata of the DCP checkpoint in directory ``path`` (a file read on
+    each rank, no collective)."""
+    if not os.path.isdir(os.fspath(path)):
+        raise FileNotFoundError(f"no DCP checkpoint directory at {os.fspath(path)!r}")
+    return dict(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def template(meta: Any) -> Any:
+    """An empty load target for one checkpoint entry: a CPU tensor of the saved shape and
+    dtype, or ``b""`` for a pickled value."""
+    if isinstance(meta, TensorStorageMetadata):
+        return torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    if isinstance(meta, BytesStorageMetadata):
+        return b""
+    raise TypeError(f"unexpected DCP entry {type(meta).__name__}")
+
+
+def _kwargs(group) -> dict:
+    return {"process_group": group} if group is not None else {"no_dist": True}
+
+
+def save_dict(state: dict, path, group) -> None:
+    """``dcp.save`` by every rank of ``group`` (one process: no collectives)."""
+    dcp.save(state, checkpoint_id=os.fspath(path), **_kwargs(group))
+
+
+def load_dict(state: dict, path, group) -> dict:
+    """``dcp.load`` in place into ``state`` by every rank of ``group``; returns ``state``."""
+    dcp.load(state, checkpoint_id=os.fspath(path), **_kwargs(group))
+    return state
+
+
+def check_extra(extra) -> dict:
+    """The user's own entries saved with the optimizer (e.g. ``{"model": model.state_dict()}``)."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict of DCP state (e.g. {{'model': model.state_dict()}}), "
+                        f"got {type(extra).__name__}")
+    bad = [k for k in extra if not isinstance(k, str) or k.startswith("bitscom")]
+    if bad:
+        raise ValueError(f"extra keys must be strings not starting with 'bitscom' (reserved), got {bad}")
+    return extra
+
+
+def split_key(rest: str, parts: int) -> Tuple[str, ...]:
+    """Split ``name/.../span`` from the right (parameter names may hold '/')."""
+    return tuple(rest.rsplit("/", parts))

@@ -1,0 +1,178 @@
+"""DCP checkpoints of :class:`~bitscom.ShardedOptimizer`, loadable on any world size.
+
+Each rank writes only what it owns, under keys that name the parameter and the flattened
+element range of its piece, so the checkpoint is the union of every rank's pieces::
+
+    bitscom.sharded/meta                          pickled: format, world, step, settings,
+                                                  parameter shapes, param-group hyperparameters
+    bitscom.sharded/master/<name>/<start>-<stop>  the fp32 master piece
+    bitscom.sharded/state/<name>/<key>/<start>-<stop>
+                                                  its optimizer state: elementwise (1-D, one
+                                                  entry per element), a 0-d scalar, or pickled
+    bitscom.sharded/replica/<name>                the parameter (identical on every rank: DCP
+                                                  saves it once)
+
+Loading reads the key list, and every rank of the new world fetches the saved pieces that
+overlap its own pieces and cuts them to size: any world size, any fusion threshold, no
+gathering on one rank (the consolidated path holds the whole model on rank 0).
+
+Why not ``ShardedTensor``/``DTensor``: ``DTensor`` shards evenly by ``torch.chunk`` and cannot
+express pieces cut by bucket boundaries; ``ShardedTensor`` can, but torch marks it deprecated
+("Please use DTensor instead") and building its global metadata needs every rank to know every
+other rank's state keys (one more collective). Plain tensors under per-piece keys need neither.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from .common import blob, check_extra, load_dict, read_entries, save_dict, split_key, template, unblob
+
+__all__ = ["save_sharded", "load_sharded", "FORMAT"]
+
+FORMAT = "bitscom.dcp.sharded/1"
+_P = "bitscom.sharded/"
+_META = _P + "meta"
+
+
+def _span(start: int, stop: int) -> str:
+    return f"{start}-{stop}"
+
+
+def _state_value(name: str, key: str, value, numel: int):
+    if not isinstance(value, torch.Tensor):
+        return blob(value)
+    if value.dim() == 0:
+        return value.detach()
+    if value.numel() == numel:
+        return value.detach().reshape(-1)
+    raise ValueError(f"optimizer state {key!r} of parameter {name!r} has shape {tuple(value.shape)}, "
+                     f"neither a scalar nor one entry per element ({numel}); only elementwise "
+                     "optimizer state can be checkpointed per piece")
+
+
+def save_sharded(opt, path, extra=None) -> None:
+    """Write ``opt``'s pieces (and ``extra``) as a DCP checkpoint; every rank calls it."""
+    extra = check_extra(extra)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+    state: Dict[str, Any] = {_META: blob({
+        "format": FORMAT, "world": opt.topo.world, "step": opt._step_count,
+        "settings": opt.config.describe(), "optimizer": type(opt.optimizer).__name__,
+        "params": {n: tuple(p.shape) for n, p in opt._trainable}, "param_groups": groups})}
+    for name, start, stop, view in opt.shard_pieces:
+        span = _span(start, stop)
+        state[f"{_P}master/{name}/{span}"] = view.detach()
+        for key, value in opt.optimizer.state.get(view, {}).items():
+            state[f"{_P}state/{name}/{key}/{span}"] = _state_value(name, key, value, stop - start)
+    for name, p in opt._trainable:
+        state[f"{_P}replica/{name}"] = p.detach()
+    state.update(extra)
+    save_dict(state, path, opt.topo.group)
+
+
+def _saved_pieces(entries: dict):
+    """{name: [(start, stop)]} and {(name, start, stop): {key: entry key}} from the key list."""
+    masters: Dict[str, List[Tuple[int, int]]] = defaultdict(list)
+    states: Dict[tuple, Dict[str, str]] = defaultdict(dict)
+    for k in entries:
+        if k.startswith(_P + "master/"):
+            name, span = split_key(k[len(_P + "master/"):], 1)
+            start, stop = map(int, span.split("-"))
+            masters[name].append((start, stop))
+        elif k.startswith(_P + "state/"):
+            name, key, span = split_key(k[len(_P + "state/"):], 2)
+            start, stop = map(int, span.split("-"))
+            states[(name, start, stop)][key] = k
+    return masters, states
+
+
+def _check_meta(opt, meta: dict) -> None:
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"checkpoint format {meta.get('format')!r}, expected {FORMAT!r}")
+    mine = {n: tuple(p.shape) for n, p in opt._trainable}
+    if sorted(meta["params"]) != sorted(mine):
+        missing = sorted(set(mine) - set(meta["params"]))[:5]
+        extra = sorted(set(meta["params"]) - set(mine))[:5]
+        raise ValueError(f"checkpoint parameters differ from this model's: missing {missing}, "
+                         f"unexpected {extra}")
+    for n, shape in mine.items():
+        if tuple(meta["params"][n]) != shape:
+            raise ValueError(f"parameter {n!r}: checkpoint shape {tuple(meta['params'][n])}, model "
+                             f"shape {shape}")
+    if len(meta["param_groups"]) != len(opt.optimizer.param_groups):
+        raise ValueError(f"checkpoint has {len(meta['param_groups'])} param groups, the optimizer "
+                         f"{len(opt.optimizer.param_groups)}")
+
+
+def _overlaps(opt, masters) -> Dict[tuple, List[Tuple[int, int]]]:
+    """For each of this rank's pieces, the saved pieces that overlap it."""
+    out = {}
+    for name, start, stop, _ in opt.shard_pieces:
+        found = [(a, b) for a, b in masters.get(name, []) if a < stop and b > start]
+        if sum(min(b, stop) - max(a, start) for a, b in found) != stop - start:
+            raise ValueError(f"parameter {name!r}: the checkpoint's pieces do not cover elements "
+                             f"[{start}, {stop}) (an incomplete checkpoint?)")
+        out[(name, start, stop)] = found
+    return out
+
+
+def _assemble(name: str, start: int, stop: int, found, states: dict, loaded: dict, device) -> dict:
+    """This piece's optimizer state, cut from the overlapping saved pieces."""
+    keys = {frozenset(states.get((name, a, b), {})) for a, b in found}
+    if len(keys) != 1:
+        raise ValueError(f"parameter {name!r}: saved pieces hold different optimizer state keys "
+                         f"{sorted(sorted(k) for k in keys)}")
+    out: Dict[str, Any] = {}
+    for key in sorted(next(iter(keys))):
+        first = loaded[states[(name,) + tuple(found[0])][key]]
+        if not isinstance(first, torch.Tensor):
+            out[key] = unblob(first)
+        elif first.dim() == 0:
+            out[key] = first.clone().to(device)
+        else:
+            piece = torch.empty(stop - start, dtype=first.dtype)
+            for a, b in found:
+                lo, hi = max(a, start), min(b, stop)
+                piece[lo - start:hi - start] = loaded[states[(name, a, b)][key]][lo - a:hi - a]
+            out[key] = piece.to(device)
+    return out
+
+
+def load_sharded(opt, path, extra=None, load_replicas: bool = True) -> None:
+    """Load a :func:`save_sharded` checkpoint of any world size into ``opt`` (and ``extra``)."""
+    extra = check_extra(extra)
+    entries = read_entries(path)
+    if _META not in entries:
+        raise ValueError(f"{path!s} is not a bitscom ShardedOptimizer DCP checkpoint (no {_META!r} "
+                         "entry); DistributedOptimizer checkpoints load into a DistributedOptimizer")
+    meta = unblob(load_dict({_META: b""}, path, opt.topo.group)[_META])
+    _check_meta(opt, meta)
+    masters, states = _saved_pieces(entries)
+    overlaps = _overlaps(opt, masters)
+    wanted = set()
+    for (name, _, _), found in overlaps.items():
+        for a, b in found:
+            wanted.add(f"{_P}master/{name}/{_span(a, b)}")
+            wanted.update(states.get((name, a, b), {}).values())
+    request: Dict[str, Any] = {k: template(entries[k]) for k in sorted(wanted)}
+    if load_replicas:
+        request.update({f"{_P}replica/{n}": p.detach() for n, p in opt._trainable})
+    request.update(extra)
+    with torch.no_grad():
+        loaded = load_dict(request, path, opt.topo.group)
+        new_state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
+        for name, start, stop, view in opt.shard_pieces:
+            found = overlaps[(name, start, stop)]
+            for a, b in found:
+                lo, hi = max(a, start), min(b, stop)
+                view[lo - start:hi - start].copy_(loaded[f"{_P}master/{name}/{_span(a, b)}"][lo - a:hi - a])
+            st = _assemble(name, start, stop, found, states, loaded, view.device)
+            if st:
+                new_state[view] = st
+    for g, saved in zip(opt.optimizer.param_groups, meta["param_groups"]):
+        g.update(saved)
+    opt.optimizer.state = new_state
+    opt._life.loaded(int(meta["step"]))
