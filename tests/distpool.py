@@ -98,6 +98,15 @@ class WorkerPool:
         self.conns = []
 
     def start(self) -> None:
+        """Start the workers; a start that fails (a worker that died while starting, e.g. a
+        port taken between free_port() and the rendezvous's bind) is retried once on a new port."""
+        try:
+            self._start()
+        except (RuntimeError, EOFError, OSError):
+            self.close()
+            self._start()
+
+    def _start(self) -> None:
         ctx = mp.get_context("spawn")
         port = free_port()
         for r in range(self.world):
