@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import gc
+import logging
 import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -44,6 +45,10 @@ from .agreement import check_agreement, require_member
 from .comm import resolve_group
 
 __all__ = ["require_group", "check_trainable", "ddp_owner", "StepLifecycle", "StepFace"]
+
+log = logging.getLogger("bitscom")
+"""bitscom's diagnostics: the plan and compressor of every optimizer at DEBUG (enable with
+``logging.getLogger("bitscom").setLevel(logging.DEBUG)`` and a handler)."""
 
 
 def require_group(process_group, face: str, *, warn_single: bool = False):
@@ -223,8 +228,13 @@ class StepLifecycle:
     def agree(self, extra: Optional[Dict[str, Any]] = None) -> None:
         """Every rank checks that every other rank built the same face with the same plan and
         (after a load) resumed from the same step; the same RuntimeError everywhere if not."""
+        description = self.description(extra)
+        if log.isEnabledFor(logging.DEBUG):
+            rank = dist.get_rank(self.group) if self.group is not None else 0
+            log.debug("%s on rank %d of %d: %s", self.name, rank, self.size,
+                      "; ".join(f"{k}={v}" for k, v in description.items() if k != "param_groups"))
         if self.size > 1:
-            check_agreement(self.description(extra), self.group, what="optimizer plan")
+            check_agreement(description, self.group, what="optimizer plan")
         self.agreed, self.check_state = True, False
 
     def loaded(self, steps: Optional[int]) -> None:

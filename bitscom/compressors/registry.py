@@ -6,9 +6,12 @@ its own class, so adding one touches one file.
 
 from __future__ import annotations
 
+import inspect
+
 from typing import Callable, Dict
 
 from .base import Compressor
+from ..suggest import did_you_mean
 from .hvd_adapter import HorovodAdapter, is_codec
 
 _REGISTRY: Dict[str, Callable[..., Compressor]] = {}
@@ -58,11 +61,28 @@ def get(name: str, **kwargs) -> Compressor:
     if key in ("ssgd", "s-sgd", "allreduce"):
         key = "none"
     if key not in _REGISTRY:
-        raise ValueError(f"unknown compressor {name!r}; registered names are {names()}")
+        raise ValueError(f"unknown compressor {name!r}{did_you_mean(key, names())}; registered names "
+                         f"are {names()}")
     try:
         return _REGISTRY[key](**kwargs)
     except TypeError as err:
-        raise TypeError(f"bad settings for compressor {key!r}: {err}") from None
+        raise TypeError(f"bad settings for compressor {key!r}: {err}{_setting_hint(key, kwargs)}") from None
+
+
+def _setting_hint(key: str, kwargs: dict) -> str:
+    """For a misspelled keyword: the close matches among the factory's parameters, and them all."""
+    try:
+        params = inspect.signature(_REGISTRY[key]).parameters.values()
+    except (TypeError, ValueError):
+        return ""
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return ""                        # the factory names its settings itself (LowBitConfig)
+    accepted = [p.name for p in params if p.name not in ("self", "config")]
+    unknown = [k for k in kwargs if k not in accepted]
+    if not unknown or not accepted:
+        return ""
+    hints = "".join(did_you_mean(k, accepted) for k in unknown)
+    return f"{hints}; {key} takes {accepted}"
 
 
 def resolve(compressor, what: str = "compression") -> Compressor:

@@ -9,6 +9,8 @@ in the spelling are equal and have the same fingerprint on every rank.
 
 from __future__ import annotations
 
+from ..suggest import did_you_mean
+
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
@@ -200,7 +202,8 @@ class LowBitConfig:
         for key, value in settings.items():
             name = ALIASES.get(key, key)
             if name not in names:
-                raise TypeError(f"unknown low-bit setting {key!r}; the settings are {names} "
+                raise TypeError(f"unknown low-bit setting {key!r}{did_you_mean(key, list(names) + list(ALIASES))}; "
+                                f"the settings are {names} "
                                 f"(aliases: {ALIASES})")
             if name in values:
                 raise TypeError(f"setting {name!r} given twice (as {key!r} and by its other name)")
