@@ -124,10 +124,24 @@ def ddp_owner(params: Sequence[torch.Tensor]) -> Optional[str]:
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
     ours = {id(p) for p in params}
-    for obj in gc.get_objects():
-        if isinstance(obj, DDP) and any(id(p) in ours for p in obj.module.parameters()):
+    for obj in live_objects(DDP):
+        if any(id(p) in ours for p in obj.module.parameters()):
             return type(obj).__name__
     return None
+
+
+def live_objects(types) -> list:
+    """Every live object of ``types`` (one garbage-collector scan, at construction only): how a
+    face finds modules that own its parameters (a DDP wrapper, sparse embeddings) when the user
+    handed it only the parameters. Deprecated torch objects warn when inspected; silenced.
+
+    Example::
+
+        embeddings = live_objects((torch.nn.Embedding,))
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [obj for obj in gc.get_objects() if isinstance(obj, types)]
 
 
 def _hook(ref, param) -> None:

@@ -246,7 +246,8 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
                 f"the model's parameters belong to a {self._ddp} (e.g. from Accelerate's prepare()): "
                 "DDP already all-reduces them in full precision during backward, so bitscom would "
                 "reduce them a second time and comm_stats() would hide DDP's traffic. Give "
-                "DistributedOptimizer the unwrapped model's parameters (model.module), or keep DDP "
+                "DistributedOptimizer a model that was never wrapped in DDP (with Accelerate: prepare() "
+                "only the data loader, see docs/integrations.md), or keep DDP "
                 "and compress with bitscom.ddp_comm_hook instead")
         later, owned = (None, None)
         if self._size > 1:

@@ -358,7 +358,7 @@ def _ddp_wrapped(rank, world, face):
 @pytest.mark.parametrize("face", ["distributed", "sharded"])
 def test_a_model_already_in_ddp_is_refused(pools, face):
     msgs = pools.run(2, _ddp_wrapped, face, timeout=60)
-    assert msgs[0] is not None and "DistributedDataParallel" in msgs[0] and "model.module" in msgs[0]
+    assert msgs[0] is not None and "DistributedDataParallel" in msgs[0] and "never wrapped in DDP" in msgs[0]
     assert msgs[0] == msgs[1]
 
 

@@ -29,11 +29,11 @@ Example::
 
 from __future__ import annotations
 
-import gc
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from ..lifecycle import live_objects
 from ..comm import Comm, drive
 from ..ops import Average, ReduceOp, Sum
 from .args import check_name, label, resolve_op
@@ -266,8 +266,8 @@ def sparse_embedding_weights(params: Sequence[torch.Tensor]) -> Set[int]:
     """
     ours = {id(p) for p in params}
     found: Set[int] = set()
-    for obj in gc.get_objects():
-        if isinstance(obj, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and obj.sparse:
+    for obj in live_objects((torch.nn.Embedding, torch.nn.EmbeddingBag)):
+        if obj.sparse:
             weight = getattr(obj, "weight", None)
             if weight is not None and id(weight) in ours:
                 found.add(id(weight))

@@ -223,7 +223,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         if self._ddp is not None:
             raise TypeError(f"the model's parameters belong to a {self._ddp}; DDP would all-reduce "
                             "them in full precision as well. Give ShardedOptimizer the unwrapped "
-                            "model's parameters (model.module)")
+                            "model's parameters: a model never wrapped in DDP (with Accelerate: prepare() only the data)")
         if pending_local is not None and topo.world > 1 and self.config.quantized_gradients:
             intra, inter = node_groups(topo.group, pending_local)
             topo = Topology(topo.group, intra, inter, topo.world, topo.rank, pending_local)
