@@ -66,4 +66,4 @@ def require_hook(cls, name: str) -> None:
     """
     if not hasattr(cls, name):
         raise RuntimeError(f"bitscom.fsdp needs FSDPModule.{name}, which torch {torch.__version__} "
-                           "does not have; use torch 2.11 or newer")
+                           "does not have; use a torch whose FSDPModule has it (2.13 is tested)")
