@@ -112,7 +112,7 @@ def check_trainable(named: Sequence[Tuple[str, torch.Tensor]], face: str,
             raise TypeError(f"parameter {name!r} has dtype {p.dtype}; {face} allows {list(dtypes)}")
 
 
-def ddp_owner(params: Sequence[torch.Tensor]) -> Optional[str]:
+def ddp_owner(params: Sequence[torch.Tensor], objects: Optional[list] = None) -> Optional[str]:
     """The class name of a ``DistributedDataParallel`` module that owns any of ``params``, or
     ``None``. A model already wrapped in DDP (e.g. by Accelerate's ``prepare()``) would be
     reduced twice — DDP's full-precision all-reduce in backward, then ours — while
@@ -124,8 +124,8 @@ def ddp_owner(params: Sequence[torch.Tensor]) -> Optional[str]:
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
     ours = {id(p) for p in params}
-    for obj in live_objects(DDP):
-        if any(id(p) in ours for p in obj.module.parameters()):
+    for obj in (live_objects(DDP) if objects is None else objects):
+        if isinstance(obj, DDP) and any(id(p) in ours for p in obj.module.parameters()):
             return type(obj).__name__
     return None
 
@@ -139,9 +139,18 @@ def live_objects(types) -> list:
 
         embeddings = live_objects((torch.nn.Embedding,))
     """
+    wanted: Dict[type, bool] = {}        # each type's answer once: the scan is one dict lookup per object
+    found = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return [obj for obj in gc.get_objects() if isinstance(obj, types)]
+        for obj in gc.get_objects():
+            cls = type(obj)
+            hit = wanted.get(cls)
+            if hit is None:
+                hit = wanted[cls] = issubclass(cls, types)
+            if hit:
+                found.append(obj)
+    return found
 
 
 def _hook(ref, param) -> None:

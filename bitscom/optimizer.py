@@ -32,10 +32,11 @@ from typing import Dict
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from . import runtime, uneven
 from .agreement import describe_state
-from .lifecycle import StepFace, StepLifecycle, check_trainable, ddp_owner, require_group
+from .lifecycle import StepFace, StepLifecycle, check_trainable, ddp_owner, live_objects, require_group
 from .buckets import FlatBucket, plan_buckets, plan_groups
 from .compressors import Compression, resolve as resolve_compressor
 from .engine import Reducer, comm_stats
@@ -232,10 +233,15 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._should_sync = True
         # Names this optimizer to the other ranks (bitscom.join): the same on every rank that
         # built the same plan.
-        self._ddp = ddp_owner([p for _, p in self._trainable]) if self._size > 1 else None
+        # one scan of the live objects (at construction, multi-rank only) for the DDP-wrap check
+        # and the sparse embeddings of Horovod's sparse path
+        found = live_objects((DistributedDataParallel, torch.nn.Embedding, torch.nn.EmbeddingBag)) \
+            if self._size > 1 else []
+        self._ddp = ddp_owner([p for _, p in self._trainable], found) if self._size > 1 else None
         # Horovod's sparse path (sparse_as_dense=False): the weights of sparse embeddings, found
         # now so that every rank agrees on them before the first step
-        self._sparse_grads = None if self.sparse_as_dense else SparseGradients(self._trainable)
+        self._sparse_grads = None if (self.sparse_as_dense or self._size == 1) \
+            else SparseGradients(self._trainable, found)
         self._uid = zlib.crc32(repr(self._description()).encode()) & 0x3FFFFFFF
         self._stats = {"bytes_sent": 0, "dense_bytes": 0, "buckets": len(self._buckets)}
         self._life = StepLifecycle(self, "DistributedOptimizer", named, process_group,

@@ -251,7 +251,7 @@ def sparse_allreduce(tensor: torch.Tensor, name: Optional[str] = None,
                                               process_group=process_group))
 
 
-def sparse_embedding_weights(params: Sequence[torch.Tensor]) -> Set[int]:
+def sparse_embedding_weights(params: Sequence[torch.Tensor], objects: Optional[list] = None) -> Set[int]:
     """The ids of those ``params`` that are the weight of an ``nn.Embedding`` or
     ``nn.EmbeddingBag`` built with ``sparse=True`` (their gradients are sparse).
 
@@ -266,8 +266,9 @@ def sparse_embedding_weights(params: Sequence[torch.Tensor]) -> Set[int]:
     """
     ours = {id(p) for p in params}
     found: Set[int] = set()
-    for obj in live_objects((torch.nn.Embedding, torch.nn.EmbeddingBag)):
-        if obj.sparse:
+    kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    for obj in (live_objects(kinds) if objects is None else objects):
+        if isinstance(obj, kinds) and obj.sparse:
             weight = getattr(obj, "weight", None)
             if weight is not None and id(weight) in ours:
                 found.add(id(weight))
@@ -293,8 +294,8 @@ class SparseGradients:
             ...                                 # fill p's slot with zeros
     """
 
-    def __init__(self, trainable: Sequence[Tuple[str, torch.Tensor]]):
-        ids = sparse_embedding_weights([p for _, p in trainable])
+    def __init__(self, trainable: Sequence[Tuple[str, torch.Tensor]], objects: Optional[list] = None):
+        ids = sparse_embedding_weights([p for _, p in trainable], objects)
         self.params: List[Tuple[str, torch.Tensor]] = [(n, p) for n, p in trainable if id(p) in ids]
         self.ids = {id(p) for _, p in self.params}
         self.stash: Dict[int, torch.Tensor] = {}
