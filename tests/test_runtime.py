@@ -104,14 +104,18 @@ def _read_result(out: str):
     return sorted(lines)
 
 
-def test_torchrun_launch():
-    env = _mpi_or_torchrun_result()
+@pytest.fixture(scope="module")
+def torchrun_result():
+    """One torchrun launch of tests/launch_script.py, shared by the tests that compare with it."""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--standalone", os.path.join(HERE, "launch_script.py")],
-                          env=env, capture_output=True, text=True, timeout=180)
+                          env=_mpi_or_torchrun_result(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    torchrun = _read_result(proc.stdout)
-    assert torchrun[0].split()[-1] == torchrun[1].split()[-1], "replicas differ"
+    return _read_result(proc.stdout)
+
+
+def test_torchrun_launch(torchrun_result):
+    assert torchrun_result[0].split()[-1] == torchrun_result[1].split()[-1], "replicas differ"
 
 
 def _mpirun():
@@ -124,7 +128,7 @@ def _mpirun():
 
 
 @pytest.mark.skipif(_mpirun() is None, reason="no mpirun: install the 'mpi' extra (pip install -e .[mpi])")
-def test_mpirun_launch_matches_torchrun():
+def test_mpirun_launch_matches_torchrun(torchrun_result):
     pytest.importorskip("mpi4py")
     env = _mpi_or_torchrun_result()
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -135,9 +139,4 @@ def test_mpirun_launch_matches_torchrun():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     mpi = _read_result(proc.stdout)
     assert "launcher=mpi" in mpi[0] and "launcher=mpi" in mpi[1]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--standalone", os.path.join(HERE, "launch_script.py")],
-                          env=_mpi_or_torchrun_result(), capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    torchrun = _read_result(proc.stdout)
-    assert [l.split()[3:] for l in mpi] == [l.split()[3:] for l in torchrun]
+    assert [l.split()[3:] for l in mpi] == [l.split()[3:] for l in torchrun_result]
