@@ -22,6 +22,8 @@ from .uneven import join
 from .runtime import (cross_rank, cross_size, init, inter_group, intra_group, is_initialized,
                       local_rank, local_size, rank, shutdown, size)
 from .sharded import ShardedOptimizer
+from . import diloco
+from .diloco import DiLoCo
 
 __version__ = "0.1.0"
 
@@ -36,6 +38,6 @@ __all__ = [
     "allreduce_async_", "grouped_allreduce", "allgather", "allgather_async", "allgather_object",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall",
     "alltoall_async", "synchronize", "poll", "barrier", "sparse_allreduce", "sparse_allreduce_async",
-    "fsdp", "checkpointing",
+    "fsdp", "checkpointing", "diloco", "DiLoCo",
     "nccl_built", "gloo_built", "mpi_built", "cuda_built",
 ]

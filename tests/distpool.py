@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import socket
 import sys
+import time
 import traceback
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -151,13 +152,22 @@ class WorkerPool:
         return results
 
     def close(self) -> None:
+        self.ask_to_exit()
+        self.reap()
+
+    def ask_to_exit(self) -> None:
+        """Tell every worker to leave its loop (they shut down concurrently)."""
         for c in self.conns:
             try:
                 c.send(None)
             except Exception:  # noqa: BLE001
                 pass
+
+    def reap(self, grace: float = 3.0) -> None:
+        """Wait up to ``grace`` seconds in all for the workers to exit, then kill the rest."""
+        deadline = time.monotonic() + grace
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
@@ -180,5 +190,7 @@ class Pools:
         return self(world).run(fn, *args, **kwargs)
 
     def close(self) -> None:
+        for pool in self._pools.values():      # every world shuts down at once, not one by one
+            pool.ask_to_exit()
         for pool in self._pools.values():
-            pool.close()
+            pool.reap()

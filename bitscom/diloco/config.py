@@ -1,0 +1,89 @@
+"""DiLoCo's hyper-parameters: one frozen dataclass, validated once, compared across ranks.
+
+Why each setting matters (measured sensitivity: ``docs/diloco.md``):
+
+* ``sync_every`` (H): inner steps between synchronizations. Bytes fall as 1/H; past a point
+  the replicas drift too far apart and the outer step averages models that disagree.
+* ``outer_lr`` / ``outer_momentum`` / ``nesterov``: the outer SGD applied to the averaged
+  pseudo-gradient. DiLoCo's 0.7 / 0.9 / Nesterov; ``outer_lr=1, outer_momentum=0`` is plain
+  periodic model averaging (local SGD).
+* ``fragments`` (F): Streaming DiLoCo. The parameters are cut into F fragments synchronized
+  at staggered steps, so each synchronization sends 1/F of the model and peak bandwidth falls
+  by F at the same total bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import List
+
+__all__ = ["DiLoCoConfig"]
+
+
+def _int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _real(name: str, value, low: float, high: float = math.inf) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not (math.isfinite(value) and low <= value <= high):
+        bound = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """The settings of one :class:`~bitscom.diloco.DiLoCo` (every rank must use the same).
+
+    Example::
+
+        cfg = DiLoCoConfig(sync_every=32, fragments=4)
+        cfg.offsets()            # [0, 8, 16, 24]: fragment i syncs when (step - 8*i) % 32 == 0
+    """
+
+    sync_every: int = 16
+    """H: local inner steps between two synchronizations of a fragment (>= 1)."""
+    outer_lr: float = 0.7
+    """Outer SGD learning rate (>= 0; 1 with momentum 0 = plain model averaging)."""
+    outer_momentum: float = 0.9
+    """Outer SGD momentum in [0, 1)."""
+    nesterov: bool = True
+    """Nesterov momentum for the outer SGD (DiLoCo's choice; needs outer_momentum > 0)."""
+    fragments: int = 1
+    """F: number of parameter fragments synchronized at staggered steps (Streaming DiLoCo)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "sync_every", _int("sync_every", self.sync_every, 1))
+        object.__setattr__(self, "fragments", _int("fragments", self.fragments, 1))
+        object.__setattr__(self, "outer_lr", _real("outer_lr", self.outer_lr, 0.0))
+        momentum = _real("outer_momentum", self.outer_momentum, 0.0)
+        if momentum >= 1.0:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {momentum!r}")
+        object.__setattr__(self, "outer_momentum", momentum)
+        if not isinstance(self.nesterov, bool):
+            raise TypeError(f"nesterov must be a bool, got {self.nesterov!r}")
+        if self.nesterov and momentum == 0.0:
+            raise ValueError("nesterov=True needs outer_momentum > 0 (torch's SGD rule); pass "
+                             "nesterov=False for outer_momentum=0")
+
+    def offsets(self) -> List[int]:
+        """The step offset of each fragment: fragment i syncs at the steps t >= 1 with
+        ``(t - offsets()[i]) % sync_every == 0``, spreading the F syncs over each interval."""
+        return [(i * self.sync_every) // self.fragments for i in range(self.fragments)]
+
+    def due(self, step: int) -> List[int]:
+        """The fragments synchronized after inner step ``step`` (1-based), in index order.
+
+        Example::
+
+            DiLoCoConfig(sync_every=4, fragments=2).due(2)    # [1]
+        """
+        return [i for i, off in enumerate(self.offsets())
+                if step >= 1 and (step - off) % self.sync_every == 0]

@@ -1,0 +1,69 @@
+"""Which parameters travel together when DiLoCo synchronizes (pure; testable with no ranks).
+
+The trainable parameters, in registration order, are cut into ``fragments`` contiguous runs
+of nearly equal element count (Streaming DiLoCo's layer-contiguous fragments); each fragment
+is planned into buckets by :func:`bitscom.buckets.plan_buckets`, the same planner
+``DistributedOptimizer`` uses, and its buckets are numbered globally so that one
+:class:`~bitscom.engine.Reducer` (and one per-bucket compressor state each) serves them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Sequence, Tuple
+
+import torch
+
+from ..buckets import plan_buckets
+from ..compressors.base import BucketLayout
+
+__all__ = ["split_fragments", "plan_fragments"]
+
+
+def split_fragments(params: Sequence[Tuple[str, torch.Tensor]], fragments: int) -> List[list]:
+    """``params`` cut into ``fragments`` non-empty contiguous runs balanced by element count.
+
+    Example::
+
+        runs = split_fragments(list(model.named_parameters()), 2)
+    """
+    params = list(params)
+    if fragments > len(params):
+        raise ValueError(f"fragments={fragments} is more than the {len(params)} trainable "
+                         "parameter tensors; each fragment needs at least one tensor (use "
+                         f"fragments <= {len(params)})")
+    total = sum(p.numel() for _, p in params)
+    runs: List[list] = []
+    start, done = 0, 0
+    for i in range(fragments):
+        left = fragments - i - 1                 # fragments still to fill after this one
+        end = start + 1
+        done += params[start][1].numel()
+        target = total * (i + 1) / fragments
+        while end < len(params) - left and done + params[end][1].numel() / 2 <= target:
+            done += params[end][1].numel()
+            end += 1
+        if left == 0:
+            end = len(params)
+        runs.append(params[start:end])
+        start = end
+    return runs
+
+
+def plan_fragments(params: Sequence[Tuple[str, torch.Tensor]], fragments: int,
+                   threshold_bytes: int) -> Tuple[List[BucketLayout], List[List[int]]]:
+    """(every bucket layout, numbered globally; the bucket indices of each fragment).
+
+    Example::
+
+        layouts, members = plan_fragments(list(model.named_parameters()), 2, 25 * 2**20)
+    """
+    layouts: List[BucketLayout] = []
+    members: List[List[int]] = []
+    for run in split_fragments(params, fragments):
+        mine = []
+        for layout in plan_buckets(run, threshold_bytes):
+            mine.append(len(layouts))
+            layouts.append(dataclasses.replace(layout, index=len(layouts)))
+        members.append(mine)
+    return layouts, members

@@ -1,0 +1,365 @@
+"""DiLoCo: local inner steps, then compressed pseudo-gradients and an outer Nesterov SGD.
+
+The algorithm (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of
+Language Models"; streaming from Douillard et al. 2025, "Streaming DiLoCo"), per fragment f
+of the parameters (one fragment = the whole model unless ``fragments > 1``):
+
+1. Every rank keeps θ_global (identical on every rank) and trains its own θ_local with the
+   inner optimizer (e.g. AdamW) on its own data, with no communication.
+2. After inner step t with ``(t - offset_f) % sync_every == 0``, every rank forms the
+   pseudo-gradient Δ = θ_global − θ_local of fragment f and reduces its average over the
+   ranks through a bitscom compressor — the same :class:`~bitscom.engine.Reducer`, bucket
+   planner and per-bucket compressor state (error feedback included) that
+   ``DistributedOptimizer`` uses, so any registered compressor works and its bytes are counted
+   the same way.
+3. The outer optimizer (torch SGD, Nesterov momentum) steps θ_global with Δ as its gradient;
+   every rank copies the new θ_global into its model. Replicas are then bitwise identical in
+   that fragment (the reducer's result is bitwise identical on every rank).
+
+The inner optimizer's state (Adam moments) is never reset or communicated, as in DiLoCo.
+Synchronization is synchronous: the reduction runs inside the ``step()`` that triggers it
+(Streaming DiLoCo's overlap of a fragment's reduction with the next inner steps is not done).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ..agreement import check_agreement, describe_state
+from ..buckets import FlatBucket
+from ..compressors import resolve as resolve_compressor
+from ..compressors.lowbit import LowBit
+from ..engine import Reducer, comm_stats
+from ..lifecycle import StepFace, check_trainable, require_group
+from ..params import named_parameters_of
+from .config import DiLoCoConfig
+from .fragments import plan_fragments
+from .state import load_checked, owner_check
+
+__all__ = ["DiLoCo", "DEFAULT_COMPRESSION"]
+
+DEFAULT_COMPRESSION = LowBit(bitwidth=4, error_feedback=True)
+"""4-bit blockwise low-bit all-reduce with error feedback: the recommended pseudo-gradient
+compressor (Streaming DiLoCo sends 4-bit pseudo-gradients; the residual keeps what rounding
+dropped for the next synchronization)."""
+
+
+def _inner_checked(inner) -> torch.optim.Optimizer:
+    if isinstance(inner, DiLoCo):
+        raise TypeError("inner_optimizer is already a bitscom.DiLoCo; wrap a plain optimizer once")
+    if isinstance(inner, StepFace):
+        raise TypeError(f"inner_optimizer is a bitscom DistributedOptimizer/ShardedOptimizer "
+                        f"({type(inner).__name__}) that reduces gradients every step; DiLoCo's "
+                        "inner steps are "
+                        "local by design. Pass the plain optimizer (e.g. torch.optim.AdamW(...)) "
+                        "to DiLoCo instead")
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner).__name__}")
+    if callable(getattr(inner, "comm_stats", None)):
+        raise TypeError(f"inner_optimizer {type(inner).__name__} communicates by itself "
+                        "(it has comm_stats()); DiLoCo needs a local optimizer such as "
+                        "torch.optim.AdamW")
+    return inner
+
+
+class DiLoCo(torch.optim.Optimizer):
+    """Wrap a local ``inner_optimizer`` into DiLoCo: ``sync_every`` local steps, then one
+    compressed pseudo-gradient reduction and an outer Nesterov SGD step.
+
+    Use it like any optimizer (``loss.backward(); opt.step(); opt.zero_grad()``) with LOCAL
+    gradients (no ``DistributedOptimizer``, no DDP): ``p.grad`` is never reduced. Call
+    ``step()`` on every rank every iteration — the step counter decides when the ranks
+    communicate. Under ``torch.amp.GradScaler`` a step whose gradients overflowed on one rank
+    skips that rank's inner update but still counts, so the ranks stay in step.
+
+    Args:
+        inner_optimizer: a plain local ``torch.optim.Optimizer`` (AdamW in DiLoCo).
+        named_parameters: ``model.named_parameters()`` (names for error messages and the
+            cross-rank agreement; without it parameters are numbered).
+        sync_every: H, inner steps between synchronizations; bytes fall as 1/H, drift grows
+            with H (DiLoCo uses 500 on LLMs; small models here like 8–32).
+        compression: a bitscom compressor or registry name for the pseudo-gradient; default
+            :data:`DEFAULT_COMPRESSION` (4-bit low-bit, error feedback); ``None`` = exact fp32.
+        outer_lr, outer_momentum, nesterov: the outer SGD (0.7 / 0.9 / Nesterov as in DiLoCo;
+            ``outer_lr=1, outer_momentum=0, nesterov=False`` is periodic model averaging).
+        fragments: F > 1 = Streaming DiLoCo: F contiguous fragments synchronized at steps
+            staggered by H/F (each sync sends 1/F of the model).
+        group: the process group (default: the world group).
+        fusion_threshold_mb: bucket size cap of the pseudo-gradient reduction (as in
+            ``DistributedOptimizer``).
+
+    Example::
+
+        bitscom.init()
+        model = Net()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        opt = bitscom.diloco.DiLoCo(inner, model.named_parameters(), sync_every=16)
+        for x, y in loader:                       # this rank's shard of the data
+            loss_fn(model(x), y).backward()
+            opt.step()                            # every 16th step: compressed outer step
+            opt.zero_grad()
+        print(opt.comm_stats()["compression_ratio"])   # bytes vs per-step fp32 all-reduce
+    """
+
+    _step_supports_amp_scaling = True   # GradScaler calls step() every iteration (see _inner_step)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if issubclass(cls, StepFace):   # DistributedOptimizer(DiLoCo(...)) builds such a class
+            raise TypeError("a bitscom.DiLoCo cannot be wrapped in bitscom.DistributedOptimizer "
+                            "(or ShardedOptimizer): that would all-reduce every gradient on top of "
+                            "DiLoCo's periodic pseudo-gradient reduction. Use DiLoCo alone with "
+                            "local gradients")
+
+    def __init__(self, inner_optimizer, named_parameters=None, *, sync_every: int = 16,
+                 compression: Any = DEFAULT_COMPRESSION, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
+                 group=None, fusion_threshold_mb: float = 25):
+        group = require_group(group, "DiLoCo", warn_single=True)
+        self._group = group
+        self._size = torch.distributed.get_world_size(group) if group is not None else 1
+        self._rank = torch.distributed.get_rank(group) if group is not None else 0
+        # Settings are validated on every rank, then compared: a bad value on one rank only
+        # becomes the same error on every rank (never one rank raising while the others wait).
+        error: Optional[Exception] = None
+        try:
+            self._setup(inner_optimizer, named_parameters, sync_every, compression, outer_lr,
+                        outer_momentum, nesterov, fragments, fusion_threshold_mb)
+        except (TypeError, ValueError) as err:
+            error = err
+        description: Dict[str, Any] = {
+            "settings error": None if error is None else f"{type(error).__name__}: {error}"}
+        if error is None:
+            description.update(self._description())
+        if self._size > 1:
+            check_agreement(description, group, what="DiLoCo settings")
+        if error is not None:
+            raise error
+        self._start()
+
+    # -- construction --------------------------------------------------------------------
+    def _setup(self, inner, named_parameters, sync_every, compression, outer_lr, outer_momentum,
+               nesterov, fragments, fusion_threshold_mb) -> None:
+        self.inner = _inner_checked(inner)
+        self.config = DiLoCoConfig(sync_every, outer_lr, outer_momentum, nesterov, fragments)
+        self.compression = resolve_compressor("none" if compression is None else compression,
+                                              "compression")
+        if self.compression.applies_momentum:
+            raise ValueError(f"compression={self.compression.fingerprint()} applies SGD momentum "
+                             "itself; DiLoCo's outer SGD already has momentum (outer_momentum)")
+        if isinstance(fusion_threshold_mb, bool) or not isinstance(fusion_threshold_mb, (int, float)) \
+                or not math.isfinite(fusion_threshold_mb) or fusion_threshold_mb < 0:
+            raise ValueError(f"fusion_threshold_mb must be a finite number >= 0, got {fusion_threshold_mb!r}")
+        named = named_parameters_of(self.inner, named_parameters)
+        check_trainable(named, "DiLoCo")
+        self._trainable = [(n, p) for n, p in named if p.requires_grad]
+        if not self._trainable:
+            raise ValueError("DiLoCo got no trainable parameters (requires_grad=True)")
+        self._layouts, self._members = plan_fragments(self._trainable, self.config.fragments,
+                                                      int(fusion_threshold_mb * 2 ** 20))
+
+    def _description(self) -> Dict[str, Any]:
+        return {"optimizer": "DiLoCo", "world size": self._size,
+                "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in self._trainable],
+                "settings": repr(self.config),
+                "compressor": self.compression.fingerprint(),
+                "inner optimizer": type(self.inner).__name__,
+                "fragments": [[self._layouts[b].describe() for b in m] for m in self._members]}
+
+    def _start(self) -> None:
+        by_name = dict(self._trainable)
+        params = [by_name[s.name] for l in self._layouts for s in l.slots]
+        torch.optim.Optimizer.__init__(self, params, {})
+        # Share the inner optimizer's groups and state: GradScaler, clipping helpers and LR
+        # schedulers built on this object see (and change) the inner optimizer's.
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self.defaults = self.inner.defaults
+        if self._size > 1:     # every replica starts from rank 0's weights, as DDP does
+            from ..broadcast import broadcast_parameters
+            src = torch.distributed.get_global_rank(self._group, 0)
+            broadcast_parameters(self._trainable, root_rank=src, process_group=self._group)
+        self._buckets = [FlatBucket(l, [by_name[s.name] for s in l.slots]) for l in self._layouts]
+        with torch.no_grad():
+            self._global = [b.flat.clone() for b in self._buckets]
+            for g, bucket in zip(self._global, self._buckets):
+                for s, p in zip(bucket.layout.slots, bucket.params):
+                    g[s.offset:s.end].copy_(p.reshape(-1))
+        cfg = self.config
+        self.outer_optimizer = torch.optim.SGD(self._global, lr=cfg.outer_lr,
+                                               momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
+        self._reducer = Reducer(self.compression, self._layouts, self._group)
+        self._counters = {"inner_steps": 0, "skipped_inner_steps": 0, "syncs": 0,
+                          "fragment_syncs": 0, "bytes_sent": 0, "nonfinite_syncs": 0}
+        self._dense_per_step = sum(l.numel for l in self._layouts) * 4
+        self._agreed = True
+        self._closed = False
+
+    # -- the step --------------------------------------------------------------------------
+    def _inner_step(self, closure):
+        """Run the inner optimizer unless GradScaler found Inf/NaN in this rank's gradients.
+
+        With ``_step_supports_amp_scaling`` GradScaler calls ``step()`` every iteration and
+        hands over ``found_inf`` and ``grad_scale`` (the scale still applied to ``p.grad``
+        unless ``scaler.unscale_(opt)`` ran); unscaling here multiplies by the same float32
+        reciprocal GradScaler would use, so the result equals the plain AMP loop's."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and float(found_inf) != 0.0:
+            self._counters["skipped_inner_steps"] += 1
+            return None
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:
+            inv = scale.double().reciprocal().float()
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.mul_(inv.to(p.grad.device))
+        return self.inner.step() if closure is None else self.inner.step(closure)
+
+    def step(self, closure=None):  # type: ignore[override]
+        """One inner step; after every ``sync_every``-th (per fragment), the outer step.
+
+        Example::
+
+            loss.backward()
+            opt.step()
+        """
+        if self._closed:
+            raise RuntimeError("this DiLoCo was closed; build a new one")
+        if not self._agreed:
+            self._agree_resumed()
+        loss = self._inner_step(closure)
+        self._counters["inner_steps"] += 1
+        due = self.config.due(self._counters["inner_steps"])
+        if due:
+            self._sync(due)
+        return loss
+
+    def _sync(self, due: List[int]) -> None:
+        """Reduce the pseudo-gradient of fragments ``due`` and apply the outer step."""
+        chosen = [b for f in due for b in self._members[f]]
+        with torch.no_grad():
+            for b in chosen:
+                bucket, g = self._buckets[b], self._global[b]
+                for s, p, view in zip(bucket.layout.slots, bucket.params, bucket.views):
+                    torch.sub(g[s.offset:s.end].view(s.shape), p, out=view)
+            sent = 0
+            if self._size > 1:
+                try:
+                    for b in chosen:
+                        self._reducer.launch(b, self._buckets[b].flat)
+                    sent = self._reducer.wait_all()
+                except BaseException:
+                    self._reducer.abort()
+                    raise
+            finite = all(bool(torch.isfinite(self._buckets[b].flat).all()) for b in chosen)
+            picked = set(chosen)
+            for b, g in enumerate(self._global):
+                g.grad = self._buckets[b].flat if b in picked else None
+            self.outer_optimizer.step()
+            for b in chosen:
+                g, bucket = self._global[b], self._buckets[b]
+                g.grad = None
+                for s, p in zip(bucket.layout.slots, bucket.params):
+                    p.copy_(g[s.offset:s.end].view(s.shape))
+        c = self._counters
+        c["bytes_sent"] += sent
+        c["syncs"] += 1
+        c["fragment_syncs"] += len(due)
+        if not finite:       # the same on every rank: the reduced values are identical
+            c["nonfinite_syncs"] += 1
+            warnings.warn(f"DiLoCo: the averaged pseudo-gradient of fragment(s) {due} at inner step "
+                          f"{c['inner_steps']} holds NaN/Inf; the parameters are now non-finite on "
+                          "every rank (lower the inner lr, clip, or use GradScaler)", RuntimeWarning,
+                          stacklevel=3)
+
+    def _agree_resumed(self) -> None:
+        """After a load, before the next collective: every rank resumed the same step."""
+        if self._size > 1:
+            steps = {k: self._counters[k] for k in ("inner_steps", "syncs", "fragment_syncs")}
+            check_agreement({"steps": steps,
+                             "compressor state": [describe_state(s) for s in self._reducer.states]},
+                            self._group, what="DiLoCo resumed state")
+        self._agreed = True
+
+    # -- the rest of the optimizer API -----------------------------------------------------
+    def comm_stats(self) -> dict:
+        """Whole-run bytes: ``bytes_sent`` (what this rank handed to the network for every
+        pseudo-gradient so far), ``dense_bytes`` (what an exact fp32 gradient all-reduce every
+        step would have sent over the same inner steps), their ratio, and the counters
+        ``inner_steps``, ``skipped_inner_steps``, ``syncs``, ``fragment_syncs``,
+        ``nonfinite_syncs``.
+
+        Example::
+
+            opt.comm_stats()["compression_ratio"]    # = sync_every with compression=None
+        """
+        c = dict(self._counters)
+        sent = c.pop("bytes_sent")
+        return comm_stats(sent, c["inner_steps"] * self._dense_per_step, **c)
+
+    @property
+    def global_parameters(self) -> List[torch.Tensor]:
+        """θ_global, one flat tensor per bucket (identical on every rank), read-only use."""
+        return list(self._global)
+
+    @property
+    def bucket_layouts(self):
+        """The planned buckets of the pseudo-gradient reduction (index = bucket index)."""
+        return list(self._layouts)
+
+    @property
+    def fragment_buckets(self) -> List[List[int]]:
+        """The bucket indices of each fragment."""
+        return [list(m) for m in self._members]
+
+    def close(self) -> None:
+        """Refuse further steps (DiLoCo holds no hooks or groups of its own).
+
+        Example::
+
+            opt.close()
+        """
+        self._closed = True
+
+    def state_dict(self) -> dict:  # type: ignore[override]
+        """The inner optimizer's state dict plus, under ``"diloco"``, θ_global, the outer SGD,
+        the compressor state (this rank's error feedback) and the counters: resuming from it
+        (mid-interval too) reproduces the uninterrupted run bitwise. Save it on every rank.
+
+        Example::
+
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"ckpt.{rank}.pt")
+        """
+        out = self.inner.state_dict()
+        out["diloco"] = {"counters": dict(self._counters),
+                         "global": [g.detach().clone() for g in self._global],
+                         "outer": self.outer_optimizer.state_dict(),
+                         "reducer": self._reducer.state_dict(),
+                         "config": repr(self.config), "rank": self._rank, "world": self._size}
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+        """Load :meth:`state_dict`'s output (this rank's own); the ranks check on the next
+        step that they resumed the same step. Load the model's state dict too.
+
+        Example::
+
+            opt.load_state_dict(torch.load(f"ckpt.{rank}.pt")["opt"])
+        """
+        if not isinstance(state_dict, dict) or "diloco" not in state_dict:
+            raise ValueError("not a DiLoCo state dict (no 'diloco' entry); a plain optimizer's "
+                             "state dict goes to opt.inner.load_state_dict()")
+        extra = state_dict["diloco"]
+        if extra.get("config") != repr(self.config):
+            raise ValueError(f"checkpoint was saved with {extra.get('config')}, this DiLoCo has "
+                             f"{self.config!r}")
+        owner_check(extra, self._rank, self._size)
+        inner = {k: v for k, v in state_dict.items() if k != "diloco"}
+        load_checked(self, inner, extra)
+        self._agreed = False
