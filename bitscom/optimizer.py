@@ -28,7 +28,7 @@ import inspect
 import math
 import numbers
 import zlib
-from typing import Dict
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
@@ -137,6 +137,9 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             >1 keeps low-precision sums away from overflow.
         fusion_threshold_mb: bucket size cap; larger buckets mean fewer, more efficient
             collectives, smaller ones start communicating earlier. 0 = one tensor per bucket.
+            ``"auto"``: chosen once, at construction, from a short probe of the group's link
+            and the cost model (:func:`bitscom.cost.auto_fusion_threshold_mb`; the same on
+            every rank, which must all pass ``"auto"``).
         process_group: the group to reduce over (default: the world group).
         sparse_as_dense: turn sparse gradients (``nn.Embedding(sparse=True)``) into dense ones
             before reducing them. Without it (Horovod's default) they are reduced sparse, as
@@ -179,6 +182,9 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
                  gradient_predivide_factor: float = 1.0, fusion_threshold_mb: float = 25,
                  process_group=None, *, sparse_as_dense: bool = False, groups=None,
                  num_groups: int = 0):
+        if isinstance(compression, str) and compression.lower() == "auto":
+            from .compressors.auto import Auto, candidates_for
+            compression = Auto(candidates=candidates_for(optimizer))   # safe for this optimizer
         compression = resolve_compressor(compression, "compression")
         if compression.uses_names and named_parameters is None:
             raise ValueError(f"compression={compression!r} matches parameter names; pass "
@@ -196,7 +202,9 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         if op is Sum and gradient_predivide_factor != 1.0:
             raise ValueError("gradient_predivide_factor applies to op=Average only; "
                              f"got {gradient_predivide_factor} with op=Sum")
-        fusion_threshold_mb = _number("fusion_threshold_mb", fusion_threshold_mb, 0, True)
+        auto_fusion = isinstance(fusion_threshold_mb, str) and fusion_threshold_mb.lower() == "auto"
+        if not auto_fusion:
+            fusion_threshold_mb = _number("fusion_threshold_mb", fusion_threshold_mb, 0, True)
         groups = _groups(groups, num_groups)
 
         # Take over the wrapped optimizer (same param_groups list, state and hooks); a step
@@ -222,7 +230,11 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         if groups is not None:
             self._layouts = plan_groups(self._trainable, groups)
         else:
+            if auto_fusion:
+                from .cost import auto_fusion_threshold_mb
+                fusion_threshold_mb = auto_fusion_threshold_mb(self._trainable, process_group, compression)
             self._layouts = plan_buckets(self._trainable, int(fusion_threshold_mb * 2 ** 20))
+        self.fusion_threshold_mb = None if groups is not None else float(fusion_threshold_mb)
         by_name = dict(self._trainable)
         self._buckets = [FlatBucket(l, [by_name[s.name] for s in l.slots]) for l in self._layouts]
         self._slot: Dict[int, tuple] = {}
@@ -531,8 +543,15 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         Example::
 
             print(opt.comm_stats()["compression_ratio"])
+
+        With ``compression="auto"`` it also has ``auto_plan``: the compressor chosen for each
+        bucket (``None`` while a bucket is still being probed).
         """
-        return comm_stats(**self._stats)
+        stats: Dict[str, Any] = dict(self._stats)
+        from .compressors.auto import Auto
+        if isinstance(self.compression, Auto):
+            stats["auto_plan"] = Auto.plan(self._reducer.states)
+        return comm_stats(**stats)
 
     def state_dict(self) -> dict:
         """torch's optimizer state dict (``state``, ``param_groups``) plus this rank's

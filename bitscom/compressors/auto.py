@@ -1,0 +1,219 @@
+"""``compression="auto"``: per bucket, the compressor the calibrated cost model predicts to be
+fastest on this group and device, never one predicted slower than the plain all-reduce.
+
+Per bucket, steps 0 … ``probe_steps - 1`` are plain all-reduces (the exact S-SGD average)
+that also probe the link: step ``s`` reduces the bucket in ``2**s`` contiguous pieces, each
+timed to completion, giving ``(nbytes, seconds)`` samples of growing size on the real group
+for this bucket (step 0 is the untimed warm-up). At step ``probe_steps`` group rank 0:
+
+1. fits ``alpha``/``beta`` to the samples (:func:`bitscom.cost.fit_link`; or uses ``link``);
+2. times each candidate's codec on this bucket on this device (network excluded:
+   :func:`bitscom.cost.time_codec`);
+3. predicts each candidate's cost, codec + its rounds' alpha-beta time
+   (:func:`bitscom.cost.rounds_for`, :func:`bitscom.cost.round_seconds`) and picks the
+   smallest (:func:`decide`; ties go to the earlier candidate, ``none`` first);
+
+then broadcasts the choice through the bucket's Comm, so every rank runs the same plan. The
+choice is logged on ``logging.getLogger("bitscom")`` and kept in the bucket's state
+(checkpointed). Which candidates are allowed depends on the wrapped optimizer
+(:func:`candidates_for`): with Adam-type optimizers only those docs/convergence.md shows within
+2% of S-SGD's loss (fp16, bf16, lowbit, PowerSGD rank 16); with SGD all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .acpsgd import ACPSGD
+from .base import BucketLayout, Comm, Compressor, State
+from .casting import BF16Compressor, FP16Compressor, NoneCompressor
+from .lowbit import LowBit
+from .powersgd import PowerSGD
+from .signsgd import SignSGD
+from .topk import TopK
+
+__all__ = ["Auto", "AutoState", "decide", "candidates_for", "ADAM_SAFE", "SGD_SAFE", "SGD_ALL"]
+
+log = logging.getLogger("bitscom")
+
+ADAM_SAFE = (NoneCompressor(), FP16Compressor(), BF16Compressor(), LowBit(),
+             PowerSGD(rank=16, start_iter=0))
+"""Within 2% of S-SGD's loss with AdamW on the convergence suite (docs/convergence.md)."""
+SGD_SAFE = ADAM_SAFE + (PowerSGD(),)
+"""Within 0.5 pp of S-SGD on every SGD task of the convergence suite (docs/convergence.md):
+ACP-SGD, Top-k and Sign-SGD lose 4-6 pp on its narrow ResNet, so auto never picks them for
+you; pass ``Auto(candidates=SGD_ALL)`` to let it."""
+SGD_ALL = SGD_SAFE + (ACPSGD(), TopK(), SignSGD())
+"""Every compressor (ask for it explicitly: some cost accuracy, see :data:`SGD_SAFE`)."""
+
+
+def candidates_for(optimizer) -> tuple:
+    """The candidates ``compression="auto"`` may choose from with ``optimizer``:
+    :data:`SGD_SAFE` for ``torch.optim.SGD``, :data:`ADAM_SAFE` for anything else (the safe
+    side).
+
+    Example::
+
+        comp = Auto(candidates=candidates_for(torch.optim.SGD(params, lr=0.1)))
+    """
+    return SGD_SAFE if isinstance(optimizer, torch.optim.SGD) else ADAM_SAFE
+
+
+def decide(costs: Sequence[float]) -> int:
+    """Index of the cheapest predicted cost; ties (and NaN) resolve to the earlier candidate,
+    so with ``none`` first nothing is chosen unless it is predicted strictly faster.
+
+    Example::
+
+        decide([1.0, 0.6, 0.6])    # 1
+    """
+    best = 0
+    for i, c in enumerate(costs):
+        if c < costs[best]:
+            best = i
+    return best
+
+
+class AutoState(State):
+    """One bucket's probe samples, its choice (``-1`` until decided) and the chosen
+    compressor's own state (built once decided)."""
+
+    def __init__(self, layout: BucketLayout, candidates: tuple):
+        self._layout, self._candidates = layout, candidates
+        self.step = 0
+        self.choice = -1
+        self.samples: list = []
+        self.inner: Optional[State] = None
+
+    def choose(self, index: int) -> State:
+        self.choice = index
+        self.inner = inner = self._candidates[index].init_state(self._layout)
+        return inner
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "choice": self.choice, "samples": list(self.samples),
+                "inner": None if self.inner is None else self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.samples = state["step"], list(state["samples"])
+        self.choice, self.inner = -1, None
+        if state["choice"] >= 0:
+            inner = self.choose(state["choice"])
+            if state["inner"] is not None:
+                inner.load_state_dict(state["inner"])
+
+
+def _timed_plain(flat: torch.Tensor, comm: Comm, pieces: int, samples: Optional[list],
+                 clock=time.perf_counter):
+    """Round generator: the plain average of ``flat`` in ``pieces`` all-reduces, each timed."""
+    bounds = [flat.numel() * i // pieces for i in range(pieces + 1)]
+    for s, t in zip(bounds, bounds[1:]):
+        if t == s:
+            continue
+        piece = flat[s:t]
+        t0 = clock()
+        work = comm.all_reduce(piece)
+        work.wait()
+        if samples is not None:
+            samples.append((piece.numel() * piece.element_size(), clock() - t0))
+        yield work
+    flat.div_(comm.size)
+
+
+@dataclass(frozen=True)
+class Auto(Compressor):
+    """Choose per bucket among ``candidates`` with the calibrated cost model (see the module).
+
+    Example::
+
+        comp = Auto(candidates=candidates_for(opt))      # or compression="auto"
+        opt = bitscom.DistributedOptimizer(opt, model.named_parameters(), compression=comp)
+    """
+
+    candidates: tuple = ADAM_SAFE
+    """Compressors to choose from, ``none`` first (ties and doubt resolve to it)."""
+    probe_steps: int = 3
+    """Plain all-reduce steps that probe the link before the decision (>= 2: step 0 warms up)."""
+    link: Any = field(default=None)
+    """A :class:`bitscom.cost.Link` to use instead of the probe's fit (tests, known clusters)."""
+    codec_seconds: Any = field(default=None, compare=False, repr=False)
+    """``callable(compressor, layout, world) -> seconds`` instead of timing the codec (tests)."""
+
+    name = "auto"
+
+    def __post_init__(self):
+        if not self.candidates or not all(isinstance(c, Compressor) for c in self.candidates):
+            raise ValueError(f"Auto candidates must be a non-empty tuple of compressors, got "
+                             f"{self.candidates!r}")
+        if any(isinstance(c, Auto) for c in self.candidates):
+            raise ValueError("Auto candidates cannot contain Auto itself")
+        if isinstance(self.probe_steps, bool) or not isinstance(self.probe_steps, int) \
+                or self.probe_steps < 2:
+            raise ValueError(f"Auto probe_steps must be an int >= 2, got {self.probe_steps!r}")
+        object.__setattr__(self, "candidates", tuple(self.candidates))
+
+    def init_state(self, layout: BucketLayout) -> AutoState:
+        return AutoState(layout, self.candidates)
+
+    def costs(self, layout: BucketLayout, world: int, link, grad: Optional[torch.Tensor] = None) -> list:
+        """Predicted seconds per candidate for one bucket: codec time + alpha-beta rounds."""
+        from ..cost import Topology, round_seconds, rounds_for, time_codec
+        topo = Topology.flat(world, link)
+        shapes = [s.shape for s in layout.slots]
+        out = []
+        for comp in self.candidates:
+            codec = self.codec_seconds(comp, layout, world) if self.codec_seconds is not None \
+                else time_codec(comp, layout, world, grad)
+            if isinstance(comp, NoneCompressor):
+                codec = 0.0          # the baseline's own cost is all in its measured link fit
+            rounds = rounds_for(comp, layout.numel, world, dtype=layout.dtype, shapes=shapes)
+            out.append(codec + sum(round_seconds(r, topo) for r in rounds))
+        return out
+
+    def _decide_rounds(self, flat, layout, state: AutoState, comm: Comm):
+        """Round: rank 0 decides, everyone receives the choice by broadcast."""
+        choice = torch.zeros(1, dtype=torch.int64)
+        costs = None
+        if comm.rank == 0:
+            from ..cost import fit_link
+            link = self.link if self.link is not None else fit_link(state.samples, comm.size)
+            costs = self.costs(layout, comm.size, link, flat.detach().clone())
+            choice[0] = decide(costs)
+        yield comm.broadcast(choice, 0)
+        state.choose(int(choice[0]))
+        if costs is not None:
+            log.info("auto: bucket %d (%d elements) -> %s; predicted seconds %s", layout.index,
+                     layout.numel, self.candidates[state.choice].fingerprint(),
+                     {c.name: round(s, 6) for c, s in zip(self.candidates, costs)})
+
+    def reduce(self, flat, layout, state, comm: Comm):
+        step, state.step = state.step, state.step + 1
+        if state.choice < 0 and comm.size > 1:
+            if step < self.probe_steps:
+                yield from _timed_plain(flat, comm, 2 ** step, state.samples if step else None)
+                return
+            yield from self._decide_rounds(flat, layout, state, comm)
+        elif state.choice < 0:
+            return                   # one rank: nothing to reduce, nothing to decide
+        yield from self.candidates[state.choice].reduce(flat, layout, state.inner, comm)
+
+    def fingerprint(self) -> str:
+        names = ", ".join(c.fingerprint() for c in self.candidates)
+        return f"Auto(candidates=({names}), probe_steps={self.probe_steps}, link={self.link!r})"
+
+    @staticmethod
+    def plan(states: Sequence[Any]) -> list:
+        """The chosen compressor's name per bucket (``None`` while undecided), from the
+        optimizer's per-bucket states: what ``comm_stats()["auto_plan"]`` shows.
+
+        Example::
+
+            Auto.plan(opt._reducer.states)      # ['lowbit', 'fp16', None]
+        """
+        return [s._candidates[s.choice].name if isinstance(s, AutoState) and s.choice >= 0 else None
+                for s in states]

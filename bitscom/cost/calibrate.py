@@ -1,0 +1,165 @@
+"""Calibration: the link from a short probe of the real group, the codec from timings on the
+device in use. Nothing here is assumed; everything is measured or fitted.
+
+* :func:`probe_link` times a few all-reduces of growing size on the group (after one
+  untimed warm-up each) and returns ``(nbytes, seconds)`` samples;
+* :func:`fit_link` fits ``alpha`` and ``beta`` to such samples by least squares on the
+  ring formula ``t = 2(p-1)·alpha + 2(p-1)/p·n·beta`` (clamped at 0);
+* :func:`calibrate_link` does both on one rank and broadcasts the result, so every rank
+  holds the same :class:`Link` (decisions built on it stay identical);
+* :func:`time_codec` times a compressor's compute for one bucket with the network taken
+  out (:class:`~bitscom.cost.local.LocalTransport`): quantize, pack, factorize, decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..comm import Comm, resolve_group
+from ..compressors.base import BucketLayout, Compressor
+from .formulas import messages, wire_bytes
+from .links import Link
+from .local import local_comm
+
+__all__ = ["probe_link", "fit_link", "calibrate_link", "time_codec", "parse_samples"]
+
+DEFAULT_SIZES = tuple(1 << k for k in range(12, 23, 2))   # 4 KiB … 4 MiB
+
+
+def fit_link(samples: Iterable[Tuple[float, float]], world: int, kind: str = "all_reduce") -> Link:
+    """Least-squares ``Link`` from ``(nbytes, seconds)`` samples of ``kind`` collectives on
+    ``world`` ranks (nbytes as Comm counts them). With one distinct size there is no slope to
+    fit: the time is charged to bandwidth alone (``alpha = 0``).
+
+    Example::
+
+        fit_link([(1000, 1.1e-3), (2000, 2.1e-3)], world=2)   # alpha 5e-5, beta 1e-6
+    """
+    pts = [(float(n), float(t)) for n, t in samples]
+    if not pts:
+        raise ValueError("fit_link needs at least one (nbytes, seconds) sample")
+    if world < 2:
+        return Link(0.0, 0.0)
+    a = messages(kind, world)
+    xs = [wire_bytes(kind, int(n), world) for n, _ in pts]
+    ts = [t for _, t in pts]
+    k = len(pts)
+    mx, mt = sum(xs) / k, sum(ts) / k
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return Link(0.0, max(0.0, mt / mx) if mx else 0.0)
+    beta = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sxx
+    if beta < 0:                        # noise on a fast link: latency only
+        return Link(max(0.0, mt / a), 0.0)
+    alpha = (mt - beta * mx) / a
+    if alpha < 0:                       # refit through the origin
+        return Link(0.0, sum(x * t for x, t in zip(xs, ts)) / sum(x * x for x in xs))
+    return Link(alpha, beta)
+
+
+def parse_samples(text: str) -> List[Tuple[int, float]]:
+    """``(nbytes, seconds)`` samples from CSV text with a ``nbytes,seconds`` header (what
+    ``scripts/validate_cost.py --probe-out`` writes); blank lines and ``#`` comments skipped.
+
+    Example::
+
+        parse_samples("nbytes,seconds\\n4096,0.0002\\n")   # [(4096, 0.0002)]
+    """
+    out = []
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    if not lines or [h.strip() for h in lines[0].split(",")] != ["nbytes", "seconds"]:
+        raise ValueError(f"probe CSV must start with the header 'nbytes,seconds', got "
+                         f"{lines[0] if lines else '(empty)'!r}")
+    for i, ln in enumerate(lines[1:], start=2):
+        parts = ln.split(",")
+        try:
+            n, t = int(parts[0]), float(parts[1])
+        except (ValueError, IndexError):
+            raise ValueError(f"probe CSV line {i}: expected 'nbytes,seconds', got {ln!r}") from None
+        if n < 0 or not t >= 0:
+            raise ValueError(f"probe CSV line {i}: nbytes and seconds must be >= 0, got {ln!r}")
+        out.append((n, t))
+    return out
+
+
+def probe_link(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 3,
+               clock: Callable[[], float] = time.perf_counter) -> List[Tuple[int, float]]:
+    """Time all-reduces of ``sizes`` bytes (fp32 buffers) on ``group``: ``repeats`` timed
+    runs of each after one untimed warm-up; returns ``(nbytes, seconds)`` with the minimum
+    over the repeats (the least disturbed run). Every rank of the group must call it.
+
+    Example::
+
+        samples = probe_link(group)
+    """
+    comm = Comm(resolve_group(group))
+    out = []
+    for nbytes in sizes:
+        buf = torch.zeros(max(1, nbytes // 4))
+        comm.all_reduce(buf).wait() if not comm.solo else None
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = clock()
+            work = comm.all_reduce(buf)
+            if work is not None:
+                work.wait()
+            best = min(best, clock() - t0)
+        out.append((buf.numel() * 4, best))
+    return out
+
+
+def calibrate_link(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 3) -> Link:
+    """Probe ``group``, fit on group rank 0 and broadcast: the same :class:`Link` on every rank.
+
+    Example::
+
+        link = calibrate_link(group)
+        topo = Topology.flat(dist.get_world_size(group), link)
+    """
+    group = resolve_group(group)
+    comm = Comm(group)
+    if comm.solo:
+        return Link(0.0, 0.0)
+    samples = probe_link(group, sizes, repeats)
+    fit = fit_link(samples, comm.size)
+    values = torch.tensor([fit.alpha_s, fit.beta_s_per_byte], dtype=torch.float64)
+    comm.broadcast(values, 0).wait()
+    return Link(float(values[0]), float(values[1]))
+
+
+def time_codec(compressor: Compressor, layout: BucketLayout, world: int, grad: Optional[torch.Tensor] = None,
+               repeats: int = 3, warmup: int = 2, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds of ``compressor``'s compute for one bucket on ``world`` ranks, network excluded:
+    its rounds run over a :class:`~bitscom.cost.local.LocalTransport` on this device.
+    ``warmup`` untimed steps first (they pass warm-up and first-step factor draws), then the
+    minimum of ``repeats`` timed steps. A hierarchical compressor is timed as its flat form.
+
+    Example::
+
+        time_codec(bitscom.compressors.get("lowbit"), layout_of(1 << 20), world=4)
+    """
+    from ..compressors.lowbit import LowBit
+    if isinstance(compressor, LowBit) and compressor.config.hierarchy != "none":
+        compressor = LowBit(dataclasses.replace(compressor.config, hierarchy="none", chunk_size=None))
+    if grad is None:
+        grad = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0)).to(layout.dtype)
+    state = compressor.init_state(layout)
+    work = torch.empty_like(grad)
+    best = float("inf")
+    for i in range(warmup + repeats):
+        work.copy_(grad)
+        comm, _ = local_comm(world)
+        if grad.is_cuda:
+            torch.cuda.synchronize(grad.device)
+        t0 = clock()
+        for _ in compressor.reduce(work, layout, state, comm):
+            pass
+        if grad.is_cuda:
+            torch.cuda.synchronize(grad.device)
+        if i >= warmup:
+            best = min(best, clock() - t0)
+    return best

@@ -1,0 +1,86 @@
+"""``fusion_threshold_mb="auto"``: the bucket size chosen once from the calibrated model
+(Horovod's autotune tunes its fusion buffer by trial; here the model predicts instead).
+
+Smaller buckets start communicating earlier in backward (more overlap) but pay the latency
+``alpha`` once per bucket and round; larger ones pay it rarely but wait longer. For each
+candidate threshold the buckets are planned exactly as the optimizer would
+(:func:`bitscom.buckets.plan_buckets`) and the step is predicted with
+:func:`~bitscom.cost.predict.predict_step`. Backward time is unknown before the first step,
+so the prediction assumes the balanced case where overlap matters most: backward as long as
+the uncompressed gradient's all-reduce at the fitted link. The smallest predicted step wins
+(ties: the larger threshold, fewer collectives).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from ..buckets import plan_buckets
+from ..comm import Comm, resolve_group
+from .calibrate import calibrate_link
+from .links import Link, Topology
+from .predict import bucket_seconds, predict_step, ready_times
+from .rounds import rounds_for
+
+__all__ = ["CANDIDATE_MB", "choose_fusion_threshold_mb", "auto_fusion_threshold_mb"]
+
+CANDIDATE_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 32, 64)
+
+
+def choose_fusion_threshold_mb(params: Sequence[Tuple[str, torch.Tensor]], topo: Topology,
+                               compressor="none", candidates: Sequence[float] = CANDIDATE_MB,
+                               backward_s: Optional[float] = None) -> float:
+    """The candidate threshold (MiB) with the smallest predicted step for ``params``
+    (name, tensor) in registration order on ``topo``. Deterministic: same inputs, same answer.
+
+    Example::
+
+        mb = choose_fusion_threshold_mb(list(model.named_parameters()),
+                                        Topology.flat(4, Link.from_gbit(10, latency_s=1e-4)))
+    """
+    params = list(params)
+    if not params or topo.world == 1:
+        return float(max(candidates))
+    if backward_s is None:
+        dense = [rounds_for("none", sum(p.numel() for _, p in params), topo.world,
+                            dtype=params[0][1].dtype)]
+        backward_s = bucket_seconds(dense[0], topo)
+    best: Optional[Tuple[float, float]] = None
+    for mb in sorted(candidates, reverse=True):
+        layouts = plan_buckets(params, int(mb * 2 ** 20))
+        numels = [l.numel for l in layouts]
+        rounds = [rounds_for(compressor, l.numel, topo.world, local_size=topo.local_size, dtype=l.dtype,
+                             shapes=[s.shape for s in l.slots]) for l in layouts]
+        step = predict_step(rounds, topo, backward_s=backward_s,
+                            ready_s=ready_times(numels, backward_s)).step_s
+        if best is None or step < best[0]:
+            best = (step, float(mb))
+    assert best is not None, "no candidate thresholds"
+    return best[1]
+
+
+def auto_fusion_threshold_mb(params: Sequence[Tuple[str, torch.Tensor]], group=None,
+                             compressor="none", link: Optional[Link] = None) -> float:
+    """Calibrate the link of ``group`` (unless ``link`` is given), choose on group rank 0 and
+    broadcast: every rank gets the same threshold. Every rank of the group must call it.
+
+    Example::
+
+        mb = auto_fusion_threshold_mb(list(model.named_parameters()), group)
+    """
+    group = resolve_group(group)
+    comm = Comm(group)
+    if comm.solo:
+        return float(max(CANDIDATE_MB))
+    if link is None:
+        link = calibrate_link(group)
+    try:
+        rounds_for(compressor, 1, comm.size)
+    except ValueError:           # no formula (e.g. "auto", whose plan is not known yet): plain
+        compressor = "none"
+    mb = choose_fusion_threshold_mb(params, Topology.flat(comm.size, link), compressor)
+    value = torch.tensor([mb], dtype=torch.float64)
+    comm.broadcast(value, 0).wait()
+    return float(value[0])

@@ -1,0 +1,119 @@
+"""Links and topologies: the alpha-beta description of the network a step runs on.
+
+A :class:`Link` is the latency ``alpha_s`` (seconds per message) and the inverse bandwidth
+``beta_s_per_byte`` (seconds per byte) of one rank's connection; a :class:`Topology` is the
+world size, the ranks per node and the two links (intra-node, inter-node). They hold numbers
+only: where they come from (a probe of the real group, a data sheet) is the caller's choice,
+see :mod:`bitscom.cost.calibrate`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["Link", "Topology"]
+
+
+def _check_nonneg(owner: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
+            or value < 0 or math.isinf(value):
+        raise ValueError(f"{owner} {name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One rank's connection: ``alpha_s`` seconds per message plus ``beta_s_per_byte`` per byte.
+
+    Example::
+
+        link = Link.from_gbit(10, latency_s=50e-6)     # 10 Gbit/s, 50 us per message
+        link.seconds(1 << 20)                           # one 1 MiB message
+    """
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def __post_init__(self):
+        _check_nonneg("Link", "alpha_s", self.alpha_s)
+        _check_nonneg("Link", "beta_s_per_byte", self.beta_s_per_byte)
+
+    @staticmethod
+    def from_gbit(gbit: float, latency_s: float = 0.0) -> "Link":
+        """A link of ``gbit`` Gbit/s (10**9 bits per second) and ``latency_s`` per message.
+
+        Example::
+
+            Link.from_gbit(1, latency_s=100e-6).beta_s_per_byte   # 8e-9
+        """
+        if isinstance(gbit, bool) or not isinstance(gbit, (int, float)) or not gbit > 0 \
+                or math.isinf(gbit):
+            raise ValueError(f"Link.from_gbit gbit must be a finite number > 0, got {gbit!r}")
+        return Link(latency_s, 8.0 / (gbit * 1e9))
+
+    @property
+    def gbit(self) -> float:
+        """The bandwidth in Gbit/s (``inf`` for a link of zero cost per byte)."""
+        return math.inf if self.beta_s_per_byte == 0 else 8.0 / (self.beta_s_per_byte * 1e9)
+
+    def seconds(self, nbytes: float, messages: float = 1.0) -> float:
+        """``messages`` latencies plus ``nbytes`` at this link's bandwidth."""
+        return messages * self.alpha_s + nbytes * self.beta_s_per_byte
+
+
+_FREE = Link(0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``world`` ranks on ``world // local_size`` nodes; ``intra`` joins ranks of a node,
+    ``inter`` the nodes. One node (``local_size == world``) uses ``intra`` only; flat
+    collectives across nodes run at the slower ``inter`` link (a ring crosses it).
+
+    Example::
+
+        topo = Topology(4, local_size=2, intra=Link.from_gbit(100), inter=Link.from_gbit(1))
+        topo.nodes      # 2
+    """
+
+    world: int
+    local_size: int = 1
+    intra: Link = field(default=_FREE)
+    inter: Link = field(default=_FREE)
+
+    def __post_init__(self):
+        for name in ("world", "local_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Topology {name} must be an int >= 1, got {value!r}")
+        if self.world % self.local_size:
+            raise ValueError(f"Topology world={self.world} is not a multiple of "
+                             f"local_size={self.local_size}")
+        for name in ("intra", "inter"):
+            if not isinstance(getattr(self, name), Link):
+                raise TypeError(f"Topology {name} must be a Link, got {getattr(self, name)!r}")
+
+    @staticmethod
+    def flat(world: int, link: Link) -> "Topology":
+        """``world`` ranks joined by one kind of link (every rank its own node).
+
+        Example::
+
+            Topology.flat(8, Link.from_gbit(10))
+        """
+        return Topology(world, 1, link, link)
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.local_size
+
+    def level(self, level: str) -> "tuple[int, Link]":
+        """(ranks taking part, link) of a collective at ``level`` (flat, intra or inter)."""
+        if level == "intra":
+            return self.local_size, self.intra
+        if level == "inter":
+            return self.nodes, self.inter
+        if level == "flat":
+            return self.world, (self.intra if self.nodes == 1 else self.inter)
+        raise ValueError(f"level must be one of ('flat', 'intra', 'inter'), got {level!r}")

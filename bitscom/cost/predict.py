@@ -1,0 +1,95 @@
+"""Predicted step time with overlap: buckets become ready during backward, their rounds run
+one bucket after another on the network, the step ends when both backward and the last
+bucket are done.
+
+Bucket ``i`` is ready at ``ready_s[i]`` (seconds into backward; :func:`ready_times` spreads
+them in proportion to the bucket's elements when no measured profile is at hand), its
+reduction takes ``codec_s[i] + Σ round_seconds`` and cannot start before bucket ``i-1``
+finished (the engine issues later rounds in bucket order)::
+
+    end_i = max(ready_i, end_{i-1}) + codec_i + comm_i
+    step  = forward + max(backward, end_last) + optimizer
+
+Simplifications, stated: a multi-round compressor's later rounds are not overlapped with the
+next bucket's first round; on a CPU, codec compute competes with backward for the same cores
+(seen as extra backward time, not modelled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+from .formulas import round_seconds
+from .links import Topology
+from .rounds import Round
+
+__all__ = ["Prediction", "ready_times", "predict_step", "bucket_seconds"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A predicted step: ``step_s`` total, ``exposed_s`` communication not hidden behind
+    backward, ``comm_s`` and ``codec_s`` summed over buckets, ``bucket_end_s`` per bucket."""
+
+    step_s: float
+    exposed_s: float
+    comm_s: float
+    codec_s: float
+    bucket_end_s: tuple
+
+
+def bucket_seconds(rounds: Sequence[Round], topo: Topology) -> float:
+    """Network seconds of one bucket's rounds, run one after the other.
+
+    Example::
+
+        bucket_seconds(rounds_for("fp16", 1 << 20, 4), Topology.flat(4, Link.from_gbit(1)))
+    """
+    return sum(round_seconds(r, topo) for r in rounds)
+
+
+def ready_times(numels: Sequence[int], backward_s: float) -> List[float]:
+    """When each bucket is ready, in plan order, if backward spends time in proportion to
+    elements: bucket ``i`` is ready after its own and every earlier bucket's share.
+
+    Example::
+
+        ready_times([100, 300], 0.4)    # [0.1, 0.4]
+    """
+    total = sum(numels)
+    out, acc = [], 0
+    for n in numels:
+        acc += n
+        out.append(backward_s * acc / total if total else 0.0)
+    return out
+
+
+def predict_step(bucket_rounds: Sequence[Sequence[Round]], topo: Topology, *, backward_s: float = 0.0,
+                 forward_s: float = 0.0, optimizer_s: float = 0.0,
+                 ready_s: Optional[Sequence[float]] = None,
+                 codec_s: Optional[Sequence[float]] = None) -> Prediction:
+    """Predict one step from each bucket's rounds (plan order) on ``topo``.
+
+    Example::
+
+        rounds = [rounds_for("lowbit", n, 4) for n in (1 << 20, 1 << 22)]
+        p = predict_step(rounds, Topology.flat(4, Link.from_gbit(1)), backward_s=0.2,
+                         ready_s=ready_times([1 << 20, 1 << 22], 0.2))
+        p.step_s
+    """
+    k = len(bucket_rounds)
+    ready = list(ready_s) if ready_s is not None else [backward_s] * k
+    codec = list(codec_s) if codec_s is not None else [0.0] * k
+    if len(ready) != k or len(codec) != k:
+        raise ValueError(f"ready_s and codec_s need one entry per bucket ({k}), got "
+                         f"{len(ready)} and {len(codec)}")
+    end, ends, comm_total = 0.0, [], 0.0
+    for rounds, r, c in zip(bucket_rounds, ready, codec):
+        comm = bucket_seconds(rounds, topo)
+        comm_total += comm
+        end = max(r, end) + c + comm
+        ends.append(end)
+    tail = max(backward_s, end)
+    return Prediction(forward_s + tail + optimizer_s, tail - backward_s, comm_total, sum(codec),
+                      tuple(ends))

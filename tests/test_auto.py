@@ -1,0 +1,147 @@
+"""compression="auto": the decision logic with injected timings (deterministic), identical
+plans and bitwise identical replicas on 2 ranks. No timing in any assertion."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import bitscom
+from bitscom.compressors import get
+from bitscom.compressors.auto import ADAM_SAFE, SGD_SAFE, Auto, candidates_for, decide
+from bitscom.cost import Link, Topology, layout_of, round_seconds, rounds_for
+
+SHAPES = [(64, 48), (48,)]
+LAYOUT = layout_of(64 * 48 + 48, shapes=SHAPES)
+
+
+def _codec(table):
+    return lambda comp, layout, world: table.get(comp.name, 0.0)
+
+
+def test_decide_prefers_the_earliest_of_equal_costs():
+    assert decide([1.0, 0.5, 0.5]) == 1
+    assert decide([1.0, 1.0]) == 0
+    assert decide([1.0, float("nan")]) == 0
+
+
+def test_costs_are_codec_plus_the_modelled_rounds():
+    link = Link(1e-4, 1e-8)
+    codec = {"fp16": 0.001, "bf16": 0.002, "lowbit": 0.003, "powersgd": 0.004}
+    auto = Auto(link=link, codec_seconds=_codec(codec))
+    costs = auto.costs(LAYOUT, 4, link)
+    topo = Topology.flat(4, link)
+    for comp, cost in zip(auto.candidates, costs):
+        wire = sum(round_seconds(r, topo) for r in rounds_for(comp, LAYOUT.numel, 4, shapes=SHAPES))
+        assert cost == pytest.approx(codec.get(comp.name, 0.0) + wire)
+
+
+def test_free_network_keeps_the_plain_all_reduce_and_slow_one_compresses():
+    codec = {"fp16": 1e-4, "bf16": 1e-4, "lowbit": 1e-4, "powersgd": 1e-4}
+    auto = Auto(codec_seconds=_codec(codec))
+    assert decide(auto.costs(LAYOUT, 2, Link(1e-5, 0.0))) == 0            # never slower
+    slow = auto.costs(LAYOUT, 2, Link(1e-5, 1e-6))                        # ~1 MB/s: bytes win
+    nbytes = [sum(r.nbytes for r in rounds_for(c, LAYOUT.numel, 2, shapes=SHAPES)) for c in auto.candidates]
+    assert auto.candidates[decide(slow)].name == auto.candidates[nbytes.index(min(nbytes))].name
+
+
+def test_expensive_codec_is_not_chosen_even_when_it_sends_less():
+    link = Link(1e-5, 1e-9)                           # 8 Gbit/s: the 12 KB bucket costs ~20 us
+    auto = Auto(codec_seconds=_codec({"fp16": 1.0, "bf16": 1.0, "lowbit": 1.0, "powersgd": 1.0}))
+    assert decide(auto.costs(LAYOUT, 2, link)) == 0
+
+
+def test_candidates_follow_the_wrapped_optimizer():
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    assert candidates_for(torch.optim.SGD(p, lr=0.1)) == SGD_SAFE
+    assert candidates_for(torch.optim.AdamW(p)) == ADAM_SAFE
+    names = {c.name for c in ADAM_SAFE}
+    assert names == {"none", "fp16", "bf16", "lowbit", "powersgd"}
+    assert [c.rank for c in ADAM_SAFE if c.name == "powersgd"] == [16]
+
+
+def test_bad_settings_name_the_value():
+    with pytest.raises(ValueError, match="probe_steps"):
+        Auto(probe_steps=1)
+    with pytest.raises(ValueError, match="candidates"):
+        Auto(candidates=())
+    assert isinstance(get("auto"), Auto)
+
+
+def test_state_round_trip_keeps_the_choice_and_the_inner_state():
+    auto = Auto()
+    state = auto.init_state(LAYOUT)
+    state.step, state.samples = 5, [(100, 0.1)]
+    state.choose(3)                                   # lowbit
+    saved = state.state_dict()
+    fresh = auto.init_state(LAYOUT)
+    fresh.load_state_dict(saved)
+    assert fresh.choice == 3 and fresh.step == 5 and type(fresh.inner) is type(state.inner)
+    assert Auto.plan([fresh, auto.init_state(LAYOUT)]) == ["lowbit", None]
+
+
+def _train(rank, world, injected):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    if injected:       # slow link, only fp16 cheap: the choice is determined, fp16 everywhere
+        comp = Auto(link=Link(0.0, 1e-3), codec_seconds=lambda c, l, w: 0.0 if c.name == "fp16" else 10.0)
+    else:              # probed link and measured codecs: whatever rank 0 picks, everyone runs it
+        comp = "auto"  # the string users write: candidates follow the wrapped optimizer (SGD)
+    opt = bitscom.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                                       compression=comp, fusion_threshold_mb=0.01)
+    assert injected or opt.compression.candidates == SGD_SAFE
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    logger = logging.getLogger("bitscom")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        for step in range(6):
+            x = torch.randn(8, 48, generator=torch.Generator().manual_seed(step * world + rank))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    plan = Auto.plan(opt._reducer.states)
+    assert opt.comm_stats()["auto_plan"] == plan           # what users read
+    params = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    return plan, params, [m for m in records if m.startswith("auto:")]
+
+
+@pytest.mark.parametrize("injected", [True, False])
+def test_auto_plans_and_replicas_are_identical_on_2_ranks(pools, injected):
+    (plan0, params0, logs0), (plan1, params1, logs1) = pools.run(2, _train, injected, timeout=180)
+    assert plan0 == plan1 and None not in plan0
+    for a, b in zip(params0, params1):
+        assert torch.equal(a, b)
+    assert len(logs0) == len(plan0) and logs1 == []          # logged once, by the deciding rank
+    if injected:
+        assert plan0 == ["fp16"] * len(plan0)
+
+
+def _auto_fusion(rank, world):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    opt = bitscom.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                                       fusion_threshold_mb="auto")
+    x = torch.randn(8, 48, generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    opt.step()
+    out = (opt.fusion_threshold_mb, [l.describe() for l in opt._layouts],
+           [p.detach().clone() for p in model.parameters()])
+    opt.close()
+    return out
+
+
+def test_fusion_threshold_auto_is_one_of_the_candidates_and_the_same_on_every_rank(pools):
+    from bitscom.cost import CANDIDATE_MB
+    (mb0, plan0, p0), (mb1, plan1, p1) = pools.run(2, _auto_fusion, timeout=120)
+    assert mb0 == mb1 and mb0 in CANDIDATE_MB and plan0 == plan1
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
