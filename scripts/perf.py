@@ -45,7 +45,7 @@ SETTINGS = {"lowbit": ("bits", "block_size"), "powersgd": ("rank", "start_iter")
 CSV_FIELDS = ["time", "dnn", "opt", "rank", "bits", "ratio", "bs", "seq_len", "nworkers", "nodes",
               "ranks_per_node", "threshold_mb", "bandwidth", "nsteps", "warmup", "iter_time_s",
               "iter_ci95_s", "throughput", "bytes_sent", "dense_bytes", "compression_ratio",
-              "compute_time_s", "comm_time_ideal_s", "ideal_time_s", "peak_mem_mb", "params",
+              "compute_time_s", "compute_ci95_s", "link_gbit", "link_source", "comm_time_ideal_s", "ideal_time_s", "peak_mem_mb", "params",
               "device", "backend", "host", "torch", "status", "note"]
 # two-sided 97.5% Student t quantiles for 1..30 degrees of freedom
 _T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
@@ -62,6 +62,50 @@ def mean_ci95(xs):
     sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
     t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
     return m, t * sd / math.sqrt(n)
+
+
+def _pm(ci) -> str:
+    return "" if math.isnan(ci) else f" +/- {ci * 1e3:.1f} ms"
+
+
+def progress(rank: int, what: str, i: int, warmup: int, timed: int, seconds: float) -> None:
+    """One line per step on rank 0, so a long run shows it is alive and how fast it goes."""
+    if rank != 0:
+        return
+    tag = f"warm-up {i + 1}/{warmup}" if i < warmup else f"timed {i - warmup + 1}/{timed}"
+    print(f"[perf] {what} {tag}: {seconds * 1e3:.1f} ms (rank 0)", flush=True)
+
+
+def probe_link(size: int, sizes_mb=(4, 32), repeat: int = 3) -> float:
+    """Bits/s one rank's link carries, from timed fp32 all-reduces of two sizes (collective).
+
+    Ring all-reduce of B bytes moves 2(n-1)/n B over each link, so the slope between the two
+    sizes gives the rate and cancels the per-call latency. Used when the run is unshaped, so
+    the ideal time has a wire term instead of none.
+    """
+    secs = []
+    for mb in sizes_mb:
+        x = torch.zeros(mb * 2**18)
+        dist.all_reduce(x)                    # connect / allocate, untimed
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            dist.all_reduce(x)
+        secs.append((time.perf_counter() - t0) / repeat)
+    took = torch.tensor([secs[1] - secs[0]], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    moved = (sizes_mb[1] - sizes_mb[0]) * 2**20 * 2 * (size - 1) / size
+    return moved * 8 / max(float(took.item()), 1e-9)
+
+
+def link_rate(bandwidth: str, size: int) -> tuple:
+    """(bits/s, where it came from): the shaped rate given, else probed on the group."""
+    rate = parse_rate(bandwidth)
+    if rate:
+        return rate, "shaped"
+    if size < 2:
+        return None, ""
+    return probe_link(size), "probed"
 
 
 def parse_rate(text):
@@ -166,6 +210,16 @@ def compressor_kwargs(name: str, a) -> dict:
 def write_row(path: str, row: dict):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     new = not os.path.exists(path) or os.path.getsize(path) == 0
+    if not new:
+        with open(path, newline="") as f:
+            header = next(csv.reader(f), [])
+            f.seek(0)
+            old = list(csv.DictReader(f))
+        if header != CSV_FIELDS:         # an older file: rewrite it under today's columns
+            with open(path, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+                w.writeheader()
+                w.writerows({k: r.get(k, "") for k in CSV_FIELDS} for r in old)
     with open(path, "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         if new:
@@ -206,19 +260,28 @@ def main(argv=None) -> int:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    # 1. compute alone (no hooks yet): what a step would cost with an infinitely fast network
-    compute = float("nan")
+    # 1. compute alone (no hooks yet): what a step would cost with an infinitely fast network.
+    # Measured like the timed steps below (same warm-up count, ranks released together by a
+    # barrier, the slowest rank per step), so the two are comparable: with one untimed step
+    # and no barrier, the compute steps ran cold (allocator, kernel caches) and out of step
+    # with the other ranks, and could come out above the communicating step time.
+    compute_times = []
     if a.compute_steps > 0:
-        local = torch.optim.SGD(params, lr=a.lr)
-        for i in range(a.compute_steps + 1):
+        local = torch.optim.SGD(params, lr=a.lr, momentum=0.9)
+        for i in range(max(1, a.warmup) + a.compute_steps):
+            if size > 1:
+                dist.barrier()
             sync()
             t0 = time.perf_counter()
             local.zero_grad()
             wl.loss(model, batch).backward()
             local.step()
             sync()
-            if i > 0:       # the first one pays allocations
-                compute = (0 if math.isnan(compute) else compute) + (time.perf_counter() - t0) / a.compute_steps
+            dt = time.perf_counter() - t0
+            timed = i >= max(1, a.warmup)
+            if timed:
+                compute_times.append(dt)
+            progress(rank, "compute", i, max(1, a.warmup), a.compute_steps, dt)
         del local
         model.zero_grad(set_to_none=True)
 
@@ -265,19 +328,22 @@ def main(argv=None) -> int:
         wl.loss(net, batch).backward()
         opt.step()
 
-    for _ in range(a.warmup):
+    for i in range(a.warmup):
+        t0 = time.perf_counter()
         step()
+        progress(rank, "step", i, a.warmup, a.nsteps, time.perf_counter() - t0)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     if size > 1:
         dist.barrier()
     times = []
-    for _ in range(a.nsteps):
+    for i in range(a.nsteps):
         sync()
         t0 = time.perf_counter()
         step()
         sync()
         times.append(time.perf_counter() - t0)
+        progress(rank, "step", a.warmup + i, a.warmup, a.nsteps, times[-1])
 
     # 4. gather: the slowest rank's time per step; bytes; memory
     t = torch.tensor(times, dtype=torch.float64)
@@ -290,21 +356,22 @@ def main(argv=None) -> int:
         sent, dense = st["bytes_sent"], st["dense_bytes"]
     else:
         sent, dense = analytic_bytes(a.opt, params, a.rank), sum(p.numel() for p in params) * 4
-    extra = torch.tensor([peak, compute if not math.isnan(compute) else -1.0, sent], dtype=torch.float64)
+    extra = torch.tensor([peak, sent], dtype=torch.float64)
+    ct = torch.tensor(compute_times, dtype=torch.float64)
     if size > 1:
-        t_cpu, extra_cpu = t.clone(), extra.clone()
-        dist.all_reduce(t_cpu, op=dist.ReduceOp.MAX)
-        dist.all_reduce(extra_cpu, op=dist.ReduceOp.MAX)
-        t, extra = t_cpu, extra_cpu
-    peak, compute, sent_max = extra.tolist()
-    compute = compute if compute >= 0 else float("nan")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(extra, op=dist.ReduceOp.MAX)
+        if len(ct):
+            dist.all_reduce(ct, op=dist.ReduceOp.MAX)
+    peak, sent_max = extra.tolist()
+    compute, compute_ci = mean_ci95(ct.tolist()) if len(ct) else (float("nan"), float("nan"))
+    rate, rate_source = link_rate(a.bandwidth, size)
 
     if rank == 0:
         mean, ci = mean_ci95(t.tolist())
-        rate = parse_rate(a.bandwidth)
         # ring all-reduce: each rank's link carries 2(n-1)/n of the payload in each direction
-        comm_ideal = sent_max * 2 * (size - 1) / size / (rate / 8) if rate and size > 1 else float("nan")
-        ideal = max(compute, comm_ideal) if not math.isnan(comm_ideal) else compute
+        comm_ideal = sent_max * 2 * (size - 1) / size / (rate / 8) if size > 1 else 0.0
+        ideal = comm_ideal if math.isnan(compute) else max(compute, comm_ideal)
         thr = a.bs * size / mean
         nodes = size // max(1, bitscom.local_size())
         row = _base_row(a, size) | {
@@ -312,8 +379,11 @@ def main(argv=None) -> int:
             "iter_time_s": f"{mean:.5f}", "iter_ci95_s": f"{ci:.5f}", "throughput": f"{thr:.3f}",
             "bytes_sent": int(sent_max), "dense_bytes": int(dense),
             "compression_ratio": f"{dense / sent_max:.2f}" if sent_max else "",
-            "compute_time_s": f"{compute:.5f}", "comm_time_ideal_s": f"{comm_ideal:.5f}",
-            "ideal_time_s": f"{ideal:.5f}", "peak_mem_mb": f"{peak:.0f}", "params": wl.numel,
+            "compute_time_s": f"{compute:.5f}" if not math.isnan(compute) else "",
+            "compute_ci95_s": f"{compute_ci:.5f}" if not math.isnan(compute_ci) else "",
+            "link_gbit": f"{rate / 1e9:.4g}" if rate else "", "link_source": rate_source,
+            "comm_time_ideal_s": f"{comm_ideal:.5f}",
+            "ideal_time_s": f"{ideal:.5f}" if not math.isnan(ideal) else "", "peak_mem_mb": f"{peak:.0f}", "params": wl.numel,
             "device": str(dev), "backend": dist.get_backend() if size > 1 else "", "status": "ok"}
         write_row(a.csv, row)
         where = os.environ.get("BITSCOM_CLUSTER", "this machine")
@@ -326,8 +396,14 @@ def main(argv=None) -> int:
               f"throughput {thr:.2f} samples/s")
         print(f"[perf] bytes on the wire {sent_max / 1e6:.2f} MB/step/rank (fp32 {dense / 1e6:.2f} MB, "
               f"{dense / sent_max if sent_max else float('nan'):.1f}x fewer), peak memory {peak:.0f} MB")
-        print(f"[perf] compute {compute * 1e3:.1f} ms, ideal comm {comm_ideal * 1e3:.1f} ms, "
+        comp_txt = (f"compute {compute * 1e3:.1f} ms{_pm(compute_ci)}" if not math.isnan(compute)
+                    else "compute not measured (compute_steps=0)")
+        link_txt = f"{rate / 1e9:.3g} Gbit/s {rate_source}" if size > 1 else "one rank, no wire"
+        print(f"[perf] {comp_txt}, ideal comm {comm_ideal * 1e3:.1f} ms ({link_txt}), "
               f"ideal step {ideal * 1e3:.1f} ms -> {a.csv}")
+        if not math.isnan(compute) and compute - compute_ci > mean + ci:
+            print("[perf] note: compute-only steps measured slower than the communicating steps beyond "
+                  "their 95% CIs: the machine's load changed between the two phases; rerun", flush=True)
     bitscom.shutdown()
     return 0
 

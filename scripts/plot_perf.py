@@ -69,6 +69,22 @@ def speedups(rows):
     return {id(r): base[config_key(r)] / _f(r["iter_time_s"]) for r in rows if config_key(r) in base}
 
 
+def speedup_ci(rows):
+    """95% CI half-width of each speed-up b/t, from the step times' CIs (first-order error
+    propagation: relative errors add in quadrature); 0 where a CI is missing."""
+    base = {config_key(r): r for r in rows if r["opt"] == "ssgd"}
+    out = {}
+    for r in rows:
+        b = base.get(config_key(r))
+        if b is None:
+            continue
+        rel = [_f(x["iter_ci95_s"], 0.0) / _f(x["iter_time_s"]) for x in (b, r)]
+        rel = [0.0 if math.isnan(e) else e for e in rel]
+        out[id(r)] = _f(b["iter_time_s"]) / _f(r["iter_time_s"]) * math.hypot(*rel) if r is not b else \
+            0.0
+    return out
+
+
 def summary_table(rows) -> str:
     rows = latest_ok(rows)
     sp = speedups(rows)
@@ -102,6 +118,7 @@ def plot_perf(rows, out):
 
     rows = latest_ok(rows)
     sp = speedups(rows)
+    sp_ci = speedup_ci(rows)
     groups = _groups(rows)
     if not groups:
         return []
@@ -127,6 +144,7 @@ def plot_perf(rows, out):
                     elif id(r) in sp:
                         xs.append(x)
                         ys.append(sp[id(r)])
+                        es.append(sp_ci[id(r)])
                 if not xs:
                     continue
                 if what == "step_time":
@@ -134,7 +152,7 @@ def plot_perf(rows, out):
                     ax.scatter(xs, ideal, marker="_", s=200, color="black", zorder=3,
                                label="ideal max(compute, bytes/bw)" if j == 0 else None)
                 else:
-                    ax.bar(xs, ys, width, label=lab)
+                    ax.bar(xs, ys, width, yerr=es, label=lab, capsize=2)
             ax.set_xticks(range(len(bws)))
             ax.set_xticklabels(bws)
             dnn, bs, seq, n, thr = key

@@ -92,6 +92,14 @@ def test_transformer_workload_random_init():
     assert loss.ndim == 0 and torch.isfinite(loss)
 
 
+def test_write_row_upgrades_an_older_header(tmp_path):
+    p = tmp_path / "old.csv"
+    p.write_text("dnn,opt,status\ntiny,ssgd,ok\n")
+    perf.write_row(str(p), {"dnn": "vgg16", "status": "ok"})
+    rows = list(csv.DictReader(open(p)))
+    assert list(rows[0]) == perf.CSV_FIELDS and [(r["dnn"], r["opt"]) for r in rows] == [("tiny", "ssgd"), ("vgg16", "")]
+
+
 def test_write_row_header_once(tmp_path):
     p = str(tmp_path / "sub" / "x.csv")
     perf.write_row(p, {"dnn": "tiny", "status": "ok"})
@@ -116,6 +124,11 @@ def test_summary_speedup_over_ssgd(tmp_path):
     table = plot_perf.summary_table(rows)
     assert "| fp16 | 200 ± 1 | 2.00x" in table and "| acpsgd r4 | 100 ± 1 | 4.00x" in table
     assert "| fp16 | 100 ± 1 | 0.50x" in table and "lowbit" not in table
+    ok = plot_perf.latest_ok(rows)
+    ci = plot_perf.speedup_ci(ok)
+    # fp16 at 1gbit: 0.4/0.2 = 2x, relative CIs 0.001/0.4 and 0.001/0.2 in quadrature
+    fp16 = next(r for r in ok if r["opt"] == "fp16" and r["bandwidth"] == "1gbit")
+    assert ci[id(fp16)] == pytest.approx(2 * ((1 / 400) ** 2 + (1 / 200) ** 2) ** 0.5)
     pytest.importorskip("matplotlib")
     files = plot_perf.plot_perf(rows, str(tmp_path))
     assert all(os.path.getsize(f) > 1000 for f in files) and len(files) == 2
@@ -202,7 +215,12 @@ def test_perf_quick_mode_csv(tmp_path):
                                 "compute_steps": "1", "nworkers": "2", "csv": str(out)}, timeout=240)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
         assert "[perf] iteration time" in p.stdout
+        # a line per step (compute, warm-up, timed), and no nan anywhere in what it prints
+        assert "[perf] compute timed 1/1" in p.stdout and "[perf] step timed 3/3" in p.stdout
+        assert "nan" not in p.stdout.lower()
     rows = list(csv.DictReader(open(out)))
+    assert all(float(r["ideal_time_s"]) >= float(r["compute_time_s"]) > 0 for r in rows)
+    assert all(r["link_source"] == "probed" and float(r["link_gbit"]) > 0 for r in rows)
     assert [r["opt"] for r in rows] == ["ssgd", "fp16"] and all(r["status"] == "ok" for r in rows)
     numel = models.build("tiny", 1).numel
     assert int(rows[0]["bytes_sent"]) == numel * 4                    # analytic, DDP fp32
