@@ -24,6 +24,8 @@ from .runtime import (cross_rank, cross_size, init, inter_group, intra_group, is
 from .sharded import ShardedOptimizer
 from . import diloco
 from .diloco import DiLoCo
+from . import cost
+from .onebit import OneBitAdam, ZeroOneAdam
 
 __version__ = "0.1.0"
 
@@ -38,6 +40,6 @@ __all__ = [
     "allreduce_async_", "grouped_allreduce", "allgather", "allgather_async", "allgather_object",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall",
     "alltoall_async", "synchronize", "poll", "barrier", "sparse_allreduce", "sparse_allreduce_async",
-    "fsdp", "checkpointing", "diloco", "DiLoCo",
+    "fsdp", "checkpointing", "diloco", "DiLoCo", "cost", "OneBitAdam", "ZeroOneAdam",
     "nccl_built", "gloo_built", "mpi_built", "cuda_built",
 ]

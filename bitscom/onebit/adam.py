@@ -1,0 +1,101 @@
+"""1-bit Adam (Tang et al., ICML 2021), after DeepSpeed's ``OnebitAdam``."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from .base import OneBitBase
+from .config import OneBitConfig
+
+__all__ = ["OneBitAdam"]
+
+
+class OneBitAdam(OneBitBase):
+    """1-bit Adam: exact AdamW for ``freeze_step`` steps, then the variance frozen and the
+    momentum averaged by a 1-bit all-reduce with worker and server error feedback.
+
+    Why: compressing Adam's *gradients* breaks its variance (bursty error-feedback gradients
+    inflate ``v``), but ``v`` settles early. After the warm-up ``m / sqrt(v_frozen)`` is linear
+    in the momentum, so the momentum itself can be compressed to 1 bit with error feedback.
+
+    The algorithm, step ``t`` on every rank, ``g`` = this rank's gradient (``p.grad``):
+
+    1. ``t <= freeze_step`` (warm-up): ``g`` averaged exactly (fp32 all-reduce through
+       :class:`bitscom.comm.Comm`); ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g²``.
+    2. ``t > freeze_step``: ``m = b1 m + (1-b1) g_local``; ``m`` = the two-stage 1-bit
+       all-reduce of ``m`` (each rank sends sign × block scale of ``m + e_worker`` chunk-wise,
+       the chunk's owner averages, compresses ``avg + e_server`` again, all-gathers; both
+       residuals kept); ``m *= exp_avg_mask`` where a group has one; ``v`` unchanged.
+    3. ``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)`` (decoupled weight decay).
+
+    Differences from the paper / DeepSpeed, on purpose:
+
+    * no bias correction: DeepSpeed's ``OnebitAdam`` accepts ``bias_correction`` but never
+      applies it, and the warm-up/freeze arithmetic above is DeepSpeed's (we follow its code);
+    * DeepSpeed's first ``step()`` only allocates its buffers (updates ``m``, ``v`` but not the
+      parameters); here step 1 is a full AdamW step;
+    * the 1-bit code is bitscom's: one scale (mean |x|) per ``block_size`` block instead of
+      one ``||x|| / sqrt(n)`` per chunk; the server stage is 1 bit as in DeepSpeed;
+    * the error-feedback residuals are checkpointed per rank and resume exactly (DeepSpeed
+      resets them on load).
+
+    Args:
+        params: parameters or groups (a group may set ``lr``, ``weight_decay`` and
+            ``exp_avg_mask``: a 0/1 tensor broadcastable to each of its parameters, 0 for rows
+            that are always zero such as unused embedding rows). float32 parameters only.
+        lr, weight_decay: per group, as AdamW.
+        betas, eps: Adam's, one pair for the model.
+        freeze_step: exact warm-up steps (>= 1). They cost a full fp32 all-reduce each; too
+            few and ``v`` is frozen before it settled (DeepSpeed suggests ~15-25% of training
+            on BERT; docs/onebit.md).
+        group: process group (default: the world group).
+        block_size: elements per 1-bit scale; ``stage2_bits``: width of the server stage.
+
+    Use it alone with LOCAL gradients (no DistributedOptimizer, no DDP): it owns its
+    communication. Every rank must call ``step()`` every iteration.
+
+    Example::
+
+        bitscom.init()
+        opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=100)
+        for x, y in loader:                      # this rank's shard of the data
+            loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.comm_stats()["compression_ratio"]
+    """
+
+    _NAME = "OneBitAdam"
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, freeze_step: int = 100, *, group=None,
+                 block_size: int = 2048, stage2_bits: int = 1):
+        super().__init__(params, lr, weight_decay, group,
+                         dict(betas=betas, eps=eps, freeze_step=freeze_step,
+                              block_size=block_size, stage2_bits=stage2_bits))
+
+    def _make_config(self, settings: Dict[str, Any]) -> OneBitConfig:
+        return OneBitConfig(**settings)
+
+    @property
+    def variance_frozen(self) -> bool:
+        """True once ``freeze_step`` steps were taken (later steps send the 1-bit momentum)."""
+        return self._counters["step"] >= self.config.freeze_step
+
+    def _update(self, grad: torch.Tensor, t: int) -> None:
+        cfg = self.config
+        b1, b2 = cfg.betas
+        m, v = self.exp_avg, self.exp_avg_sq
+        if t <= cfg.freeze_step:
+            g = self._exact_average(grad)
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            self._counters["exact_steps"] += 1
+        else:
+            m.mul_(b1).add_(grad, alpha=1 - b1)
+            self._onebit_average(m)
+            self._mask(m)
+            self._counters["compressed_steps"] += 1
+        self._apply(m / self._denominator())

@@ -1,0 +1,129 @@
+"""Settings of :class:`~bitscom.onebit.OneBitAdam` and :class:`~bitscom.onebit.ZeroOneAdam`:
+frozen, validated once, compared across ranks at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..lowbit import LowBitConfig
+
+__all__ = ["OneBitConfig", "ZeroOneConfig", "momentum_codec"]
+
+
+def _number(owner: str, name: str, value, low: float, high=None, *, open_high=True) -> None:
+    bad = isinstance(value, bool) or not isinstance(value, (int, float))
+    if not bad:
+        bad = math.isnan(value) or value < low or (
+            high is not None and (value >= high if open_high else value > high))
+    if bad:
+        allowed = f"a number in [{low}, {high})" if high is not None else f"a finite number >= {low}"
+        raise ValueError(f"{owner} {name} must be {allowed}, got {value!r}")
+    if math.isinf(value):
+        raise ValueError(f"{owner} {name} must be finite, got {value!r}")
+
+
+def _integer(owner: str, name: str, value, low: int, why: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{owner} {name} must be an int >= {low}{why}, got {value!r}")
+
+
+def check_common(owner: str, lr, betas, eps, weight_decay) -> tuple:
+    """The Adam settings both optimizers share; returns ``betas`` as a tuple."""
+    _number(owner, "lr", lr, 0.0)
+    _number(owner, "eps", eps, 0.0)
+    _number(owner, "weight_decay", weight_decay, 0.0)
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"{owner} betas must be a pair (beta1, beta2), got {betas!r}")
+    _number(owner, "betas[0]", betas[0], 0.0, 1.0)
+    _number(owner, "betas[1]", betas[1], 0.0, 1.0)
+    return (float(betas[0]), float(betas[1]))
+
+
+def momentum_codec(block_size: int, stage2_bits: int) -> LowBitConfig:
+    """The two-stage 1-bit all-reduce with worker AND server error feedback (DeepSpeed's
+    ``compressed_allreduce``): each rank sends ``C(x + e_worker)`` chunk-wise (all-to-all),
+    the owner of a chunk averages, requantizes with its server error ``e_server`` and
+    all-gathers. bitscom's 1-bit code is sign × mean|x| per ``block_size`` block (DeepSpeed:
+    one scale ``||x||/sqrt(n)`` per chunk); the server stage is 1 bit too by default, as in
+    DeepSpeed (``stage2_bits=4`` halves the server-side error for 3 more bits per element of
+    the all-gather)."""
+    return LowBitConfig(bitwidth=1, stage2_bitwidth=stage2_bits, block_size=block_size,
+                        error_feedback_mode="residual", stage2_error_feedback=True)
+
+
+@dataclass(frozen=True)
+class OneBitConfig:
+    """Settings of :class:`~bitscom.onebit.OneBitAdam` other than the per-group ``lr`` /
+    ``weight_decay``.
+
+    Attributes:
+        betas, eps: Adam's (one pair for the whole model: the momentum is one flat buffer).
+        freeze_step: exact-AdamW warm-up steps; the variance freezes after step
+            ``freeze_step`` and every later step sends the 1-bit momentum. Must be >= 1 (a
+            variance of zero would divide the update by ``eps``).
+        block_size: elements per 1-bit scale (power of two, 32..65536): 1 + 16/block_size bits
+            per element on the wire per stage.
+        stage2_bits: width of the server stage (1 as in DeepSpeed, or 2/4/8).
+    """
+
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    freeze_step: int = 100
+    block_size: int = 2048
+    stage2_bits: int = 1
+
+    def __post_init__(self):
+        _integer("OneBitAdam", "freeze_step", self.freeze_step, 1,
+                 " (the exact warm-up that estimates the variance; 0 would freeze it at zero)")
+        _check_codec("OneBitAdam", self.block_size, self.stage2_bits)
+
+    @property
+    def codec(self) -> LowBitConfig:
+        return momentum_codec(self.block_size, self.stage2_bits)
+
+
+@dataclass(frozen=True)
+class ZeroOneConfig:
+    """Settings of :class:`~bitscom.onebit.ZeroOneAdam` other than ``lr`` / ``weight_decay``.
+
+    Attributes:
+        betas, eps, block_size, stage2_bits: as :class:`OneBitConfig`.
+        var_freeze_step: the last step that may update the variance (DeepSpeed: max T_v);
+            usually the end of the learning-rate warm-up.
+        var_update_scaler: kappa: after this many variance updates the interval between them
+            doubles (1, 2, 4, ... steps).
+        local_step_scaler: after this many steps in the frozen phase the local-step interval
+            doubles ...
+        local_step_clipper: ... up to this many local steps between synchronizations (H).
+    """
+
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    var_freeze_step: int = 100
+    var_update_scaler: int = 16
+    local_step_scaler: int = 32678
+    local_step_clipper: int = 16
+    block_size: int = 2048
+    stage2_bits: int = 1
+
+    def __post_init__(self):
+        _integer("ZeroOneAdam", "var_freeze_step", self.var_freeze_step, 1,
+                 " (the variance needs at least one exact update)")
+        _integer("ZeroOneAdam", "var_update_scaler", self.var_update_scaler, 1)
+        _integer("ZeroOneAdam", "local_step_scaler", self.local_step_scaler, 1)
+        _integer("ZeroOneAdam", "local_step_clipper", self.local_step_clipper, 1)
+        _check_codec("ZeroOneAdam", self.block_size, self.stage2_bits)
+
+    @property
+    def codec(self) -> LowBitConfig:
+        return momentum_codec(self.block_size, self.stage2_bits)
+
+
+def _check_codec(owner: str, block_size, stage2_bits) -> None:
+    if stage2_bits not in (1, 2, 4, 8) or isinstance(stage2_bits, bool):
+        raise ValueError(f"{owner} stage2_bits must be one of (1, 2, 4, 8), got {stage2_bits!r}")
+    try:
+        momentum_codec(block_size, stage2_bits)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{owner} block_size={block_size!r}: {err}") from None

@@ -1,0 +1,163 @@
+"""0/1 Adam (Lu et al., 2022), after DeepSpeed's ``ZeroOneAdam``."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from .base import OneBitBase
+from .config import ZeroOneConfig
+
+__all__ = ["ZeroOneAdam"]
+
+
+class ZeroOneAdam(OneBitBase):
+    """0/1 Adam: the variance updated on an exponentially spaced schedule until
+    ``var_freeze_step``, every other step 1-bit, then local steps whose interval grows.
+
+    The algorithm, step ``t``, ``g`` = this rank's gradient, counters as DeepSpeed's:
+
+    1. ``t <= var_freeze_step`` (variance phase). If ``t % var_interval == 0``: ``g``
+       averaged exactly, ``v = b2 v + (1-b2) g²``, ``m = b1 m + (1-b1) g``; else ``g`` averaged
+       by the 1-bit all-reduce (worker + server error feedback), masked, and
+       ``m = b1 m + (1-b1) g``. Then ``p -= lr (m / (sqrt(v)+eps) + wd p)``. Every
+       ``var_update_scaler`` variance updates ``var_interval`` doubles (1, 2, 4, ...).
+    2. ``t > var_freeze_step`` (frozen phase; the residuals are zeroed once on entry, since
+       they now belong to another quantity). ``m = b1 m + (1-b1) g`` locally; ``lrs += lr``;
+       ``d = lr (m / (sqrt(v)+eps) + wd p)``; ``p -= d``; ``u -= d``. If
+       ``t % local_step_interval == 0`` (synchronization): ``u *= sqrt(v)+eps``;
+       ``u`` = 1-bit average of ``u``, masked; ``m = -u / lrs``;
+       ``p = p_sync + u / (sqrt(v)+eps)`` (``p_sync``: the parameters at the last
+       synchronization; DeepSpeed writes ``p - u`` for it, equal in exact arithmetic);
+       ``u = 0``; ``lrs = 0``. Every ``local_step_scaler`` frozen steps ``local_step_interval``
+       doubles, up to ``local_step_clipper``.
+
+    Differences from DeepSpeed: its first ``step()`` only allocates buffers (no update), which
+    shifts its boundaries by one (its variance phase ends after step ``var_freeze_step + 1``);
+    here step 1 is a real step and the frozen phase starts at ``var_freeze_step + 1``. No bias
+    correction (DeepSpeed's accepts the flag and ignores it). The 1-bit code has one scale per
+    ``block_size`` block. Residuals resume exactly from a checkpoint (DeepSpeed resets them).
+
+    Args:
+        params, lr, betas, eps, weight_decay, group, block_size, stage2_bits: as
+            :class:`~bitscom.onebit.OneBitAdam`.
+        var_freeze_step: last step that may update the variance (usually the end of the lr
+            warm-up; DeepSpeed: "does not require tuning").
+        var_update_scaler: kappa, variance updates per interval doubling.
+        local_step_scaler, local_step_clipper: the local-step interval doubles every
+            ``local_step_scaler`` frozen steps, up to ``local_step_clipper`` (H).
+
+    Example::
+
+        bitscom.init()
+        opt = ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=100,
+                          local_step_scaler=100, local_step_clipper=8)
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    """
+
+    _NAME = "ZeroOneAdam"
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, var_freeze_step: int = 100, var_update_scaler: int = 16,
+                 local_step_scaler: int = 32678, local_step_clipper: int = 16, *, group=None,
+                 block_size: int = 2048, stage2_bits: int = 1):
+        super().__init__(params, lr, weight_decay, group,
+                         dict(betas=betas, eps=eps, var_freeze_step=var_freeze_step,
+                              var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
+                              local_step_clipper=local_step_clipper, block_size=block_size,
+                              stage2_bits=stage2_bits))
+        self._sched: Dict[str, Any] = {"var_interval": 1, "var_counter": 0, "local_step_interval": 1,
+                       "local_step_counter": 0, "errors_reset": False,
+                       "lrs": [0.0] * len(self.param_groups)}
+        self.momentum_accumulator = torch.zeros_like(self.exp_avg)
+        # The parameters at the last synchronization (identical on every rank). DeepSpeed
+        # computes them as ``p - u``, which in floating point differs between ranks by the
+        # rounding of their different local steps; keeping them makes the synchronized
+        # parameters bitwise identical on every rank (same value in exact arithmetic).
+        self.anchor = torch.zeros_like(self.exp_avg)
+
+    def _make_config(self, settings: Dict[str, Any]) -> ZeroOneConfig:
+        return ZeroOneConfig(**settings)
+
+    @property
+    def variance_frozen(self) -> bool:
+        return self._counters["step"] >= self.config.var_freeze_step
+
+    def _extra_state(self) -> Dict[str, Any]:
+        return {**self._sched, "lrs": list(self._sched["lrs"]),
+                "momentum_accumulator": self.momentum_accumulator.clone(),
+                "anchor": self.anchor.clone()}
+
+    def _load_extra(self, extra: Dict[str, Any]) -> None:
+        extra = dict(extra)
+        self.momentum_accumulator.copy_(extra.pop("momentum_accumulator"))
+        self.anchor.copy_(extra.pop("anchor"))
+        extra["lrs"] = list(extra["lrs"])
+        self._sched = extra
+
+    def _update(self, grad: torch.Tensor, t: int) -> None:
+        if t <= self.config.var_freeze_step:
+            self._variance_phase(grad, t)
+        else:
+            self._frozen_phase(grad, t)
+
+    def _variance_phase(self, grad: torch.Tensor, t: int) -> None:
+        cfg, s = self.config, self._sched
+        b1, b2 = cfg.betas
+        m, v = self.exp_avg, self.exp_avg_sq
+        if t % s["var_interval"] == 0:
+            g = self._exact_average(grad)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            self._counters["exact_steps"] += 1
+        else:
+            g = self._onebit_average(grad)
+            self._mask(g)
+            self._counters["compressed_steps"] += 1
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        self._apply(m / self._denominator())
+        if t % s["var_interval"] == 0:
+            s["var_counter"] += 1
+            if s["var_counter"] == cfg.var_update_scaler:
+                s["var_counter"] = 0
+                s["var_interval"] *= 2
+
+    def _frozen_phase(self, grad: torch.Tensor, t: int) -> None:
+        cfg, s = self.config, self._sched
+        b1 = cfg.betas[0]
+        m, u = self.exp_avg, self.momentum_accumulator
+        if not s["errors_reset"]:       # the residuals held gradient error; now they hold u's
+            self._lowbit.residual.reset()
+            self._lowbit.stage2_residual.reset()
+            s["errors_reset"] = True
+            for p, view in self._views(self.anchor):
+                view.copy_(p)
+        m.mul_(b1).add_(grad, alpha=1 - b1)
+        s["lrs"] = [acc + g["lr"] for acc, g in zip(s["lrs"], self.param_groups)]
+        denom = self._denominator()
+        self._apply(m / denom, extra=u)
+        if t % s["local_step_interval"] == 0:
+            u.mul_(denom)
+            self._onebit_average(u)
+            self._mask(u)
+            group_of = self._group_of
+            for (p, _, _, _, i), (_, uv) in zip(self._groups(), self._views(u)):
+                off, lrs = self._offsets[i], s["lrs"][group_of[i]]
+                m[off:off + p.numel()].copy_(uv.reshape(-1) / lrs).neg_()
+            self.anchor.add_(u / denom)
+            for p, view in self._views(self.anchor):
+                p.copy_(view)
+            u.zero_()
+            s["lrs"] = [0.0] * len(self.param_groups)
+            self._counters["compressed_steps"] += 1
+        s["local_step_counter"] += 1
+        if s["local_step_counter"] == cfg.local_step_scaler:
+            s["local_step_counter"] = 0
+            s["local_step_interval"] = min(cfg.local_step_clipper, s["local_step_interval"] * 2)
+
+    @property
+    def _group_of(self):
+        return [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]

@@ -1,0 +1,105 @@
+"""ZeroOneAdam against an independent float64 reference of 0/1 Adam (DeepSpeed's schedule:
+exponentially spaced variance updates, 1-bit steps, local steps with a growing interval),
+on 2 and 4 gloo ranks; replicas identical after every synchronization; exact resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bitscom.onebit import ZeroOneAdam
+from helpers import make_model
+from test_onebit_adam import (BS, LR, RefCompressedAllReduce, _resume, _train, flat_params,
+                              local_grads, set_flat)
+
+SET = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+
+
+def reference_zero_one(steps, world, var_freeze_step, var_update_scaler, local_step_scaler,
+                       local_step_clipper, lr=LR, betas=(0.9, 0.999), eps=1e-8, wd=0.0):
+    """Per-rank float64 replicas (local steps make them differ between synchronizations)."""
+    models = [make_model(seed=0).double() for _ in range(world)]
+    n = flat_params(models[0]).numel()
+    b1, b2 = betas
+    m = [torch.zeros(n, dtype=torch.float64) for _ in range(world)]
+    u = [torch.zeros(n, dtype=torch.float64) for _ in range(world)]
+    v = torch.zeros(n, dtype=torch.float64)
+    car = RefCompressedAllReduce(n, world)
+    var_interval, var_counter, local_interval, local_counter, lrs = 1, 0, 1, 0, 0.0
+    history, synced = [], []
+    for t in range(1, steps + 1):
+        gs = [local_grads(models[r], t - 1, world)[r] for r in range(world)]
+        ps = [flat_params(mod).clone() for mod in models]
+        sync = True
+        if t <= var_freeze_step:
+            if t % var_interval == 0:
+                g = sum(gs) / world
+                v = b2 * v + (1 - b2) * g * g
+            else:
+                g = car(gs)
+            m = [b1 * m[0] + (1 - b1) * g for _ in range(world)]
+            ps = [p - lr * (m[0] / (v.sqrt() + eps) + wd * p) for p in ps]
+            if t % var_interval == 0:
+                var_counter += 1
+                if var_counter == var_update_scaler:
+                    var_counter, var_interval = 0, var_interval * 2
+        else:
+            if t == var_freeze_step + 1:             # residuals now hold u's error
+                car = RefCompressedAllReduce(n, world)
+            den = v.sqrt() + eps
+            lrs += lr
+            for r in range(world):
+                m[r] = b1 * m[r] + (1 - b1) * gs[r]
+                d = lr * (m[r] / den + wd * ps[r])
+                ps[r] = ps[r] - d
+                u[r] = u[r] - d
+            sync = t % local_interval == 0
+            if sync:
+                ps = [ps[r] - u[r] for r in range(world)]
+                avg = car([u[r] * den for r in range(world)])
+                m = [-avg / lrs for _ in range(world)]
+                ps = [p + avg / den for p in ps]
+                u = [torch.zeros(n, dtype=torch.float64) for _ in range(world)]
+                lrs = 0.0
+            local_counter += 1
+            if local_counter == local_step_scaler:
+                local_counter, local_interval = 0, min(local_step_clipper, local_interval * 2)
+        for mod, p in zip(models, ps):
+            set_flat(mod, p)
+        history.append([p.clone() for p in ps])
+        synced.append(sync)
+    return history, synced
+
+
+def make_zero_one(model):
+    return ZeroOneAdam(model.parameters(), lr=LR, block_size=BS, **SET)
+
+
+def _run(rank, world, steps):
+    _, opt, hist = _train(rank, world, steps, make_zero_one)
+    return hist, opt.comm_stats()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_one_adam_matches_the_float64_reference(pools, world):
+    steps = 16
+    results = pools.run(world, _run, steps, timeout=200)
+    ref, synced = reference_zero_one(steps, world, **SET)
+    assert not all(synced) and sum(synced) > steps // 2 - 2     # local steps happened
+    for t in range(steps):
+        for r in range(world):
+            torch.testing.assert_close(results[r][0][t].double(), ref[t][r], rtol=1e-4, atol=2e-5,
+                                       msg=f"step {t + 1} rank {r}")
+            if synced[t]:
+                assert torch.equal(results[r][0][t], results[0][0][t]), (t, r)
+    stats = results[0][1]
+    # variance updates at steps 1, 2 (interval 1), 4, 6 (interval 2): exact; 3, 5: 1-bit
+    assert stats["exact_steps"] == 4
+    assert stats["compressed_steps"] == 2 + sum(synced[6:])
+    assert stats["compression_ratio"] > 1
+
+
+@pytest.mark.parametrize("cut", [3, 6, 9])     # variance phase, boundary, between local steps
+def test_zero_one_resume_is_bitwise_exact(pools, cut):
+    results = pools.run(2, _resume, 13, cut, make_zero_one, timeout=150)
+    assert all(ok for ok, _ in results)
