@@ -214,15 +214,30 @@ def split_settings(settings: dict):
     return comp, opt
 
 
-def build_compressor(name, settings):
+def _takes_seed(name) -> bool:
+    """Whether the registry compressor ``name`` has a seed of its own: PowerSGD/ACP-SGD's
+    initial factors (``seed``) or lowbit's stochastic-rounding base (``config.seed``)."""
+    import bitscom
+    built = bitscom.compressors.get(name)
+    return hasattr(built, "seed") or hasattr(getattr(built, "config", None), "seed")
+
+
+def build_compressor(name, settings, seed=None):
     """The variant's compressor; a setting ``exclude=PAT|PAT|...`` (``fnmatch`` patterns on
     parameter names, ``|``-separated) wraps it in :class:`bitscom.compressors.Exclude`: those
     tensors travel uncompressed. ``mc=M`` (and ``mc_masking=False``) wraps the result in
     :class:`bitscom.compressors.MomentumCorrection` with momentum ``M`` (pair it with
     ``opt.dgc=True``: the task's SGD then has no momentum of its own). ``ladam=True`` wraps it
-    in the study-only ``conv_local_adam.LocalAdam`` (pair it with ``opt.local_adam=True``)."""
+    in the study-only ``conv_local_adam.LocalAdam`` (pair it with ``opt.local_adam=True``).
+
+    ``seed`` (the run's training seed) becomes the compressor's own seed where it has one and
+    the variant does not set it: 3 training seeds then also sample 3 initial low-rank factors
+    (one seed of PowerSGD/ACP-SGD's Q alone moved ACP-SGD's GPT loss by ±2.5 points). Every
+    rank passes the same training seed, so the compressor is identical on every rank."""
     import bitscom
     comp = dict(split_settings(settings)[0])
+    if seed is not None and "seed" not in comp and _takes_seed(name):
+        comp["seed"] = int(seed)
     exclude = comp.pop("exclude", None)
     mc, masking = comp.pop("mc", None), comp.pop("mc_masking", False)
     ladam = comp.pop("ladam", False)
@@ -239,10 +254,11 @@ def build_compressor(name, settings):
     return built
 
 
-def run_key(name, settings) -> str:
-    """What makes two variants train identically: the compressor's fingerprint + optimizer settings."""
+def run_key(name, settings, seed=None) -> str:
+    """What makes two variants train identically: the compressor's fingerprint (built for
+    training seed ``seed``) + optimizer settings."""
     opt = split_settings(settings)[1]
-    return build_compressor(name, settings).fingerprint() + "".join(
+    return build_compressor(name, settings, seed).fingerprint() + "".join(
         f";opt.{k}={opt[k]!r}" for k in sorted(opt))
 
 
@@ -253,7 +269,7 @@ def train_one(task, name, settings, seed, rank, world, eval_every):
     base = task.make_optimizer(model, world, **split_settings(settings)[1])
     base_lrs = [g["lr"] for g in base.param_groups]
     opt = bitscom.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                       compression=build_compressor(name, settings))
+                                       compression=build_compressor(name, settings, seed))
     torch.manual_seed(seed * 1000 + rank + 1)           # dropout masks differ per rank
     gen = torch.Generator().manual_seed(seed * 1000 + rank + 1)
     losses, curve = [], []
@@ -305,10 +321,11 @@ def _append(path, fields, rows):
 
 
 def _record(out, task, task_name, label, name, settings, seed, world, losses, curve, sent, dense,
-            wall, identical, nonfinite, eval_every):
+            wall, identical, nonfinite, eval_every, fingerprint=None):
     """Append one run's curve rows and its summary row (rank 0 only). The row keeps the
-    compressor's full fingerprint: a label like "powersgd" means "the default of the day"."""
-    fingerprint = run_key(name, settings)
+    compressor's full fingerprint: a label like "powersgd" means "the default of the day"
+    (``fingerprint`` overrides it, for drivers whose runs are not a compressor)."""
+    fingerprint = fingerprint or run_key(name, settings, seed)
     final = curve[-1][3]
     rows = []
     for s, b, d, e in curve:            # train loss: the mean since the last logged step
