@@ -532,6 +532,14 @@ def test_every_convergence_variant_builds(convergence):
         assert set(labels) <= set(convergence.VARIANTS), set_name
 
 
+def test_convergence_compressor_seed_follows_the_training_seed(convergence):
+    build = convergence.build_compressor
+    assert [build("acpsgd", {}, s).seed for s in range(3)] == [0, 1, 2]
+    assert [build("powersgd", {}, s).seed for s in range(3)] == [0, 1, 2]
+    assert build("acpsgd", {"seed": 5}, 2).seed == 5                   # the variant's own seed wins
+    assert build("topk", {}, 2) == build("topk", {})                   # no seed of its own: unchanged
+
+
 def test_convergence_run_key_tells_optimizer_settings_apart(convergence):
     c = convergence
     assert c.split_settings({"start_iter": 30, "opt.freeze_step": 30}) == ({"start_iter": 30}, {"freeze_step": 30})
