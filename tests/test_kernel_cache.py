@@ -27,6 +27,8 @@ TINY = r"""
 extern "C" int bq_quantize() { return 0; }
 extern "C" int bq_dequant_acc() { return 0; }
 extern "C" int bq_dsr() { return 0; }
+extern "C" int bq_sign_encode() { return 0; }
+extern "C" int bq_sign_decode_sum() { return 0; }
 """
 
 

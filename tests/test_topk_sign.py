@@ -321,3 +321,44 @@ def _optimizer_steps(rank, world):
         dist.all_gather(gathered, flat)
         assert torch.equal(gathered[0], gathered[1])
     return True
+
+
+def test_signsgd_native_path_matches_torch_path_bitwise(monkeypatch):
+    """The fused native CPU kernels give the torch path's exact wire bytes, results and residual."""
+    import bitscom.compressors.signsgd as S
+    from bitscom.buckets import plan_buckets
+    from bitscom.compressors.base import Comm, drive
+    from bitscom.kernels import cpu_native
+    if not cpu_native.available():
+        pytest.skip("no C++ compiler: the native path is not used")
+
+    class Mirror(Comm):
+        def __init__(self):
+            super().__init__()
+            self.size, self.rank, self.sent = 3, 0, []
+
+        def all_gather(self, output, input):
+            self.count(input)
+            self.sent.append(input.clone())
+            output.view(self.size, -1).copy_(input.reshape(1, -1))
+
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate([1003, 17, 5, 409])]
+    layout = plan_buckets(params, 1 << 30)[0]
+    for block, ef in ((16, None), (None, None), (7, False)):
+        comp = S.SignSGD(block_size=block, error_feedback=ef)
+        runs = []
+        for native in (True, False):
+            if not native:
+                monkeypatch.setattr(S, "_native_for", lambda x: None)
+            state, gen, outs, comm = comp.init_state(layout), torch.Generator().manual_seed(1), [], Mirror()
+            for _ in range(3):
+                flat = torch.randn(layout.numel, generator=gen)
+                flat[5], flat[6] = 0.0, -0.0
+                drive(comp.reduce(flat, layout, state, comm), comm)
+                outs.append(flat.view(torch.int32).clone())
+            runs.append((outs, comm.sent, None if state.residual is None else state.residual.view(torch.int32)))
+            monkeypatch.undo()
+        (o1, s1, r1), (o2, s2, r2) = runs
+        assert all(torch.equal(a, b) for a, b in zip(o1, o2))
+        assert all(torch.equal(a, b) for a, b in zip(s1, s2)) and len(s1) == 3
+        assert (r1 is None and r2 is None) or torch.equal(r1, r2)

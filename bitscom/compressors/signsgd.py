@@ -72,6 +72,20 @@ def _segments(sizes: tuple, device: str):
     return counts, torch.repeat_interleave(torch.arange(len(sizes), device=device), counts)
 
 
+@functools.lru_cache(maxsize=256)
+def _counts(sizes: tuple) -> torch.Tensor:
+    """Each segment's element count as a CPU int64 tensor, for the native kernels."""
+    return torch.tensor(sizes, dtype=torch.int64)
+
+
+def _native_for(x: torch.Tensor):
+    """The native CPU kernels when they apply to ``x`` (contiguous fp32 on the CPU), else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
+        return None
+    from ..kernels import cpu_native
+    return cpu_native if cpu_native.available() else None
+
+
 @dataclass(frozen=True)
 class SignSGD(Compressor):
     """One bit per gradient entry plus one fp32 scale per 16-entry block, with error feedback.
@@ -161,8 +175,12 @@ class SignSGD(Compressor):
             yield from plain_average(flat, comm)
             return
         sizes = self._sizes(layout, numel)
-        _, ids = _segments(sizes, str(flat.device))
         x = state.compensate(flat)
+        native = None if self.majority_vote else _native_for(x)
+        if native is not None:
+            yield from self._reduce_native(native, flat, x, sizes, state, comm)
+            return
+        _, ids = _segments(sizes, str(flat.device))
         record = self.encode(x, sizes)
         signs, scales = self.decode(record, sizes)
         state.update(signs * scales[ids])
@@ -185,6 +203,29 @@ class SignSGD(Compressor):
         else:
             flat.copy_(acc.div_(comm.size))
         if not bool(torch.isfinite(torch.stack(gathered_scales)).all()):
+            state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
+
+    def _reduce_native(self, native, flat, x, sizes, state, comm: Comm):
+        """EF-SignSGD's steps 2-5 in two fused passes of the native CPU kernels (encode with the
+        residual update, then the rank-order decode-sum straight into ``flat``): the same bytes
+        and results as the torch path (tests/test_topk_sign.py), without its ~12 passes and
+        per-element temporaries."""
+        numel = x.numel()
+        counts = _counts(sizes)
+        nbytes = -(-numel // 8)
+        record = torch.zeros(nbytes + 4 * len(sizes), dtype=torch.uint8)
+        native.sign_encode(x, counts, record[:nbytes], record[nbytes:],
+                           update=state.enabled)
+        gathered = torch.empty(comm.size * record.numel(), dtype=torch.uint8, device=flat.device)
+        yield comm.all_gather(gathered, record)
+        gathered = gathered.view(comm.size, -1)
+        out = flat if flat.dtype == torch.float32 and flat.is_contiguous() else \
+            torch.empty(numel, dtype=torch.float32)
+        nonfinite = native.sign_decode_sum(gathered, numel, nbytes, counts, out)
+        out.div_(comm.size)
+        if out is not flat:
+            flat.copy_(out)
+        if nonfinite:
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
 
     def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:

@@ -229,7 +229,9 @@ def load(root: Optional[pathlib.Path] = None):
     lib.bq_dequant_acc.argtypes = [_P, _I64, _P, _I64, _I32, _I64, _I32, _I32, _P, _I32]
     lib.bq_dsr.argtypes = [_P, _I64, _P, _I64, _I32, _I64, _I32, _I32, _I32, ctypes.c_float, _I32, _U32,
                            _U32, _U64, _P, _P, _P]
-    for f in (lib.bq_quantize, lib.bq_dequant_acc, lib.bq_dsr):
+    lib.bq_sign_encode.argtypes = [_P, _I64, _P, _I64, _P, _P, _I32]
+    lib.bq_sign_decode_sum.argtypes = [_P, _I64, _I32, _I64, _I64, _P, _I64, _P]
+    for f in (lib.bq_quantize, lib.bq_dequant_acc, lib.bq_dsr, lib.bq_sign_encode, lib.bq_sign_decode_sum):
         f.restype = _I32
     return lib
 
@@ -273,3 +275,21 @@ def dequantize_sum_requantize(payloads, scales, numel, bits, block_size, out_bit
                          k2, index_offset, payload.data_ptr(), out_scales.data_ptr(),
                          None if sum_out is None else sum_out.data_ptr()))
     return payload, out_scales
+
+
+def sign_encode(x, counts, bits, scales, update):
+    """SignSGD's record of the contiguous fp32 ``x`` in one pass: sign bits into the zeroed
+    uint8 ``bits``, one fp32 scale per segment of the int64 ``counts`` into the uint8 ``scales``;
+    with ``update``, ``x -= sign * scale`` (error feedback, ``x`` being the residual)."""
+    _check(_lib().bq_sign_encode(x.data_ptr(), x.numel(), counts.data_ptr(), counts.numel(),
+                                 bits.data_ptr(), scales.data_ptr(), int(update)))
+
+
+def sign_decode_sum(rows, numel, nbytes, counts, out) -> bool:
+    """``out = Σ_r sign_r · scale_r`` over the rows of the gathered uint8 ``rows`` (rank order);
+    True when some scale is not finite."""
+    rc = _lib().bq_sign_decode_sum(rows.data_ptr(), rows.stride(0), rows.shape[0], numel, nbytes,
+                                   counts.data_ptr(), counts.numel(), out.data_ptr())
+    if rc not in (0, 1):
+        _check(rc)
+    return rc == 1

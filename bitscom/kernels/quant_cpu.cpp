@@ -256,4 +256,61 @@ int bq_dsr(const uint8_t* payloads, int64_t pstride, const uint16_t* scales, int
 #undef BQ_S
 }
 
+// Scaled-sign codec of SignSGD (bitscom/compressors/signsgd.py), one pass over x: per segment
+// (counts[k] elements) the left-to-right fp32 sum of |x| (the order of torch's index_add_), the
+// scale sum / count, the sign bits (bit i % 8 of byte i / 8 set for x < 0, bits pre-zeroed by
+// the caller) and, when residual is given (it is x itself), residual -= (+-1) * scale.
+int bq_sign_encode(float* x, int64_t n, const int64_t* counts, int64_t nseg, uint8_t* bits,
+                   uint8_t* scales, int update) {
+    int64_t i = 0;
+    for (int64_t k = 0; k < nseg; ++k) {
+        const int64_t c = counts[k];
+        if (c < 0 || i + c > n) return 2;
+        float sum = 0.0f;
+        for (int64_t j = i; j < i + c; ++j) sum += std::fabs(x[j]);
+        const float s = sum / static_cast<float>(c < 1 ? 1 : c);
+        std::memcpy(scales + 4 * k, &s, 4);
+        if (update) {
+            for (int64_t j = i; j < i + c; ++j) {
+                const uint32_t neg = x[j] < 0.0f;
+                bits[j >> 3] |= static_cast<uint8_t>(neg << (j & 7));
+                x[j] = x[j] - (1.0f - 2.0f * static_cast<float>(neg)) * s;
+            }
+        } else {
+            for (int64_t j = i; j < i + c; ++j)
+                bits[j >> 3] |= static_cast<uint8_t>(static_cast<uint32_t>(x[j] < 0.0f) << (j & 7));
+        }
+        i += c;
+    }
+    return i == n ? 0 : 2;
+}
+
+// out = sum over the P gathered records (rank order) of (+-1) * scale, each record the sign bits
+// (nbytes) followed by nseg fp32 scales (unaligned); returns 1 when a scale is not finite.
+int bq_sign_decode_sum(const uint8_t* rows, int64_t stride, int P, int64_t n, int64_t nbytes,
+                       const int64_t* counts, int64_t nseg, float* out) {
+    int nonfinite = 0;
+    for (int r = 0; r < P; ++r) {
+        const uint8_t* bits = rows + r * stride;
+        const uint8_t* sc = bits + nbytes;
+        int64_t i = 0;
+        for (int64_t k = 0; k < nseg; ++k) {
+            float s;
+            std::memcpy(&s, sc + 4 * k, 4);
+            if (!std::isfinite(s)) nonfinite = 1;
+            const float neg = -1.0f * s, pos = 1.0f * s;
+            const int64_t e = i + counts[k];
+            if (e > n) return 2;
+            const float pm[2] = {pos, neg};
+            if (r == 0) {
+                for (int64_t j = i; j < e; ++j) out[j] = 0.0f + pm[(bits[j >> 3] >> (j & 7)) & 1u];
+            } else {
+                for (int64_t j = i; j < e; ++j) out[j] = out[j] + pm[(bits[j >> 3] >> (j & 7)) & 1u];
+            }
+            i = e;
+        }
+    }
+    return nonfinite;
+}
+
 }  // extern "C"
