@@ -117,6 +117,13 @@ SHORTFALL: dict = {}    # name -> reason: a strict xfail, so a fix shows up (non
 @pytest.mark.parametrize("name", COMPRESSORS)
 def test_replicas_identical_and_bytes_below_target(pools, name):
     results = _results(pools, name)
+    if name == "auto":
+        # rank 0 broadcasts each bucket's choice (8 bytes it alone sends); which compressor
+        # wins depends on measured timings, so there is no byte target, only identity
+        for (acc0, sent0, dense0, sum0), (acc1, sent1, dense1, sum1) in zip(*results):
+            assert (acc0, dense0, sum0) == (acc1, dense1, sum1), "auto: replicas differ"
+            assert 0 <= sent0 - sent1 <= 8 * 64, (sent0, sent1)
+        return
     assert results[0] == results[1], f"{name}: replicas differ"           # bitwise-identical ranks
     ratio = sum(r[2] for r in results[0]) / sum(r[1] for r in results[0])
     assert ratio >= BYTES_TARGET[name], f"{name}: only {ratio:.2f}x fewer bytes than fp32"
