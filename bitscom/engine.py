@@ -41,6 +41,31 @@ def comm_stats(bytes_sent: int, dense_bytes: int, **extra) -> dict:
     return stats
 
 
+class ByteTotals:
+    """Whole-run byte counters for a face whose ``bytes_sent`` is per step.
+
+    Every face's ``comm_stats()`` has ``total_bytes_sent`` / ``total_dense_bytes`` with one
+    meaning (since construction, this rank); ``bytes_sent`` / ``dense_bytes`` are the last
+    step for DistributedOptimizer and ShardedOptimizer and the whole run for the faces that
+    communicate only every few steps (DiLoCo, OneBitAdam, ZeroOneAdam, FSDP2's handle).
+
+    Example::
+
+        totals = ByteTotals(); totals.add(100, 400); totals.as_dict()["total_bytes_sent"]  # 100
+    """
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.dense = 0
+
+    def add(self, sent: int, dense: int) -> None:
+        self.sent += int(sent)
+        self.dense += int(dense)
+
+    def as_dict(self) -> dict:
+        return {"total_bytes_sent": self.sent, "total_dense_bytes": self.dense}
+
+
 class Reducer:
     """Runs one compressor over a fixed list of bucket layouts, step after step.
 

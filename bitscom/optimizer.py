@@ -39,7 +39,7 @@ from .agreement import describe_state
 from .lifecycle import StepFace, StepLifecycle, check_trainable, ddp_owner, live_objects, require_group
 from .buckets import FlatBucket, plan_buckets, plan_groups
 from .compressors import Compression, resolve as resolve_compressor
-from .engine import Reducer, comm_stats
+from .engine import ByteTotals, Reducer, comm_stats
 from .horovod.sparse import SparseGradients
 from .ops import Adasum, Average, ReduceOp, Sum
 from .params import named_parameters_of
@@ -256,6 +256,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             else SparseGradients(self._trainable, found)
         self._uid = zlib.crc32(repr(self._description()).encode()) & 0x3FFFFFFF
         self._stats = {"bytes_sent": 0, "dense_bytes": 0, "buckets": len(self._buckets)}
+        self._totals = ByteTotals()
         self._life = StepLifecycle(self, "DistributedOptimizer", named, process_group,
                                    backward_passes_per_step)
         self._life.agree()                      # every rank, before any other collective
@@ -383,6 +384,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             bucket.write_back()
             dense += bucket.layout.numel * 4
         self._stats = {"bytes_sent": sent, "dense_bytes": dense, "buckets": len(self._buckets)}
+        self._totals.add(sent, dense)
         self._life.completed = True
         if self._sparse_grads is not None and self._sparse_grads.params:
             self._sparse_grads.finish(self)      # every rank, plan order: sparse p.grad
@@ -538,7 +540,8 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
 
     def comm_stats(self) -> dict:
         """Bytes of the last synchronized step: ``bytes_sent`` (payload this rank handed to
-        the network) and ``dense_bytes`` (what fp32 gradients would have cost).
+        the network) and ``dense_bytes`` (what fp32 gradients would have cost), and since
+        construction: ``total_bytes_sent`` / ``total_dense_bytes``.
 
         Example::
 
@@ -547,7 +550,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         With ``compression="auto"`` it also has ``auto_plan``: the compressor chosen for each
         bucket (``None`` while a bucket is still being probed).
         """
-        stats: Dict[str, Any] = dict(self._stats)
+        stats: Dict[str, Any] = dict(self._stats, **self._totals.as_dict())
         from .compressors.auto import Auto
         if isinstance(self.compression, Auto):
             stats["auto_plan"] = Auto.plan(self._reducer.states)

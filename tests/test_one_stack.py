@@ -395,3 +395,46 @@ def test_help_shows_the_real_arguments():
     params = inspect.signature(bitscom.DistributedOptimizer).parameters
     assert list(params)[:4] == ["optimizer", "named_parameters", "compression", "backward_passes_per_step"]
     assert "fusion_threshold_mb" in params and "args" not in params
+
+
+# ------------------------------------------- comm_stats: one meaning of the totals everywhere
+
+def _totals_per_face(rank, world):
+    out = {}
+    faces = {
+        "DistributedOptimizer": lambda m: bitscom.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(), compression="lowbit"),
+        "ShardedOptimizer": lambda m: _sharded(m, quantized_weights=True, quantized_gradients=True),
+        "DiLoCo": lambda m: bitscom.DiLoCo(torch.optim.AdamW(m.parameters(), lr=0.01),
+                                           m.named_parameters(), sync_every=2),
+        "OneBitAdam": lambda m: bitscom.OneBitAdam(m.parameters(), lr=0.01, freeze_step=2),
+    }
+    for name, build in faces.items():
+        model = make_model(seed=0)
+        opt = build(model)
+        per_step = []
+        for step in range(5):
+            opt.zero_grad()
+            _loss(model, step, rank, world).backward()
+            opt.step()
+            s = opt.comm_stats()
+            per_step.append((s["bytes_sent"], s["dense_bytes"]))
+        s = opt.comm_stats()
+        out[name] = (per_step, s["total_bytes_sent"], s["total_dense_bytes"])
+        if hasattr(opt, "close"):
+            opt.close()
+    return out
+
+
+def test_every_face_reports_whole_run_totals_with_one_meaning(pools):
+    """``total_bytes_sent`` / ``total_dense_bytes`` are since construction on every face,
+    whether its ``bytes_sent`` is per step (the two gradient optimizers) or whole-run (faces
+    that communicate every few steps): a user summing or reading them gets the same quantity."""
+    for per_rank in pools.run(2, _totals_per_face, timeout=240):
+        for name in ("DistributedOptimizer", "ShardedOptimizer"):
+            per_step, sent, dense = per_rank[name]
+            assert sent == sum(b for b, _ in per_step) > 0, name
+            assert dense == sum(d for _, d in per_step) > 0, name   # (tiny model: sharded 4-bit pads)
+        for name in ("DiLoCo", "OneBitAdam"):
+            per_step, sent, dense = per_rank[name]
+            assert (sent, dense) == per_step[-1] and sent > 0 and dense > 0, name

@@ -301,7 +301,8 @@ class DiLoCo(torch.optim.Optimizer):
         """
         c = dict(self._counters)
         sent = c.pop("bytes_sent")
-        return comm_stats(sent, c["inner_steps"] * self._dense_per_step, **c)
+        dense = c["inner_steps"] * self._dense_per_step
+        return comm_stats(sent, dense, **c, total_bytes_sent=sent, total_dense_bytes=dense)
 
     @property
     def global_parameters(self) -> List[torch.Tensor]:

@@ -98,7 +98,8 @@ class FSDPCompression:
         ``inter_node_bytes`` (the part of ``bytes_sent`` that crossed the slow inter-node level)."""
         c = self.counter
         extra = {"inter_node_bytes": c.inter_bytes} if self.config.hierarchy == "two_level" else {}
-        return _stats(c.bytes_sent, c.dense_bytes, reduce_scatters=c.calls, **extra)
+        return _stats(c.bytes_sent, c.dense_bytes, reduce_scatters=c.calls, **extra,
+                      total_bytes_sent=c.bytes_sent, total_dense_bytes=c.dense_bytes)
 
     def reset_stats(self) -> None:
         """Start counting bytes from zero again (e.g. after warm-up)."""

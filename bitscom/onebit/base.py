@@ -239,7 +239,7 @@ class OneBitBase(torch.optim.Optimizer):
         c = dict(self._counters)
         sent = c.pop("bytes_sent")
         dense = (c["step"] + c["skipped_steps"]) * self._numel * 4 if self._size > 1 else 0
-        return comm_stats(sent, dense, **c)
+        return comm_stats(sent, dense, **c, total_bytes_sent=sent, total_dense_bytes=dense)
 
     def _extra_state(self) -> Dict[str, Any]:
         return {}

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .. import runtime
 from ..comm import Comm, gather_objects, wait
-from ..engine import comm_stats
+from ..engine import ByteTotals, comm_stats
 from ..lifecycle import StepFace, StepLifecycle, check_trainable, ddp_owner, require_group
 from ..node_groups import node_groups
 from ..ops import Average, ReduceOp
@@ -254,6 +254,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._reset_buckets()
         self._reducer = GradientReducer(self.config, topo)
         self._stats: Dict[str, Any] = {}
+        self._totals = ByteTotals()
         self._norms: Optional[torch.Tensor] = None   # this step's global gradient norm summary (clip_grad_norm_)
         self._uid = zlib.crc32(repr(self._static).encode()) & 0x3FFFFFFF
         self._optimizer_step_pre_hooks = {}
@@ -411,6 +412,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             self._reset_buckets()
         dense = sum(gradient_wire_bytes(ShardedConfig(), self.topo, b.shard_numel) for b in self.plan.buckets)
         self._stats = {"gradient_bytes": sent, "dense_gradient_bytes": dense}
+        self._totals.add(sent, dense)
         self._life.completed = True
 
     def _reset_buckets(self) -> None:
@@ -534,6 +536,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._stats["dense_weight_bytes"] = sum(
             weight_wire_bytes(ShardedConfig(), self.topo, b.shard_numel, self._param_dtype)
             for b in self.plan.buckets)
+        self._totals.add(sent, self._stats["dense_weight_bytes"])
         self._life.stepped()
         return result
 
@@ -563,7 +566,8 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
     # -- statistics ------------------------------------------------------------------------
     def comm_stats(self) -> dict:
         """Bytes of the last step this rank handed to the network (each collective's input
-        buffer), gradients and weights separately, and what exact fp32 sharded DP would send.
+        buffer), gradients and weights separately, and what exact fp32 sharded DP would send;
+        ``total_bytes_sent`` / ``total_dense_bytes`` since construction.
 
         Example::
 
@@ -571,7 +575,8 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         """
         s = self._stats
         return comm_stats(s.get("gradient_bytes", 0) + s.get("weight_bytes", 0),
-                          s.get("dense_gradient_bytes", 0) + s.get("dense_weight_bytes", 0), **s)
+                          s.get("dense_gradient_bytes", 0) + s.get("dense_weight_bytes", 0), **s,
+                          **self._totals.as_dict())
 
     def memory_stats(self) -> dict:
         """Bytes this rank holds for optimizer state, the master shard and its gradient.
