@@ -40,7 +40,10 @@ venv_activate() {
 
 # venv_torch : pip install torch==$TORCH_VERSION into $VENV when it cannot import torch.
 venv_torch() {
-    "$PY" -c "import torch" >/dev/null 2>&1 && return 0
+    # find_spec, not `import torch`: installed is what matters here, and importing torch costs
+    # seconds of CPU on every script start (a broken install still fails loudly at first use)
+    "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" \
+        >/dev/null 2>&1 && return 0
     venv_say "pip install torch==$TORCH_VERSION into $VENV (the first time: a few minutes)"
     "$PY" -m pip install "torch==$TORCH_VERSION"
 }

@@ -64,20 +64,52 @@ def _worker(rank: int, world: int, port: int, local_size: int, conn) -> None:
         pass
 
 
+SPAWNED_ERROR = "__spawned_error__"
+
+
+def _spawned_main(target, ready, rank, world, port, queue, release, *args) -> None:
+    """Import torch and bitscom, wait until every rank has, then run ``target``.
+
+    Under load one rank can take many seconds longer than the others just to import torch; a
+    test that calls ``init(timeout=5 s)`` would then lose the rendezvous race instead of testing
+    what it means to. An exception in ``target`` is put on the queue, so the test fails at once
+    with the traceback instead of waiting for a result that never comes.
+    """
+    sys.path.insert(0, TESTS_DIR)
+    import torch  # noqa: F401 — imported before the barrier, see above
+
+    import bitscom  # noqa: F401
+    try:
+        ready.wait(120)
+        target(rank, world, port, queue, release, *args)
+    except BaseException:  # noqa: BLE001 — reported to the parent
+        queue.put((SPAWNED_ERROR, rank, traceback.format_exc()))
+        queue.close()
+        queue.join_thread()
+        os._exit(1)
+
+
 def run_spawned(target, world: int, *args, results: int = None, timeout: float = 150):
     """Start ``world`` fresh processes running ``target(rank, world, port, queue, release, *args)``
     (for tests that need their own init, e.g. a short timeout or a stalled peer); collect
     ``results`` (default ``world``) items from ``queue``, then set ``release`` and make sure
-    every process is gone. Returns the collected items in arrival order.
+    every process is gone. Returns the collected items in arrival order. Every rank has imported
+    torch and bitscom before ``target`` starts; an exception in ``target`` raises here.
     """
     ctx = mp.get_context("spawn")
-    queue, release, port = ctx.Queue(), ctx.Event(), free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, queue, release, *args), daemon=True)
-             for r in range(world)]
+    queue, release, ready, port = ctx.Queue(), ctx.Event(), ctx.Barrier(world), free_port()
+    procs = [ctx.Process(target=_spawned_main, args=(target, ready, r, world, port, queue, release, *args),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     try:
-        return [queue.get(timeout=timeout) for _ in range(world if results is None else results)]
+        items = []
+        for _ in range(world if results is None else results):
+            item = queue.get(timeout=timeout)
+            if isinstance(item, tuple) and len(item) == 3 and item[0] == SPAWNED_ERROR:
+                raise RankError(f"rank {item[1]} failed:\n{item[2]}")
+            items.append(item)
+        return items
     finally:
         release.set()
         for p in procs:

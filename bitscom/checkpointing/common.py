@@ -20,13 +20,19 @@ import pickle
 from typing import Any, Dict, List, Tuple
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 __all__ = ["blob", "unblob", "split_tensors", "join_tensors", "digest", "read_entries",
            "template", "save_dict", "load_dict"]
 
 _MARK = "__bitscom_tensor__"
+
+
+def _dcp():
+    """``torch.distributed.checkpoint``, imported on first use: it pulls in DTensor and sympy
+    (about 2 s of CPU), which every ``import bitscom`` (each rank of every job) would otherwise pay
+    for checkpoints it may never write."""
+    import torch.distributed.checkpoint as dcp
+    return dcp
 
 
 def blob(value: Any) -> bytes:
@@ -78,12 +84,13 @@ def read_entries(path) -> Dict[str, Any]:
     each rank, no collective)."""
     if not os.path.isdir(os.fspath(path)):
         raise FileNotFoundError(f"no DCP checkpoint directory at {os.fspath(path)!r}")
-    return dict(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    return dict(_dcp().FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
 def template(meta: Any) -> Any:
     """An empty load target for one checkpoint entry: a CPU tensor of the saved shape and
     dtype, or ``b""`` for a pickled value."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
     if isinstance(meta, TensorStorageMetadata):
         return torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     if isinstance(meta, BytesStorageMetadata):
@@ -97,12 +104,12 @@ def _kwargs(group) -> dict:
 
 def save_dict(state: dict, path, group) -> None:
     """``dcp.save`` by every rank of ``group`` (one process: no collectives)."""
-    dcp.save(state, checkpoint_id=os.fspath(path), **_kwargs(group))
+    _dcp().save(state, checkpoint_id=os.fspath(path), **_kwargs(group))
 
 
 def load_dict(state: dict, path, group) -> dict:
     """``dcp.load`` in place into ``state`` by every rank of ``group``; returns ``state``."""
-    dcp.load(state, checkpoint_id=os.fspath(path), **_kwargs(group))
+    _dcp().load(state, checkpoint_id=os.fspath(path), **_kwargs(group))
     return state
 
 
