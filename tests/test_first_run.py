@@ -148,3 +148,14 @@ def test_mnist_progress_line_at_most_once_per_interval(monkeypatch, capsys):
     for off in (mnist.Progress(0, enabled=True), mnist.Progress(30, enabled=False)):
         off.tick(1, 8, 1, 937, 1.0)
     assert capsys.readouterr().out == ""
+
+
+def test_import_bitscom_leaves_the_checkpoint_stack_unloaded():
+    """Every rank of every job imports bitscom; torch.distributed.checkpoint (and the DTensor /
+    sympy stack under it) costs about 2 s of CPU and is only needed to write a checkpoint."""
+    code = ("import sys, bitscom; heavy = [m for m in ('torch.distributed.checkpoint', "
+            "'torch.distributed.tensor', 'sympy') if m in sys.modules]; print(heavy)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "[]", p.stdout
