@@ -31,7 +31,7 @@ from typing import Optional
 
 from .base import BucketLayout, Comm, dense_bytes, plain_average
 from .lowrank import LowRankCompressor, LowRankPlan, LowRankState, forget_if_nonfinite, \
-    orthogonalize, project, random_factors
+    orthogonalize, random_factors
 
 __all__ = ["ACPSGD", "ACPSGDState"]
 
@@ -102,15 +102,15 @@ class ACPSGD(LowRankCompressor):
         tail = wire[wire.numel() - plan.uncompressed_numel:]
         plan.gather_uncompressed(x, tail)
         for g in plan.groups:
-            mat, p, q = g.load(x), g.p(p_all), g.q(q_all)
+            p, q = g.p(p_all), g.q(q_all)
             if send_p:
                 if not fresh:
                     orthogonalize(q, self.orthogonalization)
-                project(mat, q, p, transpose=False)
+                g.project(x, q, p, transpose=False)
             else:
                 if not fresh:
                     orthogonalize(p, self.orthogonalization)
-                project(mat, p, q, transpose=True)
+                g.project(x, p, q, transpose=True)
             if ef.enabled:                           # E = x − P Qᵀ from the local factors
                 g.sub_product(x, p, q)
         if ef.enabled:                               # sent exactly: nothing left over

@@ -28,7 +28,7 @@ from typing import Optional
 
 from .base import BucketLayout, Comm, dense_bytes, plain_average
 from .lowrank import LowRankCompressor, LowRankState, forget_if_nonfinite, \
-    orthogonalize, project, random_factors
+    orthogonalize, random_factors
 
 __all__ = ["PowerSGD", "PowerSGDState"]
 
@@ -86,19 +86,17 @@ class PowerSGD(LowRankCompressor):
         else:
             for g in plan.groups:
                 orthogonalize(g.q(state.q), self.orthogonalization)
-        matrices = [g.load(x) for g in plan.groups]
-        for g, mat in zip(plan.groups, matrices):
-            project(mat, g.q(state.q), g.p(pbuf), transpose=False)
+        for g in plan.groups:
+            g.project(x, g.q(state.q), g.p(pbuf), transpose=False)
         plan.gather_uncompressed(x, tail)
         yield comm.all_reduce(state.p)
 
-        for g, mat in zip(plan.groups, matrices):
+        for g in plan.groups:                        # x is unchanged since round 1
             p, q = g.p(pbuf), g.q(state.q)
             orthogonalize(p, self.orthogonalization)
-            project(mat, p, q, transpose=True)
+            g.project(x, p, q, transpose=True)
             if ef.enabled:                           # E = x − P Qᵀ (local Q), in the residual
                 g.sub_product(x, p, q)
-        del matrices
         if ef.enabled:                               # sent exactly: nothing left over
             plan.zero_uncompressed(x)
         tail.div_(comm.size)
