@@ -34,6 +34,14 @@ ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPAT
 
 
 # ---- perf.py -------------------------------------------------------------------------------------
+def test_perf_warms_up_past_the_auto_probe():
+    import bitscom
+    auto = bitscom.compressors.get("auto")
+    assert perf.past_probe(auto, 2, 1) == auto.probe_steps + 1      # probe + decision untimed
+    assert perf.past_probe(auto, 10, 1) == 10
+    assert perf.past_probe(bitscom.compressors.get("lowbit"), 2, 1) == 2
+
+
 def test_perf_args_from_env_knobs(monkeypatch):
     for k, v in {"opt": "fp16", "dnn": "tiny", "bs": "8", "rank": "2", "nsteps": "4", "threshold": "1"}.items():
         monkeypatch.setenv(k, v)
