@@ -116,6 +116,11 @@ def build(kind, settings, model, task, task_name, world, seed):
     import bitscom
     s = dict(settings)
     base = task.make_optimizer(model, world) if kind in ("ssgd", "diloco") else None
+    lr_scale = s.pop("inner_lr_scale", 1.0)     # the task's (inner) lr times this, schedule kept
+    s.pop("final_sync", None)                   # train_one's: DiLoCo.sync() after the last step
+    if base is not None:
+        for g in base.param_groups:
+            g["lr"] *= lr_scale
     if kind == "ssgd":
         opt = bitscom.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                            compression="none")
@@ -152,6 +157,7 @@ def train_one(task, task_name, kind, settings, seed, rank, world, eval_every):
     model = task.make_model()
     opt, sched = build(kind, settings, model, task, task_name, world, seed)
     base_lrs = [g["lr"] for g in sched.param_groups]
+    final_sync = bool(settings.get("final_sync")) and kind == "diloco"
     torch.manual_seed(seed * 1000 + rank + 1)
     gen = torch.Generator().manual_seed(seed * 1000 + rank + 1)
     losses, curve = [], []
@@ -167,6 +173,8 @@ def train_one(task, task_name, kind, settings, seed, rank, world, eval_every):
         loss = task.loss(model, batch)
         loss.backward()
         opt.step()
+        if final_sync and step + 1 == task.steps:    # θ_global includes the last partial interval
+            opt.sync()
         stats = opt.comm_stats()
         if first_dense is None:
             first_dense = stats["dense_bytes"]

@@ -51,9 +51,12 @@ def _train(rank, world, steps, kind="adamw", dtype=torch.float32, passes=1, **kw
     return hist, opt.comm_stats(), frags
 
 
-def _reference(world, steps, kind, H, frags, outer_lr, mom, nesterov, passes=1, lr=0.05, skip=()):
+def _reference(world, steps, kind, H, frags, outer_lr, mom, nesterov, passes=1, lr=0.05, skip=(),
+               warmup=0):
     """DiLoCo written out in float64: ``world`` replicas, inner steps, exact pseudo-gradient
-    mean, outer (Nesterov) momentum by hand. ``skip``: (rank, step) inner steps not taken."""
+    mean, outer (Nesterov) momentum by hand. ``skip``: (rank, step) inner steps not taken.
+    ``warmup``: the first steps average the gradients over the replicas before every replica's
+    inner step (post-local SGD); the local schedule counts from the step after."""
     base = make_model(seed=0).double()
     names = [n for n, _ in base.named_parameters()]
     models = [copy.deepcopy(base) for _ in range(world)]
@@ -67,10 +70,21 @@ def _reference(world, steps, kind, H, frags, outer_lr, mom, nesterov, passes=1, 
             o.zero_grad()
             for k in range(passes):
                 (_loss(m, (t - 1) * passes + k, r, world) / passes).backward()
+        if t <= warmup:
+            for ps in zip(*(m.parameters() for m in models)):
+                mean = sum(p.grad for p in ps) / world
+                for p in ps:
+                    p.grad = mean.clone()
+        for r, o in enumerate(inners):
             if (r, t) not in skip:
                 o.step()
+        if t <= warmup:
+            glob = {n: p.detach().clone() for n, p in models[0].named_parameters()}
+            out.append([[dict(m.named_parameters())[n].detach().clone() for n in names]
+                        for m in models])
+            continue
         for f, members in enumerate(frags):
-            if (t - offsets[f]) % H:
+            if t - warmup < 1 or (t - warmup - offsets[f]) % H:
                 continue
             for n in members:
                 locs = [dict(m.named_parameters())[n] for m in models]
@@ -135,6 +149,68 @@ def test_exact_path_matches_float64_reference(pools, world, kind, H, F, passes, 
         assert stats["bytes_sent"] == (steps // H) * per_step * 2
 
 
+@pytest.mark.parametrize("world,kind,H,F,W,passes", [
+    (2, "adamw", 4, 1, 3, 1),
+    (2, "sgd", 3, 2, 4, 2),                           # streaming + accumulation after a warm-up
+    (4, "adamw", 4, 2, 2, 1),
+])
+def test_warmup_matches_float64_reference(pools, world, kind, H, F, W, passes):
+    """Post-local SGD: W steps of exact gradient averaging (every replica identical, θ_global
+    = the parameters), then DiLoCo whose schedule starts after step W."""
+    steps = W + 2 * H + 1
+    res = pools.run(world, _train, steps, kind, torch.float64, passes, sync_every=H,
+                    compression=None, fragments=F, warmup_steps=W, timeout=150)
+    frags = res[0][2]
+    ref = _reference(world, steps, kind, H, frags, 0.7, 0.9, True, passes, warmup=W)
+    for t in range(steps):
+        for r in range(world):
+            for n, got, want in zip(NAMES, res[r][0][t][0], ref[t][r]):
+                assert torch.allclose(got, want, rtol=1e-11, atol=1e-13), \
+                    f"rank {r} step {t + 1} {n}: max err {(got - want).abs().max():.3g}"
+            if t < W:     # S-SGD during the warm-up: parameters = θ_global, identical everywhere
+                for p, q in zip(res[r][0][t][0], res[0][0][t][0]):
+                    assert torch.equal(p, q), f"rank {r} differs from rank 0 in warm-up step {t + 1}"
+    # without the warm-up the same run is different (the warm-up is not a no-op)
+    plain = _reference(world, steps, kind, H, frags, 0.7, 0.9, True, passes)
+    assert not torch.allclose(plain[-1][0][0], ref[-1][0][0], rtol=1e-6)
+    stats = res[0][1]
+    per_step = sum(p.numel() for p in make_model().parameters()) * 4
+    assert stats["warmup_syncs"] == W and stats["inner_steps"] == steps
+    assert stats["dense_bytes"] == steps * per_step
+    if F == 1:   # float64 exact: a model-sized all-reduce per warm-up step and per H local steps
+        assert stats["syncs"] == (steps - W) // H
+        assert stats["bytes_sent"] == (W + (steps - W) // H) * per_step * 2
+
+
+def _final_sync(rank, world, steps, H, F):
+    model, opt = _build("adamw", torch.float64, sync_every=H, compression=None, outer_lr=1.0,
+                        outer_momentum=0.0, nesterov=False, fragments=F)
+    for t in range(steps):
+        _loss(model, t, rank, world).backward()
+        opt.step()
+        opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    syncs = opt.comm_stats()["syncs"]
+    opt.sync()
+    return before, [p.detach().clone() for p in model.parameters()], syncs, opt.comm_stats()
+
+
+@pytest.mark.parametrize("F", [1, 2])
+def test_sync_averages_the_partial_interval(pools, F):
+    """opt.sync() after a step off the schedule: with plain averaging the model becomes the
+    mean of the ranks' local models (computed here in float64), identical on every rank."""
+    H, steps = 4, 7                   # past every fragment's last scheduled sync (F=2: 4 and 6)
+    res = pools.run(2, _final_sync, steps, H, F)
+    for i, n in enumerate(NAMES):
+        mean = (res[0][0][i] + res[1][0][i]) / 2
+        assert not torch.equal(res[0][0][i], res[1][0][i]), f"{n}: ranks had not drifted"
+        for r in range(2):
+            assert torch.allclose(res[r][1][i], mean, rtol=1e-12, atol=1e-14), f"rank {r} {n}"
+            assert torch.equal(res[r][1][i], res[0][1][i])
+    assert res[0][3]["syncs"] == res[0][2] + 1
+    assert res[0][3]["bytes_sent"] > 0
+
+
 def _direct(rank, world, steps, H, F, settings):
     """DiLoCo with lowbit next to the same algorithm written with the compressor driven
     directly (own compressor states): the parameters must agree bitwise at every step."""
@@ -191,9 +267,9 @@ def test_lowbit_path_matches_compressor_run_directly(pools, world, F):
         "4-bit pseudo-gradients gave the exact result: the compressor was not used"
 
 
-def _resume(rank, world, total, cut, path):
+def _resume(rank, world, total, cut, path, warmup=0):
     kw = dict(sync_every=4, fragments=2, compression=bitscom.compressors.LowBit(
-        bitwidth=4, error_feedback=True))
+        bitwidth=4, error_feedback=True), warmup_steps=warmup)
     model, opt = _build("adamw", **kw)
     for t in range(total):
         _loss(model, t, rank, world).backward()
@@ -214,9 +290,10 @@ def _resume(rank, world, total, cut, path):
     return straight, resumed, [g.clone() for g in opt.global_parameters]
 
 
-@pytest.mark.parametrize("cut", [5, 8])       # mid-interval (no sync at 5), and right after one
-def test_resume_is_bitwise(pools, tmp_path, cut):
-    res = pools.run(2, _resume, 13, cut, str(tmp_path / "ckpt"))
+@pytest.mark.parametrize("cut,warmup", [(5, 0), (8, 0),   # mid-interval (no sync at 5), after one
+                                       (2, 3), (3, 3)])   # inside the warm-up, at its last step
+def test_resume_is_bitwise(pools, tmp_path, cut, warmup):
+    res = pools.run(2, _resume, 13, cut, str(tmp_path / "ckpt"), warmup)
     for r, (straight, resumed, _glob) in enumerate(res):
         for a, b in zip(straight[0], resumed[0]):
             assert torch.equal(a, b), f"rank {r}: resumed run differs"
@@ -225,8 +302,8 @@ def test_resume_is_bitwise(pools, tmp_path, cut):
         assert torch.equal(a, b)
 
 
-def _scaler(rank, world, steps, bad_step, bad_rank, unscale):
-    model, opt = _build("sgd", sync_every=3, compression=None)
+def _scaler(rank, world, steps, bad_step, bad_rank, unscale, warmup=0):
+    model, opt = _build("sgd", sync_every=3, compression=None, warmup_steps=warmup)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     for t in range(1, steps + 1):
         scaler.scale(_loss(model, t - 1, rank, world)).backward()
@@ -255,6 +332,22 @@ def test_grad_scaler_overflow_on_one_rank_keeps_ranks_in_step(pools, unscale):
                 f"rank {r} {n}: max err {(got.double() - want).abs().max():.3g}"
     ok = _reference(2, steps, "sgd", 3, [NAMES], 0.7, 0.9, True, lr=0.05)
     assert not torch.allclose(ok[-1][1][0], ref[-1][1][0], rtol=1e-5, atol=1e-6)  # skip mattered
+
+
+def test_grad_scaler_overflow_in_warmup_skips_on_every_rank(pools):
+    """In the warm-up the gradients are averaged, so an overflow on one rank reaches every
+    rank: all skip that step (as under DDP) and the replicas stay identical."""
+    steps, bad, warmup = 8, 2, 3
+    res = pools.run(2, _scaler, steps, bad, 1, False, warmup, timeout=120)
+    assert [r[1]["skipped_inner_steps"] for r in res] == [1, 1]
+    assert res[0][1]["syncs"] == res[1][1]["syncs"] == (steps - warmup) // 3
+    ref = _reference(2, steps, "sgd", 3, [NAMES], 0.7, 0.9, True, lr=0.05,
+                     skip={(0, bad), (1, bad)}, warmup=warmup)
+    for r in range(2):
+        for n, got, want in zip(NAMES, res[r][0], ref[-1][r]):
+            assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6), \
+                f"rank {r} {n}: max err {(got.double() - want).abs().max():.3g}"
+    assert all(torch.isfinite(p).all() for r in res for p in r[0])
 
 
 def _averager(rank, world, steps, H):
@@ -350,6 +443,10 @@ def test_schedule_and_fragment_split():
     assert [t for t in range(1, 13) if cfg.due(t)] == [2, 4, 6, 8, 10, 12]
     assert cfg.due(4) == [0] and cfg.due(6) == [1]
     assert [t for t in range(1, 10) if DiLoCoConfig(sync_every=3).due(t)] == [3, 6, 9]
+    warm = DiLoCoConfig(sync_every=4, fragments=2, warmup_steps=5)
+    assert [t for t in range(1, 16) if warm.in_warmup(t)] == [1, 2, 3, 4, 5]
+    assert [t for t in range(1, 16) if warm.due(t)] == [7, 9, 11, 13, 15]
+    assert warm.due(9) == [0] and warm.due(7) == [1]
     named = list(make_model(seed=0).named_parameters())
     for F in range(1, len(named) + 1):
         runs = split_fragments(named, F)
@@ -370,6 +467,8 @@ def _single(**kw):
     ({"outer_momentum": 1.0}, ValueError, "outer_momentum must be in"),
     ({"outer_momentum": 0.0}, ValueError, "nesterov=True needs outer_momentum > 0"),
     ({"compression": "nope"}, ValueError, "unknown compressor"),
+    ({"warmup_steps": -1}, ValueError, "warmup_steps must be an int >= 0, got -1"),
+    ({"warmup_steps": 2.5}, ValueError, "warmup_steps must be an int >= 0, got 2.5"),
 ])
 def test_bad_settings(kw, err, match):
     with pytest.raises(err, match=match):

@@ -7,6 +7,11 @@ Why each setting matters (measured sensitivity: ``docs/diloco.md``):
 * ``outer_lr`` / ``outer_momentum`` / ``nesterov``: the outer SGD applied to the averaged
   pseudo-gradient. DiLoCo's 0.7 / 0.9 / Nesterov; ``outer_lr=1, outer_momentum=0`` is plain
   periodic model averaging (local SGD).
+* ``warmup_steps`` (W): post-local SGD (Lin et al. 2020, torch's ``PostLocalSGDOptimizer``):
+  the first W steps reduce the *gradient* every step (through the same compressor) before the
+  inner step, so the inner optimizer's moments start from global statistics; the local phase
+  (H inner steps per synchronization) begins after step W. On short AdamW runs the early,
+  fast-moving phase is where local steps cost most.
 * ``fragments`` (F): Streaming DiLoCo. The parameters are cut into F fragments synchronized
   at staggered steps, so each synchronization sends 1/F of the model and peak bandwidth falls
   by F at the same total bytes.
@@ -58,10 +63,14 @@ class DiLoCoConfig:
     """Nesterov momentum for the outer SGD (DiLoCo's choice; needs outer_momentum > 0)."""
     fragments: int = 1
     """F: number of parameter fragments synchronized at staggered steps (Streaming DiLoCo)."""
+    warmup_steps: int = 0
+    """W: steps at the start whose gradient is reduced every step (S-SGD through the
+    compressor) before local steps begin (>= 0; 0 = DiLoCo from the first step)."""
 
     def __post_init__(self):
         object.__setattr__(self, "sync_every", _int("sync_every", self.sync_every, 1))
         object.__setattr__(self, "fragments", _int("fragments", self.fragments, 1))
+        object.__setattr__(self, "warmup_steps", _int("warmup_steps", self.warmup_steps, 0))
         object.__setattr__(self, "outer_lr", _real("outer_lr", self.outer_lr, 0.0))
         momentum = _real("outer_momentum", self.outer_momentum, 0.0)
         if momentum >= 1.0:
@@ -74,16 +83,29 @@ class DiLoCoConfig:
                              "nesterov=False for outer_momentum=0")
 
     def offsets(self) -> List[int]:
-        """The step offset of each fragment: fragment i syncs at the steps t >= 1 with
-        ``(t - offsets()[i]) % sync_every == 0``, spreading the F syncs over each interval."""
+        """The step offset of each fragment: fragment i syncs at the steps t > W with
+        ``(t - W - offsets()[i]) % sync_every == 0`` (W = ``warmup_steps``), spreading the F
+        syncs over each interval."""
         return [(i * self.sync_every) // self.fragments for i in range(self.fragments)]
 
+    def in_warmup(self, step: int) -> bool:
+        """Whether inner step ``step`` (1-based) reduces its gradient (the warm-up phase).
+
+        Example::
+
+            DiLoCoConfig(warmup_steps=3).in_warmup(3)    # True; step 4 is local
+        """
+        return 1 <= step <= self.warmup_steps
+
     def due(self, step: int) -> List[int]:
-        """The fragments synchronized after inner step ``step`` (1-based), in index order.
+        """The fragments synchronized after inner step ``step`` (1-based), in index order
+        (none during the warm-up; the local phase counts from step ``warmup_steps + 1``).
 
         Example::
 
             DiLoCoConfig(sync_every=4, fragments=2).due(2)    # [1]
+            DiLoCoConfig(sync_every=4, warmup_steps=10).due(14)   # [0]
         """
+        local = step - self.warmup_steps
         return [i for i, off in enumerate(self.offsets())
-                if step >= 1 and (step - off) % self.sync_every == 0]
+                if local >= 1 and (local - off) % self.sync_every == 0]

@@ -91,6 +91,9 @@ class DiLoCo(torch.optim.Optimizer):
         group: the process group (default: the world group).
         fusion_threshold_mb: bucket size cap of the pseudo-gradient reduction (as in
             ``DistributedOptimizer``).
+        warmup_steps: W steps of S-SGD first (post-local SGD): the gradient is reduced
+            through ``compression`` every step before the inner step; local steps start after
+            step W (default 0).
 
     Example::
 
@@ -102,6 +105,7 @@ class DiLoCo(torch.optim.Optimizer):
             loss_fn(model(x), y).backward()
             opt.step()                            # every 16th step: compressed outer step
             opt.zero_grad()
+        opt.sync()                                # the final model includes the last steps
         print(opt.comm_stats()["compression_ratio"])   # bytes vs per-step fp32 all-reduce
     """
 
@@ -118,7 +122,7 @@ class DiLoCo(torch.optim.Optimizer):
     def __init__(self, inner_optimizer, named_parameters=None, *, sync_every: int = 16,
                  compression: Any = DEFAULT_COMPRESSION, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
-                 group=None, fusion_threshold_mb: float = 25):
+                 group=None, fusion_threshold_mb: float = 25, warmup_steps: int = 0):
         group = require_group(group, "DiLoCo", warn_single=True)
         self._group = group
         self._size = torch.distributed.get_world_size(group) if group is not None else 1
@@ -128,7 +132,7 @@ class DiLoCo(torch.optim.Optimizer):
         error: Optional[Exception] = None
         try:
             self._setup(inner_optimizer, named_parameters, sync_every, compression, outer_lr,
-                        outer_momentum, nesterov, fragments, fusion_threshold_mb)
+                        outer_momentum, nesterov, fragments, fusion_threshold_mb, warmup_steps)
         except (TypeError, ValueError) as err:
             error = err
         description: Dict[str, Any] = {
@@ -143,9 +147,10 @@ class DiLoCo(torch.optim.Optimizer):
 
     # -- construction --------------------------------------------------------------------
     def _setup(self, inner, named_parameters, sync_every, compression, outer_lr, outer_momentum,
-               nesterov, fragments, fusion_threshold_mb) -> None:
+               nesterov, fragments, fusion_threshold_mb, warmup_steps) -> None:
         self.inner = _inner_checked(inner)
-        self.config = DiLoCoConfig(sync_every, outer_lr, outer_momentum, nesterov, fragments)
+        self.config = DiLoCoConfig(sync_every, outer_lr, outer_momentum, nesterov, fragments,
+                                   warmup_steps)
         self.compression = resolve_compressor("none" if compression is None else compression,
                                               "compression")
         if self.compression.applies_momentum:
@@ -193,8 +198,12 @@ class DiLoCo(torch.optim.Optimizer):
         self.outer_optimizer = torch.optim.SGD(self._global, lr=cfg.outer_lr,
                                                momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
         self._reducer = Reducer(self.compression, self._layouts, self._group)
+        # the warm-up reduces gradients: its own per-bucket state (error feedback of gradients
+        # is not that of pseudo-gradients), same compressor, same group
+        self._warmup_reducer = Reducer(self.compression, self._layouts, self._group)
         self._counters = {"inner_steps": 0, "skipped_inner_steps": 0, "syncs": 0,
-                          "fragment_syncs": 0, "bytes_sent": 0, "nonfinite_syncs": 0}
+                          "fragment_syncs": 0, "bytes_sent": 0, "nonfinite_syncs": 0,
+                          "warmup_syncs": 0}
         self._dense_per_step = sum(l.numel for l in self._layouts) * 4
         self._agreed = True
         self._closed = False
@@ -233,11 +242,93 @@ class DiLoCo(torch.optim.Optimizer):
             raise RuntimeError("this DiLoCo was closed; build a new one")
         if not self._agreed:
             self._agree_resumed()
+        if self.config.in_warmup(self._counters["inner_steps"] + 1):
+            return self._warmup_step(closure)
         loss = self._inner_step(closure)
         self._counters["inner_steps"] += 1
         due = self.config.due(self._counters["inner_steps"])
         if due:
             self._sync(due)
+        return loss
+
+    def _gather_grads(self) -> None:
+        """Copy (and, under GradScaler without ``unscale_``, unscale) every ``p.grad`` into
+        the flat buckets; a missing gradient is zeros."""
+        scale = getattr(self, "grad_scale", None)
+        inv = None if scale is None else scale.double().reciprocal().float()
+        for bucket in self._buckets:
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is None:
+                    view.zero_()
+                elif inv is None:
+                    view.copy_(p.grad)
+                else:
+                    torch.mul(p.grad, inv.to(p.grad.device), out=view)
+
+    def sync(self) -> None:
+        """Synchronize every fragment now (pseudo-gradient reduction + outer step), off the
+        schedule: call it on every rank after the last ``step()`` so the model you evaluate or
+        save includes the last, partial interval (up to H − 1 inner steps otherwise left out
+        of θ_global). Its bytes are counted; the schedule of later steps is unchanged.
+
+        Example::
+
+            for x, y in loader:
+                loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+            opt.sync()                       # the final model = θ_global, identical everywhere
+        """
+        if self._closed:
+            raise RuntimeError("this DiLoCo was closed; build a new one")
+        if not self._agreed:
+            self._agree_resumed()
+        if not self.config.in_warmup(self._counters["inner_steps"]):   # else θ_global is current
+            self._sync(list(range(self.config.fragments)))
+
+    def _warmup_step(self, closure):
+        """Post-local-SGD warm-up: reduce this step's gradient through the compressor, then
+        step the inner optimizer on the average on every rank (S-SGD); θ_global follows.
+
+        The closure (if any) runs first, so its gradients are the ones reduced. A missing
+        ``p.grad`` counts as zeros (every rank must hand the same buckets to the collective).
+        Under GradScaler each rank unscales its own gradients first; if the reduced average
+        holds Inf/NaN (an overflow on any rank) every rank skips the inner step and the
+        warm-up compressor state is reset, so the skip is the same everywhere."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._gather_grads()
+            sent = 0
+            if self._size > 1:
+                try:
+                    for b, bucket in enumerate(self._buckets):
+                        self._warmup_reducer.launch(b, bucket.flat)
+                    sent = self._warmup_reducer.wait_all()
+                except BaseException:
+                    self._warmup_reducer.abort()
+                    raise
+            finite = all(bool(torch.isfinite(b.flat).all()) for b in self._buckets)
+            if finite:
+                for bucket in self._buckets:
+                    for p, view in zip(bucket.params, bucket.views):
+                        if p.grad is None:
+                            p.grad = view.detach().clone()
+                        else:
+                            p.grad.copy_(view)
+        c = self._counters
+        c["bytes_sent"] += sent
+        c["warmup_syncs"] += 1
+        c["inner_steps"] += 1
+        if not finite:
+            c["skipped_inner_steps"] += 1
+            self._warmup_reducer.states = [self.compression.init_state(l) for l in self._layouts]
+            return loss
+        self.inner.step()
+        with torch.no_grad():
+            for g, bucket in zip(self._global, self._buckets):
+                for s, p in zip(bucket.layout.slots, bucket.params):
+                    g[s.offset:s.end].copy_(p.reshape(-1))
         return loss
 
     def _sync(self, due: List[int]) -> None:
@@ -283,7 +374,9 @@ class DiLoCo(torch.optim.Optimizer):
         if self._size > 1:
             steps = {k: self._counters[k] for k in ("inner_steps", "syncs", "fragment_syncs")}
             check_agreement({"steps": steps,
-                             "compressor state": [describe_state(s) for s in self._reducer.states]},
+                             "compressor state": [describe_state(s) for s in self._reducer.states],
+                             "warm-up compressor state": [describe_state(s)
+                                                          for s in self._warmup_reducer.states]},
                             self._group, what="DiLoCo resumed state")
         self._agreed = True
 
@@ -342,6 +435,7 @@ class DiLoCo(torch.optim.Optimizer):
                          "global": [g.detach().clone() for g in self._global],
                          "outer": self.outer_optimizer.state_dict(),
                          "reducer": self._reducer.state_dict(),
+                         "warmup_reducer": self._warmup_reducer.state_dict(),
                          "config": repr(self.config), "rank": self._rank, "world": self._size}
         return out
 

@@ -36,7 +36,8 @@ def owner_check(extra: dict, rank: int, world: int) -> None:
     if saved_world is not None and saved_world != world:
         raise ValueError(f"this checkpoint was saved by a DiLoCo over {saved_world} ranks; this one "
                          f"has {world}")
-    if saved is not None and saved != rank and _has_tensor(extra["reducer"]["states"]):
+    states = [extra["reducer"]["states"], extra.get("warmup_reducer", {}).get("states", [])]
+    if saved is not None and saved != rank and _has_tensor(states):
         raise ValueError(f"this checkpoint holds the compressor state of rank {saved} (per-rank "
                          f"error-feedback memory); this is rank {rank}. Save opt.state_dict() on "
                          "every rank and load each rank's own file")
@@ -55,10 +56,14 @@ def load_checked(opt, inner: dict, extra: dict) -> None:
         raise ValueError("checkpoint θ_global has shapes "
                          f"{[tuple(s.shape) for s in saved]}, this plan has "
                          f"{[tuple(g.shape) for g in opt._global]}; was the model changed?")
-    backup = {"reducer": opt._reducer.state_dict(), "outer": opt.outer_optimizer.state_dict(),
+    backup = {"reducer": opt._reducer.state_dict(),
+              "warmup_reducer": opt._warmup_reducer.state_dict(),
+              "outer": opt.outer_optimizer.state_dict(),
               "inner": opt.inner.state_dict(), "global": [g.detach().clone() for g in opt._global]}
     try:
         opt._reducer.load_state_dict(extra["reducer"])
+        if "warmup_reducer" in extra:     # absent in checkpoints from before warmup_steps
+            opt._warmup_reducer.load_state_dict(extra["warmup_reducer"])
         opt.outer_optimizer.load_state_dict(extra["outer"])
         opt.inner.load_state_dict(inner)
         with torch.no_grad():
@@ -66,10 +71,11 @@ def load_checked(opt, inner: dict, extra: dict) -> None:
                 g.copy_(s)
     except BaseException:
         opt._reducer.load_state_dict(backup["reducer"])
+        opt._warmup_reducer.load_state_dict(backup["warmup_reducer"])
         opt.outer_optimizer.load_state_dict(backup["outer"])
         opt.inner.load_state_dict(backup["inner"])
         with torch.no_grad():
             for g, s in zip(opt._global, backup["global"]):
                 g.copy_(s)
         raise
-    opt._counters.update(extra["counters"])
+    opt._counters.update({"warmup_syncs": 0, **extra["counters"]})
