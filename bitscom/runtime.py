@@ -18,7 +18,9 @@ Under MPI without MASTER_ADDR, rank 0's address and a free port are shared with 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
+import pathlib
 import socket
 import subprocess
 import weakref
@@ -321,12 +323,20 @@ def _build_node_groups(info: LaunchInfo, backend: str) -> None:
 
     Ranks of a node must be contiguous (torchrun, ``mpirun --map-by slot``, Slurm block
     distribution); this is checked, since wrong groups would silently mix bytes. The layout
-    travels as an int64 tensor (two numbers per rank), so nothing a peer sends is unpickled.
+    travels as an int64 tensor (three numbers per rank, the third the build fingerprint), so
+    nothing a peer sends is unpickled.
     """
     size, local = info.size, info.local_size
     if local < 1 or size % local != 0:
         raise RuntimeError(f"world size {size} is not a multiple of the local size {local}")
-    layout = _exchange_layout(info, backend)
+    gathered = _exchange_layout(info, backend)
+    builds = [b for _, _, b in gathered]
+    if len(set(builds)) > 1:
+        raise RuntimeError("ranks run different bitscom builds (version or kernel source), which would "
+                           "quantize differently and silently diverge; build fingerprint per rank: "
+                           + ", ".join(f"rank {r}: {b:014x}" for r, b in enumerate(builds))
+                           + ". Install the same bitscom on every node")
+    layout = [(lr, ls) for lr, ls, _ in gathered]
     for r, (lr, ls) in enumerate(layout):
         if ls != local or lr != r % local:
             raise RuntimeError(f"rank {r} reports local rank {lr} of {ls}; bitscom needs the ranks "
@@ -343,10 +353,31 @@ def _build_node_groups(info: LaunchInfo, backend: str) -> None:
             _rt.inter = g
 
 
+def build_fingerprint() -> int:
+    """A 56-bit digest of what decides the bytes on the wire: bitscom's version and the
+    source of its kernels (``kernels/quant_cpu.cpp``, ``kernels/quant.cu``).
+
+    Ranks that run different builds (a node with another checkout, a kernel edited while a
+    job starts) would quantize and pack differently and end with silently different replicas;
+    :func:`init` compares this number across ranks and refuses to start instead.
+
+    Example::
+
+        assert bitscom.runtime.build_fingerprint() == bitscom.runtime.build_fingerprint()
+    """
+    from . import __version__
+    h = hashlib.sha256(__version__.encode())
+    kernels = pathlib.Path(__file__).with_name("kernels")
+    for name in ("quant_cpu.cpp", "quant.cu"):
+        path = kernels / name
+        h.update(b"\0" + name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"missing"))
+    return int.from_bytes(h.digest()[:7], "big")
+
+
 def _exchange_layout(info: LaunchInfo, backend: str) -> list:
-    """Every rank's ``(local_rank, local_size)``, gathered on the world group."""
+    """Every rank's ``(local_rank, local_size, build fingerprint)``, gathered on the world group."""
     dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    mine = torch.tensor([info.local_rank, info.local_size], dtype=torch.int64, device=dev)
+    mine = torch.tensor([info.local_rank, info.local_size, build_fingerprint()], dtype=torch.int64, device=dev)
     everyone = [torch.empty_like(mine) for _ in range(info.size)]
     dist.all_gather(everyone, mine)
     return [tuple(int(v) for v in t.tolist()) for t in everyone]

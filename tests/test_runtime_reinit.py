@@ -113,3 +113,29 @@ def test_shared_group_is_made_once_per_world_and_released_by_destroy(pool):
 
 def test_destroy_releases_the_groups_after_the_horovod_face(pool):
     assert pool.run(_face_then_destroy, timeout=120) == [0, 0]
+
+
+def _other_build(rank, world, port, queue, release):
+    import os
+
+    from distpool import worker_env
+    os.environ.update(worker_env(rank, world, port, world))
+    import bitscom as b
+    if rank == 1:                         # this rank "has another checkout"
+        b.runtime.build_fingerprint = lambda: 12345
+    try:
+        b.init(timeout=datetime.timedelta(seconds=60))
+        queue.put((rank, "started"))
+    except RuntimeError as err:
+        queue.put((rank, str(err)))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def test_ranks_with_different_builds_refuse_to_start_on_every_rank():
+    from distpool import run_spawned
+    real = f"{bitscom.runtime.build_fingerprint():014x}"
+    for rank, message in run_spawned(_other_build, 2):
+        assert "different bitscom builds" in message, (rank, message)
+        assert f"rank 0: {real}" in message and f"rank 1: {12345:014x}" in message, (rank, message)
