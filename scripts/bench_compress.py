@@ -12,6 +12,13 @@ reduction touches). Prints a table, writes CSV.
 
     python scripts/bench_compress.py --dnn bert_base --threads 1
     python scripts/bench_compress.py --dnn resnet50 --opts acpsgd powersgd lowbit
+    python scripts/bench_compress.py --opts topk topk:selection=sampled   # non-default settings
+
+Each timed step of a compressor is paired with a timed copy right before it, and ``× copy`` is
+the median of the per-pair ratios: on a shared, loaded machine the load drifts between the
+start of the run and the last compressor, and a single baseline measured once would carry
+that drift into every ratio. ``--clock cpu`` times this process's CPU time instead of the wall
+clock (one thread: what the codec itself costs, without other processes' time slices).
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall clock, or this process's CPU time (robust to other processes' load)")
     ap.add_argument("--csv", default="results/bench_compress.csv")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -87,27 +96,43 @@ def main() -> None:
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    def timed(fn):
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+
+    def once(fn):
+        sync()
+        t = clock()
+        fn()
+        sync()
+        return clock() - t
+
+    def timed(fn, base_fn=None):
+        """Median seconds of ``fn``; with ``base_fn``, also the median of the ratios of each
+        timed ``fn`` to a ``base_fn`` timed right before it."""
         fn()  # warm-up (first steps allocate, compile native kernels, draw factors)
         fn()
-        times = []
+        times, ratios = [], []
         for _ in range(args.repeat):
-            sync()
-            t = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
+            b = once(base_fn) if base_fn is not None else None
+            times.append(once(fn))
+            if b:
+                ratios.append(times[-1] / b)
+        return statistics.median(times), (statistics.median(ratios) if ratios else None)
 
     def copy_all():
         for f, g in zip(flats, grads):
             f.copy_(g)
 
-    base = timed(copy_all)
+    base, _ = timed(copy_all)
     rows = [{"dnn": args.dnn, "world": args.world, "opt": "copy (baseline)", "ms": base * 1e3,
              "x_copy": 1.0, "params_M": numel / 1e6, "buckets": len(layouts)}]
     for name in args.opts or names():
-        comp = get(name, **DEFAULTS.get(name, {}))
+        name, _, extra = name.partition(":")     # e.g. topk:selection=sampled
+        settings = dict(DEFAULTS.get(name, {}))
+        for item in filter(None, extra.split(",")):
+            key, _, value = item.partition("=")
+            settings[key] = float(value) if value.replace(".", "", 1).isdigit() else value
+        comp = get(name, **settings)
+        name += f":{extra}" if extra else ""
         states = [comp.init_state(l) for l in layouts]
 
         def step():
@@ -116,12 +141,12 @@ def main() -> None:
                 comm = MirrorComm(args.world)
                 drive(comp.reduce(f, l, s, comm), comm)
 
-        t = timed(step)
+        t, ratio = timed(step, copy_all)
         rows.append({"dnn": args.dnn, "world": args.world, "opt": name, "ms": t * 1e3,
-                     "x_copy": t / base, "params_M": numel / 1e6, "buckets": len(layouts)})
+                     "x_copy": ratio, "params_M": numel / 1e6, "buckets": len(layouts)})
     print(f"{args.dnn}: {numel / 1e6:.1f} M parameters in {len(layouts)} buckets of "
           f"≤{args.threshold:g} MB, world {args.world} (mirrored), {args.threads} thread(s), "
-          f"device {args.device}, median of {args.repeat}")
+          f"device {args.device}, {args.clock} clock, median of {args.repeat} (ratios: per pair)")
     print(f"{'compressor':<18}{'ms/step':>10}{'× copy':>9}")
     for r in rows:
         print(f"{r['opt']:<18}{r['ms']:>10.1f}{r['x_copy']:>9.1f}")

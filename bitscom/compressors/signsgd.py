@@ -43,6 +43,7 @@ final loss, one seed), a trade-off docs/convergence.md shows.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -76,6 +77,19 @@ def _segments(sizes: tuple, device: str):
 def _counts(sizes: tuple) -> torch.Tensor:
     """Each segment's element count as a CPU int64 tensor, for the native kernels."""
     return torch.tensor(sizes, dtype=torch.int64)
+
+
+_BUFFERS: "weakref.WeakKeyDictionary[SteppedErrorFeedback, dict]" = weakref.WeakKeyDictionary()
+"""Per bucket state, the native path's byte buffers, kept between steps (a fresh buffer each
+step costs a page-faulting pass over it); dropped with the state."""
+
+
+def _buffer(state, name: str, nbytes: int) -> torch.Tensor:
+    bufs = _BUFFERS.setdefault(state, {})
+    t = bufs.get(name)
+    if t is None or t.numel() != nbytes:
+        t = bufs[name] = torch.empty(nbytes, dtype=torch.uint8)
+    return t
 
 
 def _native_for(x: torch.Tensor):
@@ -175,11 +189,11 @@ class SignSGD(Compressor):
             yield from plain_average(flat, comm)
             return
         sizes = self._sizes(layout, numel)
-        x = state.compensate(flat)
-        native = None if self.majority_vote else _native_for(x)
+        native = None if self.majority_vote else _native_for(flat)
         if native is not None:
-            yield from self._reduce_native(native, flat, x, sizes, state, comm)
+            yield from self._reduce_native(native, flat, sizes, state, comm)
             return
+        x = state.compensate(flat)
         _, ids = _segments(sizes, str(flat.device))
         record = self.encode(x, sizes)
         signs, scales = self.decode(record, sizes)
@@ -205,26 +219,30 @@ class SignSGD(Compressor):
         if not bool(torch.isfinite(torch.stack(gathered_scales)).all()):
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
 
-    def _reduce_native(self, native, flat, x, sizes, state, comm: Comm):
-        """EF-SignSGD's steps 2-5 in two fused passes of the native CPU kernels (encode with the
-        residual update, then the rank-order decode-sum straight into ``flat``): the same bytes
-        and results as the torch path (tests/test_topk_sign.py), without its ~12 passes and
-        per-element temporaries."""
-        numel = x.numel()
+    def _reduce_native(self, native, flat, sizes, state, comm: Comm):
+        """EF-SignSGD's steps 1-5 in two fused passes of the native CPU kernels (compensate,
+        encode and residual update in one; the rank-order decode-sum and the division by the
+        world size straight into ``flat`` in the other), into byte buffers kept between steps:
+        the same bytes, results and residual as the torch path (tests/test_topk_sign.py,
+        tests/test_codec_fastpaths.py), without its ~12 passes and per-element temporaries."""
+        numel = flat.numel()
+        if state.enabled:
+            if state.residual is None:
+                state.ensure(numel, flat.device)
+            elif state.residual.numel() != numel:
+                state.compensate(flat)          # raises: the bucket layout changed
+            x, grad = state.residual, flat      # x = e, and the kernel adds g into it
+        else:
+            x, grad = flat, None
         counts = _counts(sizes)
         nbytes = -(-numel // 8)
-        record = torch.zeros(nbytes + 4 * len(sizes), dtype=torch.uint8)
-        native.sign_encode(x, counts, record[:nbytes], record[nbytes:],
-                           update=state.enabled)
-        gathered = torch.empty(comm.size * record.numel(), dtype=torch.uint8, device=flat.device)
+        record = _buffer(state, "record", nbytes + 4 * len(sizes))
+        record[:nbytes].zero_()
+        native.sign_encode(x, counts, record[:nbytes], record[nbytes:], update=state.enabled, grad=grad)
+        gathered = _buffer(state, "gathered", comm.size * record.numel())
         yield comm.all_gather(gathered, record)
-        gathered = gathered.view(comm.size, -1)
-        out = flat if flat.dtype == torch.float32 and flat.is_contiguous() else \
-            torch.empty(numel, dtype=torch.float32)
-        nonfinite = native.sign_decode_sum(gathered, numel, nbytes, counts, out)
-        out.div_(comm.size)
-        if out is not flat:
-            flat.copy_(out)
+        nonfinite = native.sign_decode_sum(gathered.view(comm.size, -1), numel, nbytes, counts, flat,
+                                           divide=comm.size)
         if nonfinite:
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
 

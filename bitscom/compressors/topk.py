@@ -38,6 +38,43 @@ __all__ = ["TopK"]
 _INT32_LIMIT = 2 ** 31 - 1
 
 
+SELECTIONS = ("exact", "sampled")
+_SAMPLE_FRACTION, _SAMPLE_MIN, _MARGIN = 0.01, 4096, 1.25
+
+
+def _native_for(x: torch.Tensor):
+    """The native CPU kernels when they apply to ``x`` (contiguous fp32 on the CPU), else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
+        return None
+    from ..kernels import cpu_native
+    return cpu_native if cpu_native.has_scatter() else None
+
+
+def _exact_topk(mag: torch.Tensor, k: int) -> torch.Tensor:
+    return mag.topk(k, sorted=False).indices
+
+
+def _sampled_topk(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest of ``mag`` (the same set as :func:`_exact_topk` up to ties),
+    found among the entries above a threshold read off a strided sample (DGC, Lin et al. 2018).
+
+    Every entry of the true top k is >= the k-th largest value; whenever at least k entries
+    pass the threshold, that value is >= the threshold, so the top k are all candidates and
+    topk over the candidates finds them. The threshold sits at the sample's
+    ``_MARGIN * k / n`` quantile, so about ``1.25 k`` pass; otherwise the exact path runs."""
+    n = mag.numel()
+    stride = max(1, n // max(_SAMPLE_MIN, math.ceil(n * _SAMPLE_FRACTION)))
+    if stride == 1 or k * _MARGIN >= n:
+        return _exact_topk(mag, k)
+    sample = mag[::stride]
+    j = min(sample.numel(), max(1, math.ceil(sample.numel() * _MARGIN * k / n)))
+    threshold = sample.topk(j, sorted=False).values.min()
+    candidates = (mag < threshold).logical_not_().nonzero().flatten()   # NaN stays in, as in topk
+    if candidates.numel() < k:
+        return _exact_topk(mag, k)
+    return candidates[mag[candidates].topk(k, sorted=False).indices]
+
+
 @dataclass(frozen=True)
 class TopK(Compressor):
     """Send the ``ratio`` fraction of largest-magnitude gradient entries (values + indices).
@@ -56,6 +93,14 @@ class TopK(Compressor):
             norm gains) are starved and then delivered in rare, stale bursts; per tensor,
             every layer moves every step. Same wire format and about the same bytes (each
             tensor's count is rounded up).
+        selection: how the ``k`` entries are found. ``"exact"`` (default): ``torch.topk`` over
+            the whole bucket. ``"sampled"`` (DGC-style, opt-in): a threshold from every
+            ``stride``-th magnitude (about 1% of the bucket, at least 4096), a little below the
+            sample's top-``ratio`` quantile, then ``torch.topk`` over the few entries above it
+            only; if fewer than ``k`` pass, the exact selection runs. It picks the same entries as
+            ``"exact"`` (up to ties at the k-th magnitude), so the average and the residual are
+            the same, at a fraction of the compute; only the order of the records on the wire
+            differs. Deterministic (no random numbers).
         start_iter: plain all-reduce of the bucket (its dtype, full bytes) for the first
             ``start_iter`` steps of the bucket, as PowerSGD's warm-up and DGC's. With Adam,
             pair it with :class:`bitscom.FrozenVarianceAdamW` (``freeze_step ==
@@ -71,6 +116,7 @@ class TopK(Compressor):
     error_feedback: bool = True
     start_iter: int = 0
     per_tensor: bool = False
+    selection: str = "exact"
 
     name = "topk"
 
@@ -83,6 +129,8 @@ class TopK(Compressor):
         check_start_iter("TopK", self.start_iter)
         if not isinstance(self.per_tensor, bool):
             raise TypeError(f"TopK per_tensor must be a bool, got {self.per_tensor!r}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"TopK selection must be one of {SELECTIONS}, got {self.selection!r}")
 
     def k_for(self, numel: int) -> int:
         """Entries sent for a bucket of ``numel`` elements: ``ceil(ratio · numel)``, at least 1.
@@ -112,12 +160,13 @@ class TopK(Compressor):
     def compress(self, x: torch.Tensor, k: int, layout: Optional[BucketLayout] = None):
         """``(values, indices)`` of the ``k`` largest ``|x|`` (fp32 values, int64 indices);
         with ``per_tensor`` and a ``layout``, of each tensor's ``k_for(numel)`` largest."""
+        pick = _sampled_topk if self.selection == "sampled" else _exact_topk
         if not (self.per_tensor and layout is not None and len(layout.slots) > 1):
-            indices = x.abs().topk(k, sorted=False).indices
+            indices = pick(x.abs(), k)
             return x[indices], indices
         mag = x.abs()
-        indices = torch.cat([mag[s.offset:s.end].topk(self.k_for(s.numel), sorted=False).indices
-                             + s.offset for s in layout.slots if s.numel])
+        indices = torch.cat([pick(mag[s.offset:s.end], self.k_for(s.numel)) + s.offset
+                             for s in layout.slots if s.numel])
         return x[indices], indices
 
     def reduce(self, flat, layout, state, comm: Comm):
@@ -133,21 +182,35 @@ class TopK(Compressor):
         x = state.compensate(flat)
         values, indices = self.compress(x, k, layout)
         state.last_sent = indices
+        native = _native_for(flat)
         index_dtype = self._index_dtype(numel)
         words = 1 if index_dtype == torch.int32 else 2          # int32 words per index
         record = torch.empty(k * (1 + words), dtype=torch.int32, device=flat.device)
         record[:k] = values.view(torch.int32)
         record[k:] = indices.to(index_dtype).view(torch.int32)
-        state.update_sparse(indices, values)
+        if native is not None and state.enabled:
+            native.scatter(state.residual, indices, values, subtract=True)   # = update_sparse
+        else:
+            state.update_sparse(indices, values)
         gathered = torch.empty(comm.size * record.numel(), dtype=torch.int32, device=flat.device)
         yield comm.all_gather(gathered, record)
         gathered = gathered.view(comm.size, -1)
-        dense = torch.zeros(numel, dtype=torch.float32, device=flat.device)
+        # Sum into the bucket itself when it is fp32 (its values were read above): the same
+        # zeros-then-adds as a separate dense buffer, without a bucket-sized allocation and copy.
+        in_place = flat.dtype == torch.float32 and flat.is_contiguous()
+        dense = flat.view(-1).zero_() if in_place else \
+            torch.zeros(numel, dtype=torch.float32, device=flat.device)
         for r in range(comm.size):                              # fixed order: bitwise identical
             vals = gathered[r, :k].view(torch.float32)
+            if native is not None and in_place:
+                native.scatter(dense, gathered[r, k:].contiguous().view(index_dtype),
+                               vals.contiguous())
+                continue
             idx = gathered[r, k:].contiguous().view(index_dtype).long()
             dense.index_put_((idx,), dense[idx] + vals)
-        flat.copy_(dense.div_(comm.size))
+        dense.div_(comm.size)
+        if not in_place:
+            flat.copy_(dense)
         if not bool(torch.isfinite(gathered[:, :k].view(torch.float32)).all()):
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
 

@@ -229,10 +229,14 @@ def load(root: Optional[pathlib.Path] = None):
     lib.bq_dequant_acc.argtypes = [_P, _I64, _P, _I64, _I32, _I64, _I32, _I32, _P, _I32]
     lib.bq_dsr.argtypes = [_P, _I64, _P, _I64, _I32, _I64, _I32, _I32, _I32, ctypes.c_float, _I32, _U32,
                            _U32, _U64, _P, _P, _P]
-    lib.bq_sign_encode.argtypes = [_P, _I64, _P, _I64, _P, _P, _I32]
-    lib.bq_sign_decode_sum.argtypes = [_P, _I64, _I32, _I64, _I64, _P, _I64, _P]
+    lib.bq_sign_encode.argtypes = [_P, _P, _I64, _P, _I64, _P, _P, _I32]
+    lib.bq_sign_decode_sum.argtypes = [_P, _I64, _I32, _I64, _I64, _P, _I64, _P, ctypes.c_float]
     for f in (lib.bq_quantize, lib.bq_dequant_acc, lib.bq_dsr, lib.bq_sign_encode, lib.bq_sign_decode_sum):
         f.restype = _I32
+    scatter_fn = getattr(lib, "bq_scatter", None)     # optional: a library without it still loads
+    if scatter_fn is not None:
+        scatter_fn.argtypes = [_P, _I64, _P, _I32, _P, _I64, _I32]
+        scatter_fn.restype = _I32
     return lib
 
 
@@ -277,19 +281,36 @@ def dequantize_sum_requantize(payloads, scales, numel, bits, block_size, out_bit
     return payload, out_scales
 
 
-def sign_encode(x, counts, bits, scales, update):
+def sign_encode(x, counts, bits, scales, update, grad=None):
     """SignSGD's record of the contiguous fp32 ``x`` in one pass: sign bits into the zeroed
     uint8 ``bits``, one fp32 scale per segment of the int64 ``counts`` into the uint8 ``scales``;
-    with ``update``, ``x -= sign * scale`` (error feedback, ``x`` being the residual)."""
-    _check(_lib().bq_sign_encode(x.data_ptr(), x.numel(), counts.data_ptr(), counts.numel(),
-                                 bits.data_ptr(), scales.data_ptr(), int(update)))
+    with ``update``, ``x -= sign * scale`` (error feedback, ``x`` being the residual). ``grad``
+    (contiguous fp32, like ``x``), when given, is added into ``x`` first (``x += grad``: error
+    feedback's compensate, fused)."""
+    _check(_lib().bq_sign_encode(x.data_ptr(), None if grad is None else grad.data_ptr(), x.numel(),
+                                 counts.data_ptr(), counts.numel(), bits.data_ptr(), scales.data_ptr(),
+                                 int(update)))
 
 
-def sign_decode_sum(rows, numel, nbytes, counts, out) -> bool:
-    """``out = Σ_r sign_r · scale_r`` over the rows of the gathered uint8 ``rows`` (rank order);
-    True when some scale is not finite."""
+def sign_decode_sum(rows, numel, nbytes, counts, out, divide=0) -> bool:
+    """``out = Σ_r sign_r · scale_r`` over the rows of the gathered uint8 ``rows`` (rank order),
+    then ``out /= divide`` when ``divide`` > 0 (fused); True when some scale is not finite."""
     rc = _lib().bq_sign_decode_sum(rows.data_ptr(), rows.stride(0), rows.shape[0], numel, nbytes,
-                                   counts.data_ptr(), counts.numel(), out.data_ptr())
+                                   counts.data_ptr(), counts.numel(), out.data_ptr(), float(divide))
     if rc not in (0, 1):
         _check(rc)
     return rc == 1
+
+
+def has_scatter() -> bool:
+    """True when the loaded library has :func:`scatter`'s kernel (the real source always does)."""
+    return available() and getattr(_lib(), "bq_scatter", None) is not None
+
+
+def scatter(out, indices, values, subtract=False):
+    """``out[indices] += values`` (``-=`` with ``subtract``) for unique int32/int64 ``indices``
+    and fp32 ``values``, all contiguous CPU tensors: the same bits as
+    ``out.index_put_((indices,), out[indices] + values)``, without its temporaries."""
+    _check(_lib().bq_scatter(out.data_ptr(), out.numel(), indices.data_ptr(),
+                             int(indices.element_size() == 8), values.data_ptr(), values.numel(),
+                             int(subtract)))

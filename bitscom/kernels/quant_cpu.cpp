@@ -11,6 +11,9 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -38,11 +41,73 @@ inline uint32_t stored_scale(float raw, uint32_t amax_bits, bool finite) {
     return r;
 }
 
+#if defined(__AVX2__)
+// Round-to-nearest quantization of one block at 2, 4 or 8 bits, 32 elements per iteration:
+// the same IEEE steps as the scalar loop below (max |x| bits, x / s by vdivps, rint by
+// vroundps to nearest-even, clamp, + qmax), packed with maddubs (pairs) / madd (quads).
+// Returns false, having written nothing, for the blocks the scalar loop handles (NaN/Inf or
+// all-zero blocks), so their bytes come from that one implementation.
+template <int B>
+inline bool quant_block_rtn_avx2(const float* __restrict xb, int bs, uint8_t* out, uint16_t* scale) {
+    using F = Fmt<B>;
+    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i vam = _mm256_setzero_si256();
+    for (int i = 0; i < bs; i += 8)
+        vam = _mm256_max_epu32(vam, _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(xb + i)), absmask));
+    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(vam), _mm256_extracti128_si256(vam, 1));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
+    const uint32_t am = (uint32_t)_mm_cvtsi128_si32(m);
+    if (am >= 0x7F800000u) return false;
+    const float raw = bitsf(am) / (float)F::QM;
+    const uint32_t sb = stored_scale(raw, am, true);
+    if (sb == 0) return false;
+    *scale = (uint16_t)sb;
+    const __m256 vs = _mm256_set1_ps(bitsf(sb << 16));
+    const __m256 vqm = _mm256_set1_ps((float)F::QM), vnqm = _mm256_set1_ps(-(float)F::QM);
+    const __m256i vQM = _mm256_set1_epi32(F::QM);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int i = 0; i < bs; i += 32) {
+        __m256i c[4];
+        for (int k = 0; k < 4; ++k) {
+            const __m256 y = _mm256_div_ps(_mm256_loadu_ps(xb + i + 8 * k), vs);
+            __m256 q = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q = _mm256_min_ps(_mm256_max_ps(q, vnqm), vqm);
+            c[k] = _mm256_add_epi32(_mm256_cvtps_epi32(q), vQM);
+        }
+        // 32 codes as bytes in element order (pack works per 128-bit lane; the permute undoes it).
+        const __m256i bytes = _mm256_permutevar8x32_epi32(
+            _mm256_packus_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])), order);
+        if (B == 8) {
+            _mm256_storeu_si256((__m256i*)(out + i), bytes);
+        } else if (B == 4) {   // byte = u0 | u1 << 4
+            const __m256i w = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001));
+            const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);
+            _mm_storeu_si128((__m128i*)(out + i / 2), _mm256_castsi256_si128(p));
+        } else {               // B == 2: byte = u0 | u1 << 2 | u2 << 4 | u3 << 6
+            const __m256i w = _mm256_madd_epi16(_mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x0401)),
+                                                _mm256_set1_epi32(0x00100001));
+            const __m256i p = _mm256_shuffle_epi8(w, _mm256_setr_epi8(
+                0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+            const uint32_t lo = (uint32_t)_mm256_extract_epi32(p, 0), hi = (uint32_t)_mm256_extract_epi32(p, 4);
+            std::memcpy(out + i / 4, &lo, 4);
+            std::memcpy(out + i / 4 + 4, &hi, 4);
+        }
+    }
+    return true;
+}
+#endif
+
 // Quantize one block of bs floats (already zero-padded), write bs*B/8 bytes and one scale.
 template <int B, bool SR>
 void quant_block(const float* __restrict xb, int bs, uint64_t gidx, uint32_t k1, uint32_t k2, uint8_t* out,
                  uint16_t* scale, typename Fmt<B>::code_t* __restrict codes, float* __restrict tmp) {
     using F = Fmt<B>;
+#if defined(__AVX2__)
+    if (!SR && (B == 2 || B == 4 || B == 8) && bs % 32 == 0 && quant_block_rtn_avx2<B>(xb, bs, out, scale))
+        return;
+#endif
     uint32_t am = 0;
     for (int i = 0; i < bs; ++i) { uint32_t u = fbits(xb[i]) & 0x7FFFFFFFu; am = u > am ? u : am; }
     const bool finite = am < 0x7F800000u;
@@ -115,6 +180,38 @@ inline void dequant_block(const uint8_t* __restrict in, uint16_t scale_bits, int
     using F = Fmt<B>;
     const float s = bitsf((uint32_t)scale_bits << 16);
     constexpr uint32_t mask = (1u << B) - 1u;
+#if defined(__AVX2__)
+    if (B == 8 && bs % 32 == 0) {   // 8 codes per vector: the same (float)level * s (+ out) as below
+        const __m256 vs = _mm256_set1_ps(s);
+        for (int j = 0; j < bs; j += 8) {
+            const __m256i c = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(in + j))),
+                                               _mm256_set1_epi32(F::QM));
+            const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(c), vs);
+            _mm256_storeu_ps(out + j, ADD ? _mm256_add_ps(_mm256_loadu_ps(out + j), v) : v);
+        }
+        return;
+    }
+    if (B < 8 && bs % 32 == 0) {
+        constexpr int per = 32 / B;  // codes in one 32-bit word
+        const __m256 vs = _mm256_set1_ps(s);
+        const __m256i vm = _mm256_set1_epi32((int)mask);
+        for (int j = 0; j < bs; j += per) {
+            uint32_t w;
+            std::memcpy(&w, in + j * B / 8, 4);
+            for (int h = 0; h < per; h += 8) {
+                const __m256i sh = _mm256_setr_epi32((h + 0) * B, (h + 1) * B, (h + 2) * B, (h + 3) * B,
+                                                     (h + 4) * B, (h + 5) * B, (h + 6) * B, (h + 7) * B);
+                __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), sh), vm);
+                c = B == 1 ? _mm256_sub_epi32(_mm256_set1_epi32(1), _mm256_add_epi32(c, c))
+                           : _mm256_sub_epi32(c, _mm256_set1_epi32(F::QM));
+                const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(c), vs);
+                float* o = out + j + h;
+                _mm256_storeu_ps(o, ADD ? _mm256_add_ps(_mm256_loadu_ps(o), v) : v);
+            }
+        }
+        return;
+    }
+#endif
     if (B <= 8) {
         for (int j = 0; j < bs / F::G; ++j) {
             const uint32_t w = in[j];
@@ -199,7 +296,7 @@ void dsr_t(const uint8_t* payloads, int64_t pstride, const uint16_t* scales, int
     std::vector<typename Fmt<OB>::code_t> codes(bs);
     for (int64_t k = 0; k < nb; ++k) {
         const int64_t valid = n - k * bs < bs ? n - k * bs : bs;
-        std::memset(acc.data(), 0, sizeof(float) * bs);
+        if (valid < bs) std::memset(acc.data(), 0, sizeof(float) * bs);   // full: p = 0 writes it all
         accumulate_block<B>(payloads, pstride, scales, sstride, P, k, bs, valid, acc.data(), false, v.data());
         if (alpha != 1.0f)
             for (int64_t i = 0; i < valid; ++i) acc[i] = acc[i] * alpha;
@@ -256,61 +353,177 @@ int bq_dsr(const uint8_t* payloads, int64_t pstride, const uint16_t* scales, int
 #undef BQ_S
 }
 
-// Scaled-sign codec of SignSGD (bitscom/compressors/signsgd.py), one pass over x: per segment
-// (counts[k] elements) the left-to-right fp32 sum of |x| (the order of torch's index_add_), the
-// scale sum / count, the sign bits (bit i % 8 of byte i / 8 set for x < 0, bits pre-zeroed by
-// the caller) and, when residual is given (it is x itself), residual -= (+-1) * scale.
-int bq_sign_encode(float* x, int64_t n, const int64_t* counts, int64_t nseg, uint8_t* bits,
+}  // extern "C"
+
+// Scaled-sign codec of SignSGD (bitscom/compressors/signsgd.py), one pass over x: when g is
+// given, first x += g (error feedback's compensate: x is the residual, g the gradient); then per
+// segment (counts[k] elements) the left-to-right fp32 sum of |x| (the order of torch's
+// index_add_), the scale sum / count, the sign bits (bit i % 8 of byte i / 8 set for x < 0,
+// bits pre-zeroed by the caller) and, when update is set (x is the residual),
+// x -= (1 - 2 * neg) * scale. Eight consecutive 16-element segments (the default block) run
+// interleaved: eight independent sum chains instead of one, each still added in its own
+// left-to-right order, so the bits do not change.
+namespace {
+
+inline void sign_segment(float* x, const float* g, int64_t i, int64_t c, uint8_t* bits, uint8_t* scales,
+                         int64_t k, int update) {
+    if (g) for (int64_t j = i; j < i + c; ++j) x[j] = x[j] + g[j];
+    float sum = 0.0f;
+    for (int64_t j = i; j < i + c; ++j) sum += std::fabs(x[j]);
+    const float s = sum / static_cast<float>(c < 1 ? 1 : c);
+    std::memcpy(scales + 4 * k, &s, 4);
+    for (int64_t j = i; j < i + c; ++j) {
+        const uint32_t neg = x[j] < 0.0f;
+        bits[j >> 3] |= static_cast<uint8_t>(neg << (j & 7));
+        if (update) x[j] = x[j] - (1.0f - 2.0f * static_cast<float>(neg)) * s;
+    }
+}
+
+// Eight segments of 16 elements at x[i..i+128).
+inline void sign_group8x16(float* x, const float* g, int64_t i, uint8_t* bits, uint8_t* scales, int64_t k,
+                           int update) {
+    float* xb = x + i;
+    if (g) {
+        const float* gb = g + i;
+        for (int t = 0; t < 128; ++t) xb[t] = xb[t] + gb[t];
+    }
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int j = 0; j < 16; ++j)
+        for (int q = 0; q < 8; ++q) acc[q] += std::fabs(xb[q * 16 + j]);
+    for (int q = 0; q < 8; ++q) {
+        const float s = acc[q] / 16.0f;
+        std::memcpy(scales + 4 * (k + q), &s, 4);
+        float* xs = xb + q * 16;
+        uint32_t m = 0;
+        for (int t = 0; t < 16; ++t) m |= static_cast<uint32_t>(xs[t] < 0.0f) << t;
+        if (update)
+            for (int t = 0; t < 16; ++t) {
+                const float neg = static_cast<float>((m >> t) & 1u);
+                xs[t] = xs[t] - (1.0f - 2.0f * neg) * s;
+            }
+        const int64_t b = i + q * 16;          // 16 bits at stream position b
+        const uint32_t w = m << (b & 7);
+        uint8_t* o = bits + (b >> 3);
+        o[0] |= static_cast<uint8_t>(w);
+        o[1] |= static_cast<uint8_t>(w >> 8);
+        if (b & 7) o[2] |= static_cast<uint8_t>(w >> 16);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int bq_sign_encode(float* x, const float* g, int64_t n, const int64_t* counts, int64_t nseg, uint8_t* bits,
                    uint8_t* scales, int update) {
-    int64_t i = 0;
-    for (int64_t k = 0; k < nseg; ++k) {
+    int64_t i = 0, k = 0;
+    while (k < nseg) {
+        if (k + 8 <= nseg && i + 128 <= n) {
+            bool all16 = true;
+            for (int q = 0; q < 8; ++q) all16 = all16 && counts[k + q] == 16;
+            if (all16) {
+                sign_group8x16(x, g, i, bits, scales, k, update);
+                i += 128;
+                k += 8;
+                continue;
+            }
+        }
         const int64_t c = counts[k];
         if (c < 0 || i + c > n) return 2;
-        float sum = 0.0f;
-        for (int64_t j = i; j < i + c; ++j) sum += std::fabs(x[j]);
-        const float s = sum / static_cast<float>(c < 1 ? 1 : c);
-        std::memcpy(scales + 4 * k, &s, 4);
-        if (update) {
-            for (int64_t j = i; j < i + c; ++j) {
-                const uint32_t neg = x[j] < 0.0f;
-                bits[j >> 3] |= static_cast<uint8_t>(neg << (j & 7));
-                x[j] = x[j] - (1.0f - 2.0f * static_cast<float>(neg)) * s;
-            }
-        } else {
-            for (int64_t j = i; j < i + c; ++j)
-                bits[j >> 3] |= static_cast<uint8_t>(static_cast<uint32_t>(x[j] < 0.0f) << (j & 7));
-        }
+        sign_segment(x, g, i, c, bits, scales, k, update);
         i += c;
+        ++k;
     }
     return i == n ? 0 : 2;
 }
 
+}  // extern "C"
+
+namespace {
+
+// One segment [i, e) of one record: out = op(out, v), v = neg where the sign bit is set, else pos;
+// FIRST: 0 + v instead of out + v; LAST: the result divided by div. Whole bytes 8 lanes at a time.
+template <bool FIRST, bool LAST>
+inline void sign_decode_run(const uint8_t* bits, int64_t i, int64_t e, float pos, float neg, float div,
+                            float* out) {
+    auto one = [&](int64_t j) {
+        const float v = (bits[j >> 3] >> (j & 7)) & 1u ? neg : pos;
+        const float a = FIRST ? 0.0f + v : out[j] + v;
+        out[j] = LAST ? a / div : a;
+    };
+    int64_t j = i;
+    for (; j < e && (j & 7); ++j) one(j);
+#if defined(__AVX2__)
+    const __m256i sh = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256 vp = _mm256_set1_ps(pos), vn = _mm256_set1_ps(neg), vd = _mm256_set1_ps(div);
+    for (; j + 8 <= e; j += 8) {
+        const __m256i b = _mm256_and_si256(_mm256_set1_epi32(bits[j >> 3]), sh);
+        const __m256 v = _mm256_blendv_ps(vp, vn, _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, sh)));
+        __m256 a = _mm256_add_ps(FIRST ? _mm256_setzero_ps() : _mm256_loadu_ps(out + j), v);
+        if (LAST) a = _mm256_div_ps(a, vd);
+        _mm256_storeu_ps(out + j, a);
+    }
+#endif
+    for (; j < e; ++j) one(j);
+}
+
+}  // namespace
+
+extern "C" {
+
 // out = sum over the P gathered records (rank order) of (+-1) * scale, each record the sign bits
-// (nbytes) followed by nseg fp32 scales (unaligned); returns 1 when a scale is not finite.
+// (nbytes) followed by nseg fp32 scales (unaligned), then out /= div when div > 0 (fused into
+// the last record's pass: the same fp32 steps as a separate division); returns 1 when a scale
+// is not finite.
 int bq_sign_decode_sum(const uint8_t* rows, int64_t stride, int P, int64_t n, int64_t nbytes,
-                       const int64_t* counts, int64_t nseg, float* out) {
+                       const int64_t* counts, int64_t nseg, float* out, float div) {
     int nonfinite = 0;
     for (int r = 0; r < P; ++r) {
         const uint8_t* bits = rows + r * stride;
         const uint8_t* sc = bits + nbytes;
+        const bool first = r == 0, last = r == P - 1 && div > 0.0f;
         int64_t i = 0;
         for (int64_t k = 0; k < nseg; ++k) {
             float s;
             std::memcpy(&s, sc + 4 * k, 4);
             if (!std::isfinite(s)) nonfinite = 1;
-            const float neg = -1.0f * s, pos = 1.0f * s;
+            // A real multiplication by -1 (the compiler would turn -1 * s into -s, which flips a NaN
+            // scale's sign bit; torch's sign * scale keeps it).
+            volatile float m1 = -1.0f;
+            const float neg = m1 * s, pos = 1.0f * s;
             const int64_t e = i + counts[k];
-            if (e > n) return 2;
-            const float pm[2] = {pos, neg};
-            if (r == 0) {
-                for (int64_t j = i; j < e; ++j) out[j] = 0.0f + pm[(bits[j >> 3] >> (j & 7)) & 1u];
-            } else {
-                for (int64_t j = i; j < e; ++j) out[j] = out[j] + pm[(bits[j >> 3] >> (j & 7)) & 1u];
-            }
+            if (counts[k] < 0 || e > n) return 2;
+            if (first && last) sign_decode_run<true, true>(bits, i, e, pos, neg, div, out);
+            else if (first) sign_decode_run<true, false>(bits, i, e, pos, neg, div, out);
+            else if (last) sign_decode_run<false, true>(bits, i, e, pos, neg, div, out);
+            else sign_decode_run<false, false>(bits, i, e, pos, neg, div, out);
             i = e;
         }
     }
     return nonfinite;
+}
+
+}  // extern "C"
+
+// Top-k's sparse updates (bitscom/compressors/topk.py): out[idx[j]] = out[idx[j]] + v[j]
+// (sub = 0) or out[idx[j]] - v[j] (sub = 1), j in order; the indices must be unique, as top-k's
+// are, so this is exactly torch's index_put_((idx,), out[idx] +- v). Returns 2 for an index
+// outside [0, n).
+namespace {
+template <typename I>
+int scatter_t(float* out, int64_t n, const I* idx, const float* v, int64_t k, int sub) {
+    for (int64_t j = 0; j < k; ++j)
+        if (idx[j] < 0 || (int64_t)idx[j] >= n) return 2;
+    if (sub) for (int64_t j = 0; j < k; ++j) out[idx[j]] = out[idx[j]] - v[j];
+    else for (int64_t j = 0; j < k; ++j) out[idx[j]] = out[idx[j]] + v[j];
+    return 0;
+}
+}  // namespace
+
+extern "C" {
+
+int bq_scatter(float* out, int64_t n, const void* idx, int idx64, const float* v, int64_t k, int sub) {
+    return idx64 ? scatter_t(out, n, (const int64_t*)idx, v, k, sub) : scatter_t(out, n, (const int32_t*)idx, v, k, sub);
 }
 
 }  // extern "C"

@@ -27,6 +27,7 @@ reproducible from a checkpoint. Error feedback is
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -131,6 +132,68 @@ def _chunk_rounds(hier, comm, intra, inter, cfg, fb: _Feedback, alpha, seeds, s,
     return leader_rounds(send, intra, inter, cfg, alpha, seeds, s, sent, stage2_ef, anchor, fb.pending)
 
 
+_BUFFERS: "weakref.WeakKeyDictionary[LowBitState, dict]" = weakref.WeakKeyDictionary()
+"""Per state, the byte rows of :func:`_flat_rounds` kept between steps (a fresh bucket-sized
+buffer each step costs a page-faulting pass over it); dropped with the state."""
+
+
+def _buffer(state: LowBitState, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    bufs = _BUFFERS.setdefault(state, {})
+    t = bufs.get(name)
+    if t is None or tuple(t.shape) != shape or t.dtype != dtype or t.device != torch.device(device):
+        t = bufs[name] = torch.empty(shape, dtype=dtype, device=device)
+    return t
+
+
+def _fast_flat(cfg: LowBitConfig, hier: str, flat: torch.Tensor, N: int, unit: int) -> bool:
+    """The common flat case :func:`_flat_rounds` runs: one group, one chunk, low-bit stages, no
+    Hadamard, error feedback ``"none"`` or ``"residual"``, a contiguous float32 CPU tensor."""
+    return (hier == "none" and not cfg.hadamard and not cfg.simulate_quantization
+            and cfg.error_feedback_mode in ("none", "residual") and not cfg.stage2_error_feedback
+            and not cfg.codec(cfg.bitwidth).raw and not cfg.codec(cfg.resolved_stage2_bitwidth).raw
+            and flat.device.type == "cpu" and flat.dtype == torch.float32 and flat.is_contiguous()
+            and len(chunk_bounds(N, unit, cfg.chunk_size)) == 1)
+
+
+def _flat_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: LowBitState, alpha: float,
+                 seeds, unit: int) -> Iterator:
+    """The flat two-stage all-reduce of :func:`levels_rounds` with one level, minus its copies:
+    a bucket that needs no padding is quantized straight from ``flat``, the byte rows live in
+    ``state``'s buffers, and the gathered rows decode straight into ``flat``. Same collectives,
+    same bytes, same result, same residual as the general path (tested bitwise)."""
+    n, P = flat.numel(), comm.size
+    N = max(unit, -(-n // unit) * unit)
+    x = flat.view(-1) if N == n else pad(flat, unit, cfg, state)
+    m, dev = N // P, flat.device
+    c1, c2 = cfg.codec(cfg.bitwidth), cfg.codec(cfg.resolved_stage2_bitwidth)
+    r1, r2 = c1.row_bytes(m), c2.row_bytes(m)
+    ef = state.residual if cfg.residual else None
+    if ef is not None:
+        ef.ensure(N, dev)
+        x = ef.compensate(x)                      # x + e, in the residual buffer
+    send = _buffer(state, "send", (P, r1), torch.uint8, dev)
+    recv = _buffer(state, "recv", (P, r1), torch.uint8, dev)
+    for j in range(P):
+        c1.encode(x[j * m:(j + 1) * m], send[j], seeds(0), j * m)
+    if ef is not None:                            # e = x + e - D(C(x + e))
+        sent = _buffer(state, "sent", (N,), torch.float32, dev)
+        for j in range(P):
+            c1.decode(send[j], m, sent[j * m:(j + 1) * m])
+    yield comm.all_to_all(recv.view(-1), send.view(-1))
+    buf = _buffer(state, "row", (r2,), torch.uint8, dev)
+    c1.decode_sum_encode(recv, m, alpha, c2, buf, seeds(1), comm.rank * m)
+    gathered = _buffer(state, "gathered", (P * r2,), torch.uint8, dev)
+    yield comm.all_gather(gathered, buf)
+    rows, out = gathered.view(P, r2), flat.view(-1)
+    for i in range(P):
+        s, t = i * m, min(n, (i + 1) * m)
+        if t > s:
+            c2.decode_prefix(rows[i], m, out[s:t])
+    if ef is not None:
+        ef.update(sent)
+        ef.drop_nonfinite()
+
+
 def _state_for(cfg: LowBitConfig, state: Optional[LowBitState]) -> LowBitState:
     if state is not None:
         return state
@@ -169,13 +232,17 @@ def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Option
         return
     state.bind(n)
     unit = unit_size(sizes, cfg)
-    x = pad(flat, unit, cfg, state)
     rank = world_rank(comm if hier == "none" else intra)
     step, kid = state.step, key_id(key)
     state.step += 1
 
     def seeds(stage):
         return stage_seed(cfg.seed, kid, step, rank, stage)
+
+    if _fast_flat(cfg, hier, flat, max(unit, -(-n // unit) * unit), unit):
+        yield from _flat_rounds(flat, comm, cfg, state, alpha, seeds, unit)
+        return
+    x = pad(flat, unit, cfg, state)
 
     div = inter.size if hier == "leader" else math.prod(sizes)  # elements per final shard: N/div
     fb = _Feedback(cfg, state, x, div)

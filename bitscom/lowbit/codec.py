@@ -80,6 +80,15 @@ class Codec:
         payload, scales = self._split(row, m)
         return kernels.unpack_dequantize(payload, scales, m, self.bits, self.block_size, out=out)
 
+    def decode_prefix(self, row: torch.Tensor, m: int, out: torch.Tensor) -> torch.Tensor:
+        """The first ``out.numel()`` (<= ``m``) values of a row of ``m`` (e.g. the part of the last
+        shard that is not padding), written into ``out``; the same bits as ``decode(row, m)[:k]``."""
+        k = out.numel()
+        if self.raw:
+            return out.copy_(row.view(torch.float32)[:k])
+        payload, scales = self._split(row, m)
+        return kernels.unpack_dequantize(payload, scales, k, self.bits, self.block_size, out=out)
+
     def decode_sum(self, rows: torch.Tensor, m: int, out: torch.Tensor) -> torch.Tensor:
         """``out = row_0 + row_1 + ...`` decoded, summed left to right (same bits everywhere);
         returns ``out``."""

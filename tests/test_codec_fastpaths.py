@@ -1,0 +1,283 @@
+"""Fast codec paths (issue 22 item 4) against the paths they replace, bitwise.
+
+Each fast path must send the same wire bytes, give the same averaged result and keep the same
+residual as the general torch path, on every simulated rank, step after step. The ranks run in
+one process, in lockstep, through a fake Comm that completes all-to-alls and all-gathers in
+rank order and records every byte handed to the network.
+"""
+import pytest
+import torch
+
+import bitscom.kernels as K
+import bitscom.lowbit.all_reduce as AR
+from bitscom.buckets import plan_buckets
+from bitscom.compressors import LowBit
+from bitscom.kernels import cpu_native
+
+native = pytest.mark.skipif(not cpu_native.available(), reason="no C++ compiler: no native path")
+
+
+class Sim:
+    """One simulated rank; ``log`` is shared by the ranks of one collective."""
+
+    def __init__(self, rank, size, log, wire):
+        self.rank, self.size, self.log, self.wire, self.bytes_sent = rank, size, log, wire, 0
+
+    def _issue(self, kind, output, input):
+        self.bytes_sent += input.numel() * input.element_size()
+        self.wire.append(input.clone())
+        self.log.append((self.rank, kind, output, input.clone()))
+
+    def all_to_all(self, output, input):
+        self._issue("a2a", output, input)
+
+    def all_gather(self, output, input):
+        self._issue("gather", output, input)
+
+    def enter_later_rounds(self):
+        pass
+
+
+def _complete(log, P):
+    per_rank = [[e for e in log if e[0] == r] for r in range(P)]
+    assert len({len(p) for p in per_rank}) == 1
+    for entries in zip(*per_rank):
+        kind = entries[0][1]
+        assert all(e[1] == kind for e in entries)
+        if kind == "gather":
+            joined = torch.cat([e[3] for e in entries])
+            for e in entries:
+                e[2].copy_(joined)
+        else:   # all-to-all: rank r receives chunk r of every rank, in rank order
+            for r, e in enumerate(entries):
+                e[2].copy_(torch.cat([src[3].view(P, -1)[r] for src in entries]))
+
+
+def _lockstep(comp, flats, states, layout, wire):
+    P, log = len(flats), []
+    comms = [Sim(r, P, log, wire[r]) for r in range(P)]
+    gens = [comp.reduce(f, layout, s, c) for f, s, c in zip(flats, states, comms)]
+    live = list(range(P))
+    while live:
+        log.clear()
+        still = []
+        for r in live:
+            try:
+                next(gens[r])
+                still.append(r)
+            except StopIteration:
+                pass
+        _complete(log, P)
+        live = still
+    return [c.bytes_sent for c in comms]
+
+
+def _run(comp, sizes, P, steps=3, seed=0):
+    """Every rank's outputs, wire bytes and residuals over ``steps`` steps."""
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
+    layout = plan_buckets(params, 1 << 30)[0]
+    states = [comp.init_state(layout) for _ in range(P)]
+    gen = torch.Generator().manual_seed(seed)
+    outs, wire, sent = [], [[] for _ in range(P)], []
+    for _ in range(steps):
+        flats = [torch.randn(layout.numel, generator=gen) * 10 ** float(torch.randint(-3, 3, (1,),
+                                                                                       generator=gen))
+                 for _ in range(P)]
+        for f in flats:
+            f[3], f[4] = 0.0, -0.0
+        sent.append(_lockstep(comp, flats, states, layout, wire))
+        outs.append([f.view(torch.int32).clone() for f in flats])
+    res = [None if s.residual.residual is None else s.residual.residual.view(torch.int32).clone()
+           for s in states]
+    return outs, wire, res, sent
+
+
+def _equal(a, b):
+    (o1, w1, r1, s1), (o2, w2, r2, s2) = a, b
+    assert s1 == s2
+    assert len(w1[0]) == len(w2[0]) > 0
+    for x, y in zip(sum(w1, []), sum(w2, [])):
+        assert torch.equal(x, y)
+    for step1, step2 in zip(o1, o2):
+        for x, y in zip(step1, step2):
+            assert torch.equal(x, y)
+    for x, y in zip(r1, r2):
+        assert (x is None and y is None) or torch.equal(x, y)
+
+
+CASES = [
+    dict(bitwidth=4),                                         # the default
+    dict(bitwidth=4, error_feedback=True),
+    dict(bitwidth=2, block_size=32),
+    dict(bitwidth=8, stochastic_rounding=True),
+    dict(bitwidth=1, error_feedback=True),
+    dict(bitwidth=12, stage2_bitwidth=16, block_size=64),
+    dict(bitwidth=4, stage2_bitwidth=8, stochastic_rounding=True, error_feedback=True),
+]
+
+
+@native
+@pytest.mark.parametrize("settings", CASES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("P,sizes", [(2, [1000, 24]), (3, [4096, 500, 7]), (2, [2048, 1024])])
+def test_lowbit_flat_fast_path_matches_torch_path_bitwise(monkeypatch, settings, P, sizes):
+    """The flat fast path (no padding copy, kept byte rows, decode into the bucket) with native
+    kernels equals the general path with the eager torch kernels: wire bytes, results, residuals."""
+    comp = LowBit(**settings)
+    calls = []
+    real = AR._flat_rounds
+    monkeypatch.setattr(AR, "_flat_rounds", lambda *a: calls.append(1) or real(*a))
+    fast = _run(comp, sizes, P)
+    assert len(calls) == 3 * P, "the fast path was not taken"
+    monkeypatch.setattr(AR, "_fast_flat", lambda *a: False)
+    monkeypatch.setattr(K, "_native", lambda: None)
+    assert K.implementation("cpu") == "torch"
+    slow = _run(comp, sizes, P)
+    _equal(fast, slow)
+    for step in fast[0]:              # replicas identical
+        assert all(torch.equal(step[0], o) for o in step[1:])
+
+
+@native
+def test_lowbit_fast_path_not_taken_where_it_does_not_apply(monkeypatch):
+    """Hadamard, simulated quantization, a raw stage, EF21 and chunking keep the general path."""
+    calls = []
+    monkeypatch.setattr(AR, "_flat_rounds", lambda *a: calls.append(1))
+    for settings in (dict(hadamard=True), dict(simulate_quantization=True), dict(stage2_bitwidth=32),
+                     dict(error_feedback_mode="ef21"), dict(chunk_size=256), dict(stage2_error_feedback=True)):
+        _run(LowBit(**settings), [2048], 2, steps=1)
+    assert calls == []
+
+
+_SPECIALS = [
+    lambda n, g: torch.randn(n, generator=g),
+    lambda n, g: torch.randn(n, generator=g) * 1e-40,                 # subnormal
+    lambda n, g: torch.randn(n, generator=g) * 3e38,                  # near float max
+    lambda n, g: torch.randint(-40, 41, (n,), generator=g).float() * 0.5,   # rounding ties
+    lambda n, g: torch.randn(n, generator=g) * torch.logspace(-30, 30, n),
+    lambda n, g: torch.where(torch.arange(n) % 2 == 0, torch.tensor(-0.0), torch.tensor(0.0)),
+]
+
+
+@native
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("block", [32, 128, 1024])
+def test_vectorized_quantize_matches_torch_reference(bits, block):
+    """The AVX2 round-to-nearest block quantizer (2/4/8 bits) writes the reference's bytes, also
+    for subnormals, huge values, ties, ±0, NaN/Inf blocks and a partial last block; and the fused
+    dequantize-sum-requantize that uses it does too."""
+    g = torch.Generator().manual_seed(bits * block)
+    for make in _SPECIALS:
+        for n in (3 * block, 3 * block - 5):
+            x = make(n, g).float()
+            if make is _SPECIALS[0]:
+                x[block + 1] = float("nan")
+                x[2 * block] = float("inf")
+            p1, s1 = K.quantize_pack(x, bits, block, impl="native")
+            p2, s2 = K.quantize_pack(x, bits, block, impl="torch")
+            assert torch.equal(p1, p2) and torch.equal(s1.view(torch.int16), s2.view(torch.int16))
+            rows, sc = torch.stack([p1, p1.roll(3)]), torch.stack([s1, s1.flip(0)])
+            base = torch.randn(n, generator=g)
+            for acc in (False, True):       # the vectorized decoder (1/2/4/8 bits), alone and summing
+                d1 = K.unpack_dequantize_accumulate(rows, sc, n, bits, block, out=base.clone(),
+                                                    accumulate=acc, impl="native")
+                d2 = K.unpack_dequantize_accumulate(rows, sc, n, bits, block, out=base.clone(),
+                                                    accumulate=acc, impl="torch")
+                assert torch.equal(d1.view(torch.int32), d2.view(torch.int32))
+            for ob in (2, 4, 8):
+                a = K.dequantize_sum_requantize(rows, sc, n, bits, block, out_bits=ob, alpha=0.5, impl="native")
+                b = K.dequantize_sum_requantize(rows, sc, n, bits, block, out_bits=ob, alpha=0.5, impl="torch")
+                assert torch.equal(a[0], b[0]) and torch.equal(a[1].view(torch.int16), b[1].view(torch.int16))
+
+
+@native
+@pytest.mark.parametrize("P", [2, 3, 4])
+@pytest.mark.parametrize("settings", [dict(), dict(error_feedback=False), dict(block_size=None),
+                                      dict(block_size=7), dict(block_size=32)],
+                         ids=["default", "no-ef", "per-tensor", "block7", "block32"])
+def test_signsgd_fused_native_path_matches_torch_path_bitwise(monkeypatch, P, settings):
+    """Sign-SGD's fused native path (compensate inside the encode, eight 16-element segments
+    interleaved, vectorized decode with the division by the world size fused, kept buffers)
+    equals the torch path on distinct per-rank data: wire bytes, results, residuals, and NaN
+    handling (a NaN step resets the residual on both paths)."""
+    import bitscom.compressors.signsgd as S
+    comp = S.SignSGD(**settings)
+    sizes = [4096, 768, 13, 2048, 5, 1000, 256]        # whole 16-blocks, then unaligned ones
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
+    layout = plan_buckets(params, 1 << 30)[0]
+
+    def run():
+        states = [comp.init_state(layout) for _ in range(P)]
+        gen = torch.Generator().manual_seed(P)
+        outs, wire = [], [[] for _ in range(P)]
+        for step in range(4):
+            flats = [torch.randn(layout.numel, generator=gen) for _ in range(P)]
+            for f in flats:
+                f[7], f[8], f[4100] = 0.0, -0.0, -0.0
+            if step == 2:
+                flats[1][50] = float("nan")
+            _lockstep(comp, flats, states, layout, wire)
+            outs.append([f.view(torch.int32).clone() for f in flats])
+        res = [None if s.residual is None else s.residual.view(torch.int32).clone() for s in states]
+        return outs, wire, res, []
+
+    fast = run()
+    monkeypatch.setattr(S, "_native_for", lambda x: None)
+    slow = run()
+    _equal(fast, slow)
+    for step in fast[0][:2]:
+        assert all(torch.equal(step[0], o) for o in step[1:])
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(ratio=0.01), dict(per_tensor=True),
+                                      dict(error_feedback=False, ratio=0.2)],
+                         ids=["default", "ratio0.01", "per-tensor", "no-ef"])
+def test_topk_sampled_selection_matches_exact(monkeypatch, settings):
+    """The native sparse scatter gives the torch path's exact bytes, results and residual; and
+    TopK(selection="sampled") sends the same (value, index) records as the exact default (in
+    another order) and gives bitwise the same average and residual, step after step; the
+    threshold really prunes (topk runs over about 1.25 k candidates, never the bucket); a bucket with
+    NaN still sends its NaN, as the exact path does."""
+    from bitscom.compressors import TopK
+    import bitscom.compressors.topk as TK
+    sizes, P = [60000, 3000, 40000, 77], 2
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
+    layout = plan_buckets(params, 1 << 30)[0]
+    seen = []
+    real_topk = torch.Tensor.topk
+
+    def run(selection):
+        comp = TopK(selection=selection, **settings)
+        states = [comp.init_state(layout) for _ in range(P)]
+        gen = torch.Generator().manual_seed(5)
+        outs, wire = [], [[] for _ in range(P)]
+        for step in range(4):
+            flats = [torch.randn(layout.numel, generator=gen) * (1 + 10 * (step == 1)) for _ in range(P)]
+            if step == 3:
+                flats[0][123] = float("nan")
+            _lockstep(comp, flats, states, layout, wire)
+            outs.append([f.view(torch.int32).clone() for f in flats])
+        res = [None if s.residual is None else s.residual.view(torch.int32).clone() for s in states]
+        return outs, wire, res
+
+    monkeypatch.setattr(torch.Tensor, "topk", lambda t, k, **kw: seen.append(t.numel()) or real_topk(t, k, **kw))
+    sampled = run("sampled")
+    k_total = TopK(**settings).k_of(layout)
+    assert max(seen) < min(layout.numel // 2, 2 * k_total + 5000)   # topk over candidates only
+    exact = run("exact")
+    for a, b in zip(sampled[0], exact[0]):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    for x, y in zip(sampled[2], exact[2]):
+        assert (x is None and y is None) or torch.equal(x, y)
+    for wa, wb in zip(sampled[1], exact[1]):
+        for ra, rb in zip(wa, wb):
+            assert ra.shape == rb.shape           # the same bytes on the wire
+            k = ra.numel() // 2
+            pa = sorted(zip(ra[k:].tolist(), ra[:k].tolist()))
+            pb = sorted(zip(rb[k:].tolist(), rb[:k].tolist()))
+            assert pa == pb                        # the same (index, value) records
+    with pytest.raises(ValueError, match="selection"):
+        TopK(selection="approx")
+    monkeypatch.setattr(TK, "_native_for", lambda x: None)     # the torch scatter path
+    torch_path = run("exact")
+    _equal((exact[0], exact[1], exact[2], []), (torch_path[0], torch_path[1], torch_path[2], []))
