@@ -96,7 +96,8 @@ def set_flat(model, flat):
             off += p.numel()
 
 
-def reference_onebit_adam(steps, world, freeze, lr=LR, betas=(0.9, 0.999), eps=1e-8, wd=0.0):
+def reference_onebit_adam(steps, world, freeze, lr=LR, betas=(0.9, 0.999), eps=1e-8, wd=0.0,
+                          bias_correction=False):
     model = make_model(seed=0).double()
     n = flat_params(model).numel()
     m = torch.zeros(n, dtype=torch.float64)
@@ -113,7 +114,11 @@ def reference_onebit_adam(steps, world, freeze, lr=LR, betas=(0.9, 0.999), eps=1
             v = b2 * v + (1 - b2) * g * g
         else:
             m = car([b1 * m + (1 - b1) * g for g in gs])
-        p = p - lr * (m / (v.sqrt() + eps) + wd * p)
+        if bias_correction:   # torch's Adam formula; v's correction stops where v stops
+            bc1, bc2 = 1 - b1 ** t, 1 - b2 ** min(t, freeze)
+            p = p - lr * (m / bc1 / ((v / bc2).sqrt() + eps) + wd * p)
+        else:
+            p = p - lr * (m / (v.sqrt() + eps) + wd * p)
         set_flat(model, p)
         history.append(p.clone())
     return history
@@ -141,7 +146,8 @@ def _train(rank, world, steps, make_opt, model=None, start=0):
 def _run_onebit(rank, world, steps, freeze, wd):
     _, opt, hist = _train(rank, world, steps,
                           lambda m: OneBitAdam(m.parameters(), lr=LR, freeze_step=freeze,
-                                               weight_decay=wd, block_size=BS))
+                                               weight_decay=wd, block_size=BS,
+                                               bias_correction=False))
     return hist, opt.comm_stats()
 
 
@@ -166,6 +172,69 @@ def test_onebit_adam_matches_the_float64_reference_and_replicas_agree(pools, wor
     N = max(world * BS, -(-n // (world * BS)) * world * BS)
     row = (N // world) // 8 + (N // world // BS) * 2
     assert stats["bytes_sent"] == freeze * n * 4 + (steps - freeze) * (world * row + row)
+
+
+def _run_bias_corrected(rank, world, steps, kind, bias_correction, wd):
+    if kind == "onebit":
+        def make(m):
+            return OneBitAdam(m.parameters(), lr=LR, freeze_step=steps, weight_decay=wd,
+                              block_size=BS, bias_correction=bias_correction)
+    else:
+        def make(m):
+            return ZeroOneAdam(m.parameters(), lr=LR, var_freeze_step=steps, var_update_scaler=steps,
+                               weight_decay=wd, block_size=BS, bias_correction=bias_correction)
+    return _train(rank, world, steps, make)[2]
+
+
+def torch_adamw(steps, world, wd):
+    """torch.optim.AdamW itself in float64 on the global batch: an exact all-reduce of the
+    ranks' gradients is the gradient of the mean of their (equal-sized) shard losses."""
+    model = make_model(seed=0).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
+    history = []
+    for t in range(steps):
+        x, y = global_batch(t, world, 4)
+        loss = sum(nn.functional.mse_loss(model(shard(x, r, world).double()),
+                                          shard(y, r, world).double()) for r in range(world)) / world
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        history.append(flat_params(model).clone())
+    return history
+
+
+@pytest.mark.parametrize("kind,wd", [("onebit", 0.0), ("onebit", 0.1), ("zeroone", 0.1)])
+def test_bias_corrected_warm_up_is_torch_adamw(pools, kind, wd):
+    """With ``bias_correction=True`` and every step exact, both optimizers ARE AdamW: checked
+    against torch's own AdamW (float64), not against a transcription of our reading. Without
+    it they are DeepSpeed's uncorrected Adam, whose first steps are sqrt(1-b2)/(1-b1) ~ 3x
+    larger: the check can tell the two apart."""
+    steps = 6
+    ref = torch_adamw(steps, 2, wd)
+    fixed = pools.run(2, _run_bias_corrected, steps, kind, True, wd, timeout=150)
+    plain = pools.run(2, _run_bias_corrected, steps, kind, False, wd, timeout=150)
+    for t in range(steps):
+        assert torch.equal(fixed[0][t], fixed[1][t]), t
+        torch.testing.assert_close(fixed[0][t].double(), ref[t], rtol=1e-4, atol=1e-6,
+                                   msg=f"step {t + 1}")
+    assert (plain[0][0].double() - ref[0]).abs().max() > LR    # ~2.16 LR apart at step 1
+
+
+def _run_onebit_bc(rank, world, steps, freeze):
+    _, opt, hist = _train(rank, world, steps,
+                          lambda m: OneBitAdam(m.parameters(), lr=LR, freeze_step=freeze,
+                                               block_size=BS, bias_correction=True))
+    return hist
+
+
+def test_bias_corrected_onebit_adam_matches_the_float64_reference(pools):
+    steps, freeze = 8, 3
+    results = pools.run(2, _run_onebit_bc, steps, freeze, timeout=150)
+    ref = reference_onebit_adam(steps, 2, freeze, bias_correction=True)
+    for t in range(steps):
+        assert torch.equal(results[1][t], results[0][t]), t
+        torch.testing.assert_close(results[0][t].double(), ref[t], rtol=1e-4, atol=2e-5,
+                                   msg=f"step {t + 1}")
 
 
 def make_onebit(m):
@@ -216,7 +285,8 @@ def test_settings_disagreement_errors_on_every_rank(pools, kind, match):
     (dict(freeze_step=0), "freeze_step must be an int >= 1"), (dict(betas=(1.0, 0.9)), r"betas\[0\]"),
     (dict(betas=(0.9, -0.1)), r"betas\[1\]"), (dict(betas=0.9), "betas must be a pair"),
     (dict(eps=float("nan")), "eps must be"), (dict(weight_decay=-0.1), "weight_decay"),
-    (dict(block_size=33), "block_size=33"), (dict(stage2_bits=3), "stage2_bits")])
+    (dict(block_size=33), "block_size=33"), (dict(stage2_bits=3), "stage2_bits"),
+    (dict(bias_correction=1), "bias_correction must be True or False")])
 def test_bad_settings_name_the_value(kw, match):
     with pytest.warns(UserWarning, match="single-process"), pytest.raises(ValueError, match=match):
         OneBitAdam(make_model().parameters(), **kw)
@@ -224,7 +294,8 @@ def test_bad_settings_name_the_value(kw, match):
 
 def test_bad_zero_one_settings_name_the_value():
     for kw, match in [(dict(var_freeze_step=0), "var_freeze_step"), (dict(local_step_clipper=0), "clipper"),
-                      (dict(var_update_scaler=True), "var_update_scaler"), (dict(lr=float("inf")), "lr")]:
+                      (dict(var_update_scaler=True), "var_update_scaler"), (dict(lr=float("inf")), "lr"),
+                      (dict(bias_correction="yes"), "bias_correction must be True or False")]:
         with pytest.warns(UserWarning), pytest.raises(ValueError, match=match):
             ZeroOneAdam(make_model().parameters(), **kw)
 
@@ -270,7 +341,7 @@ def test_nan_in_one_ranks_gradient_shows_on_every_rank(pools, at_step):
 def _amp(rank, world, cls, overflow_step):
     model = make_model(seed=0)
     if cls is OneBitAdam:
-        opt = cls(model.parameters(), lr=LR, freeze_step=2, block_size=BS)
+        opt = cls(model.parameters(), lr=LR, freeze_step=2, block_size=BS, bias_correction=False)
     else:
         opt = cls(model.parameters(), lr=LR, var_freeze_step=2, local_step_scaler=1,
                   local_step_clipper=1, block_size=BS)   # sync every step: replicas equal

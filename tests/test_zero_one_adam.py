@@ -16,8 +16,12 @@ SET = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=2, local_st
 
 
 def reference_zero_one(steps, world, var_freeze_step, var_update_scaler, local_step_scaler,
-                       local_step_clipper, lr=LR, betas=(0.9, 0.999), eps=1e-8, wd=0.0):
-    """Per-rank float64 replicas (local steps make them differ between synchronizations)."""
+                       local_step_clipper, lr=LR, betas=(0.9, 0.999), eps=1e-8, wd=0.0,
+                       bias_correction=False):
+    """Per-rank float64 replicas (local steps make them differ between synchronizations).
+    With ``bias_correction``: torch's Adam step ``lr/bc1 * m / (sqrt(v/bc2) + eps)``, ``bc2``
+    counting the variance updates; in the local phase ``lr/bc1`` is the step size that both
+    the parameters and the accumulated ``lrs`` see."""
     models = [make_model(seed=0).double() for _ in range(world)]
     n = flat_params(models[0]).numel()
     b1, b2 = betas
@@ -26,6 +30,7 @@ def reference_zero_one(steps, world, var_freeze_step, var_update_scaler, local_s
     v = torch.zeros(n, dtype=torch.float64)
     car = RefCompressedAllReduce(n, world)
     var_interval, var_counter, local_interval, local_counter, lrs = 1, 0, 1, 0, 0.0
+    updates = 0
     history, synced = [], []
     for t in range(1, steps + 1):
         gs = [local_grads(models[r], t - 1, world)[r] for r in range(world)]
@@ -35,10 +40,13 @@ def reference_zero_one(steps, world, var_freeze_step, var_update_scaler, local_s
             if t % var_interval == 0:
                 g = sum(gs) / world
                 v = b2 * v + (1 - b2) * g * g
+                updates += 1
+                m = [b1 * m[0] + (1 - b1) * g for _ in range(world)]
             else:
                 g = car(gs)
-            m = [b1 * m[0] + (1 - b1) * g for _ in range(world)]
-            ps = [p - lr * (m[0] / (v.sqrt() + eps) + wd * p) for p in ps]
+                m = [b1 * m[0] + (1 - b1) * g for _ in range(world)]
+            bc1, bc2 = (1 - b1 ** t, 1 - b2 ** updates) if bias_correction else (1.0, 1.0)
+            ps = [p - lr * (m[0] / bc1 / ((v / bc2).sqrt() + eps) + wd * p) for p in ps]
             if t % var_interval == 0:
                 var_counter += 1
                 if var_counter == var_update_scaler:
@@ -46,11 +54,12 @@ def reference_zero_one(steps, world, var_freeze_step, var_update_scaler, local_s
         else:
             if t == var_freeze_step + 1:             # residuals now hold u's error
                 car = RefCompressedAllReduce(n, world)
-            den = v.sqrt() + eps
-            lrs += lr
+            bc1, bc2 = (1 - b1 ** t, 1 - b2 ** updates) if bias_correction else (1.0, 1.0)
+            den = (v / bc2).sqrt() + eps
+            lrs += lr / bc1
             for r in range(world):
                 m[r] = b1 * m[r] + (1 - b1) * gs[r]
-                d = lr * (m[r] / den + wd * ps[r])
+                d = lr * (m[r] / bc1 / den + wd * ps[r])
                 ps[r] = ps[r] - d
                 u[r] = u[r] - d
             sync = t % local_interval == 0
@@ -72,19 +81,23 @@ def reference_zero_one(steps, world, var_freeze_step, var_update_scaler, local_s
 
 
 def make_zero_one(model):
-    return ZeroOneAdam(model.parameters(), lr=LR, block_size=BS, **SET)
+    return ZeroOneAdam(model.parameters(), lr=LR, block_size=BS, bias_correction=False, **SET)
 
 
-def _run(rank, world, steps):
-    _, opt, hist = _train(rank, world, steps, make_zero_one)
+def make_zero_one_bc(model):
+    return ZeroOneAdam(model.parameters(), lr=LR, block_size=BS, bias_correction=True, **SET)
+
+
+def _run(rank, world, steps, bias_correction=False):
+    _, opt, hist = _train(rank, world, steps, make_zero_one_bc if bias_correction else make_zero_one)
     return hist, opt.comm_stats()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_zero_one_adam_matches_the_float64_reference(pools, world):
+@pytest.mark.parametrize("world,bias_correction", [(2, False), (4, False), (2, True), (4, True)])
+def test_zero_one_adam_matches_the_float64_reference(pools, world, bias_correction):
     steps = 16
-    results = pools.run(world, _run, steps, timeout=200)
-    ref, synced = reference_zero_one(steps, world, **SET)
+    results = pools.run(world, _run, steps, bias_correction, timeout=200)
+    ref, synced = reference_zero_one(steps, world, bias_correction=bias_correction, **SET)
     assert not all(synced) and sum(synced) > steps // 2 - 2     # local steps happened
     for t in range(steps):
         for r in range(world):
@@ -102,4 +115,11 @@ def test_zero_one_adam_matches_the_float64_reference(pools, world):
 @pytest.mark.parametrize("cut", [3, 6, 9])     # variance phase, boundary, between local steps
 def test_zero_one_resume_is_bitwise_exact(pools, cut):
     results = pools.run(2, _resume, 13, cut, make_zero_one, timeout=150)
+    assert all(ok for ok, _ in results)
+
+
+
+@pytest.mark.parametrize("cut", [6, 9])
+def test_bias_corrected_zero_one_resumes_bitwise(pools, cut):
+    results = pools.run(2, _resume, 13, cut, make_zero_one_bc, timeout=150)
     assert all(ok for ok, _ in results)

@@ -5,6 +5,7 @@ an exact, per-rank ``state_dict``."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -183,8 +184,12 @@ class OneBitBase(torch.optim.Optimizer):
                 extra[off:off + p.numel()].view(p.shape).sub_(step)
             p.sub_(step)
 
-    def _denominator(self) -> torch.Tensor:
-        return self.exp_avg_sq.sqrt().add_(self.config.eps)
+    def _denominator(self, bias_correction2: float = 1.0) -> torch.Tensor:
+        """``sqrt(v / bias_correction2) + eps`` (torch's Adam order of operations)."""
+        denom = self.exp_avg_sq.sqrt()
+        if bias_correction2 != 1.0:
+            denom.div_(math.sqrt(bias_correction2))
+        return denom.add_(self.config.eps)
 
     def _skip_for_overflow(self) -> bool:
         """GradScaler found Inf/NaN on THIS rank: agree across ranks (one 4-byte all-reduce),

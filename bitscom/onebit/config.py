@@ -28,6 +28,11 @@ def _integer(owner: str, name: str, value, low: int, why: str = "") -> None:
         raise ValueError(f"{owner} {name} must be an int >= {low}{why}, got {value!r}")
 
 
+def _flag(owner: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner} {name} must be True or False, got {value!r}")
+
+
 def check_common(owner: str, lr, betas, eps, weight_decay) -> tuple:
     """The Adam settings both optimizers share; returns ``betas`` as a tuple."""
     _number(owner, "lr", lr, 0.0)
@@ -65,6 +70,10 @@ class OneBitConfig:
         block_size: elements per 1-bit scale (power of two, 32..65536): 1 + 16/block_size bits
             per element on the wire per stage.
         stage2_bits: width of the server stage (1 as in DeepSpeed, or 2/4/8).
+        bias_correction: Adam's bias correction (``m / (1 - b1^t)``, ``v / (1 - b2^k)`` with
+            ``k`` the variance updates so far, frozen with ``v``). Default True. DeepSpeed
+            accepts the flag and ignores it (False); on runs of a few hundred steps that costs
+            1-bit Adam several points of final loss (docs/onebit.md).
     """
 
     betas: tuple = (0.9, 0.999)
@@ -72,11 +81,13 @@ class OneBitConfig:
     freeze_step: int = 100
     block_size: int = 2048
     stage2_bits: int = 1
+    bias_correction: bool = True
 
     def __post_init__(self):
         _integer("OneBitAdam", "freeze_step", self.freeze_step, 1,
                  " (the exact warm-up that estimates the variance; 0 would freeze it at zero)")
         _check_codec("OneBitAdam", self.block_size, self.stage2_bits)
+        _flag("OneBitAdam", "bias_correction", self.bias_correction)
 
     @property
     def codec(self) -> LowBitConfig:
@@ -96,6 +107,7 @@ class ZeroOneConfig:
         local_step_scaler: after this many steps in the frozen phase the local-step interval
             doubles ...
         local_step_clipper: ... up to this many local steps between synchronizations (H).
+        bias_correction: as :class:`OneBitConfig` (``k`` = the exact variance updates so far).
     """
 
     betas: tuple = (0.9, 0.999)
@@ -106,8 +118,10 @@ class ZeroOneConfig:
     local_step_clipper: int = 16
     block_size: int = 2048
     stage2_bits: int = 1
+    bias_correction: bool = True
 
     def __post_init__(self):
+        _flag("ZeroOneAdam", "bias_correction", self.bias_correction)
         _integer("ZeroOneAdam", "var_freeze_step", self.var_freeze_step, 1,
                  " (the variance needs at least one exact update)")
         _integer("ZeroOneAdam", "var_update_scaler", self.var_update_scaler, 1)

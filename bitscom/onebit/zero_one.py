@@ -35,9 +35,16 @@ class ZeroOneAdam(OneBitBase):
 
     Differences from DeepSpeed: its first ``step()`` only allocates buffers (no update), which
     shifts its boundaries by one (its variance phase ends after step ``var_freeze_step + 1``);
-    here step 1 is a real step and the frozen phase starts at ``var_freeze_step + 1``. No bias
-    correction (DeepSpeed's accepts the flag and ignores it). The 1-bit code has one scale per
-    ``block_size`` block. Residuals resume exactly from a checkpoint (DeepSpeed resets them).
+    here step 1 is a real step and the frozen phase starts at ``var_freeze_step + 1``. Bias
+    correction by default (torch's Adam correction, ``lr/bc1`` also being what ``lrs`` sums;
+    DeepSpeed's accepts the flag and ignores it: ``bias_correction=False``). The 1-bit code
+    has one scale per ``block_size`` block. Residuals resume exactly from a checkpoint
+    (DeepSpeed resets them).
+
+    On short runs (hundreds of steps) measure before trusting it: Adam's ``sqrt(v)`` keeps
+    falling long after the lr warm-up (on the suite's GPT it is 0.4-0.6x its step-30 value
+    from step 60 to 300), so a variance frozen there makes every later step several times too
+    small; the paper's runs freeze after ~10^5 steps. docs/onebit.md gives the numbers.
 
     Args:
         params, lr, betas, eps, weight_decay, group, block_size, stage2_bits: as
@@ -47,6 +54,7 @@ class ZeroOneAdam(OneBitBase):
         var_update_scaler: kappa, variance updates per interval doubling.
         local_step_scaler, local_step_clipper: the local-step interval doubles every
             ``local_step_scaler`` frozen steps, up to ``local_step_clipper`` (H).
+        bias_correction: Adam's bias correction (``k`` = exact variance updates so far).
 
     Example::
 
@@ -64,12 +72,12 @@ class ZeroOneAdam(OneBitBase):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, var_freeze_step: int = 100, var_update_scaler: int = 16,
                  local_step_scaler: int = 32678, local_step_clipper: int = 16, *, group=None,
-                 block_size: int = 2048, stage2_bits: int = 1):
+                 block_size: int = 2048, stage2_bits: int = 1, bias_correction: bool = True):
         super().__init__(params, lr, weight_decay, group,
                          dict(betas=betas, eps=eps, var_freeze_step=var_freeze_step,
                               var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
                               local_step_clipper=local_step_clipper, block_size=block_size,
-                              stage2_bits=stage2_bits))
+                              stage2_bits=stage2_bits, bias_correction=bias_correction))
         self._sched: Dict[str, Any] = {"var_interval": 1, "var_counter": 0, "local_step_interval": 1,
                        "local_step_counter": 0, "errors_reset": False,
                        "lrs": [0.0] * len(self.param_groups)}
@@ -113,12 +121,15 @@ class ZeroOneAdam(OneBitBase):
             g = self._exact_average(grad)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
             self._counters["exact_steps"] += 1
+            m.mul_(b1).add_(g, alpha=1 - b1)
         else:
             g = self._onebit_average(grad)
             self._mask(g)
             self._counters["compressed_steps"] += 1
-        m.mul_(b1).add_(g, alpha=1 - b1)
-        self._apply(m / self._denominator())
+            m.mul_(b1).add_(g, alpha=1 - b1)
+        bc1, bc2 = self._bias_corrections(t)
+        update = m / self._denominator(bc2)
+        self._apply(update.div_(bc1) if bc1 != 1.0 else update)
         if t % s["var_interval"] == 0:
             s["var_counter"] += 1
             if s["var_counter"] == cfg.var_update_scaler:
@@ -136,9 +147,13 @@ class ZeroOneAdam(OneBitBase):
             for p, view in self._views(self.anchor):
                 view.copy_(p)
         m.mul_(b1).add_(grad, alpha=1 - b1)
-        s["lrs"] = [acc + g["lr"] for acc, g in zip(s["lrs"], self.param_groups)]
-        denom = self._denominator()
-        self._apply(m / denom, extra=u)
+        # With bias correction, the step size is lr / bc1 (torch's Adam); lrs sums it, so
+        # -u * denom / lrs is still the step-weighted average of the (uncorrected) momenta.
+        bc1, bc2 = self._bias_corrections(t)
+        s["lrs"] = [acc + g["lr"] / bc1 for acc, g in zip(s["lrs"], self.param_groups)]
+        denom = self._denominator(bc2)
+        update = m / denom
+        self._apply(update.div_(bc1) if bc1 != 1.0 else update, extra=u)
         if t % s["local_step_interval"] == 0:
             u.mul_(denom)
             self._onebit_average(u)
@@ -157,6 +172,13 @@ class ZeroOneAdam(OneBitBase):
         if s["local_step_counter"] == cfg.local_step_scaler:
             s["local_step_counter"] = 0
             s["local_step_interval"] = min(cfg.local_step_clipper, s["local_step_interval"] * 2)
+
+    def _bias_corrections(self, t: int):
+        """(1 - b1^t, 1 - b2^k), k = the exact variance updates so far; (1, 1) without."""
+        if not self.config.bias_correction:
+            return 1.0, 1.0
+        b1, b2 = self.config.betas
+        return 1 - b1 ** t, 1 - b2 ** self._counters["exact_steps"]
 
     @property
     def _group_of(self):
