@@ -190,6 +190,76 @@ def test_vectorized_quantize_matches_torch_reference(bits, block):
 
 
 @native
+@pytest.mark.parametrize("bits", [1, 2, 4, 8, 12, 16])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_fused_error_feedback_quantizer_matches_separate_steps(bits, stochastic):
+    """``quantize_ef`` (compensate + quantize + residual update + drop non-finite, one pass) gives
+    the bytes, scales and residual of the separate steps with the eager torch kernels: also for
+    the special values, NaN/Inf in the gradient or the residual, and a partial last block."""
+    block = 32 if bits == 16 else 128
+    g = torch.Generator().manual_seed(bits + 100 * stochastic)
+    for make in _SPECIALS:
+        for n in (3 * block, 3 * block - 5):
+            grad, e0 = make(n, g).float(), make(n, g).float() * 0.25
+            if make is _SPECIALS[0]:
+                grad[block + 1], e0[2 * block], grad[3] = float("nan"), float("inf"), 3e38
+                e0[3] = 3e38                      # x = e + g overflows to inf
+            e_ref = e0.clone().add_(grad)         # ErrorFeedback.compensate
+            p2, s2 = K.quantize_pack(e_ref, bits, block, stochastic=stochastic, seed=5, index_offset=77,
+                                     impl="torch")
+            e_ref.sub_(K.unpack_dequantize(p2, s2, n, bits, block, impl="torch"))
+            torch.nan_to_num_(e_ref, nan=0.0, posinf=0.0, neginf=0.0)
+            e1 = e0.clone()
+            p1, s1 = torch.empty_like(p2), torch.empty_like(s2)
+            cpu_native.quantize_ef(grad, e1, bits, block, stochastic, 5, 77, p1, s1)
+            assert torch.equal(p1, p2) and torch.equal(s1.view(torch.int16), s2.view(torch.int16))
+            assert torch.equal(e1.view(torch.int32), e_ref.view(torch.int32))
+    with pytest.raises(ValueError, match="elements"):
+        cpu_native.quantize_ef(torch.zeros(4), torch.zeros(5), 4, 128, False, 0, 0, p1, s1)
+
+
+@native
+def test_lowbit_residual_feedback_is_fused_on_the_fast_path(monkeypatch):
+    """With residual error feedback the flat fast path runs one fused quantizer pass per row and
+    no separate decode of what it sent (the ``sent`` buffer is gone); the bitwise equality with
+    the torch path is the EF cases of the fast-path test above, plus a NaN step here."""
+    from bitscom.lowbit.codec import Codec
+    fused, decodes = [], []
+    real_ef, real_dec = Codec.encode_feedback, Codec.decode
+    monkeypatch.setattr(Codec, "encode_feedback", lambda *a, **k: fused.append(1) or real_ef(*a, **k))
+    monkeypatch.setattr(Codec, "decode", lambda *a, **k: decodes.append(1) or real_dec(*a, **k))
+    comp = LowBit(bitwidth=4, error_feedback=True)
+    fast = _run(comp, [3000, 72], 3, steps=2)
+    assert len(fused) == 2 * 3 * 3 and decodes == []
+    assert all("sent" not in bufs for bufs in AR._BUFFERS.values())
+    # a NaN in one rank's gradient: the residual drops it, the same bits as the torch path
+    params = [("p", torch.nn.Parameter(torch.zeros(4096)))]
+    layout = plan_buckets(params, 1 << 30)[0]
+
+    def run():
+        states = [comp.init_state(layout) for _ in range(2)]
+        outs = []
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            flats = [torch.randn(4096, generator=gen) for _ in range(2)]
+            if step == 1:
+                flats[1][100] = float("nan")
+            _lockstep(comp, flats, states, layout, [[], []])
+            outs.append([f.view(torch.int32).clone() for f in flats])
+        return outs, [s.residual.residual.view(torch.int32).clone() for s in states]
+
+    a = run()
+    monkeypatch.setattr(AR, "_fast_flat", lambda *a: False)
+    monkeypatch.setattr(K, "_native", lambda: None)
+    b = run()
+    for x, y in zip(sum(a[0], []), sum(b[0], [])):
+        assert torch.equal(x, y)
+    for x, y in zip(a[1], b[1]):
+        assert torch.equal(x, y)
+    assert fast[2][0] is not None
+
+
+@native
 @pytest.mark.parametrize("P", [2, 3, 4])
 @pytest.mark.parametrize("settings", [dict(), dict(error_feedback=False), dict(block_size=None),
                                       dict(block_size=7), dict(block_size=32)],

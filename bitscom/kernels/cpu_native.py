@@ -233,6 +233,10 @@ def load(root: Optional[pathlib.Path] = None):
     lib.bq_sign_decode_sum.argtypes = [_P, _I64, _I32, _I64, _I64, _P, _I64, _P, ctypes.c_float]
     for f in (lib.bq_quantize, lib.bq_dequant_acc, lib.bq_dsr, lib.bq_sign_encode, lib.bq_sign_decode_sum):
         f.restype = _I32
+    ef_fn = getattr(lib, "bq_quantize_ef", None)      # optional, like bq_scatter
+    if ef_fn is not None:
+        ef_fn.argtypes = [_P, _P, _I64, _I32, _I32, _I32, _U32, _U32, _U64, _P, _P]
+        ef_fn.restype = _I32
     scatter_fn = getattr(lib, "bq_scatter", None)     # optional: a library without it still loads
     if scatter_fn is not None:
         scatter_fn.argtypes = [_P, _I64, _P, _I32, _P, _I64, _I32]
@@ -260,6 +264,25 @@ def quantize_pack(x, bits, block_size, stochastic, seed, index_offset, payload, 
     k1, k2 = fmt.seed_keys(seed)
     _check(_lib().bq_quantize(x.data_ptr(), x.numel(), bits, block_size, int(stochastic), k1, k2,
                               index_offset, payload.data_ptr(), scales.data_ptr()))
+    return payload, scales
+
+
+def has_quantize_ef() -> bool:
+    """True when the loaded library has :func:`quantize_ef`'s kernel (the real source always does)."""
+    return available() and getattr(_lib(), "bq_quantize_ef", None) is not None
+
+
+def quantize_ef(grad, residual, bits, block_size, stochastic, seed, index_offset, payload, scales):
+    """Error feedback fused into :func:`quantize_pack`, one pass: ``x = residual + grad``,
+    ``C(x)`` into ``payload``/``scales``, then ``residual = x - D(C(x))`` with NaN/Inf set to 0.
+    The same bits as ``residual.add_(grad)``, ``quantize_pack(residual)``,
+    ``residual.sub_(unpack_dequantize(...))``, ``nan_to_num_(residual, 0, 0, 0)``; all contiguous
+    CPU tensors, ``grad`` and ``residual`` float32 of the same size."""
+    if grad.numel() != residual.numel():
+        raise ValueError(f"quantize_ef: grad has {grad.numel()} elements, residual {residual.numel()}")
+    k1, k2 = fmt.seed_keys(seed)
+    _check(_lib().bq_quantize_ef(grad.data_ptr(), residual.data_ptr(), grad.numel(), bits, block_size,
+                                 int(stochastic), k1, k2, index_offset, payload.data_ptr(), scales.data_ptr()))
     return payload, scales
 
 

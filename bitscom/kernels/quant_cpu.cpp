@@ -233,6 +233,34 @@ inline void dequant_block(const uint8_t* __restrict in, uint16_t scale_bits, int
     }
 }
 
+// Error feedback fused into the quantizer, one pass per block: x = e + g (compensate), quantize x,
+// then e = x - D(C(x)) with NaN/Inf set to 0 (update and drop_nonfinite): the same fp32 steps,
+// in the same order, as residual.add_(g), quantize_pack, unpack_dequantize, residual.sub_(sent)
+// and nan_to_num_, without the decoded buffer or the four extra passes over the bucket.
+template <int B, bool SR>
+void quantize_ef_t(const float* g, float* e, int64_t n, int bs, uint32_t k1, uint32_t k2, uint64_t off,
+                   uint8_t* payload, uint16_t* scales) {
+    const int64_t nb = (n + bs - 1) / bs;
+    const int64_t bbytes = (int64_t)bs * B / 8;
+    std::vector<float> xb(bs), v(bs), tmp(bs);
+    std::vector<typename Fmt<B>::code_t> codes(bs);
+    for (int64_t k = 0; k < nb; ++k) {
+        float* eb = e + k * bs;
+        const float* gb = g + k * bs;
+        const int64_t valid = n - k * bs < bs ? n - k * bs : bs;
+        for (int64_t i = 0; i < valid; ++i) xb[i] = eb[i] + gb[i];
+        for (int64_t i = valid; i < bs; ++i) xb[i] = 0.0f;
+        uint8_t* out = payload + k * bbytes;
+        quant_block<B, SR>(xb.data(), bs, off + (uint64_t)(k * bs), k1, k2, out, scales + k, codes.data(),
+                           tmp.data());
+        dequant_block<B, false>(out, scales[k], bs, v.data());
+        for (int64_t i = 0; i < valid; ++i) {
+            const float d = xb[i] - v[i];
+            eb[i] = std::isfinite(d) ? d : 0.0f;
+        }
+    }
+}
+
 template <int B, bool SR>
 void quantize_t(const float* x, int64_t n, int bs, uint32_t k1, uint32_t k2, uint64_t off,
                 uint8_t* payload, uint16_t* scales) {
@@ -334,6 +362,16 @@ int bq_quantize(const float* x, int64_t n, int bits, int bs, int sr, uint32_t k1
     return 0;
     BQ_SWITCH(bits, BQ_Q)
 #undef BQ_Q
+}
+
+int bq_quantize_ef(const float* g, float* e, int64_t n, int bits, int bs, int sr, uint32_t k1, uint32_t k2,
+                   uint64_t off, uint8_t* payload, uint16_t* scales) {
+#define BQ_QE(B) \
+    if (sr) quantize_ef_t<B, true>(g, e, n, bs, k1, k2, off, payload, scales); \
+    else quantize_ef_t<B, false>(g, e, n, bs, k1, k2, off, payload, scales); \
+    return 0;
+    BQ_SWITCH(bits, BQ_QE)
+#undef BQ_QE
 }
 
 int bq_dequant_acc(const uint8_t* payloads, int64_t pstride, const uint16_t* scales, int64_t sstride,

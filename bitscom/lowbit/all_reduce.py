@@ -155,6 +155,13 @@ def _fast_flat(cfg: LowBitConfig, hier: str, flat: torch.Tensor, N: int, unit: i
             and len(chunk_bounds(N, unit, cfg.chunk_size)) == 1)
 
 
+def _fused_feedback(ef: ErrorFeedback, x: torch.Tensor, N: int, codec) -> bool:
+    """Whether the residual update can be fused into the quantizer (see ``Codec.encode_feedback``);
+    makes the residual (zeros) when absent, as ``compensate`` would."""
+    e = ef.ensure(N, x.device)
+    return ef.enabled and e.is_contiguous() and codec.fused_feedback(x)
+
+
 def _flat_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: LowBitState, alpha: float,
                  seeds, unit: int) -> Iterator:
     """The flat two-stage all-reduce of :func:`levels_rounds` with one level, minus its copies:
@@ -168,13 +175,18 @@ def _flat_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: LowBitState
     c1, c2 = cfg.codec(cfg.bitwidth), cfg.codec(cfg.resolved_stage2_bitwidth)
     r1, r2 = c1.row_bytes(m), c2.row_bytes(m)
     ef = state.residual if cfg.residual else None
-    if ef is not None:
-        ef.ensure(N, dev)
-        x = ef.compensate(x)                      # x + e, in the residual buffer
     send = _buffer(state, "send", (P, r1), torch.uint8, dev)
     recv = _buffer(state, "recv", (P, r1), torch.uint8, dev)
-    for j in range(P):
-        c1.encode(x[j * m:(j + 1) * m], send[j], seeds(0), j * m)
+    if ef is not None and _fused_feedback(ef, x, N, c1):
+        e = ef.ensure(N, dev)
+        for j in range(P):                        # e = x + e - D(C(x + e)), NaN/Inf -> 0: one pass
+            c1.encode_feedback(x[j * m:(j + 1) * m], e[j * m:(j + 1) * m], send[j], seeds(0), j * m)
+        ef = None                                 # done: no separate update
+    else:
+        if ef is not None:
+            x = ef.compensate(x)                  # x + e, in the residual buffer
+        for j in range(P):
+            c1.encode(x[j * m:(j + 1) * m], send[j], seeds(0), j * m)
     if ef is not None:                            # e = x + e - D(C(x + e))
         sent = _buffer(state, "sent", (N,), torch.float32, dev)
         for j in range(P):

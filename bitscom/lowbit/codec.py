@@ -72,6 +72,24 @@ class Codec:
         kernels.quantize_pack(x, self.bits, self.block_size, stochastic=self.stochastic,
                               seed=seed, index_offset=offset, payload=payload, scales=scales)
 
+    def fused_feedback(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`encode_feedback` runs for ``x``: a low-bit stage, ``x`` a contiguous
+        float32 CPU tensor and the native kernel loaded (else the caller takes the separate steps)."""
+        from ..kernels import cpu_native
+        return (not self.raw and x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
+                and kernels.implementation(x.device) == "native" and cpu_native.has_quantize_ef())
+
+    def encode_feedback(self, x: torch.Tensor, residual: torch.Tensor, row: torch.Tensor, seed: int,
+                        offset: int = 0) -> None:
+        """Residual error feedback and :meth:`encode` in one native pass (see :meth:`fused_feedback`):
+        ``v = residual + x`` is encoded into ``row`` and ``residual`` becomes ``v - decode(row)``,
+        NaN/Inf zeroed. Why: the separate steps (compensate, encode, decode, subtract, drop
+        non-finite) each pass over the whole bucket; the bits are the same (tested)."""
+        from ..kernels import cpu_native
+        payload, scales = self._split(row, x.numel())
+        cpu_native.quantize_ef(x, residual, self.bits, self.block_size, self.stochastic, seed, offset,
+                               payload, scales)
+
     def decode(self, row: torch.Tensor, m: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The ``m`` float32 values of one row (into ``out`` when given); returns them."""
         if self.raw:
