@@ -189,7 +189,13 @@ def _child(program, env: Optional[dict], conn) -> None:
         os.chdir(ROOT)
         exec_program(program)
         if env:
+            import torch.distributed as dist
+
             import bitscom
+            if dist.is_initialized():
+                # rank 0 hosts the store: leaving while a peer is still inside
+                # init_process_group resets that peer's connection (seen under load)
+                dist.barrier()
             bitscom.shutdown()
         conn.send(None)
     except BaseException:  # noqa: BLE001 — report everything to the parent
