@@ -13,63 +13,9 @@ import bitscom.lowbit.all_reduce as AR
 from bitscom.buckets import plan_buckets
 from bitscom.compressors import LowBit
 from bitscom.kernels import cpu_native
+from simranks import lockstep
 
 native = pytest.mark.skipif(not cpu_native.available(), reason="no C++ compiler: no native path")
-
-
-class Sim:
-    """One simulated rank; ``log`` is shared by the ranks of one collective."""
-
-    def __init__(self, rank, size, log, wire):
-        self.rank, self.size, self.log, self.wire, self.bytes_sent = rank, size, log, wire, 0
-
-    def _issue(self, kind, output, input):
-        self.bytes_sent += input.numel() * input.element_size()
-        self.wire.append(input.clone())
-        self.log.append((self.rank, kind, output, input.clone()))
-
-    def all_to_all(self, output, input):
-        self._issue("a2a", output, input)
-
-    def all_gather(self, output, input):
-        self._issue("gather", output, input)
-
-    def enter_later_rounds(self):
-        pass
-
-
-def _complete(log, P):
-    per_rank = [[e for e in log if e[0] == r] for r in range(P)]
-    assert len({len(p) for p in per_rank}) == 1
-    for entries in zip(*per_rank):
-        kind = entries[0][1]
-        assert all(e[1] == kind for e in entries)
-        if kind == "gather":
-            joined = torch.cat([e[3] for e in entries])
-            for e in entries:
-                e[2].copy_(joined)
-        else:   # all-to-all: rank r receives chunk r of every rank, in rank order
-            for r, e in enumerate(entries):
-                e[2].copy_(torch.cat([src[3].view(P, -1)[r] for src in entries]))
-
-
-def _lockstep(comp, flats, states, layout, wire):
-    P, log = len(flats), []
-    comms = [Sim(r, P, log, wire[r]) for r in range(P)]
-    gens = [comp.reduce(f, layout, s, c) for f, s, c in zip(flats, states, comms)]
-    live = list(range(P))
-    while live:
-        log.clear()
-        still = []
-        for r in live:
-            try:
-                next(gens[r])
-                still.append(r)
-            except StopIteration:
-                pass
-        _complete(log, P)
-        live = still
-    return [c.bytes_sent for c in comms]
 
 
 def _run(comp, sizes, P, steps=3, seed=0):
@@ -85,7 +31,7 @@ def _run(comp, sizes, P, steps=3, seed=0):
                  for _ in range(P)]
         for f in flats:
             f[3], f[4] = 0.0, -0.0
-        sent.append(_lockstep(comp, flats, states, layout, wire))
+        sent.append(lockstep(comp, flats, states, layout, wire))
         outs.append([f.view(torch.int32).clone() for f in flats])
     res = [None if s.residual.residual is None else s.residual.residual.view(torch.int32).clone()
            for s in states]
@@ -244,7 +190,7 @@ def test_lowbit_residual_feedback_is_fused_on_the_fast_path(monkeypatch):
             flats = [torch.randn(4096, generator=gen) for _ in range(2)]
             if step == 1:
                 flats[1][100] = float("nan")
-            _lockstep(comp, flats, states, layout, [[], []])
+            lockstep(comp, flats, states, layout, [[], []])
             outs.append([f.view(torch.int32).clone() for f in flats])
         return outs, [s.residual.residual.view(torch.int32).clone() for s in states]
 
@@ -285,7 +231,7 @@ def test_signsgd_fused_native_path_matches_torch_path_bitwise(monkeypatch, P, se
                 f[7], f[8], f[4100] = 0.0, -0.0, -0.0
             if step == 2:
                 flats[1][50] = float("nan")
-            _lockstep(comp, flats, states, layout, wire)
+            lockstep(comp, flats, states, layout, wire)
             outs.append([f.view(torch.int32).clone() for f in flats])
         res = [None if s.residual is None else s.residual.view(torch.int32).clone() for s in states]
         return outs, wire, res, []
@@ -324,7 +270,7 @@ def test_topk_sampled_selection_matches_exact(monkeypatch, settings):
             flats = [torch.randn(layout.numel, generator=gen) * (1 + 10 * (step == 1)) for _ in range(P)]
             if step == 3:
                 flats[0][123] = float("nan")
-            _lockstep(comp, flats, states, layout, wire)
+            lockstep(comp, flats, states, layout, wire)
             outs.append([f.view(torch.int32).clone() for f in flats])
         res = [None if s.residual is None else s.residual.view(torch.int32).clone() for s in states]
         return outs, wire, res
