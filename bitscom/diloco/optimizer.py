@@ -191,9 +191,7 @@ class DiLoCo(torch.optim.Optimizer):
         self._buckets = [FlatBucket(l, [by_name[s.name] for s in l.slots]) for l in self._layouts]
         with torch.no_grad():
             self._global = [b.flat.clone() for b in self._buckets]
-            for g, bucket in zip(self._global, self._buckets):
-                for s, p in zip(bucket.layout.slots, bucket.params):
-                    g[s.offset:s.end].copy_(p.reshape(-1))
+        self._params_to_global()
         cfg = self.config
         self.outer_optimizer = torch.optim.SGD(self._global, lr=cfg.outer_lr,
                                                momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
@@ -250,6 +248,13 @@ class DiLoCo(torch.optim.Optimizer):
         if due:
             self._sync(due)
         return loss
+
+    @torch.no_grad()
+    def _params_to_global(self) -> None:
+        """θ_global := the model's parameters (at construction, and after each warm-up step)."""
+        for g, bucket in zip(self._global, self._buckets):
+            for s, p in zip(bucket.layout.slots, bucket.params):
+                g[s.offset:s.end].copy_(p.reshape(-1))
 
     def _gather_grads(self) -> None:
         """Copy (and, under GradScaler without ``unscale_``, unscale) every ``p.grad`` into
@@ -311,11 +316,7 @@ class DiLoCo(torch.optim.Optimizer):
             finite = all(bool(torch.isfinite(b.flat).all()) for b in self._buckets)
             if finite:
                 for bucket in self._buckets:
-                    for p, view in zip(bucket.params, bucket.views):
-                        if p.grad is None:
-                            p.grad = view.detach().clone()
-                        else:
-                            p.grad.copy_(view)
+                    bucket.write_back()
         c = self._counters
         c["bytes_sent"] += sent
         c["warmup_syncs"] += 1
@@ -325,10 +326,7 @@ class DiLoCo(torch.optim.Optimizer):
             self._warmup_reducer.states = [self.compression.init_state(l) for l in self._layouts]
             return loss
         self.inner.step()
-        with torch.no_grad():
-            for g, bucket in zip(self._global, self._buckets):
-                for s, p in zip(bucket.layout.slots, bucket.params):
-                    g[s.offset:s.end].copy_(p.reshape(-1))
+        self._params_to_global()
         return loss
 
     def _sync(self, due: List[int]) -> None:
