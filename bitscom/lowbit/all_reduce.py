@@ -27,7 +27,6 @@ reproducible from a checkpoint. Error feedback is
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -132,19 +131,6 @@ def _chunk_rounds(hier, comm, intra, inter, cfg, fb: _Feedback, alpha, seeds, s,
     return leader_rounds(send, intra, inter, cfg, alpha, seeds, s, sent, stage2_ef, anchor, fb.pending)
 
 
-_BUFFERS: "weakref.WeakKeyDictionary[LowBitState, dict]" = weakref.WeakKeyDictionary()
-"""Per state, the byte rows of :func:`_flat_rounds` kept between steps (a fresh bucket-sized
-buffer each step costs a page-faulting pass over it); dropped with the state."""
-
-
-def _buffer(state: LowBitState, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-    bufs = _BUFFERS.setdefault(state, {})
-    t = bufs.get(name)
-    if t is None or tuple(t.shape) != shape or t.dtype != dtype or t.device != torch.device(device):
-        t = bufs[name] = torch.empty(shape, dtype=dtype, device=device)
-    return t
-
-
 def _fast_flat(cfg: LowBitConfig, hier: str, flat: torch.Tensor, N: int, unit: int) -> bool:
     """The common flat case :func:`_flat_rounds` runs: one group, one chunk, low-bit stages, no
     Hadamard, error feedback ``"none"`` or ``"residual"``, a contiguous float32 CPU tensor."""
@@ -175,8 +161,8 @@ def _flat_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: LowBitState
     c1, c2 = cfg.codec(cfg.bitwidth), cfg.codec(cfg.resolved_stage2_bitwidth)
     r1, r2 = c1.row_bytes(m), c2.row_bytes(m)
     ef = state.residual if cfg.residual else None
-    send = _buffer(state, "send", (P, r1), torch.uint8, dev)
-    recv = _buffer(state, "recv", (P, r1), torch.uint8, dev)
+    send = state.scratch("send", (P, r1), torch.uint8, dev)
+    recv = state.scratch("recv", (P, r1), torch.uint8, dev)
     if ef is not None and _fused_feedback(ef, x, N, c1):
         e = ef.ensure(N, dev)
         for j in range(P):                        # e = x + e - D(C(x + e)), NaN/Inf -> 0: one pass
@@ -188,13 +174,13 @@ def _flat_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: LowBitState
         for j in range(P):
             c1.encode(x[j * m:(j + 1) * m], send[j], seeds(0), j * m)
     if ef is not None:                            # e = x + e - D(C(x + e))
-        sent = _buffer(state, "sent", (N,), torch.float32, dev)
+        sent = state.scratch("sent", (N,), torch.float32, dev)
         for j in range(P):
             c1.decode(send[j], m, sent[j * m:(j + 1) * m])
     yield comm.all_to_all(recv.view(-1), send.view(-1))
-    buf = _buffer(state, "row", (r2,), torch.uint8, dev)
+    buf = state.scratch("row", (r2,), torch.uint8, dev)
     c1.decode_sum_encode(recv, m, alpha, c2, buf, seeds(1), comm.rank * m)
-    gathered = _buffer(state, "gathered", (P * r2,), torch.uint8, dev)
+    gathered = state.scratch("gathered", (P * r2,), torch.uint8, dev)
     yield comm.all_gather(gathered, buf)
     rows, out = gathered.view(P, r2), flat.view(-1)
     for i in range(P):

@@ -35,15 +35,19 @@ class LowBitState:
         self.local_estimate = None
         self.global_estimate = None
         self.global_shard = None    # ef21: this rank's exact shard of g (it owns that shard)
-        self._workspace = None  # the padded send buffer, reused every step (not checkpointed)
+        self._scratch: dict = {}    # buffers reused every step (not checkpointed)
+
+    def scratch(self, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+        """A buffer ``name`` of ``shape`` and ``dtype`` kept between steps (contents
+        undefined): allocating a bucket-sized buffer each step costs a page-faulting pass."""
+        t = self._scratch.get(name)
+        if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != torch.device(device):
+            t = self._scratch[name] = torch.empty(shape, dtype=dtype, device=device)
+        return t
 
     def workspace(self, numel: int, device) -> torch.Tensor:
-        """A float32 scratch buffer of ``numel`` elements kept between steps: allocating a
-        bucket-sized buffer each step costs a page-faulting pass over it."""
-        t = self._workspace
-        if t is None or t.numel() != numel or t.device != torch.device(device):
-            t = self._workspace = torch.empty(numel, dtype=torch.float32, device=device)
-        return t
+        """The padded float32 send buffer of ``numel`` elements (a :meth:`scratch` buffer)."""
+        return self.scratch("workspace", (numel,), torch.float32, device)
 
     def estimate(self, name: str, numel: int, device) -> torch.Tensor:
         """The EF21 estimate ``name`` (zeros on first use)."""
