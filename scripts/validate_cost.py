@@ -9,7 +9,8 @@ Per compressor, on every rank of a running job (torchrun, or ``scripts/cluster.p
 3. time each bucket's codec on this device (bitscom.cost.time_codec);
 4. predict the step (bitscom.cost.predict_step: buckets ready in proportion to their elements
    during backward, rounds one bucket after another);
-5. measure the step (mean of ``--steps`` steps after the compressor's warm-up);
+5. measure the step (median of ``--steps`` steps after the compressor's warm-up, the slowest
+   rank's median);
 
 rank 0 prints a table and appends CSV rows (``--csv``). The sweep the lead re-runs on an idle
 machine (root, iproute2), every cell of issue 22's table::
@@ -59,11 +60,14 @@ def batch(args, step):
 
 
 def compute_times(args):
-    """(forward, backward, optimizer) seconds of one step with no communication."""
+    """(forward, backward, optimizer) seconds of one step with no communication, every rank
+    computing at the same time (a barrier before each step) as they do in a real step: with
+    more ranks than cores, ranks timed one after another measured half the 4-rank step."""
     model = model_for(args)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     fw, bw, op = [], [], []
     for step in range(args.steps + 2):
+        dist.barrier()
         x, y = batch(args, step)
         t0 = time.perf_counter()
         loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -85,24 +89,41 @@ def compressor_for(name, args):
     return get(name)
 
 
+def cpu_busy():
+    """(busy, total) jiffies of the whole machine (Linux /proc/stat; (0, 0) elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return sum(v) - idle, sum(v)
+
+
 def measure(name, args):
     model = model_for(args)
     comp = compressor_for(name, args)
     opt = bitscom.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
                                        compression=comp, fusion_threshold_mb=args.fusion_mb)
     warm = getattr(comp, "start_iter", 0) + 2
+    times = []
     for step in range(warm + args.steps):
         if step == warm:
             dist.barrier()
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
         x, y = batch(args, step)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    measured = (time.perf_counter() - t0) / args.steps
+        if step >= warm:
+            times.append(time.perf_counter() - t0)
+    # the median step (rank 0's clock; steps are back to back, so every rank's step is the
+    # same length up to the skew of the first one): robust to one descheduled step
+    measured = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
     layouts = list(opt._layouts)
     opt.close()
-    return comp, layouts, measured
+    return comp, layouts, float(measured)
 
 
 def main(argv=None):
@@ -117,33 +138,50 @@ def main(argv=None):
     p.add_argument("--bandwidth", default="", help="label for the table (the cluster's shaping)")
     p.add_argument("--csv", default=None)
     p.add_argument("--spawn", type=int, default=0, help="start N local ranks (no launcher)")
+    p.add_argument("--codec-overlaps", choices=["auto", "yes", "no"], default="auto",
+                   help="does the codec run beside backward? auto: yes on CUDA (its own stream), "
+                        "no on CPU (backward's threads hold the cores)")
     args = p.parse_args(argv)
     if args.spawn and "RANK" not in os.environ:
         return spawn(args, argv)
     bitscom.init()
     world, rank, local = dist.get_world_size(), dist.get_rank(), bitscom.local_size()
     forward_s, backward_s, optimizer_s = compute_times(args)
+    busy0, total0 = cpu_busy()
     if args.hier and local > 1:
-        topo = Topology(world, local, calibrate_link(bitscom.intra_group()), calibrate_link(bitscom.inter_group()))
+        topo = Topology(world, local, calibrate_link(bitscom.intra_group()), calibrate_link(bitscom.inter_group()),
+                        world_link=calibrate_link())
     else:
         link = calibrate_link()
         topo = Topology.flat(world, link) if not args.hier else Topology(world, local, link, link)
+    busy1, total1 = cpu_busy()
+    # how much of the machine the link probe alone kept busy: on the emulated cluster the
+    # "network" is the kernel moving bytes between namespaces, on the cores that also compute
+    probe_cpu = round((busy1 - busy0) / max(1, total1 - total0), 2)
+    overlaps = {"yes": True, "no": False}.get(args.codec_overlaps, torch.cuda.is_available())
     rows = []
     for name in args.compressors.split(","):
         comp, layouts, measured = measure(name, args)
         rounds = [rounds_for(comp, lay.numel, world, local_size=local, dtype=lay.dtype,
                              shapes=[s.shape for s in lay.slots]) for lay in layouts]
-        codec = [time_codec(comp, lay, world) for lay in layouts]
+        codec = []
+        for lay in layouts:      # every rank at once, the median run: contention is part of the cost
+            dist.barrier()
+            codec.append(time_codec(comp, lay, world, with_copies=True, repeats=5,
+                                    statistic=statistics.median))
         numels = [lay.numel for lay in layouts]
+        slots = [s.numel for lay in layouts for s in lay.slots]      # one gradient hook per slot
         pred = predict_step(rounds, topo, forward_s=forward_s, backward_s=backward_s, optimizer_s=optimizer_s,
-                            ready_s=ready_times(numels, backward_s), codec_s=codec)
+                            ready_s=ready_times(numels, backward_s), codec_s=codec, codec_overlaps=overlaps,
+                            poll_s=ready_times(slots, backward_s))
         rows.append(dict(bandwidth=args.bandwidth, world=world, local_size=local, compressor=name,
                          predicted_ms=round(pred.step_s * 1e3, 2), measured_ms=round(measured * 1e3, 2),
                          error_pct=round(100 * (pred.step_s - measured) / measured, 1),
                          compute_ms=round((forward_s + backward_s + optimizer_s) * 1e3, 2),
                          comm_ms=round(pred.comm_s * 1e3, 2), codec_ms=round(pred.codec_s * 1e3, 2),
-                         alpha_us=round(topo.inter.alpha_s * 1e6, 1), gbit=round(topo.inter.gbit, 3),
-                         load=round(os.getloadavg()[0], 2)))
+                         overlaps=overlaps, alpha_us=round(topo.inter.alpha_s * 1e6, 1), gbit=round(topo.inter.gbit, 3),
+                         flat_gbit=round(topo.level("flat")[1].gbit, 3),
+                         probe_cpu=probe_cpu, load=round(os.getloadavg()[0], 2)))
     if rank == 0:
         report(rows, args)
     bitscom.shutdown()

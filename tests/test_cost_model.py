@@ -94,6 +94,77 @@ def test_predict_step_overlap_and_ready_times():
     assert late.step_s == pytest.approx(0.0035) and late.exposed_s == pytest.approx(0.0015)
 
 
+def test_flat_rounds_across_nodes_use_the_probed_world_link():
+    """A flat ring on 2 nodes x 2 crosses each node link with one stream, while the inter
+    fit is one of two concurrent inter groups (half the link on the emulated cluster)."""
+    inter, whole = Link(1e-4, 2e-8), Link(1e-4, 1e-8)
+    r = Round("all_reduce", 1 << 20, "flat")
+    assert round_seconds(r, Topology(4, 2, Link(0.0, 0.0), inter)) == pytest.approx(
+        6 * 1e-4 + 1.5 * (1 << 20) * 2e-8)
+    assert round_seconds(r, Topology(4, 2, Link(0.0, 0.0), inter, world_link=whole)) == pytest.approx(
+        6 * 1e-4 + 1.5 * (1 << 20) * 1e-8)
+    # an inter round keeps the inter link; one node ignores world_link (no crossing)
+    assert round_seconds(Round("all_reduce", 1 << 20, "inter"), Topology(4, 2, inter=inter, world_link=whole)) \
+        == pytest.approx(2 * 1e-4 + (1 << 20) * 2e-8)
+    assert Topology(2, 2, intra=Link(0.0, 1e-9), world_link=whole).level("flat")[1] == Link(0.0, 1e-9)
+    with pytest.raises(TypeError, match="world_link"):
+        Topology(4, 2, world_link=1.0)
+
+
+def test_predict_step_charges_a_shared_core_codec_to_backward():
+    """codec_overlaps=False: codec seconds are taken from backward (one core per rank), so
+    later buckets become ready later and backward itself ends later."""
+    topo = Topology.flat(2, Link(0.0, 1e-6))
+    r = [[Round("all_reduce", 1000, "flat")]] * 2          # 1 ms each on 2 ranks
+    args = dict(backward_s=0.01, ready_s=[0.001, 0.01], codec_s=[0.002, 0.003])
+    beside = predict_step(r, topo, **args)
+    shared = predict_step(r, topo, codec_overlaps=False, **args)
+    # beside: bucket 1 starts at its ready time 10 ms, + 3 ms codec + 1 ms comm = 14 ms
+    assert beside.step_s == pytest.approx(0.014)
+    # shared: bucket 1 is ready 2 ms later (bucket 0's codec ran on backward's core): 12 + 3 + 1
+    assert shared.step_s == pytest.approx(0.016) and shared.bucket_end_s[0] == pytest.approx(0.004)
+    # with no communication at all the step is backward plus every codec second
+    quiet = predict_step([[], []], topo, codec_overlaps=False, **args)
+    assert quiet.step_s == pytest.approx(0.01 + 0.002 + 0.003)
+
+
+def test_predict_step_issues_later_rounds_at_the_engines_polls():
+    """The engine advances a bucket's later rounds at its gradient hooks (poll_s) and
+    continuously after backward: a second round waits for the next hook."""
+    topo = Topology.flat(2, Link(0.0, 1e-6))
+    two = [Round("all_reduce", 1000, "flat")] * 2           # two 1 ms rounds per bucket
+    args = dict(backward_s=0.01, ready_s=[0.001, 0.004])
+    free = predict_step([two, two], topo, **args)
+    assert free.bucket_end_s == pytest.approx((0.003, 0.006)) and free.step_s == pytest.approx(0.01)
+    hooked = predict_step([two, two], topo, poll_s=[0.001, 0.005, 0.01], **args)
+    # bucket 0: round 1 at 1-2 ms, round 2 at the 5 ms hook (the 1 ms hook passed before round 1 ended);
+    # bucket 1: round 1 after bucket 0 (6-7 ms), round 2 at the 10 ms hook: ends at 11 ms
+    assert hooked.bucket_end_s == pytest.approx((0.006, 0.011)) and hooked.step_s == pytest.approx(0.011)
+    # one-round compressors never wait for a hook
+    one = [[Round("all_reduce", 1000, "flat")]] * 2
+    assert predict_step(one, topo, poll_s=[0.01], **args).bucket_end_s == pytest.approx((0.002, 0.005))
+
+
+def test_time_codec_times_past_the_compressors_plain_warm_up(monkeypatch):
+    """PowerSGD's first start_iter steps are plain all-reduces; timing those instead of the
+    compressed step measured 0.9 ms for a bucket whose compressed step costs ~20 ms."""
+    from bitscom.cost import time_codec
+    comp = get("powersgd", rank=2, start_iter=4)
+    lay = layout_of(NUMEL, shapes=SHAPES)
+    seen = []
+    original = type(comp).reduce
+
+    def spy(self, flat, layout, state, comm):
+        seen.append(int(state.step) if hasattr(state, "step") else None)
+        return original(self, flat, layout, state, comm)
+
+    monkeypatch.setattr(type(comp), "reduce", spy)
+    ticks = iter(range(1000))
+    time_codec(comp, lay, 2, repeats=2, warmup=1, clock=lambda: float(next(ticks)))
+    # 1 warm-up + 4 plain steps untimed (steps 0-4), then the two timed steps are compressed
+    assert seen == [0, 1, 2, 3, 4, 5, 6]
+
+
 def test_fusion_threshold_follows_latency():
     params = [(f"w{i}", torch.zeros(512, 512)) for i in range(8)]    # 8 MiB in 1 MiB tensors
     slow_msgs = Topology.flat(4, Link(1.0, 1e-9))                     # latency dominates

@@ -43,7 +43,6 @@ final loss, one seed), a trade-off docs/convergence.md shows.
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -77,19 +76,6 @@ def _segments(sizes: tuple, device: str):
 def _counts(sizes: tuple) -> torch.Tensor:
     """Each segment's element count as a CPU int64 tensor, for the native kernels."""
     return torch.tensor(sizes, dtype=torch.int64)
-
-
-_BUFFERS: "weakref.WeakKeyDictionary[SteppedErrorFeedback, dict]" = weakref.WeakKeyDictionary()
-"""Per bucket state, the native path's byte buffers, kept between steps (a fresh buffer each
-step costs a page-faulting pass over it); dropped with the state."""
-
-
-def _buffer(state, name: str, nbytes: int) -> torch.Tensor:
-    bufs = _BUFFERS.setdefault(state, {})
-    t = bufs.get(name)
-    if t is None or t.numel() != nbytes:
-        t = bufs[name] = torch.empty(nbytes, dtype=torch.uint8)
-    return t
 
 
 def _native_for(x: torch.Tensor):
@@ -236,10 +222,10 @@ class SignSGD(Compressor):
             x, grad = flat, None
         counts = _counts(sizes)
         nbytes = -(-numel // 8)
-        record = _buffer(state, "record", nbytes + 4 * len(sizes))
+        record = state.scratch("record", (nbytes + 4 * len(sizes),), torch.uint8, "cpu")
         record[:nbytes].zero_()
         native.sign_encode(x, counts, record[:nbytes], record[nbytes:], update=state.enabled, grad=grad)
-        gathered = _buffer(state, "gathered", comm.size * record.numel())
+        gathered = state.scratch("gathered", (comm.size * record.numel(),), torch.uint8, "cpu")
         yield comm.all_gather(gathered, record)
         nonfinite = native.sign_decode_sum(gathered.view(comm.size, -1), numel, nbytes, counts, flat,
                                            divide=comm.size)

@@ -10,9 +10,15 @@ finished (the engine issues later rounds in bucket order)::
     end_i = max(ready_i, end_{i-1}) + codec_i + comm_i
     step  = forward + max(backward, end_last) + optimizer
 
+With ``codec_overlaps=False`` the codec shares the cores that run backward (a CPU rank with
+one core per process, as on the emulated cluster): every codec second is a second backward
+does not get, so bucket ``i`` is ready ``Σ_{j<i} codec_j`` later and backward's own end moves
+to ``backward + Σ codec``. Measured on 2 gloo ranks, 2 cores: charging the codec as hidden
+under-predicted the compressed steps by 38-72% (docs/cost_model.md, Validation).
+
 Simplifications, stated: a multi-round compressor's later rounds are not overlapped with the
-next bucket's first round; on a CPU, codec compute competes with backward for the same cores
-(seen as extra backward time, not modelled).
+next bucket's first round; gloo's own CPU work (copies, the TCP stack) is in the link fit
+probed on an idle group, not charged against backward.
 """
 
 from __future__ import annotations
@@ -68,8 +74,17 @@ def ready_times(numels: Sequence[int], backward_s: float) -> List[float]:
 def predict_step(bucket_rounds: Sequence[Sequence[Round]], topo: Topology, *, backward_s: float = 0.0,
                  forward_s: float = 0.0, optimizer_s: float = 0.0,
                  ready_s: Optional[Sequence[float]] = None,
-                 codec_s: Optional[Sequence[float]] = None) -> Prediction:
+                 codec_s: Optional[Sequence[float]] = None, codec_overlaps: bool = True,
+                 poll_s: Optional[Sequence[float]] = None) -> Prediction:
     """Predict one step from each bucket's rounds (plan order) on ``topo``.
+
+    ``codec_overlaps``: True when the codec runs beside backward (a CUDA stream, spare CPU
+    cores), False when it takes its time from backward (one core per rank).
+
+    ``poll_s``: the seconds into backward at which the engine advances buckets (its gradient
+    hooks; ``ready_times`` of the parameters). A bucket's later rounds are issued at the first
+    poll after the previous round finished, and continuously once backward is over. ``None``:
+    continuous progress (a driver that never waits for a hook).
 
     Example::
 
@@ -84,12 +99,30 @@ def predict_step(bucket_rounds: Sequence[Sequence[Round]], topo: Topology, *, ba
     if len(ready) != k or len(codec) != k:
         raise ValueError(f"ready_s and codec_s need one entry per bucket ({k}), got "
                          f"{len(ready)} and {len(codec)}")
+    shift = [0.0] * k                 # codec seconds taken from backward before bucket i is ready
+    if not codec_overlaps:
+        for i in range(1, k):
+            shift[i] = shift[i - 1] + codec[i - 1]
+    backward_end = backward_s + (sum(codec) if not codec_overlaps else 0.0)
+    polls = None
+    if poll_s is not None:            # into the same clock as the shifted ready times
+        polls = sorted(p + max([shift[i] + codec[i] * (not codec_overlaps) for i in range(k)
+                                if ready[i] < p] or [0.0]) for p in poll_s)
+
+    def issue(t: float) -> float:     # when a later round finished at t can be issued
+        if polls is None or t >= backward_end:
+            return t
+        return next((p for p in polls if p >= t), backward_end)
+
     end, ends, comm_total = 0.0, [], 0.0
-    for rounds, r, c in zip(bucket_rounds, ready, codec):
-        comm = bucket_seconds(rounds, topo)
-        comm_total += comm
-        end = max(r, end) + c + comm
+    for i, (rounds, r, c) in enumerate(zip(bucket_rounds, ready, codec)):
+        t = max(r + shift[i], end) + c
+        for j, rnd in enumerate(rounds):
+            seconds = round_seconds(rnd, topo)
+            comm_total += seconds
+            t = (issue(t) if j else t) + seconds
+        end = t
         ends.append(end)
-    tail = max(backward_s, end)
+    tail = max(backward_end, end)
     return Prediction(forward_s + tail + optimizer_s, tail - backward_s, comm_total, sum(codec),
                       tuple(ends))

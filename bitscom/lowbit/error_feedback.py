@@ -21,7 +21,7 @@ The residual buffer *is* ``x`` between steps 1 and 3 (no extra allocation): a co
 must not modify the tensor :meth:`compensate` returns in place. The object is a
 :class:`~bitscom.compressors.base.State`, so it checkpoints on its own or inside a
 compressor's state (see :meth:`state_dict`). It sits below the compressors and the low-bit
-collectives (it imports nothing of bitscom), so both use this one implementation; it is
+collectives (it imports only bitscom.scratch, which imports nothing), so both use this one implementation; it is
 re-exported as ``bitscom.compressors.ErrorFeedback``.
 
 EF21 (each worker keeps ``g_i`` and sends ``C(∇f_i − g_i)``) is a different algorithm and is
@@ -33,6 +33,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from ..scratch import Scratch
 
 __all__ = ["ErrorFeedback", "SteppedErrorFeedback"]
 
@@ -55,6 +57,7 @@ class ErrorFeedback:
     """
 
     def __init__(self, numel: int, device=None, enabled: bool = True):
+        self._scratch = Scratch()       # a compressor's per-step buffers (not checkpointed)
         self.enabled = bool(enabled)
         self.residual: Optional[torch.Tensor] = (
             torch.zeros(int(numel), dtype=torch.float32, device=device) if enabled else None)
@@ -94,6 +97,10 @@ class ErrorFeedback:
         ef = cls(0, enabled=True)
         ef.residual = residual
         return ef
+
+    def scratch(self, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+        """A buffer the compressor owning this state reuses every step (contents undefined)."""
+        return self._scratch.get(name, shape, dtype, device)
 
     def ensure(self, numel: int, device) -> torch.Tensor:
         """The residual buffer, made (zeros) if absent or of another size/device; returns it."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..scratch import Scratch
 from .error_feedback import ErrorFeedback
 
 __all__ = ["LowBitState"]
@@ -35,15 +36,12 @@ class LowBitState:
         self.local_estimate = None
         self.global_estimate = None
         self.global_shard = None    # ef21: this rank's exact shard of g (it owns that shard)
-        self._scratch: dict = {}    # buffers reused every step (not checkpointed)
+        self._scratch = Scratch()   # buffers reused every step (not checkpointed)
 
     def scratch(self, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
         """A buffer ``name`` of ``shape`` and ``dtype`` kept between steps (contents
         undefined): allocating a bucket-sized buffer each step costs a page-faulting pass."""
-        t = self._scratch.get(name)
-        if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != torch.device(device):
-            t = self._scratch[name] = torch.empty(shape, dtype=dtype, device=device)
-        return t
+        return self._scratch.get(name, shape, dtype, device)
 
     def workspace(self, numel: int, device) -> torch.Tensor:
         """The padded float32 send buffer of ``numel`` elements (a :meth:`scratch` buffer)."""
