@@ -231,6 +231,22 @@ class OneBitBase(torch.optim.Optimizer):
     def _update(self, grad: torch.Tensor, t: int) -> None:
         raise NotImplementedError
 
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Make the replicas identical now, off the schedule: call it on every rank after the
+        last ``step()``, before evaluating or saving. 1-bit Adam synchronizes every step, so
+        here it does nothing; 0/1 Adam's local steps leave the ranks apart until the next
+        synchronization step, which it performs early (DiLoCo's ``sync()`` has the same role).
+
+        Example::
+
+            for x, y in loader:
+                loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+            opt.sync()
+        """
+        if not self._agreed:
+            self._agree_resumed()
+
     # -- reporting, checkpoints --------------------------------------------------------------
     def comm_stats(self) -> dict:
         """``bytes_sent`` (this rank, whole run: warm-up included), ``dense_bytes`` (what an

@@ -155,23 +155,49 @@ class ZeroOneAdam(OneBitBase):
         update = m / denom
         self._apply(update.div_(bc1) if bc1 != 1.0 else update, extra=u)
         if t % s["local_step_interval"] == 0:
-            u.mul_(denom)
-            self._onebit_average(u)
-            self._mask(u)
-            group_of = self._group_of
-            for (p, _, _, _, i), (_, uv) in zip(self._groups(), self._views(u)):
-                off, lrs = self._offsets[i], s["lrs"][group_of[i]]
-                m[off:off + p.numel()].copy_(uv.reshape(-1) / lrs).neg_()
-            self.anchor.add_(u / denom)
-            for p, view in self._views(self.anchor):
-                p.copy_(view)
-            u.zero_()
-            s["lrs"] = [0.0] * len(self.param_groups)
-            self._counters["compressed_steps"] += 1
+            self._synchronize(denom)
         s["local_step_counter"] += 1
         if s["local_step_counter"] == cfg.local_step_scaler:
             s["local_step_counter"] = 0
             s["local_step_interval"] = min(cfg.local_step_clipper, s["local_step_interval"] * 2)
+
+    def _synchronize(self, denom: torch.Tensor) -> None:
+        """The synchronization of the frozen phase: ``u`` 1-bit averaged (scaled by the
+        frozen denominator), ``m = -u / lrs``, ``p = p_sync + u / denom``, then ``u = lrs = 0``."""
+        s, m, u = self._sched, self.exp_avg, self.momentum_accumulator
+        u.mul_(denom)
+        self._onebit_average(u)
+        self._mask(u)
+        group_of = self._group_of
+        for (p, _, _, _, i), (_, uv) in zip(self._groups(), self._views(u)):
+            off, lrs = self._offsets[i], s["lrs"][group_of[i]]
+            m[off:off + p.numel()].copy_(uv.reshape(-1) / lrs).neg_()
+        self.anchor.add_(u / denom)
+        for p, view in self._views(self.anchor):
+            p.copy_(view)
+        u.zero_()
+        s["lrs"] = [0.0] * len(self.param_groups)
+        self._counters["compressed_steps"] += 1
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Synchronize now if local steps ran since the last synchronization (the schedule
+        of later steps is unchanged; the bytes are counted): after it every rank holds the
+        same parameters and momentum. A no-op in the variance phase (every step synchronizes)
+        or right after a synchronization step. The decision reads only counters every rank
+        shares, so every rank takes the same branch.
+
+        Example::
+
+            for x, y in loader:
+                loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+            opt.sync()                       # replicas bitwise identical for eval / save
+        """
+        super().sync()
+        t = self._counters["step"]
+        if t <= self.config.var_freeze_step or not any(self._sched["lrs"]):
+            return
+        self._synchronize(self._denominator(self._bias_corrections(t)[1]))
 
     def _bias_corrections(self, t: int):
         """(1 - b1^t, 1 - b2^k), k = the exact variance updates so far; (1, 1) without."""
