@@ -117,8 +117,7 @@ def measure(name, args):
         opt.zero_grad()
         if step >= warm:
             times.append(time.perf_counter() - t0)
-    # the median step (rank 0's clock; steps are back to back, so every rank's step is the
-    # same length up to the skew of the first one): robust to one descheduled step
+    # each rank's median step (robust to one descheduled step), the slowest rank's reported
     measured = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(measured, op=dist.ReduceOp.MAX)
     layouts = list(opt._layouts)

@@ -99,15 +99,15 @@ def predict_step(bucket_rounds: Sequence[Sequence[Round]], topo: Topology, *, ba
     if len(ready) != k or len(codec) != k:
         raise ValueError(f"ready_s and codec_s need one entry per bucket ({k}), got "
                          f"{len(ready)} and {len(codec)}")
-    shift = [0.0] * k                 # codec seconds taken from backward before bucket i is ready
+    taken = [0.0] * k                 # codec seconds taken from backward up to bucket i's codec
     if not codec_overlaps:
-        for i in range(1, k):
-            shift[i] = shift[i - 1] + codec[i - 1]
-    backward_end = backward_s + (sum(codec) if not codec_overlaps else 0.0)
+        for i in range(k):
+            taken[i] = (taken[i - 1] if i else 0.0) + codec[i]
+    shift = [0.0] + taken[:-1]        # ... and before bucket i is ready
+    backward_end = backward_s + (taken[-1] if k else 0.0)
     polls = None
     if poll_s is not None:            # into the same clock as the shifted ready times
-        polls = sorted(p + max([shift[i] + codec[i] * (not codec_overlaps) for i in range(k)
-                                if ready[i] < p] or [0.0]) for p in poll_s)
+        polls = sorted(p + max((taken[i] for i in range(k) if ready[i] < p), default=0.0) for p in poll_s)
 
     def issue(t: float) -> float:     # when a later round finished at t can be issued
         if polls is None or t >= backward_end:
