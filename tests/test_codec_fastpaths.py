@@ -251,11 +251,12 @@ def test_signsgd_fused_native_path_matches_torch_path_bitwise(monkeypatch, P, se
                                       dict(error_feedback=False, ratio=0.2)],
                          ids=["default", "ratio0.01", "per-tensor", "no-ef"])
 def test_topk_sampled_selection_matches_exact(monkeypatch, settings):
-    """The native sparse scatter gives the torch path's exact bytes, results and residual; and
-    TopK(selection="sampled") sends the same (value, index) records as the exact default (in
-    another order) and gives bitwise the same average and residual, step after step; the
-    threshold really prunes (topk runs over about 1.25 k candidates, never the bucket); a bucket with
-    NaN still sends its NaN, as the exact path does."""
+    """On the torch path TopK(selection="sampled") sends the same (value, index) records as the
+    exact default (in another order) and gives bitwise the same average and residual, step after
+    step; the threshold really prunes (topk runs over about 1.25 k candidates, never the bucket); a
+    bucket with NaN still sends its NaN, as the exact path does. The native selection and scatter
+    (the CPU default for either setting) send the same records as torch.topk (ascending index
+    order) and give bitwise the torch path's average and residual."""
     from bitscom.compressors import TopK
     import bitscom.compressors.topk as TK
     sizes, P = [60000, 3000, 40000, 77], 2
@@ -278,6 +279,9 @@ def test_topk_sampled_selection_matches_exact(monkeypatch, settings):
         res = [None if s.residual is None else s.residual.view(torch.int32).clone() for s in states]
         return outs, wire, res
 
+    assert cpu_native.has_topk()                 # the source always has it; a compiler is on CI
+    native = run("exact")
+    monkeypatch.setattr(TK, "_native_topk", lambda x: None)    # the torch selection paths
     monkeypatch.setattr(torch.Tensor, "topk", lambda t, k, **kw: seen.append(t.numel()) or real_topk(t, k, **kw))
     sampled = run("sampled")
     k_total = TopK(**settings).k_of(layout)
@@ -288,15 +292,83 @@ def test_topk_sampled_selection_matches_exact(monkeypatch, settings):
             assert torch.equal(x, y)
     for x, y in zip(sampled[2], exact[2]):
         assert (x is None and y is None) or torch.equal(x, y)
-    for wa, wb in zip(sampled[1], exact[1]):
+    _same_records(sampled[1], exact[1])
+    with pytest.raises(ValueError, match="selection"):
+        TopK(selection="approx")
+    monkeypatch.setattr(TK, "_native_for", lambda x: None)     # the torch scatter path too
+    torch_path = run("exact")
+    _equal((exact[0], exact[1], exact[2], []), (torch_path[0], torch_path[1], torch_path[2], []))
+    _same_records(native[1], torch_path[1])
+    for a, b in zip(native[0], torch_path[0]):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    for x, y in zip(native[2], torch_path[2]):
+        assert (x is None and y is None) or torch.equal(x, y)
+    for wire in native[1]:                        # native records: ascending indices
+        for r in wire:
+            k = r.numel() // 2
+            if not settings.get("per_tensor"):
+                assert bool((r[k + 1:] > r[k:-1]).all())
+
+
+def _same_records(wire_a, wire_b):
+    """Each rank sent the same (index, value) records in both runs, in any order."""
+    for wa, wb in zip(wire_a, wire_b):
         for ra, rb in zip(wa, wb):
             assert ra.shape == rb.shape           # the same bytes on the wire
             k = ra.numel() // 2
             pa = sorted(zip(ra[k:].tolist(), ra[:k].tolist()))
             pb = sorted(zip(rb[k:].tolist(), rb[:k].tolist()))
             assert pa == pb                        # the same (index, value) records
-    with pytest.raises(ValueError, match="selection"):
-        TopK(selection="approx")
-    monkeypatch.setattr(TK, "_native_for", lambda x: None)     # the torch scatter path
-    torch_path = run("exact")
-    _equal((exact[0], exact[1], exact[2], []), (torch_path[0], torch_path[1], torch_path[2], []))
+
+
+def test_native_topk_is_torch_topk_with_nan_inf_ties_and_fallback():
+    """cpu_native.topk picks a set of the same magnitudes as torch.topk (NaN the largest, then
+    Inf), values equal to x at unique ascending indices, lower index first among equal
+    magnitudes; also when the sampled threshold lets fewer than k entries through (entries large
+    exactly at the sampled positions) and for k = 1, k = n and tiny inputs. Bad k is refused."""
+    gen = torch.Generator().manual_seed(11)
+
+    def check(x, k):
+        v, i = cpu_native.topk(x, k)
+        assert i.dtype == torch.int64 and v.dtype == torch.float32 and i.numel() == k
+        assert bool((i[1:] > i[:-1]).all())                      # unique, ascending
+        assert torch.equal(x[i].view(torch.int32), v.view(torch.int32))
+        want = x.abs().topk(k).values.sort().values
+        assert torch.equal(v.abs().sort().values.view(torch.int32), want.view(torch.int32))
+        return i
+
+    for n, k in [(1, 1), (10, 1), (10, 10), (5000, 4999), (200_000, 10_000), (1_000_000, 2_000)]:
+        x = torch.randn(n, generator=gen)
+        if n > 8:
+            x[3], x[7], x[n - 1] = float("nan"), float("-inf"), -float("nan")
+        check(x, k)
+    ties = torch.randint(-3, 4, (100_000,), generator=gen).float()
+    i = check(ties, 40_000)
+    threes = (ties.abs() == 3).nonzero().flatten()
+    twos = (ties.abs() == 2).nonzero().flatten()
+    assert threes.numel() < 40_000
+    assert torch.equal(i, torch.cat([threes, twos[:40_000 - threes.numel()]]).sort().values)
+    spiky = torch.rand(1_000_000, generator=gen) * 1e-3
+    spiky[::100] = 1.0                  # every sampled entry is 1: only 10,000 pass the threshold
+    check(spiky, 50_000)
+    for bad in (0, 11):
+        with pytest.raises(RuntimeError, match="native"):
+            cpu_native.topk(torch.randn(10), bad)
+    # The fused error-feedback update: residual[indices] -= values, into another buffer or x itself.
+    x = torch.randn(300_000, generator=gen)
+    x[5], x[9] = float("inf"), -0.0
+    other = torch.randn(300_000, generator=gen)
+    want = other.clone()
+    v, i = cpu_native.topk(x, 15_000)
+    want.index_put_((i,), want[i] - v)
+    got = other.clone()
+    v2, i2 = cpu_native.topk(x, 15_000, subtract_from=got)
+    assert torch.equal(i2, i) and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    own = x.clone()
+    ref = x.clone()
+    ref.index_put_((i,), ref[i] - v)                 # chosen entries become 0 (Inf - Inf: NaN)
+    cpu_native.topk(own, 15_000, subtract_from=own)
+    assert torch.equal(own.view(torch.int32), ref.view(torch.int32))
+    with pytest.raises(ValueError, match="subtract_from"):
+        cpu_native.topk(x, 10, subtract_from=torch.zeros(3))

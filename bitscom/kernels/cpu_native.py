@@ -241,6 +241,10 @@ def load(root: Optional[pathlib.Path] = None):
     if scatter_fn is not None:
         scatter_fn.argtypes = [_P, _I64, _P, _I32, _P, _I64, _I32]
         scatter_fn.restype = _I32
+    topk_fn = getattr(lib, "bq_topk", None)           # optional, like bq_scatter
+    if topk_fn is not None:
+        topk_fn.argtypes = [_P, _I64, _I64, _P, _P, _P]
+        topk_fn.restype = _I32
     return lib
 
 
@@ -330,10 +334,41 @@ def has_scatter() -> bool:
     return available() and getattr(_lib(), "bq_scatter", None) is not None
 
 
-def scatter(out, indices, values, subtract=False):
+def scatter(out, indices, values, subtract=False) -> bool:
     """``out[indices] += values`` (``-=`` with ``subtract``) for unique int32/int64 ``indices``
     and fp32 ``values``, all contiguous CPU tensors: the same bits as
-    ``out.index_put_((indices,), out[indices] + values)``, without its temporaries."""
-    _check(_lib().bq_scatter(out.data_ptr(), out.numel(), indices.data_ptr(),
-                             int(indices.element_size() == 8), values.data_ptr(), values.numel(),
-                             int(subtract)))
+    ``out.index_put_((indices,), out[indices] + values)``, without its temporaries. Returns
+    whether some value was NaN or Inf (adding only; False when subtracting)."""
+    rc = _lib().bq_scatter(out.data_ptr(), out.numel(), indices.data_ptr(),
+                           int(indices.element_size() == 8), values.data_ptr(), values.numel(),
+                           int(subtract))
+    if rc not in (0, 1):
+        _check(rc)
+    return rc == 1
+
+
+def has_topk() -> bool:
+    """True when the loaded library has :func:`topk`'s kernel (the real source always does)."""
+    return available() and getattr(_lib(), "bq_topk", None) is not None
+
+
+TOPK_MAX_NUMEL = 2 ** 31 - 1
+
+
+def topk(x, k, subtract_from=None):
+    """``(values, indices)`` of the ``k`` entries of largest ``|x|`` of the contiguous fp32 CPU
+    ``x`` (``1 <= k <= x.numel() <= TOPK_MAX_NUMEL``): indices int64 in ascending order, values
+    ``x[indices]``. The same set as ``x.abs().topk(k)`` (NaN counts as the largest magnitude);
+    among equal magnitudes the lower index is chosen. Exact, deterministic, and about one
+    pass over ``x`` (a sampled threshold, then a selection among the ~1.25 k entries above it;
+    see ``bq_topk`` in quant_cpu.cpp). With ``subtract_from`` (contiguous fp32 of ``x``'s size,
+    possibly ``x`` itself), ``subtract_from[indices] -= values`` in the same pass: the same bits
+    as ``index_put_`` (error feedback's sparse update)."""
+    import torch
+    if subtract_from is not None and subtract_from.numel() != x.numel():
+        raise ValueError(f"topk: subtract_from has {subtract_from.numel()} elements, x {x.numel()}")
+    indices = torch.empty(k + 1, dtype=torch.int64)     # the kernel writes one entry past k
+    values = torch.empty(k + 1, dtype=torch.float32)
+    _check(_lib().bq_topk(x.data_ptr(), x.numel(), k, indices.data_ptr(), values.data_ptr(),
+                          None if subtract_from is None else subtract_from.data_ptr()))
+    return values[:k], indices[:k]

@@ -6,9 +6,11 @@
 // x / s, rintf (round half even) or floorf, the contiguous-halves tree for 1-bit sums, left-to-
 // right peer sums, no FMA contraction. Each block is read once from memory and then worked on in
 // L1, which is what makes it ~50x faster than a chain of eager torch ops.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX2__)
@@ -546,15 +548,17 @@ int bq_sign_decode_sum(const uint8_t* rows, int64_t stride, int P, int64_t n, in
 // Top-k's sparse updates (bitscom/compressors/topk.py): out[idx[j]] = out[idx[j]] + v[j]
 // (sub = 0) or out[idx[j]] - v[j] (sub = 1), j in order; the indices must be unique, as top-k's
 // are, so this is exactly torch's index_put_((idx,), out[idx] +- v). Returns 2 for an index
-// outside [0, n).
+// outside [0, n), else (sub = 0) 1 when some v[j] is NaN or Inf (the caller's isfinite check,
+// fused), 0 otherwise.
 namespace {
 template <typename I>
 int scatter_t(float* out, int64_t n, const I* idx, const float* v, int64_t k, int sub) {
     for (int64_t j = 0; j < k; ++j)
         if (idx[j] < 0 || (int64_t)idx[j] >= n) return 2;
+    bool finite = true;
     if (sub) for (int64_t j = 0; j < k; ++j) out[idx[j]] = out[idx[j]] - v[j];
-    else for (int64_t j = 0; j < k; ++j) out[idx[j]] = out[idx[j]] + v[j];
-    return 0;
+    else for (int64_t j = 0; j < k; ++j) { out[idx[j]] = out[idx[j]] + v[j]; finite &= std::isfinite(v[j]); }
+    return finite ? 0 : 1;
 }
 }  // namespace
 
@@ -562,6 +566,103 @@ extern "C" {
 
 int bq_scatter(float* out, int64_t n, const void* idx, int idx64, const float* v, int64_t k, int sub) {
     return idx64 ? scatter_t(out, n, (const int64_t*)idx, v, k, sub) : scatter_t(out, n, (const int32_t*)idx, v, k, sub);
+}
+
+}  // extern "C"
+
+// Top-k selection (bitscom/compressors/topk.py): the k entries of x with the largest |x|, as
+// ascending indices (int64) and their values. Magnitudes are compared as the bits of |x| read as
+// uint32, which orders NaN above Inf above every finite value, as torch.topk does; equal
+// magnitudes go to the lower index (each key is (|x| bits, ~index, sign), unique), so the chosen set is
+// a deterministic function of x. Strategy (DGC's sampled threshold, made exact): the
+// ceil(1.25 k n_s / n)-th largest key of every stride-th entry is a threshold; every entry at or
+// above it is a candidate (about 1.25 k of them, collected in index order in one pass); if at
+// least k pass, the true top k are all among them (the k-th largest key is then >= the
+// threshold), so the k-th largest candidate key T found by nth_element is the k-th largest overall
+// and the candidates >= T, in index order, are the answer. Fewer than k candidates: all n are.
+// With sub (may be x itself: x is not read once the candidates are known), sub[i] -= x[i] for
+// the chosen i (error feedback's update_sparse, fused; same bits as index_put_).
+// idx and vals need room for k + 1 entries (the branch-free output writes one past the last).
+// Returns 2 for k outside [1, n] or n >= 2^31.
+namespace {
+// (|x| bits) << 32 | (2^31 - 1 - i) << 1 | sign: unique (i < 2^31), ordered by magnitude then
+// lower index; the value is rebuilt from the key without reading x again.
+inline uint64_t topk_key(uint32_t bits, int64_t i) {
+    return ((uint64_t)(bits & 0x7fffffffu) << 32) | ((uint64_t)(0x7fffffffu - (uint32_t)i) << 1) | (bits >> 31);
+}
+inline int64_t topk_index(uint64_t key) { return (int64_t)(0x7fffffffu - ((uint32_t)key >> 1)); }
+inline float topk_value(uint64_t key) { return bitsf((uint32_t)(key >> 32) | ((uint32_t)key << 31)); }
+}  // namespace
+
+extern "C" {
+
+int bq_topk(const float* x, int64_t n, int64_t k, int64_t* idx, float* vals, float* sub) {
+    if (k < 1 || k > n || n >= ((int64_t)1 << 31)) return 2;
+    std::vector<uint64_t> cand;
+    const int64_t want = std::max<int64_t>(4096, (n + 99) / 100);
+    const int64_t stride = std::max<int64_t>(1, n / want);
+    if (stride > 1 && (double)k * 1.25 < (double)n) {
+        std::vector<uint32_t> sample;
+        sample.reserve(n / stride + 1);
+        for (int64_t i = 0; i < n; i += stride) sample.push_back(fbits(x[i]) & 0x7fffffffu);
+        const int64_t ns = (int64_t)sample.size();
+        int64_t j = (int64_t)std::ceil((double)ns * 1.25 * (double)k / (double)n);
+        j = std::min<int64_t>(ns, std::max<int64_t>(1, j));
+        std::nth_element(sample.begin(), sample.begin() + (j - 1), sample.end(), std::greater<uint32_t>());
+        const uint32_t threshold = sample[j - 1];
+        // Branch-free collection (the test is true for ~1.25 k/n of the entries, unpredictably):
+        // every key is written, the count advances only past candidates; room for one more
+        // block is ensured before each block.
+        const int64_t block = 4096;
+        size_t count = 0;
+        cand.resize((size_t)(k + k / 2 + block));
+        for (int64_t b = 0; b < n; b += block) {
+            if (cand.size() < count + (size_t)block) cand.resize(2 * cand.size() + (size_t)block);
+            uint64_t* c = cand.data();
+            const int64_t e = std::min(n, b + block);
+            int64_t i = b;
+#if defined(__AVX2__)
+            // Eight at a time: most groups of eight hold no candidate and cost one compare.
+            const __m256i lowbits = _mm256_set1_epi32(0x7fffffff);
+            const __m256i t = _mm256_set1_epi32((int)threshold);
+            for (; i + 8 <= e; i += 8) {
+                const __m256i u = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + i)), lowbits);
+                const __m256i ge = _mm256_cmpeq_epi32(_mm256_max_epu32(u, t), u);   // u >= t, unsigned
+                const unsigned mask = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(ge));
+                if (!mask) continue;
+                for (int j = 0; j < 8; ++j) {          // branch-free within the group
+                    c[count] = topk_key(fbits(x[i + j]), i + j);
+                    count += (mask >> j) & 1u;
+                }
+            }
+#endif
+            for (; i < e; ++i) {
+                const uint32_t u = fbits(x[i]);
+                c[count] = topk_key(u, i);
+                count += ((u & 0x7fffffffu) >= threshold);
+            }
+        }
+        cand.resize(count);
+    }
+    if ((int64_t)cand.size() < k) {
+        cand.resize(n);
+        for (int64_t i = 0; i < n; ++i) cand[i] = topk_key(fbits(x[i]), i);
+    }
+    std::vector<uint64_t> work(cand);
+    std::nth_element(work.begin(), work.begin() + (k - 1), work.end(), std::greater<uint64_t>());
+    const uint64_t kth = work[k - 1];
+    int64_t out = 0;                     // branch-free: idx/vals have room for k + 1 entries
+    for (uint64_t key : cand) {
+        const int64_t i = topk_index(key);
+        const float v = topk_value(key);
+        const bool chosen = key >= kth;
+        idx[out] = i;
+        vals[out] = v;
+        if (sub) sub[i] = sub[i] - (chosen ? v : 0.0f);   // x - 0 is x, -0 and NaN included
+        out += chosen;
+        if (out > k) break;              // never: exactly k keys are >= the k-th largest
+    }
+    return out == k ? 0 : 3;
 }
 
 }  // extern "C"
