@@ -124,7 +124,7 @@ def main() -> None:
 
     base, _ = timed(copy_all)
     rows = [{"dnn": args.dnn, "world": args.world, "opt": "copy (baseline)", "ms": base * 1e3,
-             "x_copy": 1.0, "params_M": numel / 1e6, "buckets": len(layouts)}]
+             "x_copy": 1.0, "params_M": numel / 1e6, "buckets": len(layouts), "clock": args.clock}]
     for name in args.opts or names():
         name, _, extra = name.partition(":")     # e.g. topk:selection=sampled
         settings = dict(DEFAULTS.get(name, {}))
@@ -143,7 +143,8 @@ def main() -> None:
 
         t, ratio = timed(step, copy_all)
         rows.append({"dnn": args.dnn, "world": args.world, "opt": name, "ms": t * 1e3,
-                     "x_copy": ratio, "params_M": numel / 1e6, "buckets": len(layouts)})
+                     "x_copy": ratio, "params_M": numel / 1e6, "buckets": len(layouts),
+                     "clock": args.clock})
     print(f"{args.dnn}: {numel / 1e6:.1f} M parameters in {len(layouts)} buckets of "
           f"≤{args.threshold:g} MB, world {args.world} (mirrored), {args.threads} thread(s), "
           f"device {args.device}, {args.clock} clock, median of {args.repeat} (ratios: per pair)")

@@ -117,7 +117,7 @@ def build(kind, settings, model, task, task_name, world, seed):
     s = dict(settings)
     base = task.make_optimizer(model, world) if kind in ("ssgd", "diloco") else None
     lr_scale = s.pop("inner_lr_scale", 1.0)     # the task's (inner) lr times this, schedule kept
-    s.pop("final_sync", None)                   # train_one's: DiLoCo.sync() after the last step
+    s.pop("final_sync", None)                   # train_one's: opt.sync() after the last step
     if base is not None:
         for g in base.param_groups:
             g["lr"] *= lr_scale
@@ -157,7 +157,9 @@ def train_one(task, task_name, kind, settings, seed, rank, world, eval_every):
     model = task.make_model()
     opt, sched = build(kind, settings, model, task, task_name, world, seed)
     base_lrs = [g["lr"] for g in sched.param_groups]
-    final_sync = bool(settings.get("final_sync")) and kind == "diloco"
+    # final_sync=True: opt.sync() after the last step, so the evaluated model includes the last
+    # partial interval and the replicas end identical (DiLoCo, ZeroOneAdam; OneBitAdam: no-op).
+    final_sync = bool(settings.get("final_sync")) and kind in ("diloco", "zeroone", "onebit")
     torch.manual_seed(seed * 1000 + rank + 1)
     gen = torch.Generator().manual_seed(seed * 1000 + rank + 1)
     losses, curve = [], []
@@ -173,7 +175,7 @@ def train_one(task, task_name, kind, settings, seed, rank, world, eval_every):
         loss = task.loss(model, batch)
         loss.backward()
         opt.step()
-        if final_sync and step + 1 == task.steps:    # θ_global includes the last partial interval
+        if final_sync and step + 1 == task.steps:    # the last partial interval, synchronized
             opt.sync()
         stats = opt.comm_stats()
         if first_dense is None:
