@@ -12,6 +12,10 @@ P and Q steps, with contiguous, strided-with-gaps and unevenly spaced groups, at
 enough for the BLAS blocked kernels and at unaligned offsets, in fp32 and bf16 buckets. The
 outputs, the residuals and the factor memories must be bitwise equal, and every rank must end
 with the same bits.
+
+On CPUs with fp32 buckets the native kernels (``bq_lr_*`` in ``quant_cpu.cpp``) now replace
+those BLAS calls: they are checked against the same old computation to float rounding, against
+float64 one matrix at a time, and for the fixed-order product that keeps replicas identical.
 """
 
 from __future__ import annotations
@@ -199,7 +203,38 @@ def test_views_cover_the_group_without_copies():
 @pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.float32), (2, torch.bfloat16)],
                          ids=["2ranks-fp32", "3ranks-fp32", "2ranks-bf16"])
 @pytest.mark.parametrize("kind", ["acpsgd", "powersgd"])
-def test_new_path_bitwise_equals_old_computation(kind, world, dtype):
+def test_new_path_bitwise_equals_old_computation(kind, world, dtype, monkeypatch):
+    """The BLAS view path (what GPUs, bf16 buckets and CPUs without the native library run)."""
+    from bitscom.compressors.lowrank import MatrixGroup
+    monkeypatch.setattr(MatrixGroup, "_native", lambda self, flat, *factors: None)
+    _compare_with_old(kind, world, dtype, exact_bits=True)
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=["2ranks", "3ranks"])
+@pytest.mark.parametrize("kind", ["acpsgd", "powersgd"])
+def test_native_path_matches_old_computation_and_keeps_replicas_identical(kind, world):
+    """The native CPU kernels (fp32 buckets: the default there) against the same old
+    computation: outputs and residuals agree to float rounding (the local projections sum in
+    another order than BLAS; the factors themselves may differ by a column's sign, which QR
+    takes from entries at rounding level, and P Qᵀ does not see), the uncompressed slots hold
+    the exact average, and every rank ends with the same bits (P Qᵀ is formed in a fixed order)."""
+    from bitscom.compressors.lowrank import MatrixGroup
+    from bitscom.kernels import cpu_native
+    assert cpu_native.has_lowrank()            # the source always has it; a compiler is on CI
+    layout = make_layout(torch.float32)
+    assert MatrixGroup._native(ACPSGD(rank=4).plan(layout).groups[0], torch.zeros(layout.numel),
+                               torch.zeros(4)) is not None
+    _compare_with_old(kind, world, torch.float32, exact_bits=False)
+
+
+def _close(a, b):
+    """Within fp32 rounding of sums of a few hundred terms, relative to the tensor's scale
+    (elementwise tolerances fail on entries near 0, which are differences of large terms)."""
+    return bool((a.double() - b.double()).abs().max() <= 1e-5 * max(1.0, b.double().abs().max()))
+
+
+def _compare_with_old(kind, world, dtype, exact_bits):
+    same = _same_bits if exact_bits else _close
     layout = make_layout(dtype)
     if kind == "acpsgd":
         comp = ACPSGD(rank=4)
@@ -216,11 +251,12 @@ def test_new_path_bitwise_equals_old_computation(kind, world, dtype):
         lockstep(comp, new_flats, new_states, layout)
         lockstep(old, old_flats, old_states, layout)
         for r in range(world):
-            assert _same_bits(new_flats[r], old_flats[r]), f"output differs, rank {r}, step {t}"
-            assert _same_bits(new_states[r].ef.residual, old_states[r].ef.residual), \
+            assert same(new_flats[r], old_flats[r]), f"output differs, rank {r}, step {t}"
+            assert same(new_states[r].ef.residual, old_states[r].ef.residual), \
                 f"residual differs, rank {r}, step {t}"
-            assert _same_bits(new_states[r].p, old_states[r].p), f"P differs, rank {r}, step {t}"
-            assert _same_bits(new_states[r].q, old_states[r].q), f"Q differs, rank {r}, step {t}"
+            if exact_bits:   # (else a column's sign may flip: QR's sign follows entries ~1e-8)
+                assert same(new_states[r].p, old_states[r].p), f"P differs, rank {r}, step {t}"
+                assert same(new_states[r].q, old_states[r].q), f"Q differs, rank {r}, step {t}"
             assert _same_bits(new_flats[r], new_flats[0]), f"replicas differ at step {t}"
         # a real reduction happened (not a no-op that trivially matches): the uncompressed
         # slots hold the average, the compressed ones an approximation that is not the input
@@ -235,3 +271,41 @@ def test_new_path_bitwise_equals_old_computation(kind, world, dtype):
         g0 = plan.groups[0]
         cut = slice(g0.offsets[0], g0.offsets[0] + g0.n * g0.m)
         assert not torch.allclose(new_flats[0][cut].double(), exact[cut], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("n,m,r", [(1, 1, 1), (37, 5, 3), (64, 203, 4), (130, 96, 9), (17, 40, 64)])
+def test_native_lowrank_kernels_against_float64_and_a_fixed_order(n, m, r):
+    """The native kernels one matrix at a time: P = M Q and Q = Mᵀ P within fp32 rounding of a
+    float64 reference, the fused residual update equal to M − P Qᵀ likewise, and the product
+    P Qᵀ bitwise equal to torch's own left-to-right ``p_i0·q_k0 + p_i1·q_k1 + …`` (separate
+    multiplies and adds), which is what makes it the same on every CPU. NaN propagates; a rank
+    above 64 or a zero size is refused."""
+    from bitscom.kernels import cpu_native
+    gen = torch.Generator().manual_seed(n * m + r)
+    M = torch.randn(n, m, generator=gen)
+    Q, P = torch.randn(m, r, generator=gen), torch.randn(n, r, generator=gen)
+    bound = 1e-5 * max(1.0, float(m) ** 0.5, float(n) ** 0.5) * 4
+
+    def close(a, b):
+        return float((a.double() - b).abs().max()) <= bound * max(1.0, float(b.abs().max()))
+
+    for transpose, factor in ((False, Q), (True, P)):
+        want = (M.double().T if transpose else M.double()) @ factor.double()
+        for subtract in (False, True):
+            X, out = M.clone(), torch.empty(m if transpose else n, r)
+            cpu_native.lowrank_project(X.data_ptr(), n, m, factor, out, transpose, subtract)
+            assert close(out, want)
+            p, q = (factor, out) if transpose else (out, factor)
+            left = M.double() - p.double() @ q.double().T if subtract else M.double()
+            assert close(X, left)
+    out = torch.empty(n, m)
+    cpu_native.lowrank_product(out.data_ptr(), n, m, P, Q)
+    ordered = P[:, :1] * Q[:, 0][None]
+    for j in range(1, r):
+        ordered = ordered + P[:, j:j + 1] * Q[:, j][None]
+    assert torch.equal(out.view(torch.int32), ordered.view(torch.int32))
+    P[0, 0] = float("nan")
+    cpu_native.lowrank_product(out.data_ptr(), n, m, P, Q)
+    assert bool(out[0].isnan().all()) and (n == 1 or bool(out[1:].isfinite().all()))
+    with pytest.raises(RuntimeError, match="native"):
+        cpu_native.lowrank_product(out.data_ptr(), n, m, torch.zeros(n, 65), torch.zeros(m, 65))

@@ -103,16 +103,15 @@ class ACPSGD(LowRankCompressor):
         plan.gather_uncompressed(x, tail)
         for g in plan.groups:
             p, q = g.p(p_all), g.q(q_all)
-            if send_p:
-                if not fresh:
-                    orthogonalize(q, self.orthogonalization)
-                g.project(x, q, p, transpose=False)
+            if send_p and not fresh:
+                orthogonalize(q, self.orthogonalization)
+            elif not send_p and not fresh:
+                orthogonalize(p, self.orthogonalization)
+            factor, out = (q, p) if send_p else (p, q)
+            if ef.enabled:                           # and E = x − P Qᵀ from the local factors
+                g.project_subtract(x, factor, out, transpose=not send_p)
             else:
-                if not fresh:
-                    orthogonalize(p, self.orthogonalization)
-                g.project(x, p, q, transpose=True)
-            if ef.enabled:                           # E = x − P Qᵀ from the local factors
-                g.sub_product(x, p, q)
+                g.project(x, factor, out, transpose=not send_p)
         if ef.enabled:                               # sent exactly: nothing left over
             plan.zero_uncompressed(x)
         yield comm.all_reduce(wire)

@@ -169,6 +169,36 @@ class MatrixGroup:
         for o, v in zip(self.offsets, value):
             flat[o:o + size].view(self.n, self.m).copy_(v)
 
+    def _native(self, flat: torch.Tensor, *factors: torch.Tensor):
+        """The native kernels when they apply: a contiguous fp32 CPU bucket, contiguous fp32
+        factors, rank <= 64 and the library built; else None (the BLAS paths below)."""
+        if flat.device.type != "cpu" or flat.dtype != torch.float32 or not flat.is_contiguous():
+            return None
+        if any(f.dtype != torch.float32 or not f.is_contiguous() for f in factors):
+            return None
+        from ..kernels import cpu_native
+        if self.r > cpu_native.LOWRANK_MAX_RANK or not cpu_native.has_lowrank():
+            return None
+        return cpu_native
+
+    def _addresses(self, flat: torch.Tensor) -> List[int]:
+        base, size = flat.data_ptr(), flat.element_size()
+        return [base + o * size for o in self.offsets]
+
+    def project_subtract(self, flat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor,
+                         transpose: bool) -> None:
+        """:meth:`project`, then ``flat[group] -= P Qᵀ`` with the factors just formed
+        (``transpose=False``: P = out, Q = factor; else P = factor, Q = out): error
+        feedback's update, in the same pass over each matrix on CPUs (native kernel)."""
+        native = self._native(flat, factor, out)
+        if native is None:
+            self.project(flat, factor, out, transpose)
+            p, q = (factor, out) if transpose else (out, factor)
+            self.sub_product(flat, p, q)
+            return
+        for b, ptr in enumerate(self._addresses(flat)):
+            native.lowrank_project(ptr, self.n, self.m, factor[b], out[b], transpose, True)
+
     def project(self, flat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor,
                 transpose: bool) -> None:
         """:func:`project` of this group's matrices in ``flat`` (``factor``/``out`` are the
@@ -178,6 +208,11 @@ class MatrixGroup:
         On GPUs one batched call as before (cuBLAS may pick another kernel per batch count)."""
         if flat.device.type != "cpu":
             project(self.load(flat), factor, out, transpose)
+            return
+        native = self._native(flat, factor, out)
+        if native is not None:              # one pass per matrix, no temporary (native kernel)
+            for b, ptr in enumerate(self._addresses(flat)):
+                native.lowrank_project(ptr, self.n, self.m, factor[b], out[b], transpose, False)
             return
         for cut, mat in self.views(flat):
             project(mat, factor[cut], out[cut], transpose)
@@ -192,7 +227,11 @@ class MatrixGroup:
         factors (bf16/fp16) still goes through a temporary and a casting copy; on GPUs the
         batched call is kept as it was (same bits as before there too).
         """
-        if flat.dtype != p.dtype:
+        native = self._native(flat, p, q)
+        if native is not None:      # same bits on every CPU (no FMA, fixed order): native kernel
+            for b, ptr in enumerate(self._addresses(flat)):
+                native.lowrank_product(ptr, self.n, self.m, p[b], q[b])
+        elif flat.dtype != p.dtype:
             self.store(flat, torch.bmm(p, q.transpose(1, 2)))
         elif flat.device.type == "cpu":
             for cut, view in self.views(flat):

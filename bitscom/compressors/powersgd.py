@@ -94,9 +94,10 @@ class PowerSGD(LowRankCompressor):
         for g in plan.groups:                        # x is unchanged since round 1
             p, q = g.p(pbuf), g.q(state.q)
             orthogonalize(p, self.orthogonalization)
-            g.project(x, p, q, transpose=True)
-            if ef.enabled:                           # E = x − P Qᵀ (local Q), in the residual
-                g.sub_product(x, p, q)
+            if ef.enabled:                           # and E = x − P Qᵀ (local Q), in the residual
+                g.project_subtract(x, p, q, transpose=True)
+            else:
+                g.project(x, p, q, transpose=True)
         if ef.enabled:                               # sent exactly: nothing left over
             plan.zero_uncompressed(x)
         tail.div_(comm.size)

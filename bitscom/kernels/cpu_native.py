@@ -241,6 +241,14 @@ def load(root: Optional[pathlib.Path] = None):
     if scatter_fn is not None:
         scatter_fn.argtypes = [_P, _I64, _P, _I32, _P, _I64, _I32]
         scatter_fn.restype = _I32
+    lowrank = {"bq_lr_project_p": [_P, _I64, _I64, _P, _I32, _P, _I32],   # optional, likewise
+               "bq_lr_project_q": [_P, _I64, _I64, _P, _I32, _P, _I32],
+               "bq_lr_product": [_P, _I64, _I64, _P, _P, _I32]}
+    for name, argtypes in lowrank.items():
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes = argtypes
+            fn.restype = _I32
     topk_fn = getattr(lib, "bq_topk", None)           # optional, like bq_scatter
     if topk_fn is not None:
         topk_fn.argtypes = [_P, _I64, _I64, _P, _P, _P]
@@ -372,3 +380,30 @@ def topk(x, k, subtract_from=None):
     _check(_lib().bq_topk(x.data_ptr(), x.numel(), k, indices.data_ptr(), values.data_ptr(),
                           None if subtract_from is None else subtract_from.data_ptr()))
     return values[:k], indices[:k]
+
+
+LOWRANK_MAX_RANK = 64
+
+
+def has_lowrank() -> bool:
+    """True when the loaded library has the low-rank product kernels (the real source does)."""
+    return available() and getattr(_lib(), "bq_lr_product", None) is not None
+
+
+def lowrank_project(mat_ptr: int, n: int, m: int, factor, out, transpose: bool, subtract: bool) -> None:
+    """One matrix of a low-rank group: ``out = M @ factor`` (P = M Q) or, with ``transpose``,
+    ``out = Mᵀ @ factor`` (Q = Mᵀ P); with ``subtract``, then ``M -= P Qᵀ`` (error feedback,
+    the same pass while each row is in cache). ``mat_ptr`` is the address of the row-major
+    n × m fp32 matrix (a slot of a contiguous bucket); ``factor``/``out`` are contiguous fp32
+    (·, r) tensors, 1 <= r <= LOWRANK_MAX_RANK. Local results (FMA, partial sums): the bits
+    may differ from BLAS's and between CPU models."""
+    fn = _lib().bq_lr_project_q if transpose else _lib().bq_lr_project_p
+    _check(fn(mat_ptr, n, m, factor.data_ptr(), factor.shape[-1], out.data_ptr(), int(subtract)))
+
+
+def lowrank_product(out_ptr: int, n: int, m: int, p, q) -> None:
+    """``out = P Qᵀ`` for one row-major n × m fp32 matrix at ``out_ptr`` from contiguous fp32
+    ``p`` (n × r) and ``q`` (m × r): each element ``p_i0 q_k0 + p_i1 q_k1 + …`` left to right,
+    rounded after each multiply and add (no FMA), so every CPU writes the same bits from the
+    same factors (what keeps replicas identical)."""
+    _check(_lib().bq_lr_product(out_ptr, n, m, p.data_ptr(), q.data_ptr(), p.shape[-1]))

@@ -666,3 +666,129 @@ int bq_topk(const float* x, int64_t n, int64_t k, int64_t* idx, float* vals, flo
 }
 
 }  // extern "C"
+
+// Low-rank factor products (bitscom/compressors/lowrank.py) for one row-major n x m matrix M
+// (a slot of the bucket) and fp32 factors P (n x r) and Q (m x r), row-major, 1 <= r <= 64.
+// The products P Q^T (the output every rank writes from the same reduced factors) are formed
+// element by element as p_i0 q_k0 + p_i1 q_k1 + ... left to right, each multiply and each add
+// rounded (no FMA), vectorized across k only: the same bits from the AVX2 and the scalar loop,
+// so ranks agree whatever their CPUs. The projections M Q and M^T P are local (each rank's own,
+// summed afterwards), so they use FMA and vector partial sums. Each row of M is read once
+// while it is in cache, where the BLAS path made one pass per call (project, residual update).
+namespace {
+constexpr int LR_MAX_RANK = 64;
+
+void lr_transpose(const float* q, int64_t m, int r, float* qt) {   // (m x r) -> (r x m)
+    for (int64_t k = 0; k < m; ++k)
+        for (int j = 0; j < r; ++j) qt[(int64_t)j * m + k] = q[k * r + j];
+}
+
+// row[k] = sum_j p[j] * qt[j][k] (sub = false) or row[k] -= that sum (sub = true).
+template <bool SUB>
+inline void lr_row_product(float* __restrict row, int64_t m, const float* __restrict p, int r,
+                           const float* __restrict qt) {
+    int64_t k = 0;
+#if defined(__AVX2__)
+    for (; k + 8 <= m; k += 8) {
+        __m256 acc = _mm256_mul_ps(_mm256_set1_ps(p[0]), _mm256_loadu_ps(qt + k));
+        for (int j = 1; j < r; ++j)
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(qt + (int64_t)j * m + k)));
+        _mm256_storeu_ps(row + k, SUB ? _mm256_sub_ps(_mm256_loadu_ps(row + k), acc) : acc);
+    }
+#endif
+    for (; k < m; ++k) {
+        float acc = p[0] * qt[k];
+        for (int j = 1; j < r; ++j) acc = acc + p[j] * qt[(int64_t)j * m + k];
+        row[k] = SUB ? row[k] - acc : acc;
+    }
+}
+
+// out[j] = sum_k row[k] * qt[j][k] for j < r (a row of M Q).
+inline void lr_row_dots(const float* __restrict row, int64_t m, const float* __restrict qt, int r,
+                        float* __restrict out) {
+    for (int j0 = 0; j0 < r; j0 += 8) {
+        const int jn = r - j0 < 8 ? r - j0 : 8;
+        int64_t k = 0;
+        float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#if defined(__AVX2__)
+        __m256 acc[8];
+        for (int jj = 0; jj < 8; ++jj) acc[jj] = _mm256_setzero_ps();
+        for (; k + 8 <= m; k += 8) {
+            const __m256 xv = _mm256_loadu_ps(row + k);
+            for (int jj = 0; jj < jn; ++jj) {
+                const __m256 qv = _mm256_loadu_ps(qt + (int64_t)(j0 + jj) * m + k);
+#if defined(__FMA__)
+                acc[jj] = _mm256_fmadd_ps(xv, qv, acc[jj]);
+#else
+                acc[jj] = _mm256_add_ps(acc[jj], _mm256_mul_ps(xv, qv));
+#endif
+            }
+        }
+        for (int jj = 0; jj < jn; ++jj) {
+            alignas(32) float lanes[8];
+            _mm256_store_ps(lanes, acc[jj]);
+            tail[jj] = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+        }
+#endif
+        for (; k < m; ++k)
+            for (int jj = 0; jj < jn; ++jj) tail[jj] += row[k] * qt[(int64_t)(j0 + jj) * m + k];
+        for (int jj = 0; jj < jn; ++jj) out[j0 + jj] = tail[jj];
+    }
+}
+}  // namespace
+
+extern "C" {
+
+// P = M Q; with sub, then M -= P Q^T (this P, before any reduction), row by row.
+int bq_lr_project_p(float* M, int64_t n, int64_t m, const float* Q, int r, float* P, int sub) {
+    if (r < 1 || r > LR_MAX_RANK || n < 1 || m < 1) return 2;
+    std::vector<float> qt((size_t)r * (size_t)m);
+    lr_transpose(Q, m, r, qt.data());
+    for (int64_t i = 0; i < n; ++i) {
+        float* row = M + i * m;
+        lr_row_dots(row, m, qt.data(), r, P + i * r);
+        if (sub) lr_row_product<true>(row, m, P + i * r, r, qt.data());
+    }
+    return 0;
+}
+
+// Q = M^T P (rows of M added in order into r accumulator rows); with sub, then M -= P Q^T.
+int bq_lr_project_q(float* M, int64_t n, int64_t m, const float* P, int r, float* Q, int sub) {
+    if (r < 1 || r > LR_MAX_RANK || n < 1 || m < 1) return 2;
+    std::vector<float> qt((size_t)r * (size_t)m, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+        const float* row = M + i * m;
+        for (int j = 0; j < r; ++j) {
+            const float pij = P[i * r + j];
+            float* acc = qt.data() + (int64_t)j * m;
+            int64_t k = 0;
+#if defined(__AVX2__)
+            const __m256 pv = _mm256_set1_ps(pij);
+            for (; k + 8 <= m; k += 8) {
+#if defined(__FMA__)
+                _mm256_storeu_ps(acc + k, _mm256_fmadd_ps(pv, _mm256_loadu_ps(row + k), _mm256_loadu_ps(acc + k)));
+#else
+                _mm256_storeu_ps(acc + k, _mm256_add_ps(_mm256_loadu_ps(acc + k), _mm256_mul_ps(pv, _mm256_loadu_ps(row + k))));
+#endif
+            }
+#endif
+            for (; k < m; ++k) acc[k] += pij * row[k];
+        }
+    }
+    for (int64_t k = 0; k < m; ++k)
+        for (int j = 0; j < r; ++j) Q[k * r + j] = qt[(int64_t)j * m + k];
+    if (sub)
+        for (int64_t i = 0; i < n; ++i) lr_row_product<true>(M + i * m, m, P + i * r, r, qt.data());
+    return 0;
+}
+
+// out = P Q^T in the order described above (the same bits on every CPU).
+int bq_lr_product(float* out, int64_t n, int64_t m, const float* P, const float* Q, int r) {
+    if (r < 1 || r > LR_MAX_RANK || n < 1 || m < 1) return 2;
+    std::vector<float> qt((size_t)r * (size_t)m);
+    lr_transpose(Q, m, r, qt.data());
+    for (int64_t i = 0; i < n; ++i) lr_row_product<false>(out + i * m, m, P + i * r, r, qt.data());
+    return 0;
+}
+
+}  // extern "C"
