@@ -309,3 +309,32 @@ def test_native_lowrank_kernels_against_float64_and_a_fixed_order(n, m, r):
     assert bool(out[0].isnan().all()) and (n == 1 or bool(out[1:].isfinite().all()))
     with pytest.raises(RuntimeError, match="native"):
         cpu_native.lowrank_product(out.data_ptr(), n, m, torch.zeros(n, 65), torch.zeros(m, 65))
+
+
+@pytest.mark.parametrize("kind", ["acpsgd", "powersgd"])
+def test_fused_compensate_gives_the_bits_of_the_separate_add(kind, monkeypatch):
+    """With the native kernels, error feedback's ``x = e + g`` is added inside the projection
+    pass for the matrices and separately everywhere else (uncompressed runs, gaps): outputs,
+    residuals and factors are bitwise those of compensating the whole bucket first."""
+    from bitscom.compressors.lowrank import LowRankPlan
+    layout = make_layout(torch.float32)
+    comp = ACPSGD(rank=4) if kind == "acpsgd" else PowerSGD(rank=4, start_iter=1)
+    assert comp.plan(layout).native_compensate(comp.init_state(layout).ef,
+                                               torch.zeros(layout.numel)) is not None
+
+    def run():
+        states = [comp.init_state(layout) for _ in range(2)]
+        outs = []
+        for t in range(STEPS):
+            flats = [gradient(layout, r, t) for r in range(2)]
+            lockstep(comp, flats, states, layout)
+            outs.append([f.clone() for f in flats] + [s.ef.residual.clone() for s in states]
+                        + [s.p.clone() for s in states] + [s.q.clone() for s in states])
+        return outs
+
+    fused = run()
+    monkeypatch.setattr(LowRankPlan, "native_compensate", lambda self, ef, grad: None)
+    separate = run()
+    for a, b in zip(fused, separate):
+        for x, y in zip(a, b):
+            assert _same_bits(x, y)

@@ -89,7 +89,10 @@ class ACPSGD(LowRankCompressor):
             yield from plain_average(flat, comm)
             return
         plan, ef = state.plan, state.ef
-        x = ef.compensate(flat)                      # M + E, fp32; read-only until ef.update
+        x = plan.native_compensate(ef, flat)         # the matrices' e + g is fused below
+        fused = x is not None
+        if not fused:
+            x = ef.compensate(flat)                  # M + E, fp32
         p_all, q_all = state.p[:plan.p_numel], state.q[:plan.q_numel]
         send_p = (step - self.start_iter) % 2 == 0
         # Fresh factors on the first step, after a non-finite step, and (P steps) without warm start.
@@ -109,7 +112,7 @@ class ACPSGD(LowRankCompressor):
                 orthogonalize(p, self.orthogonalization)
             factor, out = (q, p) if send_p else (p, q)
             if ef.enabled:                           # and E = x − P Qᵀ from the local factors
-                g.project_subtract(x, factor, out, transpose=not send_p)
+                g.project_subtract(x, factor, out, transpose=not send_p, grad=flat if fused else None)
             else:
                 g.project(x, factor, out, transpose=not send_p)
         if ef.enabled:                               # sent exactly: nothing left over

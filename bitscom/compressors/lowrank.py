@@ -185,34 +185,55 @@ class MatrixGroup:
         base, size = flat.data_ptr(), flat.element_size()
         return [base + o * size for o in self.offsets]
 
+    def native_applies(self, flat: torch.Tensor) -> bool:
+        """Whether :meth:`project_subtract` and :meth:`project` run the native kernels on
+        ``flat`` (what lets a caller hand them the gradient to fuse the compensate)."""
+        return self._native(flat) is not None
+
+    def _add(self, flat: torch.Tensor, grad: torch.Tensor) -> None:
+        size = self.n * self.m
+        for o in self.offsets:
+            flat[o:o + size].add_(grad[o:o + size])
+
     def project_subtract(self, flat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor,
-                         transpose: bool) -> None:
+                         transpose: bool, grad: Optional[torch.Tensor] = None) -> None:
         """:meth:`project`, then ``flat[group] -= P Qᵀ`` with the factors just formed
         (``transpose=False``: P = out, Q = factor; else P = factor, Q = out): error
-        feedback's update, in the same pass over each matrix on CPUs (native kernel)."""
+        feedback's update, in the same pass over each matrix on CPUs (native kernel). With
+        ``grad`` (a contiguous fp32 bucket like ``flat``), ``flat[group] += grad[group]`` first
+        (the compensate ``x = e + g``), in that pass too."""
         native = self._native(flat, factor, out)
-        if native is None:
+        if native is None or (grad is not None and self._native(grad) is None):
+            if grad is not None:
+                self._add(flat, grad)
             self.project(flat, factor, out, transpose)
             p, q = (factor, out) if transpose else (out, factor)
             self.sub_product(flat, p, q)
             return
-        for b, ptr in enumerate(self._addresses(flat)):
-            native.lowrank_project(ptr, self.n, self.m, factor[b], out[b], transpose, True)
+        grads = self._addresses(grad) if grad is not None else [None] * self.batch
+        for b, (ptr, g) in enumerate(zip(self._addresses(flat), grads)):
+            native.lowrank_project(ptr, self.n, self.m, factor[b], out[b], transpose, True, g)
 
     def project(self, flat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor,
-                transpose: bool) -> None:
+                transpose: bool, grad: Optional[torch.Tensor] = None) -> None:
         """:func:`project` of this group's matrices in ``flat`` (``factor``/``out`` are the
-        group's (B, ·, r) factor views). On CPUs run by run on zero-copy views: each matrix
-        goes through the same BLAS call as on a stacked copy (CPU ``bmm`` multiplies matrix
-        by matrix), so the factors are bitwise the same (tests/test_lowrank_fastpath.py).
-        On GPUs one batched call as before (cuBLAS may pick another kernel per batch count)."""
+        group's (B, ·, r) factor views). On CPUs with fp32 buckets the native kernel, one pass
+        per matrix; else on CPUs run by run on zero-copy views: each matrix goes through the
+        same BLAS call as on a stacked copy (CPU ``bmm`` multiplies matrix by matrix), so the
+        factors are bitwise the same (tests/test_lowrank_fastpath.py). On GPUs one batched
+        call as before (cuBLAS may pick another kernel per batch count). With ``grad``,
+        ``flat[group] += grad[group]`` first (fused into the native pass)."""
+        native = self._native(flat, factor, out)
+        if grad is not None and (native is None or self._native(grad) is None):
+            self._add(flat, grad)
+            grad = None
         if flat.device.type != "cpu":
             project(self.load(flat), factor, out, transpose)
             return
-        native = self._native(flat, factor, out)
         if native is not None:              # one pass per matrix, no temporary (native kernel)
-            for b, ptr in enumerate(self._addresses(flat)):
-                native.lowrank_project(ptr, self.n, self.m, factor[b], out[b], transpose, False)
+            grads = self._addresses(grad) if grad is not None else [None] * self.batch
+            for b, (ptr, g) in enumerate(zip(self._addresses(flat), grads)):
+                native.lowrank_project(ptr, self.n, self.m, factor[b], out[b], transpose, False, g)
             return
         for cut, mat in self.views(flat):
             project(mat, factor[cut], out[cut], transpose)
@@ -305,6 +326,33 @@ class LowRankPlan:
         self.q_numel = q_off
         self.uncompressed_numel = sum(k for _, k in self.runs)
         self.compressed_numel = sum(g.batch * g.n * g.m for g in self.groups)
+        self.numel = layout.numel
+
+    @cached_property
+    def _outside_groups(self) -> Tuple[Tuple[int, int], ...]:
+        """``(offset, numel)`` of everything of the bucket no matrix group covers."""
+        covered = sorted((o, o + g.n * g.m) for g in self.groups for o in g.offsets)
+        out, at = [], 0
+        for start, end in covered:
+            if start > at:
+                out.append((at, start - at))
+            at = max(at, end)
+        if at < self.numel:
+            out.append((at, self.numel - at))
+        return tuple(out)
+
+    def native_compensate(self, ef: ErrorFeedback, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """Error feedback's compensate split for the native kernels: when every group runs
+        them on ``grad``'s bucket, add ``grad`` into the residual everywhere *but* the
+        matrices (which the kernels add on their pass) and return the residual; else None
+        (the caller compensates the usual way). Together the same bits as
+        ``ef.compensate(grad)``."""
+        if not ef.enabled or not self.groups or not all(g.native_applies(grad) for g in self.groups):
+            return None
+        x = ef.ensure(grad.numel(), grad.device)
+        for offset, numel in self._outside_groups:
+            x[offset:offset + numel].add_(grad[offset:offset + numel])
+        return x
 
     def gather_uncompressed(self, flat: torch.Tensor, tail: torch.Tensor) -> None:
         """Copy the uncompressed slots of ``flat`` into ``tail`` (length uncompressed_numel)."""

@@ -78,7 +78,10 @@ class PowerSGD(LowRankCompressor):
             yield from plain_average(flat, comm)
             return
         plan, ef = state.plan, state.ef
-        x = ef.compensate(flat)                      # M + E, fp32; read-only until ef.update
+        x = plan.native_compensate(ef, flat)         # the matrices' e + g is fused below
+        fused = x is not None
+        if not fused:
+            x = ef.compensate(flat)                  # M + E, fp32
         pbuf, tail = state.p[:plan.p_numel], state.p[plan.p_numel:]
         if not state.ready or not self.warm_start:
             random_factors(state.q, plan.groups, "q", state.generator, self.orthogonalization)
@@ -87,7 +90,7 @@ class PowerSGD(LowRankCompressor):
             for g in plan.groups:
                 orthogonalize(g.q(state.q), self.orthogonalization)
         for g in plan.groups:
-            g.project(x, g.q(state.q), g.p(pbuf), transpose=False)
+            g.project(x, g.q(state.q), g.p(pbuf), transpose=False, grad=flat if fused else None)
         plan.gather_uncompressed(x, tail)
         yield comm.all_reduce(state.p)
 

@@ -241,8 +241,8 @@ def load(root: Optional[pathlib.Path] = None):
     if scatter_fn is not None:
         scatter_fn.argtypes = [_P, _I64, _P, _I32, _P, _I64, _I32]
         scatter_fn.restype = _I32
-    lowrank = {"bq_lr_project_p": [_P, _I64, _I64, _P, _I32, _P, _I32],   # optional, likewise
-               "bq_lr_project_q": [_P, _I64, _I64, _P, _I32, _P, _I32],
+    lowrank = {"bq_lr_project_p": [_P, _I64, _I64, _P, _I32, _P, _I32, _P],   # optional, likewise
+               "bq_lr_project_q": [_P, _I64, _I64, _P, _I32, _P, _I32, _P],
                "bq_lr_product": [_P, _I64, _I64, _P, _P, _I32]}
     for name, argtypes in lowrank.items():
         fn = getattr(lib, name, None)
@@ -390,15 +390,19 @@ def has_lowrank() -> bool:
     return available() and getattr(_lib(), "bq_lr_product", None) is not None
 
 
-def lowrank_project(mat_ptr: int, n: int, m: int, factor, out, transpose: bool, subtract: bool) -> None:
+def lowrank_project(mat_ptr: int, n: int, m: int, factor, out, transpose: bool, subtract: bool,
+                    grad_ptr: Optional[int] = None) -> None:
     """One matrix of a low-rank group: ``out = M @ factor`` (P = M Q) or, with ``transpose``,
     ``out = Mᵀ @ factor`` (Q = Mᵀ P); with ``subtract``, then ``M -= P Qᵀ`` (error feedback,
     the same pass while each row is in cache). ``mat_ptr`` is the address of the row-major
     n × m fp32 matrix (a slot of a contiguous bucket); ``factor``/``out`` are contiguous fp32
-    (·, r) tensors, 1 <= r <= LOWRANK_MAX_RANK. Local results (FMA, partial sums): the bits
-    may differ from BLAS's and between CPU models."""
+    (·, r) tensors, 1 <= r <= LOWRANK_MAX_RANK. With ``grad_ptr`` (another such matrix), M
+    first becomes ``M + grad`` in place (error feedback's compensate, fused; the same bits as
+    ``add_``). Local results (FMA, partial sums): the bits may differ from BLAS's and between
+    CPU models."""
     fn = _lib().bq_lr_project_q if transpose else _lib().bq_lr_project_p
-    _check(fn(mat_ptr, n, m, factor.data_ptr(), factor.shape[-1], out.data_ptr(), int(subtract)))
+    _check(fn(mat_ptr, n, m, factor.data_ptr(), factor.shape[-1], out.data_ptr(), int(subtract),
+              grad_ptr))
 
 
 def lowrank_product(out_ptr: int, n: int, m: int, p, q) -> None:

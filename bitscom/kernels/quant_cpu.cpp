@@ -739,13 +739,21 @@ inline void lr_row_dots(const float* __restrict row, int64_t m, const float* __r
 
 extern "C" {
 
+// With grad (may be null), each row of M first becomes M + grad, stored (error feedback's
+// compensate x = e + g, fused: the same bits as residual.add_(grad)).
+inline void lr_add_row(float* __restrict row, const float* __restrict g, int64_t m) {
+    for (int64_t k = 0; k < m; ++k) row[k] = row[k] + g[k];
+}
+
 // P = M Q; with sub, then M -= P Q^T (this P, before any reduction), row by row.
-int bq_lr_project_p(float* M, int64_t n, int64_t m, const float* Q, int r, float* P, int sub) {
+int bq_lr_project_p(float* M, int64_t n, int64_t m, const float* Q, int r, float* P, int sub,
+                    const float* grad) {
     if (r < 1 || r > LR_MAX_RANK || n < 1 || m < 1) return 2;
     std::vector<float> qt((size_t)r * (size_t)m);
     lr_transpose(Q, m, r, qt.data());
     for (int64_t i = 0; i < n; ++i) {
         float* row = M + i * m;
+        if (grad) lr_add_row(row, grad + i * m, m);
         lr_row_dots(row, m, qt.data(), r, P + i * r);
         if (sub) lr_row_product<true>(row, m, P + i * r, r, qt.data());
     }
@@ -753,11 +761,14 @@ int bq_lr_project_p(float* M, int64_t n, int64_t m, const float* Q, int r, float
 }
 
 // Q = M^T P (rows of M added in order into r accumulator rows); with sub, then M -= P Q^T.
-int bq_lr_project_q(float* M, int64_t n, int64_t m, const float* P, int r, float* Q, int sub) {
+// grad as for bq_lr_project_p.
+int bq_lr_project_q(float* M, int64_t n, int64_t m, const float* P, int r, float* Q, int sub,
+                    const float* grad) {
     if (r < 1 || r > LR_MAX_RANK || n < 1 || m < 1) return 2;
     std::vector<float> qt((size_t)r * (size_t)m, 0.0f);
     for (int64_t i = 0; i < n; ++i) {
-        const float* row = M + i * m;
+        float* row = M + i * m;
+        if (grad) lr_add_row(row, grad + i * m, m);
         for (int j = 0; j < r; ++j) {
             const float pij = P[i * r + j];
             float* acc = qt.data() + (int64_t)j * m;
