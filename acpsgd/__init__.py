@@ -34,7 +34,9 @@ import torch.distributed as dist
 import bitscom
 from bitscom import (broadcast_object, broadcast_optimizer_state, broadcast_parameters, init,
                      is_initialized, local_rank, local_size, nccl_built, rank, size)
+from bitscom.comm import Comm
 from bitscom.compressors import get as _get_compressor
+from bitscom.lifecycle import require_group
 
 __all__ = ["init", "is_initialized", "rank", "size", "local_rank", "local_size", "nccl_built",
            "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
@@ -91,13 +93,13 @@ def allreduce(tensor: torch.Tensor, name=None, *, average: bool = True,
         raise TypeError(f"allreduce expects a torch.Tensor, got {type(tensor).__name__}")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str or None, got {type(name).__name__}")
-    group = process_group
-    if group is None and bitscom.is_initialized():          # adopts a user-started group
-        group = bitscom.runtime.world_group()
+    # the one stack: the group check every face makes (a launcher without init is an error,
+    # not a silent local sum; a user-started torch.distributed group is adopted) and Comm
+    group = require_group(process_group, "acpsgd.allreduce")
     world = 1 if group is None else dist.get_world_size(group)
     if world > 1:
         with torch.no_grad():
-            dist.all_reduce(tensor, group=group)
+            Comm(group).all_reduce(tensor).wait()
     if not average:
         return tensor
     return tensor.detach() / world

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import logging
 import math
 import os
 import platform
@@ -331,6 +332,9 @@ def main(argv=None) -> int:
     else:
         comp = bitscom.compressors.get(name, **compressor_kwargs(name, a))
         a.warmup = past_probe(comp, a.warmup, rank)
+        if rank == 0 and name == "auto":     # its per-bucket predicted seconds, at INFO
+            logging.basicConfig(format="[perf] %(message)s")
+            logging.getLogger("bitscom").setLevel(logging.INFO)
         # dgc (MomentumCorrection) applies the momentum itself: the SGD then has none
         base = torch.optim.SGD(params, lr=a.lr, momentum=0.0 if comp.applies_momentum else 0.9)
         opt = bitscom.DistributedOptimizer(base, named_parameters=model.named_parameters(),

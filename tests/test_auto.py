@@ -145,3 +145,36 @@ def test_fusion_threshold_auto_is_one_of_the_candidates_and_the_same_on_every_ra
     (mb0, plan0, p0), (mb1, plan1, p1) = pools.run(2, _auto_fusion, timeout=120)
     assert mb0 == mb1 and mb0 in CANDIDATE_MB and plan0 == plan1
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+
+
+def _slowest_rank_decides(rank, world):
+    # lowbit's codec is free on rank 0 and 10 s on rank 1; every other codec costs 1 s. On this
+    # 1 kB/s link lowbit would win on rank 0's timings alone; the step waits for rank 1.
+    seconds = {"none": 0.0, "lowbit": 0.0 if rank == 0 else 10.0}
+    link = Link(0.0, 1e-3)
+    comp = Auto(candidates=ADAM_SAFE, link=link, codec_seconds=lambda c, l, w: seconds.get(c.name, 1.0))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    opt = bitscom.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                                       compression=comp, fusion_threshold_mb=0.01)
+    for step in range(comp.probe_steps + 1):
+        torch.manual_seed(step * world + rank)
+        model(torch.randn(8, 48)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    plan, layouts = opt.comm_stats()["auto_plan"], list(opt._layouts)
+    opt.close()
+    return plan, layouts
+
+
+def test_the_slowest_ranks_codec_time_decides(pools):
+    (plan0, layouts), (plan1, _) = pools.run(2, _slowest_rank_decides, timeout=120)
+    assert plan0 == plan1 and None not in plan0
+    slowest = {"none": 0.0, "lowbit": 10.0}
+    auto = Auto(candidates=ADAM_SAFE, link=Link(0.0, 1e-3))
+    for layout, chosen in zip(layouts, plan0):
+        codec = [slowest.get(c.name, 1.0) for c in auto.candidates]
+        expected = auto.candidates[decide(auto.costs(layout, 2, auto.link, codec=codec))].name
+        rank0_only = [0.0 if c.name == "lowbit" else s for c, s in zip(auto.candidates, codec)]
+        assert auto.candidates[decide(auto.costs(layout, 2, auto.link, codec=rank0_only))].name == "lowbit"
+        assert chosen == expected != "lowbit"

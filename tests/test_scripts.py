@@ -186,7 +186,8 @@ def test_mnist_opt_resolution():
 
 
 # ---- shell scripts -------------------------------------------------------------------------------
-@pytest.mark.parametrize("script", ["perf.sh", "batch.sh", "mnist.sh", "cluster.sh", "common.sh", "venv.sh"])
+@pytest.mark.parametrize("script", ["perf.sh", "batch.sh", "mnist.sh", "cluster.sh", "common.sh", "venv.sh",
+                                    "ci_under_load.sh"])
 def test_shell_syntax(script):
     subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", script)], check=True)
 
@@ -202,6 +203,14 @@ def test_batch_rejects_bad_mode():
     p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "batch.sh")], env={**ENV, "mode": "bogus"},
                        capture_output=True, text=True)
     assert p.returncode == 2 and "mode must be" in p.stderr
+
+
+@pytest.mark.parametrize("knob,value", [("venv", "bogus"), ("runs", "0"), ("runs", "ten"), ("hogs", "-1")])
+def test_ci_under_load_rejects_bad_knobs_before_cloning(tmp_path, knob, value):
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "ci_under_load.sh")], capture_output=True,
+                       text=True, env={**ENV, "hogs": "0", "out": str(tmp_path / "o"), knob: value}, timeout=60)
+    assert p.returncode == 2 and f"{knob} must be" in p.stderr and repr(value) in p.stderr.replace('"', "'")
+    assert not (tmp_path / "o").exists()         # nothing cloned, no load started
 
 
 @needs_core

@@ -4,12 +4,15 @@ fastest on this group and device, never one predicted slower than the plain all-
 Per bucket, steps 0 … ``probe_steps - 1`` are plain all-reduces (the exact S-SGD average)
 that also probe the link: step ``s`` reduces the bucket in ``2**s`` contiguous pieces, each
 timed to completion, giving ``(nbytes, seconds)`` samples of growing size on the real group
-for this bucket (step 0 is the untimed warm-up). At step ``probe_steps`` group rank 0:
+for this bucket (step 0 is the untimed warm-up). At step ``probe_steps``:
 
-1. fits ``alpha``/``beta`` to the samples (:func:`bitscom.cost.fit_link`; or uses ``link``);
-2. times each candidate's codec on this bucket on this device (network excluded:
-   :func:`bitscom.cost.time_codec`);
-3. predicts each candidate's cost, codec + its rounds' alpha-beta time
+1. every rank times each candidate's codec on this bucket on this device at the same moment
+   (network excluded: :func:`bitscom.cost.time_codec`, the median of a few runs), and the
+   slowest rank's times are kept (one all-reduce of a few numbers): ranks that share cores
+   contend here as they do inside a step;
+2. group rank 0 fits ``alpha``/``beta`` to the samples (:func:`bitscom.cost.fit_link`; or
+   uses ``link``);
+3. rank 0 predicts each candidate's cost, codec + its rounds' alpha-beta time
    (:func:`bitscom.cost.rounds_for`, :func:`bitscom.cost.round_seconds`) and picks the
    smallest (:func:`decide`; ties go to the earlier candidate, ``none`` first);
 
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
+import torch.distributed
 
 from .acpsgd import ACPSGD
 from .base import BucketLayout, Comm, Compressor, State
@@ -160,29 +164,53 @@ class Auto(Compressor):
     def init_state(self, layout: BucketLayout) -> AutoState:
         return AutoState(layout, self.candidates)
 
-    def costs(self, layout: BucketLayout, world: int, link, grad: Optional[torch.Tensor] = None) -> list:
-        """Predicted seconds per candidate for one bucket: codec time + alpha-beta rounds."""
-        from ..cost import Topology, round_seconds, rounds_for, time_codec
-        topo = Topology.flat(world, link)
-        shapes = [s.shape for s in layout.slots]
+    def codec_times(self, layout: BucketLayout, world: int, grad: Optional[torch.Tensor] = None) -> list:
+        """Seconds of each candidate's codec for one bucket on this rank (``none``: 0, its
+        cost is all in the measured link fit). Timed as the median of a few runs: during the
+        decision every rank runs this at the same moment, so ranks sharing cores contend as
+        they do inside a step, and that contention is part of what the step will cost."""
+        import statistics
+
+        from ..cost import time_codec
         out = []
         for comp in self.candidates:
-            codec = self.codec_seconds(comp, layout, world) if self.codec_seconds is not None \
-                else time_codec(comp, layout, world, grad)
             if isinstance(comp, NoneCompressor):
-                codec = 0.0          # the baseline's own cost is all in its measured link fit
+                out.append(0.0)
+            elif self.codec_seconds is not None:
+                out.append(float(self.codec_seconds(comp, layout, world)))
+            else:
+                out.append(time_codec(comp, layout, world, grad, statistic=statistics.median))
+        return out
+
+    def costs(self, layout: BucketLayout, world: int, link, grad: Optional[torch.Tensor] = None,
+              codec: Optional[Sequence[float]] = None) -> list:
+        """Predicted seconds per candidate for one bucket: codec time (``codec``, or timed
+        here by :meth:`codec_times`) + the alpha-beta time of its rounds."""
+        from ..cost import Topology, round_seconds, rounds_for
+        topo = Topology.flat(world, link)
+        shapes = [s.shape for s in layout.slots]
+        if codec is None:
+            codec = self.codec_times(layout, world, grad)
+        out = []
+        for comp, seconds in zip(self.candidates, codec):
             rounds = rounds_for(comp, layout.numel, world, dtype=layout.dtype, shapes=shapes)
-            out.append(codec + sum(round_seconds(r, topo) for r in rounds))
+            out.append(seconds + sum(round_seconds(r, topo) for r in rounds))
         return out
 
     def _decide_rounds(self, flat, layout, state: AutoState, comm: Comm):
-        """Round: rank 0 decides, everyone receives the choice by broadcast."""
+        """Rounds: every rank times the codecs at once and the slowest rank's times count
+        (a step waits for its slowest rank; timing rank 0 alone while the others sat in a
+        collective gave it the machine's cores to itself and made expensive codecs look cheap
+        where ranks share cores); rank 0 then decides and everyone receives the choice."""
+        codec = torch.tensor(self.codec_times(layout, comm.size, flat.detach().clone()),
+                             dtype=torch.float64)
+        yield comm.all_reduce(codec, op=torch.distributed.ReduceOp.MAX)
         choice = torch.zeros(1, dtype=torch.int64)
         costs = None
         if comm.rank == 0:
             from ..cost import fit_link
             link = self.link if self.link is not None else fit_link(state.samples, comm.size)
-            costs = self.costs(layout, comm.size, link, flat.detach().clone())
+            costs = self.costs(layout, comm.size, link, codec=codec.tolist())
             choice[0] = decide(costs)
         yield comm.broadcast(choice, 0)
         state.choose(int(choice[0]))

@@ -1,5 +1,5 @@
 """Run by tests/test_horovod_face.py under RANK=0 WORLD_SIZE=2 and no bitscom.init(): every
-Horovod-face call must raise at once instead of returning this rank's own value. Prints one
+Horovod-face call (and acpsgd.allreduce) must raise at once instead of returning this rank's own value. Prints one
 JSON object {call: "ErrorType: message" or "returned"} and whether torch.distributed stayed
 uninitialized."""
 import json
@@ -7,6 +7,7 @@ import json
 import torch
 import torch.distributed as dist
 
+import acpsgd
 import bitscom
 
 x = torch.ones(2, 3)
@@ -31,6 +32,7 @@ CALLS = {
     "broadcast_parameters": lambda: bitscom.broadcast_parameters(model.state_dict(), root_rank=0),
     "broadcast_optimizer_state": lambda: bitscom.broadcast_optimizer_state(opt, root_rank=0),
     "broadcast_object": lambda: bitscom.broadcast_object({"a": 1}, root_rank=0),
+    "acpsgd.allreduce": lambda: acpsgd.allreduce(x.clone()),      # the ACP-SGD face too
 }
 out = {}
 for name, call in CALLS.items():
