@@ -26,7 +26,7 @@ if [ "$hogs" -gt 0 ] && ! command -v stress-ng >/dev/null 2>&1; then
         || { echo "stress-ng is needed for hogs=$hogs (apt-get install stress-ng)" >&2; exit 2; }
 fi
 mkdir -p "$out"
-commit=$(git -C "$ROOT" rev-parse --short HEAD)
+commit=$(git -C "$ROOT" rev-parse --short HEAD)     # every run tests this commit, whatever lands meanwhile
 csv="$out/runs.csv"
 [ -f "$csv" ] || echo "run,commit,hogs,venv,rc,seconds,loadavg_15min,summary" > "$csv"
 stress_pid=
@@ -40,7 +40,7 @@ echo "[ci-under-load] $runs runs of .ci/run at $commit, $hogs CPU hogs, venv=$ve
 for i in $(seq 1 "$runs"); do
     clone="$out/clone$i"
     rm -rf "$clone"
-    git clone -q "$ROOT" "$clone"
+    git clone -q "$ROOT" "$clone" && git -C "$clone" checkout -q "$commit"
     env_args=(CI=true)
     [ "$venv" = shared ] && env_args+=(BITSCOM_VENV="$out/venv")
     t0=$(date +%s)
