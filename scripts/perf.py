@@ -375,7 +375,7 @@ def main(argv=None) -> int:
         st = stats()
         sent, dense = st["bytes_sent"], st["dense_bytes"]
         if rank == 0 and st.get("auto_plan") is not None:    # compression="auto": what it chose
-            print(f"[perf] auto plan per bucket: {' '.join(st['auto_plan'])}", flush=True)
+            print(f"[perf] auto plan per bucket: {' | '.join(st['auto_plan'])}", flush=True)
     else:
         sent, dense = analytic_bytes(a.opt, params, a.rank), sum(p.numel() for p in params) * 4
     extra = torch.tensor([peak, sent], dtype=torch.float64)

@@ -10,7 +10,7 @@ import torch
 
 import bitscom
 from bitscom.compressors import get
-from bitscom.compressors.auto import ADAM_SAFE, SGD_SAFE, Auto, candidates_for, decide
+from bitscom.compressors.auto import ADAM_SAFE, SGD_SAFE, Auto, candidates_for, decide, labels
 from bitscom.cost import Link, Topology, layout_of, round_seconds, rounds_for
 
 SHAPES = [(64, 48), (48,)]
@@ -178,3 +178,15 @@ def test_the_slowest_ranks_codec_time_decides(pools):
         rank0_only = [0.0 if c.name == "lowbit" else s for c, s in zip(auto.candidates, codec)]
         assert auto.candidates[decide(auto.costs(layout, 2, auto.link, codec=rank0_only))].name == "lowbit"
         assert chosen == expected != "lowbit"
+
+
+def test_labels_tell_apart_candidates_that_share_a_name():
+    assert labels(ADAM_SAFE) == ["none", "fp16", "bf16", "lowbit", "powersgd"]
+    names = labels(SGD_SAFE)                     # two PowerSGDs: rank 16 and the default rank 8
+    assert len(set(names)) == len(names) == len(SGD_SAFE)
+    assert names[-2:] == ["powersgd(rank=16, start_iter=0)", "powersgd(rank=8, start_iter=10)"]
+    auto = Auto(candidates=SGD_SAFE)
+    states = [auto.init_state(LAYOUT) for _ in range(3)]
+    states[0].choose(4)
+    states[1].choose(5)
+    assert Auto.plan(states) == [names[4], names[5], None]     # what comm_stats()["auto_plan"] shows

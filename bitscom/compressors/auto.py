@@ -25,6 +25,7 @@ choice is logged on ``logging.getLogger("bitscom")`` and kept in the bucket's st
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from .powersgd import PowerSGD
 from .signsgd import SignSGD
 from .topk import TopK
 
-__all__ = ["Auto", "AutoState", "decide", "candidates_for", "ADAM_SAFE", "SGD_SAFE", "SGD_ALL"]
+__all__ = ["Auto", "AutoState", "decide", "labels", "candidates_for", "ADAM_SAFE", "SGD_SAFE", "SGD_ALL"]
 
 log = logging.getLogger("bitscom")
 
@@ -66,6 +67,27 @@ def candidates_for(optimizer) -> tuple:
         comp = Auto(candidates=candidates_for(torch.optim.SGD(params, lr=0.1)))
     """
     return SGD_SAFE if isinstance(optimizer, torch.optim.SGD) else ADAM_SAFE
+
+
+def labels(candidates: Sequence[Compressor]) -> list:
+    """Short readable names for ``candidates``: the registry name, plus the settings that tell
+    apart candidates sharing it (``SGD_SAFE`` holds two PowerSGDs).
+
+    Example::
+
+        labels(SGD_SAFE)   # ['none', 'fp16', 'bf16', 'lowbit', 'powersgd(rank=16, start_iter=0)',
+                           #  'powersgd(rank=8, start_iter=10)']
+    """
+    out = []
+    for comp in candidates:
+        twins = [c for c in candidates if c.name == comp.name]
+        if len(twins) == 1 or not dataclasses.is_dataclass(comp):
+            out.append(comp.name)
+            continue
+        differ = [f.name for f in dataclasses.fields(comp)
+                  if len({repr(getattr(t, f.name, None)) for t in twins}) > 1]
+        out.append(f"{comp.name}({', '.join(f'{k}={getattr(comp, k)!r}' for k in differ)})")
+    return out
 
 
 def decide(costs: Sequence[float]) -> int:
@@ -215,9 +237,11 @@ class Auto(Compressor):
         yield comm.broadcast(choice, 0)
         state.choose(int(choice[0]))
         if costs is not None:
+            names = labels(self.candidates)
             log.info("auto: bucket %d (%d elements) -> %s; predicted seconds %s", layout.index,
-                     layout.numel, self.candidates[state.choice].fingerprint(),
-                     {c.name: round(s, 6) for c, s in zip(self.candidates, costs)})
+                     layout.numel, names[state.choice],
+                     {n: round(s, 6) for n, s in zip(names, costs)})
+            log.debug("auto: bucket %d runs %s", layout.index, self.candidates[state.choice].fingerprint())
 
     def reduce(self, flat, layout, state, comm: Comm):
         step, state.step = state.step, state.step + 1
@@ -243,5 +267,5 @@ class Auto(Compressor):
 
             Auto.plan(opt._reducer.states)      # ['lowbit', 'fp16', None]
         """
-        return [s._candidates[s.choice].name if isinstance(s, AutoState) and s.choice >= 0 else None
+        return [labels(s._candidates)[s.choice] if isinstance(s, AutoState) and s.choice >= 0 else None
                 for s in states]
