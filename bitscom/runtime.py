@@ -23,6 +23,7 @@ import os
 import pathlib
 import socket
 import subprocess
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional
@@ -270,8 +271,54 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
     return info
 
 
+class _PreviousStore:
+    """This rank's client of the store the previous world rendezvoused on (ranks other than
+    0 only: on rank 0 it is the server, and holding it would keep it up).
+
+    Why: after ``shutdown()`` or ``dist.destroy_process_group()`` a rank that restarts
+    ``init()`` quickly can reach the same MASTER_PORT while rank 0 is still in the old world,
+    i.e. the *old* store server, read the old world's rendezvous keys and connect to sockets
+    that are about to close (seen under load: rank 0 then waits for a client that never comes,
+    "1/2 clients joined", and rank 1 fails with "Connection reset by peer"). So before a new
+    rendezvous, such a rank waits until the old server is gone.
+    """
+
+    store: Any = None
+
+    @classmethod
+    def remember(cls, info: LaunchInfo) -> None:
+        cls.store = None
+        if info.rank == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return                    # torchrun's agent hosts a store that outlives every world
+        getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+        try:
+            cls.store = getter() if getter is not None else None
+        except (RuntimeError, ValueError):
+            cls.store = None
+
+    @classmethod
+    def wait_until_gone(cls, timeout: Optional[datetime.timedelta]) -> None:
+        store, cls.store = cls.store, None
+        if store is None:
+            return
+        limit = (timeout or datetime.timedelta(minutes=30)).total_seconds()
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            try:
+                store.check(["bitscom/previous-world"])       # answers while the server is up
+            except (RuntimeError, OSError):                   # DistNetworkError: it is gone
+                return
+            time.sleep(0.05)
+        raise RuntimeError(
+            f"bitscom.init(): the previous world's store (rank 0's, at MASTER_PORT) is still up "
+            f"after {limit:.0f} s; call bitscom.shutdown() (or dist.destroy_process_group()) on "
+            "every rank, rank 0 included, before init() starts a new world")
+
+
 def _start(info: LaunchInfo, backend: str, timeout: Optional[datetime.timedelta]) -> None:
-    """``init_process_group`` from the launcher's rendezvous (env:// or tcp://)."""
+    """``init_process_group`` from the launcher's rendezvous (env:// or tcp://), after the
+    previous world's store is gone (see :class:`_PreviousStore`)."""
+    _PreviousStore.wait_until_gone(timeout)
     kwargs: dict = {"backend": backend, "rank": info.rank, "world_size": info.size}
     if timeout is not None:
         kwargs["timeout"] = timeout
@@ -287,6 +334,7 @@ def _start(info: LaunchInfo, backend: str, timeout: Optional[datetime.timedelta]
         kwargs["init_method"] = f"tcp://{addr}:{port}"
     dist.init_process_group(**kwargs)
     _rt.owns_pg = True
+    _PreviousStore.remember(info)
 
 
 def _adopted_info(env_info: LaunchInfo) -> LaunchInfo:

@@ -7,6 +7,7 @@ because it destroys and restarts the world that the shared pools keep for other 
 
 import datetime
 import gc
+import time
 import weakref
 
 import pytest
@@ -86,6 +87,21 @@ def _shared(rank, world):
     return same, other, t.item(), survivors, freed, u.item()
 
 
+def _rank0_leaves_late(rank, world, how):
+    """Rank 1 restarts at once while rank 0 is still in the old world for 3 s: rank 1 must not
+    rendezvous on the old world's store (seen under load: rank 0 then waited for a client that
+    never came, "1/2 clients joined", and rank 1 died with "Connection reset by peer")."""
+    _sums(rank)
+    if rank == 0:
+        time.sleep(3)
+    if how == "shutdown":
+        bitscom.shutdown()
+    else:
+        dist.destroy_process_group()
+    bitscom.init(timeout=TIMEOUT)
+    return _sums(rank)
+
+
 def _face_then_destroy(rank, world):
     _sums(rank, face=True)
     return _destroy_and_count_survivors()   # no init() after: a surviving old world stalls it
@@ -105,6 +121,11 @@ def test_init_after_destroy_process_group_starts_torch_distributed_again(pool):
 
 def test_init_after_shutdown_starts_again(pool):
     assert pool.run(_after_shutdown, timeout=120) == [((False, False), SUMS, True)] * 2
+
+
+@pytest.mark.parametrize("how", ["shutdown", "destroy"])
+def test_a_rank_restarting_before_rank_0_left_waits_for_the_new_world(pool, how):
+    assert pool.run(_rank0_leaves_late, how, timeout=120) == [SUMS] * 2
 
 
 def test_shared_group_is_made_once_per_world_and_released_by_destroy(pool):
