@@ -44,11 +44,12 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, Optional
+from typing import Any, Generator, Optional
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
+from torch._C._distributed_c10d import Backend as C10dBackend  # ProcessGroupGloo/NCCL's base
 
 from .collectives import LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds, reduce_scatter_rounds
 from .comm import Comm, Rounds, is_sum_or_avg
@@ -206,7 +207,7 @@ def _check_calls(calls) -> None:
                          f"({listing}); every rank must pass the same number of elements")
 
 
-def _agree_rounds(comm: Comm, call: _Call, slot_code: int, device) -> Iterator:
+def _agree_rounds(comm: Comm, call: _Call, slot_code: int, device) -> Generator[Any, None, list[int]]:
     """Round generator: all-gather every rank's header, check it; returns every rank's slot code."""
     if comm.size == 1:
         return [slot_code]
@@ -384,7 +385,7 @@ class _Driver:
         self._thread = threading.Thread(target=self._run, name="bitscom-lowbit-driver", daemon=True)
         self._thread.start()
 
-    def submit(self, rounds: Rounds, future: torch.futures.Future, result, stream=None) -> None:
+    def submit(self, rounds: _Counted, future: torch.futures.Future, result, stream=None) -> None:
         self._queue.put((rounds, future, result, stream))
 
     def close(self) -> None:
@@ -427,7 +428,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
     """
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta, config: LowBitConfig):
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # torch's stub omits the (rank, size) overload
         _check_flat(config)
         self.config = config
         self.bytes_sent = 0
@@ -435,7 +436,8 @@ class LowBitProcessGroup(dist.ProcessGroup):
         _check_same_config(dist.PrefixStore("lowbit-config/", store), rank, size, config)
         # Two inner backends per device: first rounds are issued by the caller in call order;
         # later rounds by the driver thread, also in call order, on the second one.
-        self._inner, self._later = {}, {}
+        self._inner: dict[str, C10dBackend] = {}
+        self._later: dict[str, C10dBackend] = {}
         for name, table in (("gloo/", self._inner), ("gloo-later/", self._later)):
             table["cpu"] = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, timeout=timeout)
         if torch.cuda.is_available() and dist.is_nccl_available():
@@ -444,7 +446,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
                 opts._timeout = timeout
                 table["cuda"] = dist.ProcessGroupNCCL(dist.PrefixStore(name, store), rank, size, opts)
         self._slots = StateSlots(MAX_STATES, warn=config.error_feedback or config.stage2_error_feedback)
-        self._driver = None
+        self._driver: Optional[_Driver] = None
         self._lock = threading.Lock()
 
     def getBackendName(self) -> str:
@@ -486,7 +488,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
         return Comm(self._inner[kind], self._later[kind], transport=_INNER, rank=self._rank,
                     size=self._size)
 
-    def _rounds(self, comm: Comm, call: _Call, key, body, device) -> Iterator:
+    def _rounds(self, comm: Comm, call: _Call, key, body, device) -> Generator[Any, None, None]:
         """The header, then ``body(comm, states)``: ``states`` are ``key``'s (None: stateless)."""
         codes = yield from _agree_rounds(comm, call, 0 if key is None else self._slots.code(key), device)
         states = None if key is None else self._slots.resolve(key, codes, len(key) - 1)
@@ -500,7 +502,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
         device = tensors[0].device
         rounds = Rounds(self._rounds(comm, call, key, body, device), [comm])
         rounds.start()                 # the header, issued now, in call order
-        future = torch.futures.Future()
+        future: torch.futures.Future = torch.futures.Future()
         stream = torch.cuda.current_stream(device) if kind == "cuda" else None
         with self._lock:
             if self._driver is None:

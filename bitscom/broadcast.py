@@ -62,6 +62,7 @@ def broadcast_parameters(params: Any, root_rank: int = 0, process_group: Optiona
                             f"{type(item).__name__} {repr(item)[:80]}")
     if not _active(group, "broadcast_parameters"):
         return
+    assert group is not None  # _active: torch.distributed is initialized, so require_group gave a group
     _check_root(root_rank, group)
     check_agreement({"tensors": [(str(n), tuple(t.shape), str(t.dtype)) for n, t in items]}, group,
                     "tensors given to broadcast_parameters")
@@ -95,6 +96,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     group = require_group(process_group, "bitscom.broadcast_object")
     if not _active(group, "broadcast_object"):
         return obj
+    assert group is not None  # _active: torch.distributed is initialized, so require_group gave a group
     _check_root(root_rank, group)
     comm = Comm(group)
     rounds = broadcast_object_rounds(comm, obj, dist.get_group_rank(group, root_rank),

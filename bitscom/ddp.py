@@ -42,16 +42,17 @@ def _layout(bucket, index: int, names: Optional[Dict[int, str]] = None) -> Bucke
     after their parameters when the hook was given ``named_parameters`` (``names``: id -> name).
     """
     flat = bucket.buffer()
-    params = bucket.parameters() if names is not None else None
+    params = bucket.parameters() if names is not None else []
     slots, offset = [], 0
     for j, grad in enumerate(bucket.gradients()):
         name = f"ddp.bucket{index}.{j}"
         if names is not None:
-            name = names.get(id(params[j]))
-            if name is None:
+            named = names.get(id(params[j]))
+            if named is None:
                 raise RuntimeError(f"DDP bucket {index} holds a parameter of shape "
                                    f"{tuple(grad.shape)} that is not in the named_parameters given "
                                    "to ddp_comm_hook; pass the DDP model's own named_parameters()")
+            name = named
         slots.append(TensorSlot(name, offset, grad.numel(), tuple(grad.shape)))
         offset += grad.numel()
     if offset != flat.numel():          # DDP packs gradients densely; fall back if that changes
@@ -120,7 +121,7 @@ class DDPCommState:
 
     # -- the hook body -------------------------------------------------------------------
     def _on_bucket(self, bucket) -> torch.futures.Future:
-        future = torch.futures.Future()
+        future: torch.futures.Future = torch.futures.Future()
         try:
             if self._closed:
                 raise RuntimeError("bitscom DDP hook state was closed; register a new hook")

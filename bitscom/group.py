@@ -281,7 +281,7 @@ class LowBitGroup:
         if not lowbit_op:
             return self._exact_all_reduce(tensor, op, async_op)
         cfg = self.config
-        changes = {}
+        changes: Dict[str, Any] = {}   # LowBitConfig settings by name
         if chunk_size is not None:
             changes["chunk_size"] = chunk_size
         hier_groups = local_group is not None or inter_group is not None

@@ -47,7 +47,7 @@ class ACPSGDState(LowRankState):
 
 
 @dataclass(frozen=True)
-class ACPSGD(LowRankCompressor):
+class ACPSGD(LowRankCompressor[ACPSGDState]):
     """Rank-r ACP-SGD: one fused all-reduce per bucket per step, alternating P and Q.
 
     Wire cost per bucket (× 4 bytes: factors travel in fp32), alternating:
@@ -89,10 +89,9 @@ class ACPSGD(LowRankCompressor):
             yield from plain_average(flat, comm)
             return
         plan, ef = state.plan, state.ef
-        x = plan.native_compensate(ef, flat)         # the matrices' e + g is fused below
-        fused = x is not None
-        if not fused:
-            x = ef.compensate(flat)                  # M + E, fp32
+        native = plan.native_compensate(ef, flat)    # the matrices' e + g is fused below
+        fused = native is not None
+        x = native if native is not None else ef.compensate(flat)    # else M + E, fp32
         p_all, q_all = state.p[:plan.p_numel], state.q[:plan.q_numel]
         send_p = (step - self.start_iter) % 2 == 0
         # Fresh factors on the first step, after a non-finite step, and (P steps) without warm start.

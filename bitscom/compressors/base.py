@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Generic, Iterator, Optional, TypeVar, cast
 
 import torch
 
@@ -152,9 +152,9 @@ class State:
         for key, value in state.items():
             current = getattr(self, key, None)
             if isinstance(value, dict) and "__generator_state__" in value:
-                current.set_state(value["__generator_state__"])
+                _existing(key, current, "a generator state").set_state(value["__generator_state__"])
             elif isinstance(value, dict) and "__state__" in value:
-                current.load_state_dict(value["__state__"])
+                _existing(key, current, "a nested state").load_state_dict(value["__state__"])
             elif isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
                 _copy_checked(key, current, value)
             elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor) \
@@ -166,6 +166,14 @@ class State:
                     _copy_checked(f"{key}[{i}]", c, v)
             else:
                 setattr(self, key, value)
+
+
+def _existing(key: str, current: Any, what: str) -> Any:
+    """``current`` (this state's attribute ``key``), which the checkpoint's ``what`` loads into;
+    a ValueError naming ``key`` when this state has none."""
+    if current is None:
+        raise ValueError(f"state {key!r}: the checkpoint holds {what}, this bucket's state has none")
+    return current
 
 
 def _is_stateful(value) -> bool:
@@ -181,11 +189,18 @@ def _copy_checked(key: str, current: torch.Tensor, value: torch.Tensor) -> None:
     current.copy_(value)
 
 
-class Compressor(abc.ABC):
+StateT = TypeVar("StateT")
+"""The type of a compressor's per-bucket state (what its :meth:`Compressor.init_state` returns
+and its :meth:`Compressor.reduce` takes)."""
+
+
+class Compressor(abc.ABC, Generic[StateT]):
     """Base class of every compressor: frozen settings + a round generator.
 
     Subclasses are frozen dataclasses holding only hyper-parameters. Per-bucket mutable
-    data lives in the object :meth:`init_state` returns.
+    data lives in the object :meth:`init_state` returns (its type is the class parameter:
+    ``class TopK(Compressor[SteppedErrorFeedback])``; a plain ``Compressor`` subclass takes
+    any state).
 
     Contract of :meth:`reduce`: on entry ``flat`` holds this rank's gradient (any float
     dtype); on normal exit it holds the *average* over the ranks of ``comm``, bitwise
@@ -203,19 +218,25 @@ class Compressor(abc.ABC):
     """
 
     name = "base"
-    uses_names = False
-    """True for compressors that act on the slots' parameter names (:class:`Exclude`): the
-    faces refuse to run them where slots carry no parameter names."""
     applies_momentum = False
     """True for :class:`MomentumCorrection`: it applies SGD momentum before compressing, so
     only :class:`bitscom.DistributedOptimizer` (which checks the optimizer has none) runs it."""
 
-    def init_state(self, layout: BucketLayout) -> State:
+    @property
+    def uses_names(self) -> bool:
+        """True for compressors that act on the slots' parameter names (:class:`Exclude`): the
+        faces refuse to run them where slots carry no parameter names. A read-only property
+        (:class:`MomentumCorrection` answers for its inner compressor); a subclass may set a
+        class attribute instead."""
+        return False
+
+    def init_state(self, layout: BucketLayout) -> StateT:
         """Per-bucket state. The default is stateless."""
-        return State()
+        # A plain State: what compressors that keep no state (and so do not override this) take.
+        return cast(StateT, State())
 
     @abc.abstractmethod
-    def reduce(self, flat: torch.Tensor, layout: BucketLayout, state: State,
+    def reduce(self, flat: torch.Tensor, layout: BucketLayout, state: StateT,
                comm: Comm) -> Iterator[Any]:
         """Replace ``flat`` by the average over ranks; yield work handles between rounds."""
 

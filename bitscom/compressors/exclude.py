@@ -32,7 +32,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -64,7 +64,7 @@ class ExcludeState(State):
 
 
 @dataclass(frozen=True)
-class Exclude(Compressor):
+class Exclude(Compressor[ExcludeState]):
     """Send the slots whose names match ``patterns`` as exact fp32, the rest through ``inner``.
 
     Args:
@@ -79,7 +79,7 @@ class Exclude(Compressor):
         comp = bitscom.compressors.Exclude("signsgd", patterns=("*emb*", "*norm*", "*.bias"))
     """
 
-    inner: Compressor = None
+    inner: Union[Compressor, str, None] = None
     patterns: tuple = ("*.bias", "*norm*")
 
     name = "exclude"
@@ -105,14 +105,21 @@ class Exclude(Compressor):
                              f"got {self.patterns!r}")
         object.__setattr__(self, "patterns", tuple(pats))
 
+    @property
+    def _inner(self) -> Compressor:
+        """``inner`` as :meth:`__post_init__` resolved it (always a compressor instance)."""
+        inner = self.inner
+        assert isinstance(inner, Compressor), "__post_init__ resolves inner to a compressor"
+        return inner
+
     def init_state(self, layout: BucketLayout) -> ExcludeState:
         kept, _ = split_layout(layout, self.patterns)
-        return ExcludeState(self.inner.init_state(kept) if kept.slots else None)
+        return ExcludeState(self._inner.init_state(kept) if kept.slots else None)
 
     def reduce(self, flat, layout, state: ExcludeState, comm: Comm):
         kept, excluded = split_layout(layout, self.patterns)
         if not excluded:
-            yield from self.inner.reduce(flat, layout, state.inner, comm)
+            yield from self._inner.reduce(flat, layout, state.inner, comm)
             return
         exact = torch.cat([flat[s.offset:s.end].float() for s in excluded])
         work = comm.all_reduce(exact)
@@ -120,7 +127,7 @@ class Exclude(Compressor):
             skip = {s.offset for s in excluded}
             original = [s for s in layout.slots if s.offset not in skip]    # kept.slots' sources
             sub = torch.cat([flat[s.offset:s.end] for s in original])
-            yield from self.inner.reduce(sub, kept, state.inner, comm)
+            yield from self._inner.reduce(sub, kept, state.inner, comm)
             for src, dst in zip(original, kept.slots):
                 flat[src.offset:src.end].copy_(sub[dst.offset:dst.end])
         yield work
@@ -132,7 +139,7 @@ class Exclude(Compressor):
 
     def wire_bytes(self, layout: BucketLayout, world_size: int, step: Optional[int] = None) -> Optional[int]:
         kept, excluded = split_layout(layout, self.patterns)
-        inner = self.inner.wire_bytes(kept, world_size, step) if kept.slots else 0
+        inner = self._inner.wire_bytes(kept, world_size, step) if kept.slots else 0
         if inner is None:
             return None
         return inner + 4 * sum(s.numel for s in excluded)

@@ -21,7 +21,7 @@ __all__ = ["LowBit"]
 
 
 @dataclass(frozen=True, init=False)
-class LowBit(Compressor):
+class LowBit(Compressor[LowBitState]):
     """Two-stage low-bit all-reduce of each bucket (quantize shards -> all-to-all -> sum ->
     requantize -> all-gather), flat or hierarchical.
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -64,8 +64,12 @@ def check_low_rank_settings(settings) -> None:
                          f"got {settings.orthogonalization!r}")
 
 
+LowRankStateT = TypeVar("LowRankStateT", bound="LowRankState")
+"""The state type of a low-rank compressor (:class:`PowerSGDState`, :class:`ACPSGDState`)."""
+
+
 @dataclass(frozen=True)
-class LowRankCompressor(Compressor):
+class LowRankCompressor(Compressor[LowRankStateT]):
     """Settings both low-rank compressors share (PowerSGD and ACP-SGD redeclare the defaults
     of ``rank`` and ``start_iter``)."""
 

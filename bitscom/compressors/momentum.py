@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -59,7 +59,7 @@ class MomentumState(State):
 
 
 @dataclass(frozen=True)
-class MomentumCorrection(Compressor):
+class MomentumCorrection(Compressor[MomentumState]):
     """Apply SGD momentum on each rank before ``inner`` compresses (DGC's momentum correction
     and momentum factor masking); the optimizer then runs with ``momentum=0``.
 
@@ -83,7 +83,7 @@ class MomentumCorrection(Compressor):
         opt = bitscom.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), compression=comp)
     """
 
-    inner: Compressor = None
+    inner: Union[Compressor, str, None] = None
     momentum: float = 0.9
     masking: bool = False
 
@@ -111,17 +111,24 @@ class MomentumCorrection(Compressor):
         object.__setattr__(self, "masking", masking)
 
     @property
+    def _inner(self) -> Compressor:
+        """``inner`` as :meth:`__post_init__` resolved it (always a compressor instance)."""
+        inner = self.inner
+        assert isinstance(inner, Compressor), "__post_init__ resolves inner to a compressor"
+        return inner
+
+    @property
     def uses_names(self) -> bool:       # Exclude inside needs parameter names too
-        return self.inner.uses_names
+        return self._inner.uses_names
 
     def init_state(self, layout: BucketLayout) -> MomentumState:
-        return MomentumState(layout.numel, layout.device, self.inner.init_state(layout))
+        return MomentumState(layout.numel, layout.device, self._inner.init_state(layout))
 
     def reduce(self, flat, layout, state: MomentumState, comm: Comm):
         u = state.velocity
         u.mul_(self.momentum).add_(flat.reshape(-1))
         flat.copy_(u.view_as(flat))
-        yield from self.inner.reduce(flat, layout, state.inner, comm)
+        yield from self._inner.reduce(flat, layout, state.inner, comm)
         if self.masking:
             sent = getattr(state.inner, "last_sent", None)
             if sent is not None:                 # None on dense (warm-up) steps: keep momentum
@@ -131,7 +138,7 @@ class MomentumCorrection(Compressor):
         torch.nan_to_num_(u, nan=0.0, posinf=0.0, neginf=0.0)
 
     def wire_bytes(self, layout: BucketLayout, world_size: int, step: Optional[int] = None) -> Optional[int]:
-        return self.inner.wire_bytes(layout, world_size, step)
+        return self._inner.wire_bytes(layout, world_size, step)
 
 
 def _contains_momentum(compressor) -> bool:

@@ -40,7 +40,7 @@ class PowerSGDState(LowRankState):
 
 
 @dataclass(frozen=True)
-class PowerSGD(LowRankCompressor):
+class PowerSGD(LowRankCompressor[PowerSGDState]):
     """Rank-r PowerSGD with error feedback and warm start: two fused all-reduces per bucket.
 
     Wire cost of one compressed step, per bucket (× 4 bytes: factors travel in fp32):
@@ -78,10 +78,9 @@ class PowerSGD(LowRankCompressor):
             yield from plain_average(flat, comm)
             return
         plan, ef = state.plan, state.ef
-        x = plan.native_compensate(ef, flat)         # the matrices' e + g is fused below
-        fused = x is not None
-        if not fused:
-            x = ef.compensate(flat)                  # M + E, fp32
+        native = plan.native_compensate(ef, flat)    # the matrices' e + g is fused below
+        fused = native is not None
+        x = native if native is not None else ef.compensate(flat)    # else M + E, fp32
         pbuf, tail = state.p[:plan.p_numel], state.p[plan.p_numel:]
         if not state.ready or not self.warm_start:
             random_factors(state.q, plan.groups, "q", state.generator, self.orthogonalization)

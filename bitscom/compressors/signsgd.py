@@ -87,7 +87,7 @@ def _native_for(x: torch.Tensor):
 
 
 @dataclass(frozen=True)
-class SignSGD(Compressor):
+class SignSGD(Compressor[SteppedErrorFeedback]):
     """One bit per gradient entry plus one fp32 scale per 16-entry block, with error feedback.
 
     Args:

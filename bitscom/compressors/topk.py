@@ -87,7 +87,7 @@ def _sampled_topk(mag: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class TopK(Compressor):
+class TopK(Compressor[SteppedErrorFeedback]):
     """Send the ``ratio`` fraction of largest-magnitude gradient entries (values + indices).
 
     Args:

@@ -195,7 +195,7 @@ def rounds_for(compressor, numel: int, world: int, *, local_size: int = 1, dtype
     """
     comp = resolve(compressor, "compressor")
     while isinstance(comp, MomentumCorrection):
-        comp = comp.inner
+        comp = comp._inner                 # inner, resolved to a compressor instance
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be an int >= 1, got {world!r}")
     if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \

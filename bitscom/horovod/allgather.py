@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Optional
+from typing import Any, Generator, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,8 @@ from .negotiation import ERRORS, H_FIXED, KINDS, MAX_DIMS, negotiate
 __all__ = ["allgather", "allgather_async"]
 
 
-def _allgather_rounds(lbl: str, tensor: torch.Tensor, comm: Optional[Comm]) -> Iterator:
+def _allgather_rounds(lbl: str, tensor: torch.Tensor,
+                      comm: Optional[Comm]) -> Generator[Any, None, torch.Tensor]:
     err = 4 if tensor.dim() == 0 else (1 if tensor.dim() > MAX_DIMS else 0)
     if comm is None:
         if err:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Generator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ def _check_reducible(fn: str, tensor: torch.Tensor, op: ReduceOp, pre: float, po
 
 
 def _allreduce_rounds(lbl: str, tensor: torch.Tensor, out: torch.Tensor, op: ReduceOp, pre: float,
-                      post: float, comm: Optional[Comm]) -> Iterator:
+                      post: float, comm: Optional[Comm]) -> Generator[Any, None, torch.Tensor]:
     size = 1 if comm is None else comm.size
     # detach(): the in-place forms may get a leaf that requires grad; the view shares storage.
     contiguous = out.is_contiguous()

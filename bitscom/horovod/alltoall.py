@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Generator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -32,8 +32,8 @@ def _split_list(splits: Splits, tensor: torch.Tensor, world: int) -> Tuple[List[
     return values, 0
 
 
-def _alltoall_rounds(lbl: str, tensor: torch.Tensor, splits: Splits, comm: Optional[Comm],
-                     want_splits: bool) -> Iterator:
+def _alltoall_rounds(lbl: str, tensor: torch.Tensor, splits: Splits, comm: Optional[Comm], want_splits: bool
+                     ) -> Generator[Any, None, Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]]:
     world = 1 if comm is None else comm.size
     values, err = _split_list(splits, tensor, world)
     if err == 0 and tensor.dim() > MAX_DIMS:
@@ -42,8 +42,8 @@ def _alltoall_rounds(lbl: str, tensor: torch.Tensor, splits: Splits, comm: Optio
         if err:
             raise ValueError(f"{lbl}: {ERRORS[err]}")
         out = tensor.detach().clone()
-        received = torch.tensor(values, dtype=torch.int32)
-        return (out, received) if want_splits else out
+        counts = torch.tensor(values, dtype=torch.int32)
+        return (out, counts) if want_splits else out
     rows = yield from negotiate(comm, lbl, tensor, KINDS["alltoall"], err=err, extra=values)
     matrix = [row[H_FIXED + MAX_DIMS:] for row in rows]           # matrix[r][j]: r sends to j
     received = [matrix[r][comm.rank] for r in range(world)]

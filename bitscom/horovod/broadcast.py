@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Generator, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,8 @@ from .negotiation import KINDS, negotiate
 __all__ = ["broadcast", "broadcast_", "broadcast_async", "broadcast_async_"]
 
 
-def _broadcast_rounds(lbl: str, out: torch.Tensor, root_rank: int, comm: Optional[Comm]) -> Iterator:
+def _broadcast_rounds(lbl: str, out: torch.Tensor, root_rank: int,
+                      comm: Optional[Comm]) -> Generator[Any, None, torch.Tensor]:
     if comm is None:
         if root_rank not in (0, runtime.rank() if runtime.is_initialized() else 0):
             raise ValueError(f"{lbl}: root_rank {root_rank} is not a rank of the group")

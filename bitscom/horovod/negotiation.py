@@ -15,7 +15,7 @@ per rank: alltoall's splits).
 from __future__ import annotations
 
 import struct
-from typing import Callable, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Generator, List, Sequence, Tuple
 
 import torch
 
@@ -103,7 +103,7 @@ def _check_shapes(label: str, rows: List[List[int]], kind: int) -> None:
 
 def negotiate(comm: Comm, label: str, tensor: torch.Tensor, kind: int, op: int = 0,
               root: int = -1, pre: float = 1.0, post: float = 1.0, err: int = 0,
-              extra: Sequence[int] = ()) -> Iterator:
+              extra: Sequence[int] = ()) -> Generator[Any, None, List[List[int]]]:
     """Round generator: all-gather this rank's header on ``comm``; return every rank's header
     (a list of int lists, in rank order) after checking that they describe the same call.
 

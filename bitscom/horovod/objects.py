@@ -10,7 +10,7 @@ unpickle what their peers send, which assumes every rank of the job is run by th
 from __future__ import annotations
 
 import pickle
-from typing import Any, Iterator, List, Optional
+from typing import Any, Generator, Iterator, List, Optional
 
 import torch
 
@@ -31,7 +31,8 @@ def _from_bytes(data: torch.Tensor) -> Any:
     return pickle.loads(data.cpu().numpy().tobytes())
 
 
-def gather_object_rounds(comm: Comm, obj: Any, device: torch.device, what: str) -> Iterator:
+def gather_object_rounds(comm: Comm, obj: Any, device: torch.device,
+                         what: str) -> Generator[Any, None, List[Any]]:
     """Round generator: every rank's ``obj``, in group-rank order.
 
     Example::
@@ -51,7 +52,7 @@ def gather_object_rounds(comm: Comm, obj: Any, device: torch.device, what: str) 
 
 
 def broadcast_object_rounds(comm: Comm, obj: Any, group_root: int, device: torch.device,
-                            what: str) -> Iterator:
+                            what: str) -> Generator[Any, None, Any]:
     """Round generator: the ``obj`` of the rank with group rank ``group_root``, on every rank
     (root gets its own object back, not a copy).
 
@@ -60,10 +61,10 @@ def broadcast_object_rounds(comm: Comm, obj: Any, group_root: int, device: torch
         obj = drive(broadcast_object_rounds(comm, obj, 0, device, "bitscom.broadcast_object"))
     """
     root = comm.rank == group_root
-    data = _to_bytes(obj, device) if root else None
-    size = torch.tensor([data.numel() if root else 0], dtype=torch.int64, device=device)
+    data: Optional[torch.Tensor] = _to_bytes(obj, device) if root else None    # None: not root
+    size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)
     yield guard(comm.broadcast(size, group_root), what)
-    if not root:
+    if data is None:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     yield guard(comm.broadcast(data, group_root), what)
     return obj if root else _from_bytes(data)

@@ -29,7 +29,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Generator, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 
@@ -75,7 +75,7 @@ def _resolve_sparse_op(op: Optional[ReduceOp]) -> ReduceOp:
     return op
 
 
-def _local(tensor: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+def _local(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """This rank's (indices [sparse_dim, nnz], values [nnz, *dense]) with unique indices."""
     t = tensor.detach().coalesce()
     return t.indices(), t.values()
@@ -134,7 +134,8 @@ def _apply_op(result: torch.Tensor, op: ReduceOp, size: int) -> torch.Tensor:
 
 
 def _gather(lbl: str, comm: Comm, local: Tuple[torch.Tensor, torch.Tensor], counts: List[int],
-            sparse_dim: int, dense: Tuple[int, ...], dtype: torch.dtype) -> Iterator:
+            sparse_dim: int, dense: Tuple[int, ...],
+            dtype: torch.dtype) -> Generator[Any, None, List[Tuple[torch.Tensor, torch.Tensor]]]:
     """Round: all-gather the padded indices and values; returns every rank's (indices, values)."""
     longest, row = max(counts), 1
     for d in dense:
@@ -155,7 +156,7 @@ def _gather(lbl: str, comm: Comm, local: Tuple[torch.Tensor, torch.Tensor], coun
 
 
 def reduce_rounds(lbl: str, template: torch.Tensor, local: Optional[torch.Tensor], layout: int,
-                  op: ReduceOp, comm: Optional[Comm]) -> Iterator:
+                  op: ReduceOp, comm: Optional[Comm]) -> Generator[Any, None, Optional[torch.Tensor]]:
     """Round generator: the sum (or average) of every rank's sparse ``local`` as a coalesced
     sparse tensor shaped like ``template``; ``None`` when no rank holds a sparse tensor.
 
@@ -168,6 +169,8 @@ def reduce_rounds(lbl: str, template: torch.Tensor, local: Optional[torch.Tensor
     """
     shape = template.shape
     if layout == SPARSE:
+        if local is None:
+            raise ValueError(f"{lbl}: layout SPARSE needs this rank's sparse tensor, got None")
         indices, values = _local(local)
         sparse_dim = local.sparse_dim()
     else:
@@ -234,7 +237,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None,
     handle = submit("sparse_allreduce_async", name,
                     reduce_rounds(lbl, tensor, tensor, SPARSE, op, comm), comm)
     handle.__class__ = SparseHandle         # same object: it stays in the call-order queue
-    return handle
+    return cast(SparseHandle, handle)       # the class assignment above, which mypy does not follow
 
 
 def sparse_allreduce(tensor: torch.Tensor, name: Optional[str] = None,
@@ -300,12 +303,14 @@ class SparseGradients:
         self.ids = {id(p) for _, p in self.params}
         self.stash: Dict[int, torch.Tensor] = {}
         self.dense: Set[int] = set()
-        self.armed_task = None
+        self.armed_task: Optional[int] = None
 
     def on_gradient(self, opt, p: torch.Tensor, last_pass: bool) -> bool:
         """True when ``p`` is on the sparse path (the caller puts zeros in its slot on the
         last pass, and leaves ``p.grad`` alone otherwise)."""
-        sparse = p.grad is not None and p.grad.is_sparse
+        grad = p.grad
+        sparse_grad = grad if grad is not None and grad.is_sparse else None
+        sparse = sparse_grad is not None
         if id(p) not in self.ids:
             if sparse:
                 raise TypeError(
@@ -317,10 +322,10 @@ class SparseGradients:
             return False
         if last_pass:
             self._arm(opt)
-            if not sparse:
+            if sparse_grad is None:
                 self.dense.add(id(p))
                 return False
-            self.stash[id(p)] = p.grad
+            self.stash[id(p)] = sparse_grad
             p.grad = None
         return sparse
 

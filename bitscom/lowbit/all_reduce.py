@@ -27,7 +27,7 @@ reproducible from a checkpoint. Error feedback is
 from __future__ import annotations
 
 import math
-from typing import Iterator, Optional
+from typing import Any, Generator, Iterator, Optional
 
 import torch
 
@@ -119,7 +119,8 @@ class _Feedback:
         return g.add_(out) if finite else g + out
 
 
-def _chunk_rounds(hier, comm, intra, inter, cfg, fb: _Feedback, alpha, seeds, s, t) -> Iterator:
+def _chunk_rounds(hier, comm, intra, inter, cfg, fb: _Feedback, alpha, seeds, s, t
+                  ) -> Generator[Any, None, torch.Tensor]:
     send, sent, stage2_ef, anchor = fb.chunk(s, t)
     c1 = cfg.codec(cfg.bitwidth)
     c2 = cfg.codec(cfg.resolved_stage2_bitwidth)

@@ -30,13 +30,15 @@ not what this class does.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, TypeVar
 
 import torch
 
 from ..scratch import Scratch
 
 __all__ = ["ErrorFeedback", "SteppedErrorFeedback"]
+
+_EF = TypeVar("_EF", bound="ErrorFeedback")
 
 
 class ErrorFeedback:
@@ -63,7 +65,7 @@ class ErrorFeedback:
             torch.zeros(int(numel), dtype=torch.float32, device=device) if enabled else None)
 
     @classmethod
-    def for_layout(cls, layout, enabled: bool = True) -> "ErrorFeedback":
+    def for_layout(cls: type[_EF], layout, enabled: bool = True) -> _EF:
         """A zero residual shaped like ``layout``'s flat buffer.
 
         Example::
@@ -73,7 +75,7 @@ class ErrorFeedback:
         return cls(layout.numel, layout.device, enabled)
 
     @classmethod
-    def lazy(cls) -> "ErrorFeedback":
+    def lazy(cls: type[_EF]) -> _EF:
         """An enabled residual whose buffer is made (zeros) by the first :meth:`compensate`:
         for callers that learn the size and device only with the first tensor.
 
@@ -86,7 +88,7 @@ class ErrorFeedback:
         return ef
 
     @classmethod
-    def over(cls, residual: torch.Tensor) -> "ErrorFeedback":
+    def over(cls: type[_EF], residual: torch.Tensor) -> _EF:
         """Error feedback whose residual *is* ``residual`` (e.g. one chunk's view of a larger
         residual), so several chunks can each run the algorithm on their part.
 
@@ -126,7 +128,7 @@ class ErrorFeedback:
     def update(self, decoded: torch.Tensor) -> None:
         """``e = x − decoded`` where ``decoded = D(C(x))`` is dense, shaped like ``x``."""
         if self.enabled:
-            self.residual.sub_(decoded.reshape(-1))
+            self._compensated("update").sub_(decoded.reshape(-1))
 
     def drop_nonfinite(self) -> None:
         """Zero the residual entries that are NaN/Inf: a step AMP skips for overflow must not
@@ -140,7 +142,16 @@ class ErrorFeedback:
         Indices must be unique (top-k's are). Entries sent at full fp32 precision end exactly 0.
         """
         if self.enabled:
-            self.residual.index_put_((indices,), self.residual[indices] - values)
+            residual = self._compensated("update_sparse")
+            residual.index_put_((indices,), residual[indices] - values)
+
+    def _compensated(self, what: str) -> torch.Tensor:
+        """The residual an enabled update works on: :meth:`compensate` made it (a RuntimeError
+        naming ``what`` if a lazy residual was updated before any compensate)."""
+        if self.residual is None:
+            raise RuntimeError(f"error feedback: {what}() before compensate(): this lazy residual has no "
+                               "buffer yet")
+        return self.residual
 
     def reset(self) -> None:
         """Forget the residual (e.g. after a learning-rate restart)."""
@@ -158,7 +169,7 @@ class ErrorFeedback:
         saved = state.get("residual")
         if self.enabled and self.residual is None:  # a lazy residual: take the saved one
             self.residual = None if saved is None else saved.detach().clone().float().reshape(-1)
-        elif self.enabled:
+        elif self.enabled and self.residual is not None:
             if saved is None or saved.numel() != self.residual.numel():
                 got = None if saved is None else saved.numel()
                 raise ValueError(f"checkpoint residual has {got} elements, this bucket "

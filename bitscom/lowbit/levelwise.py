@@ -36,7 +36,7 @@ Collectives go through the levels' :class:`bitscom.comm.Comm` objects, which cou
 from __future__ import annotations
 
 import math
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,6 +44,9 @@ from .codec import Codec
 from .hadamard import HADAMARD_BACKENDS, HADAMARD_BLOCK, hadamard as _hadamard
 from .rounds import pipeline, scatter_reduce
 from .seeds import mix_seed
+
+if TYPE_CHECKING:
+    from ..comm import Comm
 
 __all__ = ["levelwise_chunks", "levelwise_reduce_scatter_rounds", "levelwise_wire_bytes", "default_order"]
 
@@ -109,7 +112,7 @@ def _chunk_rounds(x: torch.Tensor, out: torch.Tensor, levels, order, seeds: List
     out.copy_(red)
 
 
-def levelwise_chunks(flat: torch.Tensor, out: torch.Tensor, levels: Sequence[Tuple[object, Codec]], *,
+def levelwise_chunks(flat: torch.Tensor, out: torch.Tensor, levels: Sequence[Tuple[Comm, Codec]], *,
                      chunks: int = 1, order: Optional[Sequence[int]] = None, hadamard: bool = False,
                      hadamard_backend: str = "gemm", alpha: float = 1.0,
                      seed_parts: Sequence[int] = ()) -> List[Iterator]:
@@ -150,7 +153,7 @@ def levelwise_chunks(flat: torch.Tensor, out: torch.Tensor, levels: Sequence[Tup
 
 
 def levelwise_reduce_scatter_rounds(flat: torch.Tensor, out: torch.Tensor,
-                                    levels: Sequence[Tuple[object, Codec]], **settings) -> Iterator:
+                                    levels: Sequence[Tuple[Comm, Codec]], **settings) -> Iterator:
     """Round generator: the level-wise reduce-scatter of ``flat`` into ``out``, its chunks run in
     lockstep by :func:`~bitscom.lowbit.rounds.pipeline` (chunk ``k+1``'s first level with chunk
     ``k``'s second). ``settings`` are :func:`levelwise_chunks`'.

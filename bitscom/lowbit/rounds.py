@@ -13,7 +13,7 @@ Names without ``__all__`` membership are package-internal.
 from __future__ import annotations
 
 import math
-from typing import Iterator, Optional, Sequence
+from typing import Any, Generator, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -149,7 +149,7 @@ def leader_rounds(x, intra, inter, cfg, alpha, seeds, offset, sent=None, stage2_
     return x
 
 
-def pipeline(gens: Sequence[Iterator]) -> Iterator:
+def pipeline(gens: Sequence[Iterator[Any]]) -> Generator[List[Any], None, List[Any]]:
     """Run several round generators in lockstep, starting one more each round.
 
     Round t advances chunk t (its first stage) together with chunk t-1 (its second stage) and
@@ -162,8 +162,8 @@ def pipeline(gens: Sequence[Iterator]) -> Iterator:
         results = yield from pipeline([chunk_rounds(c) for c in chunks])
     """
     pending = list(enumerate(gens))
-    results = [None] * len(pending)
-    active = []
+    results: List[Any] = [None] * len(pending)
+    active: List[Tuple[int, Iterator[Any]]] = []
     while pending or active:
         if pending:
             active.append(pending.pop(0))
@@ -227,13 +227,13 @@ def same_size_rounds(comm, what: str, numel: int, average: bool = False, device=
     mine = torch.tensor([int(numel), int(bool(average))], dtype=torch.int64, device=device)
     seen = torch.empty(comm.size * 2, dtype=torch.int64, device=mine.device)
     yield comm.all_gather(seen, mine)
-    seen = seen.view(comm.size, 2).tolist()
-    sizes = [s[0] for s in seen]
+    rows = seen.view(comm.size, 2).tolist()
+    sizes = [s[0] for s in rows]
     if len(set(sizes)) > 1:
         listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
         raise ValueError(f"low-bit {what}: ranks passed tensors with different element counts "
                          f"({listing}); every rank must pass the same number of elements")
-    if len({s[1] for s in seen}) > 1:
-        ops = ", ".join(f"rank {r}: {'AVG' if s[1] else 'SUM'}" for r, s in enumerate(seen))
+    if len({s[1] for s in rows}) > 1:
+        ops = ", ".join(f"rank {r}: {'AVG' if s[1] else 'SUM'}" for r, s in enumerate(rows))
         raise ValueError(f"low-bit {what}: ranks passed different reduce ops ({ops}); every rank "
                          "must pass the same op")

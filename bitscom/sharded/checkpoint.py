@@ -63,7 +63,7 @@ def join_pieces(contributions: List[dict], shapes: Dict[str, tuple], dtype_of: D
         covered = 0
         for contrib in contributions:
             for start, stop, m, rep, st in contrib.get(name, []):
-                if master is None:
+                if master is None or replica is None:     # both unset until the first piece
                     master = torch.zeros(numel, dtype=m.dtype)
                     replica = torch.zeros(numel, dtype=dtype_of[name])
                 master[start:stop] = m
@@ -79,7 +79,7 @@ def join_pieces(contributions: List[dict], shapes: Dict[str, tuple], dtype_of: D
                         state[key][start:stop] = v
         if covered != numel:
             raise RuntimeError(f"parameter {name!r}: pieces cover {covered} of {numel} elements")
-        if master is None:               # a zero-size parameter: no rank owns a piece of it
+        if master is None or replica is None:   # a zero-size parameter: no rank owns a piece of it
             master = torch.zeros(0, dtype=torch.float64 if dtype_of[name] == torch.float64 else torch.float32)
             replica = torch.zeros(0, dtype=dtype_of[name])
         out[name] = {"master": master.view(shape), "replica": replica.view(shape),
