@@ -378,7 +378,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(argv=None) -> int:
+def _parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--sets", nargs="+", default=None, choices=list(SETS),
@@ -400,53 +400,74 @@ def main(argv=None) -> int:
         args.steps = args.steps or 150
         args.sets = args.sets or ([] if args.variants else ["defaults"])
     args.seeds = args.seeds or 3
-    os.makedirs(args.out, exist_ok=True)
-    if not args.plot_only:     # every invocation that added to this directory, in order
-        line = "python scripts/convergence.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        path = os.path.join(args.out, "command.txt")
-        old = open(path).read() if os.path.exists(path) else ""
-        if line not in old.splitlines():
-            with open(path, "w") as f:
-                f.write("".join(f"{c}\n" for c in old.splitlines() + [line]))
     args.task_kwargs = {t: ({"steps": args.steps} if args.steps else {}) for t in TASKS}
+    return args
 
-    if not args.plot_only:
-        labels = []
-        for s in (args.sets or (["defaults", "ef", "sr"] if args.variants is None else [])):
-            labels += SETS[s]
-        labels += args.variants or []
-        variants, seen = [], set()
-        for text in labels:
-            v = parse_variant(text)
-            if v[0] not in seen:
-                seen.add(v[0])
-                variants.append(v)
-        for _label, name, settings in variants:     # fail before spawning: unknown names/settings
-            build_compressor(name, settings)
-            opt = split_settings(settings)[1]
-            for t in args.tasks:
-                unknown = sorted(set(opt) - OPT_TASKS.get(t, set()))
-                if unknown:
-                    raise SystemExit(f"variant {_label!r} sets optimizer options {unknown}, which task "
-                                     f"{t!r} does not take (it takes {sorted(OPT_TASKS.get(t, ()))})")
-        done = _done(os.path.join(args.out, "runs.csv"))
-        # Variants that build the same compressor (e.g. "lowbit" and "lowbit-rtn" while
-        # nearest rounding is the default) train once and are recorded under every label.
-        by_print, groups = {}, []
-        for label, name, settings in variants:
-            key = run_key(name, settings)
-            if key in by_print:
-                by_print[key][0].append(label)
-            else:
-                by_print[key] = ([label], name, settings)
-                groups.append(by_print[key])
-        jobs = []
+
+def _record_command(out, argv):
+    """Append this invocation to ``out/command.txt`` (every command that added rows, in order)."""
+    line = "python scripts/convergence.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    path = os.path.join(out, "command.txt")
+    old = open(path).read() if os.path.exists(path) else ""
+    if line not in old.splitlines():
+        with open(path, "w") as f:
+            f.write("".join(f"{c}\n" for c in old.splitlines() + [line]))
+
+
+def _variants(args):
+    """The requested variants, each once, checked before any rank is spawned."""
+    labels = []
+    for s in (args.sets or (["defaults", "ef", "sr"] if args.variants is None else [])):
+        labels += SETS[s]
+    labels += args.variants or []
+    variants, seen = [], set()
+    for text in labels:
+        v = parse_variant(text)
+        if v[0] not in seen:
+            seen.add(v[0])
+            variants.append(v)
+    for label, name, settings in variants:     # fail before spawning: unknown names/settings
+        build_compressor(name, settings)
+        opt = split_settings(settings)[1]
         for t in args.tasks:
-            for seed in range(args.seeds):
-                for labels, name, settings in groups:
-                    todo = [lb for lb in labels if (t, lb, seed) not in done]
-                    if todo:
-                        jobs.append((t, todo, name, settings, seed))
+            unknown = sorted(set(opt) - OPT_TASKS.get(t, set()))
+            if unknown:
+                raise SystemExit(f"variant {label!r} sets optimizer options {unknown}, which task "
+                                 f"{t!r} does not take (it takes {sorted(OPT_TASKS.get(t, ()))})")
+    return variants
+
+
+def _jobs(args, variants, done):
+    """(task, labels, name, settings, seed) still to run.
+
+    Variants that build the same compressor (e.g. "lowbit" and "lowbit-rtn" while nearest
+    rounding is the default) train once and are recorded under every label.
+    """
+    by_print, groups = {}, []
+    for label, name, settings in variants:
+        key = run_key(name, settings)
+        if key in by_print:
+            by_print[key][0].append(label)
+        else:
+            by_print[key] = ([label], name, settings)
+            groups.append(by_print[key])
+    jobs = []
+    for t in args.tasks:
+        for seed in range(args.seeds):
+            for labels, name, settings in groups:
+                todo = [lb for lb in labels if (t, lb, seed) not in done]
+                if todo:
+                    jobs.append((t, todo, name, settings, seed))
+    return jobs
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if not args.plot_only:
+        _record_command(args.out, argv)
+        done = _done(os.path.join(args.out, "runs.csv"))
+        jobs = _jobs(args, _variants(args), done)
         print(f"[conv] {len(jobs)} run(s) to do ({len(done)} already in {args.out}) on {args.world} "
               "gloo ranks", flush=True)
         if jobs:

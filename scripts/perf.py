@@ -241,6 +241,183 @@ def write_row(path: str, row: dict):
         w.writerow({k: row.get(k, "") for k in CSV_FIELDS})
 
 
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _measure_compute(a, wl, model, params, batch, dev, rank, size):
+    """Compute alone (no hooks yet): what a step would cost with an infinitely fast network.
+
+    Measured like the timed steps (same warm-up count, ranks released together by a barrier,
+    the slowest rank per step), so the two are comparable: with one untimed step and no
+    barrier, the compute steps ran cold (allocator, kernel caches) and out of step with the
+    other ranks, and could come out above the communicating step time.
+    """
+    compute_times = []
+    if a.compute_steps <= 0:
+        return compute_times
+    local = torch.optim.SGD(params, lr=a.lr, momentum=0.9)
+    for i in range(max(1, a.warmup) + a.compute_steps):
+        if size > 1:
+            dist.barrier()
+        _sync(dev)
+        t0 = time.perf_counter()
+        local.zero_grad()
+        wl.loss(model, batch).backward()
+        local.step()
+        _sync(dev)
+        dt = time.perf_counter() - t0
+        if i >= max(1, a.warmup):
+            compute_times.append(dt)
+        progress(rank, "compute", i, max(1, a.warmup), a.compute_steps, dt)
+    del local
+    model.zero_grad(set_to_none=True)
+    return compute_times
+
+
+def _wrap_ddp(a, kind, name, model, params, dev, rank):
+    """DDP, with torch's own hooks or bitscom's comm hook: (module, optimizer, comm_stats)."""
+    import bitscom
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    stats = None
+    cap = a.threshold
+    if a.opt == "ddp_powersgd" and dist.get_backend() == "gloo":
+        # torch's powerSGD_hook chains its P/Q all-reduces in future callbacks; with gloo
+        # and several buckets those callbacks issue collectives in a rank-dependent order
+        # ("Received data size doesn't match expected size"). One bucket avoids that.
+        cap = max(cap, sum(p.numel() * p.element_size() for p in params) / 2**20 + 1)
+        a.note = (a.note + " " if a.note else "") + f"gloo: one DDP bucket ({cap:.0f} MB) for powerSGD_hook"
+    net = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, bucket_cap_mb=cap)
+    if a.opt == "ddp_fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif a.opt == "ddp_powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=a.rank,
+                                 start_powerSGD_iter=2, min_compression_rate=2,
+                                 use_error_feedback=True, warm_start=True)
+        net.register_comm_hook(state, ps.powerSGD_hook)
+        a.warmup = max(a.warmup, 2)      # its first iterations are plain all-reduce
+    elif kind == "hook":
+        comp = bitscom.compressors.get(name, **compressor_kwargs(name, a))
+        a.warmup = past_probe(comp, a.warmup, rank)
+        hook_state, hook = bitscom.ddp_comm_hook(comp)
+        net.register_comm_hook(hook_state, hook)
+        stats = hook_state.comm_stats
+    return net, torch.optim.SGD(params, lr=a.lr, momentum=0.9), stats
+
+
+def _wrap_bitscom(a, name, model, params, rank):
+    """bitscom.DistributedOptimizer: (module, optimizer, comm_stats)."""
+    import bitscom
+    comp = bitscom.compressors.get(name, **compressor_kwargs(name, a))
+    a.warmup = past_probe(comp, a.warmup, rank)
+    if rank == 0 and name == "auto":     # its per-bucket predicted seconds, at INFO
+        logging.basicConfig(format="[perf] %(message)s")
+        logging.getLogger("bitscom").setLevel(logging.INFO)
+    # dgc (MomentumCorrection) applies the momentum itself: the SGD then has none
+    base = torch.optim.SGD(params, lr=a.lr, momentum=0.0 if comp.applies_momentum else 0.9)
+    opt = bitscom.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                       compression=comp, fusion_threshold_mb=a.threshold)
+    bitscom.broadcast_parameters(model.state_dict(), root_rank=0)
+    return model, opt, opt.comm_stats
+
+
+def _timed_steps(a, wl, net, opt, batch, dev, rank, size):
+    """Warm-up, then ``a.nsteps`` timed steps: this rank's step times in seconds."""
+    def step():
+        opt.zero_grad()
+        wl.loss(net, batch).backward()
+        opt.step()
+
+    for i in range(a.warmup):
+        t0 = time.perf_counter()
+        step()
+        progress(rank, "step", i, a.warmup, a.nsteps, time.perf_counter() - t0)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    if size > 1:
+        dist.barrier()
+    times = []
+    for i in range(a.nsteps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        step()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+        progress(rank, "step", a.warmup + i, a.warmup, a.nsteps, times[-1])
+    return times
+
+
+def _gather(a, stats, params, times, compute_times, dev, rank, size):
+    """The slowest rank's time per step, bytes and memory: (times, compute times, peak MB, sent, dense)."""
+    t = torch.tensor(times, dtype=torch.float64)
+    if dev.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
+    if stats is not None:
+        st = stats()
+        sent, dense = st["bytes_sent"], st["dense_bytes"]
+        if rank == 0 and st.get("auto_plan") is not None:    # compression="auto": what it chose
+            print(f"[perf] auto plan per bucket: {' | '.join(st['auto_plan'])}", flush=True)
+    else:
+        sent, dense = analytic_bytes(a.opt, params, a.rank), sum(p.numel() for p in params) * 4
+    extra = torch.tensor([peak, sent], dtype=torch.float64)
+    ct = torch.tensor(compute_times, dtype=torch.float64)
+    if size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(extra, op=dist.ReduceOp.MAX)
+        if len(ct):
+            dist.all_reduce(ct, op=dist.ReduceOp.MAX)
+    peak, sent_max = extra.tolist()
+    return t.tolist(), ct.tolist(), peak, sent_max, dense
+
+
+def _report(a, kind, name, wl, dev, size, times, compute_times, peak, sent_max, dense, rate, rate_source):
+    """Rank 0: one CSV row and the summary lines."""
+    import bitscom
+    compute, compute_ci = mean_ci95(compute_times) if compute_times else (float("nan"), float("nan"))
+    mean, ci = mean_ci95(times)
+    # ring all-reduce: each rank's link carries 2(n-1)/n of the payload in each direction
+    comm_ideal = sent_max * 2 * (size - 1) / size / (rate / 8) if size > 1 else 0.0
+    ideal = comm_ideal if math.isnan(compute) else max(compute, comm_ideal)
+    thr = a.bs * size / mean
+    nodes = size // max(1, bitscom.local_size())
+    row = _base_row(a, size) | {
+        "nodes": nodes, "ranks_per_node": bitscom.local_size(),
+        "iter_time_s": f"{mean:.5f}", "iter_ci95_s": f"{ci:.5f}", "throughput": f"{thr:.3f}",
+        "bytes_sent": int(sent_max), "dense_bytes": int(dense),
+        "compression_ratio": f"{dense / sent_max:.2f}" if sent_max else "",
+        "compute_time_s": f"{compute:.5f}" if not math.isnan(compute) else "",
+        "compute_ci95_s": f"{compute_ci:.5f}" if not math.isnan(compute_ci) else "",
+        "link_gbit": f"{rate / 1e9:.4g}" if rate else "", "link_source": rate_source,
+        "comm_time_ideal_s": f"{comm_ideal:.5f}",
+        "ideal_time_s": f"{ideal:.5f}" if not math.isnan(ideal) else "", "peak_mem_mb": f"{peak:.0f}",
+        "params": wl.numel, "device": str(dev), "backend": dist.get_backend() if size > 1 else "",
+        "status": "ok"}
+    write_row(a.csv, row)
+    where = os.environ.get("BITSCOM_CLUSTER", "this machine")
+    settings = " ".join(f"{k}={v}" for k, v in compressor_kwargs(name, a).items()) if kind != "torch" else \
+        (f"rank={a.rank}" if a.opt == "ddp_powersgd" else "")
+    print(f"[perf] {a.dnn} ({wl.numel / 1e6:.1f}M params, {wl.source}), bs {a.bs}/rank, "
+          f"{size} rank(s) on {where}")
+    print(f"[perf] opt={a.opt} {settings} threshold={a.threshold:g}MB bandwidth={a.bandwidth or 'unshaped'}")
+    print(f"[perf] iteration time {mean * 1e3:.1f} ms +/- {ci * 1e3:.1f} ms (95% CI, {a.nsteps} steps), "
+          f"throughput {thr:.2f} samples/s")
+    print(f"[perf] bytes on the wire {sent_max / 1e6:.2f} MB/step/rank (fp32 {dense / 1e6:.2f} MB, "
+          f"{dense / sent_max if sent_max else float('nan'):.1f}x fewer), peak memory {peak:.0f} MB")
+    comp_txt = (f"compute {compute * 1e3:.1f} ms{_pm(compute_ci)}" if not math.isnan(compute)
+                else "compute not measured (compute_steps=0)")
+    link_txt = f"{rate / 1e9:.3g} Gbit/s {rate_source}" if size > 1 else "one rank, no wire"
+    print(f"[perf] {comp_txt}, ideal comm {comm_ideal * 1e3:.1f} ms ({link_txt}), "
+          f"ideal step {ideal * 1e3:.1f} ms -> {a.csv}")
+    if not math.isnan(compute) and compute - compute_ci > mean + ci:
+        print("[perf] note: compute-only steps measured slower than the communicating steps beyond "
+              "their 95% CIs: the machine's load changed between the two phases; rerun", flush=True)
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     import bitscom
@@ -270,162 +447,16 @@ def main(argv=None) -> int:
     params = [p for p in model.parameters() if p.requires_grad]
     batch = wl.make_batch(dev)
 
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-
-    # 1. compute alone (no hooks yet): what a step would cost with an infinitely fast network.
-    # Measured like the timed steps below (same warm-up count, ranks released together by a
-    # barrier, the slowest rank per step), so the two are comparable: with one untimed step
-    # and no barrier, the compute steps ran cold (allocator, kernel caches) and out of step
-    # with the other ranks, and could come out above the communicating step time.
-    compute_times = []
-    if a.compute_steps > 0:
-        local = torch.optim.SGD(params, lr=a.lr, momentum=0.9)
-        for i in range(max(1, a.warmup) + a.compute_steps):
-            if size > 1:
-                dist.barrier()
-            sync()
-            t0 = time.perf_counter()
-            local.zero_grad()
-            wl.loss(model, batch).backward()
-            local.step()
-            sync()
-            dt = time.perf_counter() - t0
-            timed = i >= max(1, a.warmup)
-            if timed:
-                compute_times.append(dt)
-            progress(rank, "compute", i, max(1, a.warmup), a.compute_steps, dt)
-        del local
-        model.zero_grad(set_to_none=True)
-
-    # 2. wrap for data parallelism
-    stats = None
-    net = model
+    compute_times = _measure_compute(a, wl, model, params, batch, dev, rank, size)
     if kind in ("torch", "hook"):
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        cap = a.threshold
-        if a.opt == "ddp_powersgd" and dist.get_backend() == "gloo":
-            # torch's powerSGD_hook chains its P/Q all-reduces in future callbacks; with gloo
-            # and several buckets those callbacks issue collectives in a rank-dependent order
-            # ("Received data size doesn't match expected size"). One bucket avoids that.
-            cap = max(cap, sum(p.numel() * p.element_size() for p in params) / 2**20 + 1)
-            a.note = (a.note + " " if a.note else "") + f"gloo: one DDP bucket ({cap:.0f} MB) for powerSGD_hook"
-        net = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, bucket_cap_mb=cap)
-        if a.opt == "ddp_fp16":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            net.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif a.opt == "ddp_powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-            state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=a.rank,
-                                     start_powerSGD_iter=2, min_compression_rate=2,
-                                     use_error_feedback=True, warm_start=True)
-            net.register_comm_hook(state, ps.powerSGD_hook)
-            a.warmup = max(a.warmup, 2)      # its first iterations are plain all-reduce
-        elif kind == "hook":
-            comp = bitscom.compressors.get(name, **compressor_kwargs(name, a))
-            a.warmup = past_probe(comp, a.warmup, rank)
-            hook_state, hook = bitscom.ddp_comm_hook(comp)
-            net.register_comm_hook(hook_state, hook)
-            stats = hook_state.comm_stats
-        opt = torch.optim.SGD(params, lr=a.lr, momentum=0.9)
+        net, opt, stats = _wrap_ddp(a, kind, name, model, params, dev, rank)
     else:
-        comp = bitscom.compressors.get(name, **compressor_kwargs(name, a))
-        a.warmup = past_probe(comp, a.warmup, rank)
-        if rank == 0 and name == "auto":     # its per-bucket predicted seconds, at INFO
-            logging.basicConfig(format="[perf] %(message)s")
-            logging.getLogger("bitscom").setLevel(logging.INFO)
-        # dgc (MomentumCorrection) applies the momentum itself: the SGD then has none
-        base = torch.optim.SGD(params, lr=a.lr, momentum=0.0 if comp.applies_momentum else 0.9)
-        opt = bitscom.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                           compression=comp, fusion_threshold_mb=a.threshold)
-        stats = opt.comm_stats
-        bitscom.broadcast_parameters(model.state_dict(), root_rank=0)
-
-    # 3. warm-up, then timed steps
-    def step():
-        opt.zero_grad()
-        wl.loss(net, batch).backward()
-        opt.step()
-
-    for i in range(a.warmup):
-        t0 = time.perf_counter()
-        step()
-        progress(rank, "step", i, a.warmup, a.nsteps, time.perf_counter() - t0)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    if size > 1:
-        dist.barrier()
-    times = []
-    for i in range(a.nsteps):
-        sync()
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t0)
-        progress(rank, "step", a.warmup + i, a.warmup, a.nsteps, times[-1])
-
-    # 4. gather: the slowest rank's time per step; bytes; memory
-    t = torch.tensor(times, dtype=torch.float64)
-    if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
-    if stats is not None:
-        st = stats()
-        sent, dense = st["bytes_sent"], st["dense_bytes"]
-        if rank == 0 and st.get("auto_plan") is not None:    # compression="auto": what it chose
-            print(f"[perf] auto plan per bucket: {' | '.join(st['auto_plan'])}", flush=True)
-    else:
-        sent, dense = analytic_bytes(a.opt, params, a.rank), sum(p.numel() for p in params) * 4
-    extra = torch.tensor([peak, sent], dtype=torch.float64)
-    ct = torch.tensor(compute_times, dtype=torch.float64)
-    if size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        dist.all_reduce(extra, op=dist.ReduceOp.MAX)
-        if len(ct):
-            dist.all_reduce(ct, op=dist.ReduceOp.MAX)
-    peak, sent_max = extra.tolist()
-    compute, compute_ci = mean_ci95(ct.tolist()) if len(ct) else (float("nan"), float("nan"))
-    rate, rate_source = link_rate(a.bandwidth, size)
-
+        net, opt, stats = _wrap_bitscom(a, name, model, params, rank)
+    times = _timed_steps(a, wl, net, opt, batch, dev, rank, size)
+    times, compute_times, peak, sent_max, dense = _gather(a, stats, params, times, compute_times, dev, rank, size)
+    rate, rate_source = link_rate(a.bandwidth, size)     # collective when probed: every rank
     if rank == 0:
-        mean, ci = mean_ci95(t.tolist())
-        # ring all-reduce: each rank's link carries 2(n-1)/n of the payload in each direction
-        comm_ideal = sent_max * 2 * (size - 1) / size / (rate / 8) if size > 1 else 0.0
-        ideal = comm_ideal if math.isnan(compute) else max(compute, comm_ideal)
-        thr = a.bs * size / mean
-        nodes = size // max(1, bitscom.local_size())
-        row = _base_row(a, size) | {
-            "nodes": nodes, "ranks_per_node": bitscom.local_size(),
-            "iter_time_s": f"{mean:.5f}", "iter_ci95_s": f"{ci:.5f}", "throughput": f"{thr:.3f}",
-            "bytes_sent": int(sent_max), "dense_bytes": int(dense),
-            "compression_ratio": f"{dense / sent_max:.2f}" if sent_max else "",
-            "compute_time_s": f"{compute:.5f}" if not math.isnan(compute) else "",
-            "compute_ci95_s": f"{compute_ci:.5f}" if not math.isnan(compute_ci) else "",
-            "link_gbit": f"{rate / 1e9:.4g}" if rate else "", "link_source": rate_source,
-            "comm_time_ideal_s": f"{comm_ideal:.5f}",
-            "ideal_time_s": f"{ideal:.5f}" if not math.isnan(ideal) else "", "peak_mem_mb": f"{peak:.0f}", "params": wl.numel,
-            "device": str(dev), "backend": dist.get_backend() if size > 1 else "", "status": "ok"}
-        write_row(a.csv, row)
-        where = os.environ.get("BITSCOM_CLUSTER", "this machine")
-        settings = " ".join(f"{k}={v}" for k, v in compressor_kwargs(name, a).items()) if kind != "torch" else \
-            (f"rank={a.rank}" if a.opt == "ddp_powersgd" else "")
-        print(f"[perf] {a.dnn} ({wl.numel / 1e6:.1f}M params, {wl.source}), bs {a.bs}/rank, "
-              f"{size} rank(s) on {where}")
-        print(f"[perf] opt={a.opt} {settings} threshold={a.threshold:g}MB bandwidth={a.bandwidth or 'unshaped'}")
-        print(f"[perf] iteration time {mean * 1e3:.1f} ms +/- {ci * 1e3:.1f} ms (95% CI, {a.nsteps} steps), "
-              f"throughput {thr:.2f} samples/s")
-        print(f"[perf] bytes on the wire {sent_max / 1e6:.2f} MB/step/rank (fp32 {dense / 1e6:.2f} MB, "
-              f"{dense / sent_max if sent_max else float('nan'):.1f}x fewer), peak memory {peak:.0f} MB")
-        comp_txt = (f"compute {compute * 1e3:.1f} ms{_pm(compute_ci)}" if not math.isnan(compute)
-                    else "compute not measured (compute_steps=0)")
-        link_txt = f"{rate / 1e9:.3g} Gbit/s {rate_source}" if size > 1 else "one rank, no wire"
-        print(f"[perf] {comp_txt}, ideal comm {comm_ideal * 1e3:.1f} ms ({link_txt}), "
-              f"ideal step {ideal * 1e3:.1f} ms -> {a.csv}")
-        if not math.isnan(compute) and compute - compute_ci > mean + ci:
-            print("[perf] note: compute-only steps measured slower than the communicating steps beyond "
-                  "their 95% CIs: the machine's load changed between the two phases; rerun", flush=True)
+        _report(a, kind, name, wl, dev, size, times, compute_times, peak, sent_max, dense, rate, rate_source)
     bitscom.shutdown()
     return 0
 

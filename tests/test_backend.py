@@ -152,88 +152,99 @@ def test_ranks_with_different_options_fail_at_group_creation():
     assert got[0][2] == got[1][2]
 
 
+def _c_rs_tensor(g, rank, world):
+    out = torch.empty(4, dtype=torch.int64)
+    dist.reduce_scatter_tensor(out, torch.arange(4 * world) + rank, group=g)
+    return out
+
+
+def _c_ag_tensor(g, rank, world):
+    out = torch.empty(3 * world)
+    dist.all_gather_into_tensor(out, torch.full((3,), float(rank)), group=g)
+    return out
+
+
+def _c_ag_list(g, rank, world):
+    outs = [torch.empty(2) for _ in range(world)]
+    dist.all_gather(outs, torch.full((2,), float(rank) + 0.5), group=g)
+    return torch.cat(outs)
+
+
+def _c_a2a_single(g, rank, world):
+    out = torch.empty(2 * world)
+    dist.all_to_all_single(out, torch.arange(2 * world, dtype=torch.float32) + 10 * rank, group=g)
+    return out
+
+
+def _c_a2a_list(g, rank, world):
+    outs = [torch.empty(1) for _ in range(world)]
+    dist.all_to_all(outs, [torch.tensor([float(rank * world + j)]) for j in range(world)], group=g)
+    return torch.cat(outs)
+
+
+def _c_reduce(g, rank, world):
+    t = torch.full((3,), float(rank + 1))
+    dist.reduce(t, dst=0, group=g)
+    return t if rank == 0 else torch.zeros(0)
+
+
+def _c_gather(g, rank, world):
+    outs = [torch.empty(2) for _ in range(world)] if rank == 0 else None
+    dist.gather(torch.full((2,), float(rank)), outs, dst=0, group=g)
+    return torch.cat(outs) if rank == 0 else torch.zeros(0)
+
+
+def _c_scatter(g, rank, world):
+    out = torch.empty(2)
+    dist.scatter(out, [torch.full((2,), float(j)) for j in range(world)] if rank == 0 else None, src=0, group=g)
+    return out
+
+
+def _c_rs_list(g, rank, world):
+    out = torch.empty(2)
+    dist.reduce_scatter(out, [torch.full((2,), float(rank + j)) for j in range(world)], group=g)
+    return out
+
+
+def _c_p2p(g, rank, world):
+    t = torch.full((4,), float(rank))
+    if rank == 0:
+        dist.send(t + 100, dst=1, group=g)
+    elif rank == 1:
+        dist.recv(t, src=0, group=g)
+    return t
+
+
+def _c_obj(g, rank, world):
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank}, group=g)
+    return torch.tensor([o["rank"] for o in objs])
+
+
+def _c_int_sum(g, rank, world):
+    t = torch.tensor([rank, 7])
+    dist.all_reduce(t, group=g)
+    return t
+
+
+def _c_max_(g, rank, world):
+    t = torch.tensor([float(rank), -float(rank)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+    return t
+
+
+# name -> collective(group, rank, world), each run on the lowbit group and on gloo
+_COLLECTIVES = [("reduce_scatter_tensor", _c_rs_tensor), ("all_gather_into_tensor", _c_ag_tensor),
+                ("all_gather", _c_ag_list), ("all_to_all_single", _c_a2a_single), ("all_to_all", _c_a2a_list),
+                ("reduce", _c_reduce), ("gather", _c_gather), ("scatter", _c_scatter),
+                ("reduce_scatter", _c_rs_list), ("send_recv", _c_p2p), ("all_gather_object", _c_obj),
+                ("all_reduce_int", _c_int_sum), ("all_reduce_max", _c_max_)]
+
+
 def _every_collective(rank, world):
     """Every torch.distributed collective on a lowbit group equals the same call on gloo."""
     pg = _group()
-    got = {}
-
-    def both(name, fn):
-        got[name] = (fn(pg), fn(None))
-
-    def rs_tensor(g):
-        out = torch.empty(4, dtype=torch.int64)
-        dist.reduce_scatter_tensor(out, torch.arange(4 * world) + rank, group=g)
-        return out
-
-    def ag_tensor(g):
-        out = torch.empty(3 * world)
-        dist.all_gather_into_tensor(out, torch.full((3,), float(rank)), group=g)
-        return out
-
-    def ag_list(g):
-        outs = [torch.empty(2) for _ in range(world)]
-        dist.all_gather(outs, torch.full((2,), float(rank) + 0.5), group=g)
-        return torch.cat(outs)
-
-    def a2a_single(g):
-        out = torch.empty(2 * world)
-        dist.all_to_all_single(out, torch.arange(2 * world, dtype=torch.float32) + 10 * rank, group=g)
-        return out
-
-    def a2a_list(g):
-        outs = [torch.empty(1) for _ in range(world)]
-        dist.all_to_all(outs, [torch.tensor([float(rank * world + j)]) for j in range(world)], group=g)
-        return torch.cat(outs)
-
-    def reduce(g):
-        t = torch.full((3,), float(rank + 1))
-        dist.reduce(t, dst=0, group=g)
-        return t if rank == 0 else torch.zeros(0)
-
-    def gather(g):
-        outs = [torch.empty(2) for _ in range(world)] if rank == 0 else None
-        dist.gather(torch.full((2,), float(rank)), outs, dst=0, group=g)
-        return torch.cat(outs) if rank == 0 else torch.zeros(0)
-
-    def scatter(g):
-        out = torch.empty(2)
-        dist.scatter(out, [torch.full((2,), float(j)) for j in range(world)] if rank == 0 else None, src=0, group=g)
-        return out
-
-    def rs_list(g):
-        out = torch.empty(2)
-        dist.reduce_scatter(out, [torch.full((2,), float(rank + j)) for j in range(world)], group=g)
-        return out
-
-    def p2p(g):
-        t = torch.full((4,), float(rank))
-        if rank == 0:
-            dist.send(t + 100, dst=1, group=g)
-        elif rank == 1:
-            dist.recv(t, src=0, group=g)
-        return t
-
-    def obj(g):
-        objs = [None] * world
-        dist.all_gather_object(objs, {"rank": rank}, group=g)
-        return torch.tensor([o["rank"] for o in objs])
-
-    def int_sum(g):
-        t = torch.tensor([rank, 7])
-        dist.all_reduce(t, group=g)
-        return t
-
-    def max_(g):
-        t = torch.tensor([float(rank), -float(rank)])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
-        return t
-
-    for name, fn in [("reduce_scatter_tensor", rs_tensor), ("all_gather_into_tensor", ag_tensor),
-                     ("all_gather", ag_list), ("all_to_all_single", a2a_single), ("all_to_all", a2a_list),
-                     ("reduce", reduce), ("gather", gather), ("scatter", scatter),
-                     ("reduce_scatter", rs_list), ("send_recv", p2p), ("all_gather_object", obj),
-                     ("all_reduce_int", int_sum), ("all_reduce_max", max_)]:
-        both(name, fn)
+    got = {name: (fn(pg, rank, world), fn(None, rank, world)) for name, fn in _COLLECTIVES}
     dist.barrier(group=pg)
     # torch 2.11's method names, called the way 2.11's dist functions call them
     out = torch.empty(3 * world)
@@ -248,6 +259,8 @@ def _every_collective(rank, world):
            "_reduce_scatter_base": (rs, got["reduce_scatter_tensor"][1]),
            "alltoall_base": (a2a, got["all_to_all_single"][1])}
     return {k: torch.equal(a, b) for k, (a, b) in list(got.items()) + list(old.items())}
+
+
 
 
 def test_every_collective_on_the_backend(pools):
