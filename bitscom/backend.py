@@ -42,7 +42,6 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generator, Optional
 
@@ -53,6 +52,7 @@ from torch._C._distributed_c10d import Backend as C10dBackend  # ProcessGroupGlo
 
 from .collectives import LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds, reduce_scatter_rounds
 from .comm import Comm, Rounds, is_sum_or_avg
+from .lowbit.call_header import Call, agree_rounds
 
 __all__ = ["register_lowbit_backend", "LowBitProcessGroup", "registered_config", "BACKEND_NAME",
            "FutureWork", "InnerTransport", "StateSlots", "MAX_STATES"]
@@ -149,74 +149,9 @@ def _create(dist_opts, pg_options):
                               dist_opts.timeout, cfg)
 
 
-# -- the agreement header -----------------------------------------------------------------------
-_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
-_OPS = tuple(dist.ReduceOp.RedOpType.__members__)            # SUM, AVG, PRODUCT, MIN, MAX, ...
-_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8,
-           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)
+# -- error-feedback state slots (the call header is bitscom.lowbit.call_header) ----------------
 _SLOT_BITS, _GEN_BITS = 16, 32
-
-
-def _op_code(op) -> int:
-    """The RedOpType number of a reduce op (torch hands backends ``ReduceOp`` objects)."""
-    return int(getattr(op, "op", op))
-
-
-@dataclass(frozen=True)
-class _Call:
-    """What one rank called, as the header carries it: kind, op, dtype and element count."""
-
-    kind: int
-    op: int
-    dtype: int
-    numel: int
-
-    @classmethod
-    def of(cls, kind: str, op, dtype: torch.dtype, numel: int) -> "_Call":
-        code = _DTYPES.index(dtype) if dtype in _DTYPES else 0
-        return cls(_KINDS.index(kind), _op_code(op), code, int(numel))
-
-    def header(self, slot_code: int) -> list:
-        return [self.numel, self.kind | self.op << 2 | self.dtype << 6 | slot_code << 12]
-
-    @classmethod
-    def decode(cls, row) -> tuple:
-        numel, packed = int(row[0]), int(row[1])
-        return cls(packed & 3, (packed >> 2) & 15, (packed >> 6) & 63, numel), packed >> 12
-
-    @property
-    def name(self) -> str:
-        return _KINDS[self.kind]
-
-    def describe(self) -> str:
-        op = _OPS[self.op] if self.op < len(_OPS) else f"op {self.op}"
-        dtype = _DTYPES[self.dtype] if self.dtype else "tensors of another dtype"
-        return f"{self.name} {op} of {self.numel} {dtype}"
-
-
-def _check_calls(calls) -> None:
-    """The same error on every rank (they all see the same headers) unless all calls match."""
-    if any((c.kind, c.op, c.dtype) != (calls[0].kind, calls[0].op, calls[0].dtype) for c in calls):
-        listing = ", ".join(f"rank {r}: {c.describe()}" for r, c in enumerate(calls))
-        raise RuntimeError(f"bitscom lowbit backend: ranks called different collectives ({listing}); "
-                           "every rank must call the same collective with the same reduce op and dtype, "
-                           "in the same order")
-    if len({c.numel for c in calls}) > 1:
-        listing = ", ".join(f"rank {r}: {c.numel}" for r, c in enumerate(calls))
-        raise ValueError(f"low-bit {calls[0].name}: ranks passed tensors with different element counts "
-                         f"({listing}); every rank must pass the same number of elements")
-
-
-def _agree_rounds(comm: Comm, call: _Call, slot_code: int, device) -> Generator[Any, None, list[int]]:
-    """Round generator: all-gather every rank's header, check it; returns every rank's slot code."""
-    if comm.size == 1:
-        return [slot_code]
-    mine = torch.tensor(call.header(slot_code), dtype=torch.int64, device=device)
-    seen = torch.empty(comm.size * 2, dtype=torch.int64, device=mine.device)
-    yield comm.all_gather(seen, mine)
-    decoded = [_Call.decode(row) for row in seen.view(comm.size, 2).tolist()]
-    _check_calls([c for c, _ in decoded])
-    return [code for _, code in decoded]
+_LABEL = "bitscom lowbit backend"
 
 
 class StateSlots:
@@ -488,13 +423,13 @@ class LowBitProcessGroup(dist.ProcessGroup):
         return Comm(self._inner[kind], self._later[kind], transport=_INNER, rank=self._rank,
                     size=self._size)
 
-    def _rounds(self, comm: Comm, call: _Call, key, body, device) -> Generator[Any, None, None]:
+    def _rounds(self, comm: Comm, call: Call, key, body, device) -> Generator[Any, None, None]:
         """The header, then ``body(comm, states)``: ``states`` are ``key``'s (None: stateless)."""
-        codes = yield from _agree_rounds(comm, call, 0 if key is None else self._slots.code(key), device)
+        codes = yield from agree_rounds(comm, call, 0 if key is None else self._slots.code(key), device, _LABEL)
         states = None if key is None else self._slots.resolve(key, codes, len(key) - 1)
         yield from body(comm, states)
 
-    def _launch(self, call: _Call, tensors: list, key, body, result, counted: bool):
+    def _launch(self, call: Call, tensors: list, key, body, result, counted: bool):
         """Issue the header now (in call order); the driver runs ``body`` after it. Returns a
         Work the driver completes; ``counted``: add the bytes to :attr:`bytes_sent`."""
         kind = self._kind(tensors)
@@ -511,7 +446,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
         self._driver.submit(_Counted(rounds, self if counted else None), future, result, stream)
         return FutureWork(future)
 
-    def _exact(self, call: _Call, tensors: list, issue, result):
+    def _exact(self, call: Call, tensors: list, issue, result):
         """An op low bit cannot compute: after the header, ``issue(comm)`` runs it exactly on
         the inner backend (not counted)."""
         def body(comm, _states):
@@ -526,7 +461,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
         if "all_reduce" not in self.config.backend_ops or not tensors:
             return self._for(tensors).allreduce(tensors, opts)
         op = opts.reduceOp
-        call = _Call.of("all_reduce", op, tensors[0].dtype, sum(t.numel() for t in tensors))
+        call = Call.of("all_reduce", op, tensors[0].dtype, sum(t.numel() for t in tensors))
         if not (is_sum_or_avg(op) and all(t.is_floating_point() for t in tensors)):
             return self._exact(call, tensors, self._exact_all_reduce(tensors, op), list(tensors))
         average = op == dist.ReduceOp.AVG
@@ -558,7 +493,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
 
     def _reduce_scatter_with_header(self, output, input, opts):
         op = opts.reduceOp
-        call = _Call.of("reduce_scatter", op, input.dtype, output.numel())
+        call = Call.of("reduce_scatter", op, input.dtype, output.numel())
         if not (output.is_floating_point() and input.is_floating_point() and is_sum_or_avg(op)):
             return self._exact(call, [output], lambda comm: comm.reduce_scatter(output, input, op), output)
         average = op == dist.ReduceOp.AVG
@@ -570,7 +505,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
         return self._launch(call, [output], ("reduce_scatter", _storage(input)), body, output, counted=True)
 
     def _all_gather_with_header(self, output, input):
-        call = _Call.of("all_gather", dist.ReduceOp.SUM, input.dtype, input.numel())
+        call = Call.of("all_gather", dist.ReduceOp.SUM, input.dtype, input.numel())
         if not (output.is_floating_point() and input.is_floating_point()):
             return self._exact(call, [input], lambda comm: comm.all_gather(output, input), output)
 

@@ -5,10 +5,12 @@ A thin adapter over :mod:`bitscom.collectives`: it holds one
 key (error feedback, seeds) and drives the round generators through
 :class:`~bitscom.comm.Rounds`, synchronously or as a :class:`LowBitWork` whose ``wait()``
 drives the rounds still to come. The works of one process group are driven in call order,
-whatever order they are waited in (see :class:`LowBitWork`). Every low-bit call first checks that all ranks passed the
-same element count (one all-gather of two integers), so a size mismatch is the same clear
-error on every rank instead of a gloo abort or a silently misaligned sum. Non-float tensors
-and reductions other than SUM/AVG take the exact ``torch.distributed`` collective.
+whatever order they are waited in (see :class:`LowBitWork`). Every call, low-bit or exact,
+first all-gathers the call header of :mod:`bitscom.lowbit.call_header` (kind, reduce op, dtype,
+element count: two integers), the same check the ``lowbit`` backend makes, so ranks that
+called different collectives are the same clear error on every rank instead of a gloo abort,
+a timeout or a silently misaligned sum, and the group stays usable. Non-float tensors and
+reductions other than SUM/AVG take the exact ``torch.distributed`` collective after it.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import torch.distributed as dist
 
 from . import runtime
 from .agreement import check_agreement
-from .collectives import (LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds,
-                          reduce_scatter_rounds, same_size_rounds)
+from .collectives import LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds, reduce_scatter_rounds
 from .comm import Comm, Rounds, is_sum_or_avg, resolve_group
+from .lowbit.call_header import Call, agree_rounds
 from .quantization import FULL_PRECISION, Quantized, dequantize, quantize
 
 __all__ = ["LowBitGroup", "LowBitWork"]
+
+_LABEL = "LowBitGroup"
 
 
 class LowBitWork(Rounds):
@@ -95,10 +99,6 @@ class _WorkQueue:
             self._pending.popleft()
             if head is target:
                 return
-
-    def flush(self) -> None:
-        """Finish every pending work (before an exact collective is issued after them)."""
-        self.advance(None, block=True)
 
 
 _QUEUES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -243,15 +243,23 @@ class LowBitGroup:
         self._queue.submit(work)
         return _handed(work, async_op)
 
-    def _checked(self, what, numel, average, device, rounds):
-        """``rounds`` after the cross-rank size check on the whole group."""
+    def _checked(self, call: Call, device, rounds):
+        """``rounds`` after the call header on the whole group."""
         check = Comm(self.process_group)
-        return _chain(same_size_rounds(check, what, numel, average, device), rounds), check
+        return _chain(agree_rounds(check, call, 0, device, _LABEL), rounds), check
 
-    def _exact_all_reduce(self, tensor, op, async_op):
-        self._queue.flush()
-        w = _ExactWork(Comm(self.process_group).all_reduce(tensor, op))
-        return _handed(w, async_op)
+    def _exact(self, call: Call, device, issue, async_op: bool, error: Optional[Exception] = None):
+        """An op low bit does not compute: the call header, then ``issue(comm)`` exactly (or
+        ``error``, raised on every rank once the header showed they all made this call)."""
+        comm = Comm(self.process_group)
+
+        def rounds():
+            yield from agree_rounds(comm, call, 0, device, _LABEL)
+            if error is not None:
+                raise error
+            yield issue(comm)
+
+        return self._start(rounds(), [comm], async_op)
 
     # -- collectives --------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
@@ -272,14 +280,13 @@ class LowBitGroup:
         """
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-        lowbit_op = is_sum_or_avg(op)
-        if not tensor.is_floating_point():
-            if op == dist.ReduceOp.AVG:
-                raise TypeError(f"LowBitGroup.all_reduce with op=AVG needs a floating tensor, got "
-                                f"{tensor.dtype}; use op=SUM and divide, or pass a float tensor")
-            return self._exact_all_reduce(tensor, op, async_op)
-        if not lowbit_op:
-            return self._exact_all_reduce(tensor, op, async_op)
+        call = Call.of("all_reduce", op, tensor.dtype, tensor.numel())
+        if not tensor.is_floating_point() or not is_sum_or_avg(op):
+            error = None
+            if op == dist.ReduceOp.AVG:       # raised on every rank, after the header
+                error = TypeError(f"LowBitGroup.all_reduce with op=AVG needs a floating tensor, got "
+                                  f"{tensor.dtype}; use op=SUM and divide, or pass a float tensor")
+            return self._exact(call, tensor.device, lambda comm: comm.all_reduce(tensor, op), async_op, error)
         cfg = self.config
         changes: Dict[str, Any] = {}   # LowBitConfig settings by name
         if chunk_size is not None:
@@ -302,7 +309,7 @@ class LowBitGroup:
             comms = [Comm(intra), Comm(inter)]
             rounds = all_reduce_rounds(tensor, None, cfg, st, average=average, key=full_key,
                                        intra=comms[0], inter=comms[1])
-        rounds, check = self._checked("all_reduce", tensor.numel(), average, tensor.device, rounds)
+        rounds, check = self._checked(call, tensor.device, rounds)
         return self._start(rounds, [check] + comms, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input, op=dist.ReduceOp.SUM,
@@ -316,17 +323,16 @@ class LowBitGroup:
         """
         if isinstance(input, (list, tuple)):
             input = torch.cat([t.reshape(-1) for t in input])
+        call = Call.of("reduce_scatter", op, input.dtype, output.numel())
         if not (input.is_floating_point() and output.is_floating_point()) \
                 or not is_sum_or_avg(op):
-            self._queue.flush()
-            w = _ExactWork(Comm(self.process_group).reduce_scatter(output, input, op))
-            return _handed(w, async_op)
+            return self._exact(call, output.device, lambda comm: comm.reduce_scatter(output, input, op), async_op)
         st, full_key = self._state("reduce_scatter", key, input, self.config)
         comm = Comm(self.process_group)
         average = op == dist.ReduceOp.AVG
         rounds = reduce_scatter_rounds(output, input, comm, self.config, st, average=average,
                                        key=full_key)
-        rounds, check = self._checked("reduce_scatter", output.numel(), average, output.device, rounds)
+        rounds, check = self._checked(call, output.device, rounds)
         return self._start(rounds, [check, comm], async_op)
 
     def all_gather(self, output, input: torch.Tensor, async_op: bool = False, key=None):
@@ -349,14 +355,13 @@ class LowBitGroup:
 
             w = _ExactWork(work, scatter)
             return _handed(w, async_op)
+        call = Call.of("all_gather", dist.ReduceOp.SUM, input.dtype, input.numel())
         if not (input.is_floating_point() and output.is_floating_point()):
-            self._queue.flush()
-            w = _ExactWork(Comm(self.process_group).all_gather(output, input))
-            return _handed(w, async_op)
+            return self._exact(call, input.device, lambda comm: comm.all_gather(output, input), async_op)
         st, full_key = self._state("all_gather", key, input, self.config)
         comm = Comm(self.process_group)
         rounds = all_gather_rounds(output, input, comm, self.config, st, key=full_key)
-        rounds, check = self._checked("all_gather", input.numel(), False, input.device, rounds)
+        rounds, check = self._checked(call, input.device, rounds)
         return self._start(rounds, [check, comm], async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
@@ -366,11 +371,9 @@ class LowBitGroup:
 
             lb.broadcast(t, src=0)
         """
-        self._queue.flush()
-        comm = Comm(self.process_group)
         root = dist.get_group_rank(self.process_group, src) if self.process_group is not None else src
-        w = _ExactWork(comm.broadcast(tensor, root))
-        return _handed(w, async_op)
+        call = Call.of("broadcast", dist.ReduceOp.SUM, tensor.dtype, tensor.numel())
+        return self._exact(call, tensor.device, lambda comm: comm.broadcast(tensor, root), async_op)
 
     # -- format helpers -----------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Quantized:

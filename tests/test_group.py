@@ -242,6 +242,43 @@ def test_integer_avg_is_a_clear_error(pools):
         assert msg is not None and "op=AVG needs a floating tensor" in msg and "torch.int64" in msg
 
 
+def _call_mismatch(rank, world, case):
+    lb = bitscom.LowBitGroup(bitwidth=8)
+    x = torch.ones(256)
+    try:
+        if case == "float_vs_int":
+            lb.all_reduce(x if rank == 0 else x.long())
+        elif case == "sum_vs_max":
+            lb.all_reduce(x, op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)
+        elif case == "fp32_vs_fp16":
+            lb.all_reduce(x if rank == 0 else x.half())
+        elif case == "int_avg_on_one_rank":      # rank 0's TypeError must not leave rank 1 waiting
+            lb.all_reduce(x.long() if rank == 0 else x, op=dist.ReduceOp.AVG)
+        elif case == "all_reduce_vs_broadcast":
+            lb.all_reduce(x) if rank == 0 else lb.broadcast(x, src=0)
+        else:
+            raise AssertionError(case)
+    except (RuntimeError, TypeError) as err:
+        msg = f"{type(err).__name__}: {err}"
+    else:
+        msg = None
+    y = torch.ones(256)          # the group is still usable afterwards
+    lb.all_reduce(y)
+    return msg, float(y.sum())
+
+
+@pytest.mark.parametrize("case", ["float_vs_int", "sum_vs_max", "fp32_vs_fp16", "int_avg_on_one_rank",
+                                  "all_reduce_vs_broadcast"])
+def test_ranks_calling_different_collectives_get_one_clear_error_and_a_usable_group(pools, case):
+    """A probe found LowBitGroup's header carried only the element count and SUM/AVG: float vs
+    int or SUM vs MAX returned a wrong value on one rank, a timeout on the other and wrong sums
+    on both from then on. Now the backend's call header (kind, op, dtype, count) runs first."""
+    got = pools.run(2, _call_mismatch, case, timeout=90)
+    assert got[0][0] is not None and got[0][0] == got[1][0], got
+    assert got[0][0].startswith("RuntimeError: LowBitGroup: ranks called different collectives"), got
+    assert all(abs(s - 512.0) < 2.0 for _, s in got), got
+
+
 def _seed_usage(rank, world):
     """The seed's own LowBitGroup calls: default group, list all_gather/reduce_scatter, hierarchy."""
     group = bitscom.LowBitGroup(bitwidth=4)

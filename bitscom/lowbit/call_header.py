@@ -1,0 +1,108 @@
+"""The call header: what every low-bit collective all-gathers before its first payload byte.
+
+Why: ranks that call different collectives (float SUM on one, int SUM or MAX on another; fp32
+on one, fp16 of the same size on another) or pass different element counts would pair a
+low-bit round with an exact collective, exchange buffers of different sizes (gloo aborts or
+times out) or silently sum misaligned bytes. Two int64 per call, all-gathered on the call's
+own group in call order, turn each of these into the same clear error on every rank, and
+leave the group usable (every rank consumed the same collective). The ``lowbit``
+torch.distributed backend and :class:`bitscom.LowBitGroup` both use it: one check, one
+message, whichever face the call came through.
+
+Layout: ``[numel, kind | op << 2 | dtype << 6 | slot << 12]``; ``slot`` is the backend's
+error-feedback state slot (0 for callers without slots).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generator, List
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Call", "check_calls", "agree_rounds"]
+
+_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")     # 2 bits
+_OPS = tuple(dist.ReduceOp.RedOpType.__members__)            # SUM, AVG, PRODUCT, MIN, MAX, ...
+_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8,
+           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)
+
+
+def _op_code(op) -> int:
+    """The RedOpType number of a reduce op (torch hands backends ``ReduceOp`` objects)."""
+    return int(getattr(op, "op", op))
+
+
+@dataclass(frozen=True)
+class Call:
+    """What one rank called, as the header carries it: kind, op, dtype and element count.
+
+    Example::
+
+        call = Call.of("all_reduce", dist.ReduceOp.SUM, torch.float32, 1024)
+        call.describe()          # 'all_reduce SUM of 1024 torch.float32'
+    """
+
+    kind: int
+    op: int
+    dtype: int
+    numel: int
+
+    @classmethod
+    def of(cls, kind: str, op, dtype: torch.dtype, numel: int) -> "Call":
+        code = _DTYPES.index(dtype) if dtype in _DTYPES else 0
+        return cls(_KINDS.index(kind), _op_code(op), code, int(numel))
+
+    def header(self, slot_code: int = 0) -> List[int]:
+        return [self.numel, self.kind | self.op << 2 | self.dtype << 6 | slot_code << 12]
+
+    @classmethod
+    def decode(cls, row) -> tuple:
+        numel, packed = int(row[0]), int(row[1])
+        return cls(packed & 3, (packed >> 2) & 15, (packed >> 6) & 63, numel), packed >> 12
+
+    @property
+    def name(self) -> str:
+        return _KINDS[self.kind]
+
+    def describe(self) -> str:
+        op = _OPS[self.op] if self.op < len(_OPS) else f"op {self.op}"
+        dtype = _DTYPES[self.dtype] if self.dtype else "tensors of another dtype"
+        return f"{self.name} {op} of {self.numel} {dtype}"
+
+
+def check_calls(calls, label: str) -> None:
+    """The same error on every rank (they all see the same headers) unless all calls match.
+
+    Example::
+
+        check_calls([Call.of("all_reduce", op, t.dtype, t.numel())] * 2, "LowBitGroup")
+    """
+    if any((c.kind, c.op, c.dtype) != (calls[0].kind, calls[0].op, calls[0].dtype) for c in calls):
+        listing = ", ".join(f"rank {r}: {c.describe()}" for r, c in enumerate(calls))
+        raise RuntimeError(f"{label}: ranks called different collectives ({listing}); every rank must "
+                           "call the same collective with the same reduce op and dtype, in the same order")
+    if len({c.numel for c in calls}) > 1:
+        listing = ", ".join(f"rank {r}: {c.numel}" for r, c in enumerate(calls))
+        raise ValueError(f"low-bit {calls[0].name}: ranks passed tensors with different element counts "
+                         f"({listing}); every rank must pass the same number of elements")
+
+
+def agree_rounds(comm, call: Call, slot_code: int, device, label: str) -> Generator[Any, None, List[int]]:
+    """Round generator: all-gather every rank's header on ``comm`` and check it; returns every
+    rank's slot code (rank order).
+
+    Example::
+
+        codes = yield from agree_rounds(comm, Call.of("all_gather", dist.ReduceOp.SUM, x.dtype,
+                                                      x.numel()), 0, x.device, "LowBitGroup")
+    """
+    if comm.size == 1:
+        return [slot_code]
+    mine = torch.tensor(call.header(slot_code), dtype=torch.int64, device=device)
+    seen = torch.empty(comm.size * 2, dtype=torch.int64, device=mine.device)
+    yield comm.all_gather(seen, mine)
+    decoded = [Call.decode(row) for row in seen.view(comm.size, 2).tolist()]
+    check_calls([c for c, _ in decoded], label)
+    return [code for _, code in decoded]
