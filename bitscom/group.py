@@ -38,7 +38,7 @@ _LABEL = "LowBitGroup"
 class LowBitWork(Rounds):
     """Handle of an asynchronous low-bit collective (a :class:`~bitscom.comm.Rounds`).
 
-    On return from the collective its first round (the size check) is in flight, unless an
+    On return from the collective its first round (the call header) is in flight, unless an
     earlier work of the same process group is still pending: then it is issued once those
     finished. ``wait()`` (or ``poll()``) drives the group's works in call order up to this
     one, so every rank issues the same rounds in the same order whatever order each rank
