@@ -20,14 +20,14 @@ from .negotiation import ERRORS, H_FIXED, KINDS, MAX_DIMS, negotiate
 __all__ = ["allgather", "allgather_async"]
 
 
-def _allgather_rounds(lbl: str, tensor: torch.Tensor,
-                      comm: Optional[Comm]) -> Generator[Any, None, torch.Tensor]:
+def _allgather_rounds(lbl: str, tensor: torch.Tensor, comm: Optional[Comm],
+                      name: Optional[str] = None) -> Generator[Any, None, torch.Tensor]:
     err = 4 if tensor.dim() == 0 else (1 if tensor.dim() > MAX_DIMS else 0)
     if comm is None:
         if err:
             raise ValueError(f"{lbl}: {ERRORS[err]}")
         return tensor.detach().clone()
-    rows = yield from negotiate(comm, lbl, tensor, KINDS["allgather"], err=err)
+    rows = yield from negotiate(comm, lbl, tensor, KINDS["allgather"], err=err, name=name)
     dims = [row[H_FIXED] for row in rows]
     rest = math.prod(tensor.shape[1:])
     longest = max(dims)
@@ -48,7 +48,7 @@ def _allgather_rounds(lbl: str, tensor: torch.Tensor,
 def _allgather_async(fn: str, tensor: torch.Tensor, name: Optional[str], group: Any) -> Handle:
     lbl = label("allgather", name)
     comm = face_comm(group, lbl)
-    return submit(fn, name, _allgather_rounds(lbl, tensor, comm), comm)
+    return submit(fn, name, _allgather_rounds(lbl, tensor, comm, name), comm)
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any = None, *,

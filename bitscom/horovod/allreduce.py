@@ -15,7 +15,7 @@ from .codec import check_compression
 from .failures import guard
 from .groups import face_comm, face_group
 from .handles import Handle, submit, synchronize
-from .negotiation import KINDS, OPS, negotiate
+from .negotiation import ERROR_TYPES, ERRORS, KINDS, OPS, negotiate
 
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce"]
 
@@ -23,26 +23,35 @@ _TORCH_OPS = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.Redu
               Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
 
 
-def _check_reducible(fn: str, tensor: torch.Tensor, op: ReduceOp, pre: float, post: float) -> None:
+def _reduce_error(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float) -> int:
+    """The header's error code for arguments this rank cannot reduce (0: none).
+
+    It depends on the data (a bool tensor on one rank only), so it travels in the header and
+    every rank raises it together, instead of one rank raising before the collective.
+    """
     if tensor.dtype == torch.bool:
-        raise TypeError(f"bitscom.{fn} does not reduce bool tensors; convert to uint8 (Max = any, "
-                        "Min = all)")
+        return 5
     integer = not (tensor.is_floating_point() or tensor.is_complex())
     if integer and (pre != 1.0 or post != 1.0):
-        raise ValueError(f"prescale_factor/postscale_factor apply to floating-point tensors; got "
-                         f"{pre}/{post} with a {tensor.dtype} tensor")
+        return 6
     if tensor.is_complex() and op in (Min, Max):
-        raise TypeError(f"op={op.name.title()} is undefined for complex tensors")
+        return 7
+    return 0
 
 
 def _allreduce_rounds(lbl: str, tensor: torch.Tensor, out: torch.Tensor, op: ReduceOp, pre: float,
-                      post: float, comm: Optional[Comm]) -> Generator[Any, None, torch.Tensor]:
+                      post: float, comm: Optional[Comm], name: Optional[str] = None
+                      ) -> Generator[Any, None, torch.Tensor]:
     size = 1 if comm is None else comm.size
     # detach(): the in-place forms may get a leaf that requires grad; the view shares storage.
     contiguous = out.is_contiguous()
     buf = out.detach() if contiguous else out.detach().contiguous()
+    err = _reduce_error(tensor, op, pre, post)
+    if comm is None and err:
+        raise ERROR_TYPES[err](f"{lbl}: {ERRORS[err]}")
     if comm is not None:
-        yield from negotiate(comm, lbl, tensor, KINDS["allreduce"], OPS[op], pre=pre, post=post)
+        yield from negotiate(comm, lbl, tensor, KINDS["allreduce"], OPS[op], pre=pre, post=post, err=err,
+                             name=name)
     if pre != 1.0:
         buf.mul_(pre)
     if comm is not None:
@@ -67,10 +76,9 @@ def _allreduce_async(fn: str, tensor: torch.Tensor, out: Optional[torch.Tensor],
     lbl = label(fn, name)
     group = face_group(process_group, process_set, lbl)
     pre, post = float(pre), float(post)
-    _check_reducible(fn, tensor, op, pre, post)
     out = tensor.detach().clone() if out is None else out
     comm = face_comm(group, lbl)
-    return submit(fn, name, _allreduce_rounds(lbl, tensor, out, op, pre, post, comm), comm)
+    return submit(fn, name, _allreduce_rounds(lbl, tensor, out, op, pre, post, comm, name), comm)
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,

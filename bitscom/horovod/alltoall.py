@@ -32,8 +32,8 @@ def _split_list(splits: Splits, tensor: torch.Tensor, world: int) -> Tuple[List[
     return values, 0
 
 
-def _alltoall_rounds(lbl: str, tensor: torch.Tensor, splits: Splits, comm: Optional[Comm], want_splits: bool
-                     ) -> Generator[Any, None, Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]]:
+def _alltoall_rounds(lbl: str, tensor: torch.Tensor, splits: Splits, comm: Optional[Comm], want_splits: bool,
+                     name: Optional[str] = None) -> Generator[Any, None, Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]]:
     world = 1 if comm is None else comm.size
     values, err = _split_list(splits, tensor, world)
     if err == 0 and tensor.dim() > MAX_DIMS:
@@ -44,7 +44,7 @@ def _alltoall_rounds(lbl: str, tensor: torch.Tensor, splits: Splits, comm: Optio
         out = tensor.detach().clone()
         counts = torch.tensor(values, dtype=torch.int32)
         return (out, counts) if want_splits else out
-    rows = yield from negotiate(comm, lbl, tensor, KINDS["alltoall"], err=err, extra=values)
+    rows = yield from negotiate(comm, lbl, tensor, KINDS["alltoall"], err=err, extra=values, name=name)
     matrix = [row[H_FIXED + MAX_DIMS:] for row in rows]           # matrix[r][j]: r sends to j
     received = [matrix[r][comm.rank] for r in range(world)]
     rest = math.prod(tensor.shape[1:])
@@ -65,7 +65,7 @@ def _alltoall_async(fn: str, tensor: torch.Tensor, splits: Splits, name: Optiona
                     want_splits: bool) -> Handle:
     lbl = label("alltoall", name)
     comm = face_comm(group, lbl)
-    return submit(fn, name, _alltoall_rounds(lbl, tensor, splits, comm, want_splits), comm)
+    return submit(fn, name, _alltoall_rounds(lbl, tensor, splits, comm, want_splits, name), comm)
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Splits = None, name: Optional[str] = None,

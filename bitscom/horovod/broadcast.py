@@ -21,13 +21,13 @@ from .negotiation import KINDS, negotiate
 __all__ = ["broadcast", "broadcast_", "broadcast_async", "broadcast_async_"]
 
 
-def _broadcast_rounds(lbl: str, out: torch.Tensor, root_rank: int,
-                      comm: Optional[Comm]) -> Generator[Any, None, torch.Tensor]:
+def _broadcast_rounds(lbl: str, out: torch.Tensor, root_rank: int, comm: Optional[Comm],
+                      name: Optional[str] = None) -> Generator[Any, None, torch.Tensor]:
     if comm is None:
         if root_rank not in (0, runtime.rank() if runtime.is_initialized() else 0):
             raise ValueError(f"{lbl}: root_rank {root_rank} is not a rank of the group")
         return out
-    yield from negotiate(comm, lbl, out, KINDS["broadcast"], root=root_rank)
+    yield from negotiate(comm, lbl, out, KINDS["broadcast"], root=root_rank, name=name)
     ranks = dist.get_process_group_ranks(comm.group)
     if root_rank not in ranks:
         raise ValueError(f"{lbl}: root_rank {root_rank} is not a rank of the group "
@@ -49,7 +49,7 @@ def _broadcast_async(fn: str, tensor: torch.Tensor, out: Optional[torch.Tensor],
     group = face_group(process_group, process_set, lbl)
     out = tensor.detach().clone() if out is None else out
     comm = face_comm(group, lbl)
-    return submit(fn, name, _broadcast_rounds(lbl, out, root_rank, comm), comm)
+    return submit(fn, name, _broadcast_rounds(lbl, out, root_rank, comm, name), comm)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,

@@ -4,18 +4,26 @@ Why: Horovod's coordinator checks that every rank submitted the same operation (
 dtype, shape, op, root) before any byte moves; torch.distributed does not, and a mismatch
 there hangs or silently mixes bytes. So every rank all-gathers a header describing its call,
 compares all headers and raises the same ``RuntimeError`` on a mismatch, instead of hanging.
-Per-rank problems with the arguments (bad ``splits``, a scalar to gather) travel in the header
-too (an error code), so all ranks fail together.
+Per-rank problems with the arguments that depend on the data (bad ``splits``, a scalar to
+gather, a bool tensor to reduce) travel in the header too (an error code), so all ranks fail
+together and stay paired: a rank that caught its error and went on would otherwise pair its next
+call with the other ranks' current one.
+
+Calls are paired by order, as every torch.distributed collective is; Horovod pairs them by
+``name=``. The header carries a hash of the name (0 without one), so ranks that submitted
+differently named calls at the same position (named async calls in a different order on each
+rank) get the same error instead of reducing one tensor with another.
 
 Header layout (int64): kind, op, root, dtype index, prescale bits, postscale bits, error code,
-number of dimensions, shape (padded to :data:`MAX_DIMS` with -1), then ``extra`` (one value
-per rank: alltoall's splits).
+number of dimensions, name hash, shape (padded to :data:`MAX_DIMS` with -1), then ``extra``
+(one value per rank: alltoall's splits).
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Any, Callable, Generator, List, Sequence, Tuple
+import zlib
+from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -24,10 +32,11 @@ from ..ops import Average, Max, Min, Product, Sum
 from .failures import guard
 from .groups import group_device
 
-__all__ = ["MAX_DIMS", "H_FIXED", "KINDS", "OPS", "DTYPES", "ERRORS", "negotiate", "float_bits"]
+__all__ = ["MAX_DIMS", "H_FIXED", "KINDS", "OPS", "DTYPES", "ERRORS", "ERROR_TYPES", "negotiate", "float_bits",
+           "name_hash"]
 
 MAX_DIMS = 16
-H_FIXED = 8
+H_FIXED = 9
 KINDS = {"allreduce": 1, "allgather": 2, "broadcast": 3, "alltoall": 4, "sparse_allreduce": 5}
 OPS = {Average: 1, Sum: 2, Min: 3, Max: 4, Product: 5}
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
@@ -35,8 +44,23 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uin
 ERRORS = {1: f"the tensor has more than {MAX_DIMS} dimensions",
           2: "splits must have one non-negative entry per rank summing to tensor.shape[0]",
           3: "tensor.shape[0] is not divisible by the number of ranks (pass splits=)",
-          4: "the tensor must have at least one dimension"}
-_ERROR, _NDIM = 6, 7
+          4: "the tensor must have at least one dimension",
+          5: "bool tensors are not reduced; convert to uint8 (Max = any, Min = all)",
+          6: "prescale_factor/postscale_factor apply to floating-point tensors, not integer ones",
+          7: "op=Min/Max is undefined for complex tensors"}
+ERROR_TYPES = {5: TypeError, 6: ValueError, 7: TypeError}
+"""The exception an error code raises (on every rank alike; RuntimeError when not listed)."""
+_ERROR, _NDIM, _NAME = 6, 7, 8
+
+
+def name_hash(name: Optional[str]) -> int:
+    """A stable 32-bit hash of Horovod's ``name=`` (0 for None), the same in every process.
+
+    Example::
+
+        name_hash("loss") == name_hash("loss")      # True on every rank
+    """
+    return 0 if name is None else zlib.crc32(name.encode("utf-8")) + 1
 
 
 def float_bits(x: float) -> int:
@@ -68,19 +92,30 @@ _FIELDS: List[Tuple[int, str, Callable[[List[int]], object]]] = [
 
 
 def _header(tensor: torch.Tensor, world: int, kind: int, op: int, root: int, pre: float,
-            post: float, err: int, extra: Sequence[int]) -> List[int]:
+            post: float, err: int, extra: Sequence[int], name: Optional[str]) -> List[int]:
     if tensor.dim() > MAX_DIMS:
         err = err or 1
     shape = list(tensor.shape) if tensor.dim() <= MAX_DIMS else []
     header = [kind, op, root, DTYPES.index(tensor.dtype), float_bits(pre), float_bits(post), err,
-              tensor.dim()] + shape + [-1] * (MAX_DIMS - len(shape))
+              tensor.dim(), name_hash(name)] + shape + [-1] * (MAX_DIMS - len(shape))
     return header + list(extra) + [0] * (world - len(extra))
 
 
 def _check_errors(label: str, rows: List[List[int]]) -> None:
     for r, row in enumerate(rows):
         if row[_ERROR]:
-            raise RuntimeError(f"{label}: on rank {r}, {ERRORS.get(row[_ERROR], row[_ERROR])}")
+            raise ERROR_TYPES.get(row[_ERROR], RuntimeError)(
+                f"{label}: on rank {r}, {ERRORS.get(row[_ERROR], row[_ERROR])}")
+
+
+def _check_names(label: str, rows: List[List[int]], name: Optional[str]) -> None:
+    if len({row[_NAME] for row in rows}) > 1:
+        who = ", ".join(f"rank {r}: {'no name' if not row[_NAME] else 'name hash ' + format(row[_NAME] - 1, '08x')}"
+                        for r, row in enumerate(rows))
+        raise RuntimeError(f"{label}: ranks submitted differently named calls at the same position "
+                           f"(this rank: {name!r}; {who}). bitscom pairs calls by the order they are "
+                           "submitted in (Horovod pairs them by name): submit named calls in the same "
+                           "order on every rank")
 
 
 def _check_fields(label: str, rows: List[List[int]]) -> None:
@@ -103,7 +138,8 @@ def _check_shapes(label: str, rows: List[List[int]], kind: int) -> None:
 
 def negotiate(comm: Comm, label: str, tensor: torch.Tensor, kind: int, op: int = 0,
               root: int = -1, pre: float = 1.0, post: float = 1.0, err: int = 0,
-              extra: Sequence[int] = ()) -> Generator[Any, None, List[List[int]]]:
+              extra: Sequence[int] = (), name: Optional[str] = None
+              ) -> Generator[Any, None, List[List[int]]]:
     """Round generator: all-gather this rank's header on ``comm``; return every rank's header
     (a list of int lists, in rank order) after checking that they describe the same call.
 
@@ -111,12 +147,13 @@ def negotiate(comm: Comm, label: str, tensor: torch.Tensor, kind: int, op: int =
 
         rows = yield from negotiate(comm, "bitscom.allgather", tensor, KINDS["allgather"])
     """
-    values = _header(tensor, comm.size, kind, op, root, pre, post, err, extra)
+    values = _header(tensor, comm.size, kind, op, root, pre, post, err, extra, name)
     header = torch.tensor(values, dtype=torch.int64, device=group_device(comm.group, tensor))
     everyone = torch.empty(comm.size * header.numel(), dtype=torch.int64, device=header.device)
     yield guard(comm.all_gather(everyone, header), label)
     rows = [[int(x) for x in row] for row in everyone.view(comm.size, -1).cpu()]
     _check_errors(label, rows)
+    _check_names(label, rows, name)
     _check_fields(label, rows)
     _check_shapes(label, rows, kind)
     return rows

@@ -259,7 +259,13 @@ def _mismatch(rank, world, case):
             hvd.allgather(torch.tensor(1.0) if rank == 0 else torch.ones(1))
         elif case == "postscale":
             hvd.allreduce(torch.ones(2), postscale_factor=1.0 + rank)
-    except (RuntimeError, ValueError) as err:
+        elif case == "bool_on_one_rank":     # rank 0's error must not shift the pairing of later calls
+            hvd.allreduce(torch.ones(2, dtype=torch.bool) if rank == 0 else torch.ones(2), op=hvd.Sum)
+        elif case == "int_prescale_on_one_rank":
+            hvd.allreduce(torch.ones(2, dtype=torch.int64) if rank == 0 else torch.ones(2), prescale_factor=0.5)
+        elif case == "names":
+            hvd.allreduce(torch.ones(2), name="a" if rank == 0 else "b")
+    except (RuntimeError, ValueError, TypeError) as err:
         after = hvd.allreduce(torch.tensor([1.0 + rank]), op=hvd.Sum)   # the world still works
         return type(err).__name__, str(err), after.item()
     return None
@@ -270,13 +276,39 @@ def _mismatch(rank, world, case):
     ("op", ["op", "Sum", "Max"]), ("root", ["root_rank"]), ("kind", ["operation", "allgather"]),
     ("gather_shape", ["beyond the first dimension"]), ("splits", ["rank 1", "splits"]),
     ("bad_root", ["root_rank 5", "not a rank"]), ("scalar_gather", ["at least one dimension"]),
-    ("postscale", ["postscale_factor"])])
+    ("postscale", ["postscale_factor"]), ("bool_on_one_rank", ["on rank 0", "bool"]),
+    ("int_prescale_on_one_rank", ["on rank 0", "prescale_factor"]),
+    ("names", ["differently named calls"])])
 def test_cross_rank_mismatch_raises_on_every_rank(pools, case, words):
     results = pools.run(2, _mismatch, case)
     assert results[0] is not None and results[1] is not None, f"{case}: no error raised"
     for kind, msg, after in results:
-        assert kind in ("RuntimeError", "ValueError")
+        assert kind in ("RuntimeError", "ValueError", "TypeError")
         assert all(w in msg for w in words), msg
+        assert after == 3.0
+
+
+def _named_async_in_another_order(rank, world):
+    a, b = torch.full((2,), 1.0 + rank), torch.full((2,), 100.0 * (rank + 1))
+    order = [("a", a), ("b", b)] if rank == 0 else [("b", b), ("a", a)]
+    handles = {name: hvd.allreduce_async(t, name=name, op=hvd.Sum) for name, t in order}
+    errors = {}
+    for name, h in handles.items():
+        try:
+            hvd.synchronize(h)
+        except RuntimeError as err:
+            errors[name] = str(err)
+    after = hvd.allreduce(torch.tensor([1.0 + rank]), op=hvd.Sum)     # the world still works
+    return errors, after.item()
+
+
+def test_named_async_calls_submitted_in_another_order_are_an_error_not_a_mix(pools):
+    """A probe found rank 0 submitting 'a' then 'b' and rank 1 'b' then 'a' reduced a with b on
+    both ranks (102 for each, no error); Horovod pairs by name and gives 3 and 201. bitscom pairs
+    by order, so the header carries the name and the mix is an error on every rank."""
+    for errors, after in pools.run(2, _named_async_in_another_order):
+        assert set(errors) == {"a", "b"}, errors
+        assert all("differently named calls" in m and "same order" in m for m in errors.values()), errors
         assert after == 3.0
 
 
