@@ -188,6 +188,27 @@ def test_two_level_groups_must_match_fsdp_layout(pools):
         assert msg is not None and "do not match FSDP's ranks" in msg
 
 
+def _settings_differ(rank, world, case):
+    model = _shard(_model(), world)
+    cfg = {"bits": LowBitConfig(bitwidth=4 if rank == 0 else 8),
+           "ef": LowBitConfig(bitwidth=4, error_feedback=rank == 0)}[case]
+    try:
+        bitscom.fsdp.compress(model, gradients=cfg)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("case, words", [("bits", "gradients.bitwidth: rank 0 vs rank 1: '4' vs '8'"),
+                                         ("ef", "gradients.error_feedback: rank 0 vs rank 1: 'True' vs 'False'")])
+def test_ranks_with_different_settings_get_one_clear_error(pools, case, words):
+    """A probe found bit widths 4 vs 8 died in gloo ('Received data size doesn't match', SIGABRT)
+    and error feedback on one rank only was accepted silently: compress() now checks."""
+    msgs = pools.run(2, _settings_differ, case, timeout=120)
+    assert msgs[0] is not None and msgs[0] == msgs[1], msgs
+    assert "bitscom.fsdp.compress settings" in msgs[0] and words in msgs[0], msgs[0]
+
+
 def test_bad_settings_are_clear():
     with pytest.raises(ValueError, match="bitwidth=3"):
         bitscom.fsdp.compress(nn.Linear(2, 2), gradients=3)

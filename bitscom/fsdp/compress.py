@@ -10,11 +10,14 @@ checkpoints the states.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Optional
 
 import torch
+import torch.distributed as dist
 
 from .. import runtime
+from ..agreement import check_agreement
 from ..engine import comm_stats as _stats
 from ..lowbit.config import LowBitConfig
 from ..lowbit.state import LowBitState
@@ -127,8 +130,9 @@ def compress(module: torch.nn.Module, gradients=None, weights=None, process_grou
              intra_group=None, inter_group=None) -> FSDPCompression:
     """Send the gradient reduce-scatters of a ``fully_shard``-ed (FSDP2) model in low bit.
 
-    Call it after ``fully_shard`` (every submodule you sharded, and the root) and before the
-    first backward. Each sharded module's reduce-scatter is replaced by bitscom's: ``"none"``
+    Call it on every rank (it checks that all ranks pass the same settings and sharded the same
+    modules, and raises the same error on every rank otherwise), after ``fully_shard`` (every
+    submodule you sharded, and the root) and before the first backward. Each sharded module's reduce-scatter is replaced by bitscom's: ``"none"``
     hierarchy = the flat low-bit reduce-scatter (quantize P shards -> one all-to-all -> sum in
     float32), ``"two_level"`` = SDP4Bit's intra-node then inter-node level-wise one. FSDP's
     averaging (``AVG``, ``set_gradient_divide_factor``, fp16 pre/post division) is honoured.
@@ -166,10 +170,17 @@ def compress(module: torch.nn.Module, gradients=None, weights=None, process_grou
     if getattr(module, _ATTR, None) is not None:
         raise RuntimeError("this model is already compressed by bitscom.fsdp.compress; use the handle "
                            "it returned (or bitscom.fsdp.handle(model))")
+    names = [name for name, sub in module.named_modules() if isinstance(sub, FSDPModule) and _param_groups(sub)]
+    if dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        # Ranks with other settings (bit width, error feedback, hierarchy) or other sharded
+        # modules would exchange bytes of different formats: a gloo abort, or silently mixed
+        # bytes (error feedback on one rank only). The same error on every rank instead.
+        fields = {f"gradients.{f.name}": repr(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        check_agreement({**fields, "sharded modules": names}, process_group, "bitscom.fsdp.compress settings")
     states: Dict[str, LowBitState] = {}
     counter = ByteCount()
     for name, sub in module.named_modules():
-        if not isinstance(sub, FSDPModule) or not _param_groups(sub):
+        if name not in names:
             continue
         states[name] = LowBitState()
         sub.set_custom_reduce_scatter(LowBitReduceScatter(cfg, name, states[name], counter, process_group,
