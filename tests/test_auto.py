@@ -190,3 +190,37 @@ def test_labels_tell_apart_candidates_that_share_a_name():
     states[0].choose(4)
     states[1].choose(5)
     assert Auto.plan(states) == [names[4], names[5], None]     # what comm_stats()["auto_plan"] shows
+
+
+def _unused_on_one_rank(rank, world):
+    # A branch used on rank 0 only (its bucket is ready during backward there, at the end of
+    # backward on rank 1), one tensor per bucket. The probe used to wait on each piece inside its
+    # round: rank 0 blocked on bucket k's first piece, rank 1 on bucket j's second: a deadlock.
+    torch.manual_seed(0)
+    trunk = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    head, branch = torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+    named = [(f"{m}.{n}", p) for m, mod in (("trunk", trunk), ("head", head), ("branch", branch))
+             for n, p in mod.named_parameters()]
+    comp = Auto(candidates=ADAM_SAFE, codec_seconds=lambda c, l, w: 0.0 if c.name == "none" else 1.0)
+    opt = bitscom.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.05), named,
+                                       compression=comp, fusion_threshold_mb=0)
+    for step in range(comp.probe_steps + 2):
+        torch.manual_seed(100 * step + rank)
+        h = trunk(torch.randn(4, 8))
+        y = head(h) + (branch(h) if rank == 0 else 0)
+        y.sum().backward()
+        opt.step()
+        opt.zero_grad()
+    samples = [s for st in opt._reducer.states for s in st.samples]
+    plan = opt.comm_stats()["auto_plan"]
+    params = [p.detach().clone() for _, p in named]
+    opt.close()
+    return plan, params, samples
+
+
+def test_probe_with_a_parameter_unused_on_one_rank_does_not_deadlock(pools):
+    (plan0, p0, s0), (plan1, p1, _) = pools.run(2, _unused_on_one_rank, timeout=120)
+    assert plan0 == plan1 and len(plan0) == 8 and set(plan0) == {"none"}   # codec costs 1 s otherwise
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    # probe steps 1 and 2: 2 + 4 timed pieces per bucket (pieces of at least one element)
+    assert s0 and all(nbytes > 0 and 0.0 < seconds < 60.0 for nbytes, seconds in s0)

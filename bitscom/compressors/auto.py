@@ -134,9 +134,30 @@ class AutoState(State):
                 inner.load_state_dict(state["inner"])
 
 
+def _completion_clock(work, clock) -> list:
+    """A list that receives ``clock()`` when ``work`` completes (its future's callback runs on
+    completion); stays empty for a work without a future."""
+    cell: list = []
+    get_future = getattr(work, "get_future", None)
+    if get_future is not None:
+        try:
+            get_future().then(lambda _fut: cell.append(clock()))
+        except RuntimeError:      # a backend without futures: the caller falls back
+            pass
+    return cell
+
+
 def _timed_plain(flat: torch.Tensor, comm: Comm, pieces: int, samples: Optional[list],
                  clock=time.perf_counter):
-    """Round generator: the plain average of ``flat`` in ``pieces`` all-reduces, each timed."""
+    """Round generator: the plain average of ``flat`` in ``pieces`` all-reduces, each timed
+    from its issue to its completion.
+
+    Each piece is yielded, never waited on here: a wait inside a round blocks this rank's
+    backward, and where ranks launch buckets at different moments (a parameter unused on one
+    rank) each rank then blocks on a collective the other has not issued yet. The completion
+    time comes from the work's future; where the callback has not run (or there is no future)
+    it is the moment the driver resumed this round, an upper bound.
+    """
     bounds = [flat.numel() * i // pieces for i in range(pieces + 1)]
     for s, t in zip(bounds, bounds[1:]):
         if t == s:
@@ -144,10 +165,10 @@ def _timed_plain(flat: torch.Tensor, comm: Comm, pieces: int, samples: Optional[
         piece = flat[s:t]
         t0 = clock()
         work = comm.all_reduce(piece)
-        work.wait()
-        if samples is not None:
-            samples.append((piece.numel() * piece.element_size(), clock() - t0))
+        done = _completion_clock(work, clock) if samples is not None else []
         yield work
+        if samples is not None:
+            samples.append((piece.numel() * piece.element_size(), (done[0] if done else clock()) - t0))
     flat.div_(comm.size)
 
 
