@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import runtime, uneven
-from .agreement import describe_state
+from .agreement import check_agreement, describe_state
 from .lifecycle import StepFace, StepLifecycle, check_trainable, ddp_owner, live_objects, require_group
 from .buckets import FlatBucket, plan_buckets, plan_groups
 from .compressors import Compression, resolve as resolve_compressor
@@ -217,6 +217,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = bool(sparse_as_dense)
 
+        self._wrapped_name = type(optimizer).__name__
         named = named_parameters_of(optimizer, named_parameters)
         check_trainable(named, "DistributedOptimizer")
         self._named = named
@@ -227,13 +228,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._size = dist.get_world_size(process_group) if process_group is not None else 1
         self._rank = dist.get_rank(process_group) if process_group is not None else 0
 
-        if groups is not None:
-            self._layouts = plan_groups(self._trainable, groups)
-        else:
-            if auto_fusion:
-                from .cost import auto_fusion_threshold_mb
-                fusion_threshold_mb = auto_fusion_threshold_mb(self._trainable, process_group, compression)
-            self._layouts = plan_buckets(self._trainable, int(fusion_threshold_mb * 2 ** 20))
+        self._layouts, fusion_threshold_mb = self._plan(groups, fusion_threshold_mb, auto_fusion, compression)
         self.fusion_threshold_mb = None if groups is not None else float(fusion_threshold_mb)
         by_name = dict(self._trainable)
         self._buckets = [FlatBucket(l, [by_name[s.name] for s in l.slots]) for l in self._layouts]
@@ -344,6 +339,25 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             flat.div_(self.gradient_predivide_factor)
         self._reducer.launch(b, flat)
 
+    def _plan(self, groups, fusion_threshold_mb, auto_fusion: bool, compression):
+        """The bucket layouts and the fusion threshold they were planned with."""
+        if self._size > 1:
+            # "auto" probes the link here, before the plan agreement below: every rank must
+            # know that every rank probes, or a rank that passed a number would meet the probe's
+            # collectives with its first step's (a hang). One small check of the setting first.
+            check_agreement({"optimizer": "DistributedOptimizer",
+                             "fusion_threshold_mb": "auto" if auto_fusion else fusion_threshold_mb,
+                             "groups": groups if groups is None or isinstance(groups, int) else "explicit lists"},
+                            self.process_group, "optimizer plan")
+        if groups is not None:
+            self._layouts = plan_groups(self._trainable, groups)
+        else:
+            if auto_fusion:
+                from .cost import auto_fusion_threshold_mb
+                fusion_threshold_mb = auto_fusion_threshold_mb(self._trainable, self.process_group, compression)
+            self._layouts = plan_buckets(self._trainable, int(fusion_threshold_mb * 2 ** 20))
+        return self._layouts, fusion_threshold_mb
+
     def _description(self) -> dict:
         return {
             "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in self._trainable],
@@ -355,6 +369,10 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             "wrapped in DistributedDataParallel": self._ddp is not None,
             "sparse-gradient parameters": [] if self._sparse_grads is None else
             [n for n, _ in self._sparse_grads.params],
+            # SGD on one rank and AdamW on another would train apart silently (ShardedOptimizer
+            # has always compared these)
+            "wrapped optimizer": self._wrapped_name,
+            "param_groups": [{k: repr(v) for k, v in g.items() if k != "params"} for g in self.param_groups],
         }
 
     def _finish(self) -> None:

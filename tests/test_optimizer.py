@@ -237,6 +237,35 @@ def test_mismatched_plans_raise_on_every_rank(pools):
     assert msgs[0] == msgs[1]
 
 
+def _settings_differ(rank, world, case):
+    model = make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = {}
+    if case == "fusion_auto_on_one_rank":     # "auto" probes the link at construction
+        kw["fusion_threshold_mb"] = "auto" if rank == 1 else 25
+    elif case == "sgd_vs_adamw":
+        base = base if rank == 0 else torch.optim.AdamW(model.parameters(), lr=0.1)
+    elif case == "lr":
+        base = torch.optim.SGD(model.parameters(), lr=0.1 if rank == 0 else 0.2)
+    try:
+        bitscom.DistributedOptimizer(base, named_parameters=model.named_parameters(), **kw).close()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("case, words", [
+    ("fusion_auto_on_one_rank", "fusion_threshold_mb: rank 0 vs rank 1: 25.0 vs 'auto'"),
+    ("sgd_vs_adamw", "wrapped optimizer: rank 0 vs rank 1: 'SGD' vs 'AdamW'"),
+    ("lr", "param_groups")])
+def test_settings_a_probe_found_unchecked_are_one_clear_error(pools, case, words):
+    """Found by a probe: fusion_threshold_mb="auto" on one rank hung (its link probe met the
+    other rank's first step); SGD on one rank and AdamW on the other trained apart silently."""
+    msgs = pools.run(2, _settings_differ, case, timeout=90)
+    assert msgs[0] is not None and msgs[0] == msgs[1], msgs
+    assert "ranks disagree on the optimizer plan" in msgs[0] and words in msgs[0], msgs[0]
+
+
 def _misuse(rank, world):
     model = make_model()
     opt = bitscom.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
