@@ -369,10 +369,10 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             "wrapped in DistributedDataParallel": self._ddp is not None,
             "sparse-gradient parameters": [] if self._sparse_grads is None else
             [n for n, _ in self._sparse_grads.params],
-            # SGD on one rank and AdamW on another would train apart silently (ShardedOptimizer
-            # has always compared these)
+            # SGD on one rank and AdamW on another would train apart silently. Not param_groups:
+            # Horovod's pattern builds with per-rank hyper-parameters (rank 0 resumed a
+            # checkpoint) and then calls broadcast_optimizer_state.
             "wrapped optimizer": self._wrapped_name,
-            "param_groups": [{k: repr(v) for k, v in g.items() if k != "params"} for g in self.param_groups],
         }
 
     def _finish(self) -> None:
