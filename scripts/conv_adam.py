@@ -248,12 +248,7 @@ def main(argv=None) -> int:
         f.write("python scripts/conv_adam.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "\n")
     labels = [lb for s in (args.sets or ([] if args.variants else ["diloco"])) for lb in SETS[s]]
     labels += args.variants or []
-    variants, seen = [], set()
-    for text in labels:
-        v = parse_variant(text)
-        if v[0] not in seen:
-            seen.add(v[0])
-            variants.append(v)
+    variants = conv.unique_variants(labels, parse_variant)
     done = conv._done(os.path.join(args.out, "runs.csv"))
     jobs = [(t, label, kind, settings, seed) for t in args.tasks for seed in range(args.seeds)
             for label, kind, settings in variants if (t, label, seed) not in done]

@@ -414,18 +414,24 @@ def _record_command(out, argv):
             f.write("".join(f"{c}\n" for c in old.splitlines() + [line]))
 
 
+def unique_variants(labels, parse):
+    """``parse(text)`` of each label, the first of each resulting label only (conv_adam.py too)."""
+    variants, seen = [], set()
+    for text in labels:
+        v = parse(text)
+        if v[0] not in seen:
+            seen.add(v[0])
+            variants.append(v)
+    return variants
+
+
 def _variants(args):
     """The requested variants, each once, checked before any rank is spawned."""
     labels = []
     for s in (args.sets or (["defaults", "ef", "sr"] if args.variants is None else [])):
         labels += SETS[s]
     labels += args.variants or []
-    variants, seen = [], set()
-    for text in labels:
-        v = parse_variant(text)
-        if v[0] not in seen:
-            seen.add(v[0])
-            variants.append(v)
+    variants = unique_variants(labels, parse_variant)
     for label, name, settings in variants:     # fail before spawning: unknown names/settings
         build_compressor(name, settings)
         opt = split_settings(settings)[1]

@@ -6,7 +6,8 @@ Where the code lives (imports flow downward, nothing here imports a face)::
     state.py           LowBitState: step counter, residuals, EF21 estimates (checkpointable)
     error_feedback.py  ErrorFeedback: the one residual-feedback piece every lossy compressor uses
     rounds.py          building blocks of the round generators (all-to-all stage, level ladder,
-                       pipeline, padding, the cross-rank size check)
+                       pipeline, padding)
+    call_header.py     the call header LowBitGroup and the lowbit backend check before each call
     all_reduce.py      all_reduce_rounds: flat, "leader" and "two_level" hierarchies
     scatter_gather.py  reduce_scatter_rounds, all_gather_rounds
     levelwise.py       the level-wise reduce-scatter (SDP4Bit's gradient rounds: intra then inter)
@@ -37,7 +38,7 @@ from .format import (HADAMARD_BLOCK, SUPPORTED_BITS, Quantized, bits_per_element
 from .hadamard import HADAMARD_BACKENDS, hadamard, hadamard_matrix, inverse_hadamard
 from .levelwise import (default_order, levelwise_chunks, levelwise_reduce_scatter_rounds,
                         levelwise_wire_bytes)
-from .rounds import pipeline, same_size_rounds
+from .rounds import pipeline
 from .scatter_gather import all_gather_rounds, reduce_scatter_rounds
 from .seeds import key_id, mix_seed, stage_seed
 from .state import LowBitState
@@ -46,7 +47,7 @@ __all__ = [
     "LowBitConfig", "LowBitState", "EF_MODES", "EF_MODE_ALIASES", "HIERARCHIES", "BACKEND_OPS", "ALIASES",
     "DEFAULT_STAGE2_BITS", "FULL_PRECISION", "canonical_ef_mode", "canonical_fingerprint",
     "ErrorFeedback", "SteppedErrorFeedback",
-    "all_reduce_rounds", "reduce_scatter_rounds", "all_gather_rounds", "same_size_rounds", "pipeline",
+    "all_reduce_rounds", "reduce_scatter_rounds", "all_gather_rounds", "pipeline",
     "wire_bytes_all_reduce",
     "levelwise_chunks", "levelwise_reduce_scatter_rounds", "levelwise_wire_bytes", "default_order",
     "Codec", "Quantized", "quantize", "dequantize", "quantize_tensor", "dequantize_tensor", "pack", "unpack",

@@ -6,7 +6,7 @@ objects, yields their work handle(s) and continues once they completed (driven b
 :class:`bitscom.comm.Rounds`). The pieces here: one all-to-all stage (:func:`scatter`,
 :func:`scatter_reduce`), the reduce-then-gather ladder over levels of groups
 (:func:`levels_rounds`, :func:`leader_rounds`), lockstep pipelining of chunks
-(:func:`pipeline`), padding, and the cross-rank size check (:func:`same_size_rounds`).
+(:func:`pipeline`) and padding. The cross-rank check of each call is :mod:`.call_header`.
 Names without ``__all__`` membership are package-internal.
 """
 
@@ -23,7 +23,7 @@ from .error_feedback import ErrorFeedback
 from .hadamard import hadamard
 from .state import LowBitState
 
-__all__ = ["pipeline", "same_size_rounds"]
+__all__ = ["pipeline"]
 
 
 def scatter(x, comm, codec, seed, offset, sent=None, row_stride=None):
@@ -207,33 +207,3 @@ def chunk_bounds(N: int, unit: int, chunk_size: Optional[int]):
 
 def world_rank(comm) -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else comm.rank
-
-
-def same_size_rounds(comm, what: str, numel: int, average: bool = False, device=None) -> Iterator:
-    """Round generator: fail on every rank, with the same message, unless every rank of ``comm``
-    passed the same element count (and the same SUM/AVG choice).
-
-    Ranks that pass different sizes to a low-bit collective would otherwise exchange buffers
-    of different sizes (gloo aborts the process) or, when the padded sizes happen to agree,
-    silently sum misaligned data. One all-gather of two integers per call buys the check;
-    the optimizer's compressor does not need it (its plan is checked once, up front).
-
-    Example::
-
-        drive(chain(same_size_rounds(comm, "all_reduce", t.numel()), all_reduce_rounds(...)))
-    """
-    if comm.size == 1:
-        return
-    mine = torch.tensor([int(numel), int(bool(average))], dtype=torch.int64, device=device)
-    seen = torch.empty(comm.size * 2, dtype=torch.int64, device=mine.device)
-    yield comm.all_gather(seen, mine)
-    rows = seen.view(comm.size, 2).tolist()
-    sizes = [s[0] for s in rows]
-    if len(set(sizes)) > 1:
-        listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
-        raise ValueError(f"low-bit {what}: ranks passed tensors with different element counts "
-                         f"({listing}); every rank must pass the same number of elements")
-    if len({s[1] for s in rows}) > 1:
-        ops = ", ".join(f"rank {r}: {'AVG' if s[1] else 'SUM'}" for r, s in enumerate(rows))
-        raise ValueError(f"low-bit {what}: ranks passed different reduce ops ({ops}); every rank "
-                         "must pass the same op")
