@@ -253,13 +253,13 @@ class LowBitGroup:
         ``error``, raised on every rank once the header showed they all made this call)."""
         comm = Comm(self.process_group)
 
-        def rounds():
-            yield from agree_rounds(comm, call, 0, device, _LABEL)
+        def body():
             if error is not None:
                 raise error
             yield issue(comm)
 
-        return self._start(rounds(), [comm], async_op)
+        rounds, check = self._checked(call, device, body())
+        return self._start(rounds, [check, comm], async_op)
 
     # -- collectives --------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
