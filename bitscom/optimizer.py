@@ -350,13 +350,11 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
                              "groups": groups if groups is None or isinstance(groups, int) else "explicit lists"},
                             self.process_group, "optimizer plan")
         if groups is not None:
-            self._layouts = plan_groups(self._trainable, groups)
-        else:
-            if auto_fusion:
-                from .cost import auto_fusion_threshold_mb
-                fusion_threshold_mb = auto_fusion_threshold_mb(self._trainable, self.process_group, compression)
-            self._layouts = plan_buckets(self._trainable, int(fusion_threshold_mb * 2 ** 20))
-        return self._layouts, fusion_threshold_mb
+            return plan_groups(self._trainable, groups), fusion_threshold_mb
+        if auto_fusion:
+            from .cost import auto_fusion_threshold_mb
+            fusion_threshold_mb = auto_fusion_threshold_mb(self._trainable, self.process_group, compression)
+        return plan_buckets(self._trainable, int(fusion_threshold_mb * 2 ** 20)), fusion_threshold_mb
 
     def _description(self) -> dict:
         return {
