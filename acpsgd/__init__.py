@@ -36,7 +36,7 @@ from bitscom import (broadcast_object, broadcast_optimizer_state, broadcast_para
                      is_initialized, local_rank, local_size, nccl_built, rank, size)
 from bitscom.comm import Comm
 from bitscom.compressors import get as _get_compressor
-from bitscom.lifecycle import require_group
+from bitscom.face import require_group
 
 __all__ = ["init", "is_initialized", "rank", "size", "local_rank", "local_size", "nccl_built",
            "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",

@@ -106,6 +106,11 @@ class Reducer:
         """Forget every launched bucket (after a failure); their work is not waited for."""
         self._flights = []
 
+    def release(self) -> None:
+        """The world is gone: hold none of its groups (see :func:`bitscom.face.release_all`)."""
+        self._flights = []
+        self.group = self.later_group = None
+
     @property
     def in_flight(self) -> bool:
         return any(not r.done for _, r in self._flights)

@@ -31,126 +31,22 @@ Example::
 
 from __future__ import annotations
 
-import gc
 import logging
-import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import runtime, uneven
-from .agreement import check_agreement, require_member
-from .comm import resolve_group
+from . import uneven
+from .agreement import check_agreement
+from .face import Face, raise_problem
 
-__all__ = ["require_group", "check_trainable", "ddp_owner", "StepLifecycle", "StepFace"]
+__all__ = ["StepLifecycle", "StepFace"]
 
 log = logging.getLogger("bitscom")
 """bitscom's diagnostics: the plan and compressor of every optimizer at DEBUG (enable with
 ``logging.getLogger("bitscom").setLevel(logging.DEBUG)`` and a handler)."""
-
-
-def require_group(process_group, face: str, *, warn_single: bool = False):
-    """The group ``face`` reduces over (``process_group`` or the world group), or ``None`` for
-    one process; a clear error instead of a silent local run when a launcher started several
-    processes but torch.distributed is not initialized, or when this rank is not a member.
-
-    Example::
-
-        group = require_group(None, "ShardedOptimizer")
-    """
-    group = resolve_group(process_group)
-    if group is None:
-        info = runtime.discover()
-        if info.size > 1:
-            raise RuntimeError(
-                f"{face} was used before bitscom.init(): the launcher ({info.launcher}) started "
-                f"{info.size} processes but torch.distributed is not initialized, so it would run "
-                "each rank on its own and the replicas would diverge. Call bitscom.init() (or "
-                "torch.distributed.init_process_group) first.")
-        if warn_single:
-            warnings.warn(f"bitscom.{face}: neither bitscom.init() nor torch.distributed was "
-                          "initialized, so it runs as a plain single-process optimizer; call "
-                          "bitscom.init() first (a no-op for one process) to silence this warning",
-                          stacklevel=3)
-        return None
-    if dist.get_rank(group) < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of "
-                         f"process_group (ranks {dist.get_process_group_ranks(group)}); build "
-                         f"{face} on member ranks only")
-    require_member(group, face)
-    return group
-
-
-def check_trainable(named: Sequence[Tuple[str, torch.Tensor]], face: str,
-                    dtypes: Optional[Sequence[torch.dtype]] = None) -> None:
-    """Refuse parameters no face can reduce: meta tensors (no data), non-floating or complex
-    trainable parameters, sparse layouts, and (when ``dtypes`` is given) other dtypes.
-
-    Example::
-
-        check_trainable(list(model.named_parameters()), "DistributedOptimizer")
-    """
-    for name, p in named:
-        if p.is_meta:
-            raise ValueError(f"parameter {name!r} is on the meta device (it has no data); "
-                             "materialize the model (e.g. model.to_empty(device=...) and "
-                             f"initialize it) before building {face}")
-        if not p.requires_grad:
-            continue
-        if p.is_complex():
-            raise TypeError(f"parameter {name!r} is complex ({p.dtype}); bitscom reduces real "
-                            "tensors only (view it with torch.view_as_real)")
-        if not p.is_floating_point():
-            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only floating-point "
-                            "parameters can be trained")
-        if p.layout != torch.strided:
-            raise TypeError(f"parameter {name!r} is not dense ({p.layout}); {face} reduces dense "
-                            "parameters")
-        if dtypes is not None and p.dtype not in dtypes:
-            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; {face} allows {list(dtypes)}")
-
-
-def ddp_owner(params: Sequence[torch.Tensor], objects: Optional[list] = None) -> Optional[str]:
-    """The class name of a ``DistributedDataParallel`` module that owns any of ``params``, or
-    ``None``. A model already wrapped in DDP (e.g. by Accelerate's ``prepare()``) would be
-    reduced twice — DDP's full-precision all-reduce in backward, then ours — while
-    ``comm_stats()`` reported only ours; the faces refuse it.
-
-    Example::
-
-        assert ddp_owner(list(model.parameters())) is None
-    """
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    ours = {id(p) for p in params}
-    for obj in (live_objects(DDP) if objects is None else objects):
-        if isinstance(obj, DDP) and any(id(p) in ours for p in obj.module.parameters()):
-            return type(obj).__name__
-    return None
-
-
-def live_objects(types) -> list:
-    """Every live object of ``types`` (one garbage-collector scan, at construction only): how a
-    face finds modules that own its parameters (a DDP wrapper, sparse embeddings) when the user
-    handed it only the parameters. Deprecated torch objects warn when inspected; silenced.
-
-    Example::
-
-        embeddings = live_objects((torch.nn.Embedding,))
-    """
-    wanted: Dict[type, bool] = {}        # each type's answer once: the scan is one dict lookup per object
-    found = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            cls = type(obj)
-            hit = wanted.get(cls)
-            if hit is None:
-                hit = wanted[cls] = issubclass(cls, types)
-            if hit:
-                found.append(obj)
-    return found
 
 
 def _hook(ref, param) -> None:
@@ -202,7 +98,6 @@ class StepLifecycle:
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
         self.named = list(named)
-        self.planned_grad = [p.requires_grad for _, p in self.named]
         self.passes = passes
         self.passes_done = 0
         self.callback_queued = False
@@ -246,6 +141,7 @@ class StepLifecycle:
         if self.check_state:
             desc.update(extra or {})
             desc["optimizer steps taken"] = self.steps
+            desc.update(face._deferred_problem())
         return desc
 
     def agree(self, extra: Optional[Dict[str, Any]] = None) -> None:
@@ -259,6 +155,7 @@ class StepLifecycle:
         if self.size > 1:
             check_agreement(description, self.group, what="optimizer plan")
         self.agreed, self.check_state = True, False
+        raise_problem(description)
 
     def loaded(self, steps: Optional[int]) -> None:
         """A checkpoint was loaded: the next step first re-checks the agreement."""
@@ -279,6 +176,7 @@ class StepLifecycle:
                 f"{self.passes}): call step() or zero_grad() before the next backward, or raise "
                 "backward_passes_per_step to accumulate more passes locally")
         if not self.callback_queued:
+            face._check_live()           # the step's first gradient: once per backward pass
             self.callback_queued = True
             this = weakref.ref(self)
             torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_of_backward(this))
@@ -312,18 +210,27 @@ class StepLifecycle:
 
     def check_requires_grad(self) -> None:
         """Buckets are planned once: a parameter frozen or unfrozen since is an error."""
-        for (name, p), planned in zip(self.named, self.planned_grad):
-            if p.requires_grad != planned:
-                change = "unfrozen" if p.requires_grad else "frozen"
-                raise RuntimeError(
-                    f"parameter {name!r} was {change} (requires_grad={p.requires_grad}) after "
-                    f"{self.name} was built; bitscom plans its buckets once, so it would be "
-                    "reduced wrongly. close() this optimizer and build a new one after changing "
-                    "requires_grad")
+        face = self._face()
+        if face is not None:
+            face._check_requires_grad()
 
     def check_open(self) -> None:
+        """A clear error if the face was closed or its world is gone (see :class:`bitscom.face.Face`)."""
         if self.closed and self.size > 1:
             raise RuntimeError(f"this {self.name} was closed; build a new one")
+        face = self._face()
+        if face is not None:
+            face._check_live()
+
+    def release(self) -> None:
+        """The world is gone: forget its groups (they were destroyed with it) and the join
+        registration; nothing here may keep the old world's store alive."""
+        self.group = None
+        self._groups.clear()
+        self.notice = None
+        face = self._face()
+        if face is not None:
+            uneven.unregister(face)
 
     @property
     def in_step(self) -> bool:
@@ -354,10 +261,11 @@ class StepLifecycle:
         self._finalizer()
 
 
-class StepFace:
-    """What the optimizer faces do alike around their :class:`StepLifecycle` (``self._life``),
-    their reducer (``self._reducer``: ``in_flight``, ``abort()``) and their bucket cursor
-    (``self._next_launch``, ``self._reset_buckets()``).
+class StepFace(Face):
+    """What the hook-driven optimizer faces do alike around their :class:`StepLifecycle`
+    (``self._life``), their reducer (``self._reducer``: ``in_flight``, ``abort()``) and their
+    bucket cursor (``self._next_launch``, ``self._reset_buckets()``); the rest of a face's
+    duties come from :class:`~bitscom.face.Face`.
 
     Example::
 
@@ -367,6 +275,14 @@ class StepFace:
     _life: StepLifecycle
     _reducer: Any
     _next_launch: int
+
+    def _release_groups(self) -> None:
+        self._life.release()
+        reducer = getattr(self, "_reducer", None)
+        if reducer is not None:
+            reducer.abort()
+            if hasattr(reducer, "release"):
+                reducer.release()
 
     def _reset_buckets(self) -> None:
         raise NotImplementedError

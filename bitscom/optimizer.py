@@ -36,7 +36,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import runtime, uneven
 from .agreement import check_agreement, describe_state
-from .lifecycle import StepFace, StepLifecycle, check_trainable, ddp_owner, live_objects, require_group
+from .face import live_objects
+from .lifecycle import StepFace, StepLifecycle
 from .buckets import FlatBucket, plan_buckets, plan_groups
 from .compressors import Compression, resolve as resolve_compressor
 from .engine import ByteTotals, Reducer, comm_stats
@@ -219,14 +220,10 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
 
         self._wrapped_name = type(optimizer).__name__
         named = named_parameters_of(optimizer, named_parameters)
-        check_trainable(named, "DistributedOptimizer")
+        self._face_init("DistributedOptimizer", process_group, named)
+        process_group = self.process_group
         self._named = named
         self._trainable = [(n, p) for n, p in named if p.requires_grad]
-
-        process_group = require_group(process_group, "DistributedOptimizer", warn_single=True)
-        self.process_group = process_group
-        self._size = dist.get_world_size(process_group) if process_group is not None else 1
-        self._rank = dist.get_rank(process_group) if process_group is not None else 0
 
         self._layouts, fusion_threshold_mb = self._plan(groups, fusion_threshold_mb, auto_fusion, compression)
         self.fusion_threshold_mb = None if groups is not None else float(fusion_threshold_mb)
@@ -244,7 +241,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         # and the sparse embeddings of Horovod's sparse path
         found = live_objects((DistributedDataParallel, torch.nn.Embedding, torch.nn.EmbeddingBag)) \
             if self._size > 1 else []
-        self._ddp = ddp_owner([p for _, p in self._trainable], found) if self._size > 1 else None
+        self._ddp = self._ddp_wrapped([p for _, p in self._trainable], found)
         # Horovod's sparse path (sparse_as_dense=False): the weights of sparse embeddings, found
         # now so that every rank agrees on them before the first step
         self._sparse_grads = None if (self.sparse_as_dense or self._size == 1) \
@@ -255,14 +252,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._life = StepLifecycle(self, "DistributedOptimizer", named, process_group,
                                    backward_passes_per_step)
         self._life.agree()                      # every rank, before any other collective
-        if self._ddp is not None:
-            raise TypeError(
-                f"the model's parameters belong to a {self._ddp} (e.g. from Accelerate's prepare()): "
-                "DDP already all-reduces them in full precision during backward, so bitscom would "
-                "reduce them a second time and comm_stats() would hide DDP's traffic. Give "
-                "DistributedOptimizer a model that was never wrapped in DDP (with Accelerate: prepare() "
-                "only the data loader, see docs/integrations.md), or keep DDP "
-                "and compress with bitscom.ddp_comm_hook instead")
+        self._refuse_ddp(self._ddp)
         later, owned = (None, None)
         if self._size > 1:
             later, owned = _later_group(process_group)
@@ -553,6 +543,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         """
         self._reducer.abort()
         self._life.close()
+        self._face_close()
 
     def comm_stats(self) -> dict:
         """Bytes of the last synchronized step: ``bytes_sent`` (payload this rank handed to
@@ -581,8 +572,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
         """
         out = super().state_dict()
-        out["bitscom"] = {"reducer": self._reducer.state_dict(), "steps": self._life.steps,
-                          "rank": self._rank, "world": self._size}
+        out["bitscom"] = {"reducer": self._reducer.state_dict(), **self._envelope(self._life.steps)}
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -609,8 +599,10 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         if self._life.in_step or self._next_launch:
             raise RuntimeError("load_state_dict() was called in the middle of a step; call it "
                                "between steps")
-        if extra is not None:
-            self._check_owner(extra)
+        if extra is not None and not self._check_envelope(
+                extra, any(isinstance(v, torch.Tensor) for v in _leaves(extra["reducer"]["states"]))):
+            self._life.loaded(None)             # the next step raises the problem on every rank
+            return
         backup = self._reducer.state_dict() if extra is not None else None
         try:
             if extra is not None:
@@ -621,20 +613,6 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
                 self._reducer.load_state_dict(backup)
             raise
         self._life.loaded(extra.get("steps") if extra is not None else None)
-
-    def _check_owner(self, extra: dict) -> None:
-        """Compressor state is per rank (error-feedback residuals): loading another rank's —
-        DDP's habit "save on rank 0, load everywhere" — would resume, but not exactly."""
-        saved, world = extra.get("rank"), extra.get("world")
-        if saved is None or (saved == self._rank and world == self._size):
-            return
-        if any(isinstance(v, torch.Tensor) for v in _leaves(extra["reducer"]["states"])):
-            raise ValueError(
-                f"this checkpoint holds the compressor state of rank {saved} of {world} (per-rank "
-                f"error-feedback memory); this is rank {self._rank} of {self._size}, so resuming "
-                "from it would not reproduce the run. Save opt.state_dict() on every rank (e.g. "
-                "f'opt.{bitscom.rank()}.pt') and load each rank's own file, or drop the compressor "
-                "state (del state_dict['bitscom']) to restart it from zero")
 
     @property
     def bucket_layouts(self):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import itertools
 import os
 import pathlib
 import socket
@@ -33,7 +34,8 @@ import torch.distributed as dist
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "world_group", "intra_group", "inter_group", "device",
-           "LaunchInfo", "discover", "timeout", "new_group", "shared_group"]
+           "LaunchInfo", "discover", "timeout", "new_group", "shared_group", "world_token",
+           "on_world_gone"]
 
 
 @dataclass(frozen=True)
@@ -206,12 +208,52 @@ def _current_world():
 
 
 _rt = _Runtime()
+_worlds: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # world group -> serial
+_serials = itertools.count(1)
+_gone_callbacks: list = []
+
+
+def world_token() -> Optional[int]:
+    """A number naming torch's current world (None when torch.distributed is not running):
+    a face compares the token it was built under with the current one to know its groups are
+    gone (after :func:`shutdown`, ``dist.destroy_process_group()`` or a new :func:`init`),
+    without a collective.
+
+    Example::
+
+        built = bitscom.runtime.world_token(); ...; assert bitscom.runtime.world_token() == built
+    """
+    world = _current_world()
+    if world is None:
+        return None
+    if world not in _worlds:
+        _worlds[world] = next(_serials)
+    return _worlds[world]
+
+
+def on_world_gone(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` when the world bitscom recorded is gone (:func:`shutdown`, or
+    :func:`init` finding it destroyed): the faces drop their groups then, so nothing keeps the
+    old world's store alive. Registered once per module by the layers above runtime.
+
+    Example::
+
+        bitscom.runtime.on_world_gone(release_everything)
+    """
+    if callback not in _gone_callbacks:
+        _gone_callbacks.append(callback)
+
+
+def _world_gone() -> None:
+    for callback in list(_gone_callbacks):
+        callback()
 
 
 def _forget_if_stale() -> None:
     """Forget a world that is gone (``dist.destroy_process_group()`` ran, or the user started
     a new one), so :func:`init` starts or adopts again instead of answering for a dead group."""
     if _rt.stale():
+        _world_gone()
         _rt.reset()
 
 
@@ -509,6 +551,7 @@ def shutdown() -> None:
     """
     if _rt.owns_pg and not _rt.stale() and dist.is_initialized():
         dist.destroy_process_group()
+    _world_gone()
     _rt.reset()
 
 

@@ -95,7 +95,7 @@ def join(process_group=None) -> int:
         last = bitscom.join()
         val_loss = evaluate(model)                 # collectives after join() line up again
     """
-    from .lifecycle import require_group      # lifecycle registers faces here: no cycle at import
+    from .face import require_group      # face registers faces here: no cycle at import
     group = require_group(process_group, "bitscom.join")
     if group is None:
         return 0

@@ -509,16 +509,17 @@ def test_single_process_runs_and_counts():
 
 def test_default_compression_and_checkpoint_ownership():
     from bitscom.diloco import DEFAULT_COMPRESSION
-    from bitscom.diloco.state import owner_check
     opt = _single()
     assert opt.compression is DEFAULT_COMPRESSION
     assert DEFAULT_COMPRESSION.config.bitwidth == 4 and DEFAULT_COMPRESSION.config.error_feedback
-    extra = {"rank": 1, "world": 2, "reducer": {"states": [{"residual": torch.zeros(3)}]}}
-    with pytest.raises(ValueError, match="compressor state of rank 1"):
-        owner_check(extra, rank=0, world=2)
-    with pytest.raises(ValueError, match="over 2 ranks; this one has 4"):
-        owner_check(extra, rank=1, world=4)
-    owner_check(extra, rank=1, world=2)
+    foreign = opt.state_dict()
+    foreign["diloco"]["world"] = 2
+    with pytest.raises(ValueError, match="over 2 ranks; this one has 1"):
+        opt.load_state_dict(foreign)
+    foreign["diloco"].update(world=1, rank=1)    # another rank's (one process: raised at once)
+    foreign["diloco"]["reducer"]["states"] = [{"residual": torch.zeros(3)}]
+    with pytest.raises(ValueError, match="checkpoint of rank 1"):
+        opt.load_state_dict(foreign)
     with pytest.raises(ValueError, match="not a DiLoCo state dict"):
         opt.load_state_dict(opt.inner.state_dict())
     sd = opt.state_dict()

@@ -29,16 +29,17 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..agreement import check_agreement, describe_state
+from ..agreement import describe_state
 from ..buckets import FlatBucket
 from ..compressors import resolve as resolve_compressor
 from ..compressors.lowbit import LowBit
 from ..engine import Reducer, comm_stats
-from ..lifecycle import StepFace, check_trainable, require_group
+from ..face import Face, check_trainable
+from ..lifecycle import StepFace
 from ..params import named_parameters_of
 from .config import DiLoCoConfig
 from .fragments import plan_fragments
-from .state import load_checked, owner_check
+from .state import has_tensor, load_checked
 
 __all__ = ["DiLoCo", "DEFAULT_COMPRESSION"]
 
@@ -66,7 +67,7 @@ def _inner_checked(inner) -> torch.optim.Optimizer:
     return inner
 
 
-class DiLoCo(torch.optim.Optimizer):
+class DiLoCo(Face, torch.optim.Optimizer):
     """Wrap a local ``inner_optimizer`` into DiLoCo: ``sync_every`` local steps, then one
     compressed pseudo-gradient reduction and an outer Nesterov SGD step.
 
@@ -123,10 +124,8 @@ class DiLoCo(torch.optim.Optimizer):
                  compression: Any = DEFAULT_COMPRESSION, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
                  group=None, fusion_threshold_mb: float = 25, warmup_steps: int = 0):
-        group = require_group(group, "DiLoCo", warn_single=True)
-        self._group = group
-        self._size = torch.distributed.get_world_size(group) if group is not None else 1
-        self._rank = torch.distributed.get_rank(group) if group is not None else 0
+        self._face_init("DiLoCo", group)
+        group = self._group = self.process_group
         # Settings are validated on every rank, then compared: a bad value on one rank only
         # becomes the same error on every rank (never one rank raising while the others wait).
         error: Optional[Exception] = None
@@ -135,14 +134,9 @@ class DiLoCo(torch.optim.Optimizer):
                         outer_momentum, nesterov, fragments, fusion_threshold_mb, warmup_steps)
         except (TypeError, ValueError) as err:
             error = err
-        description: Dict[str, Any] = {
-            "settings error": None if error is None else f"{type(error).__name__}: {error}"}
-        if error is None:
-            description.update(self._description())
-        if self._size > 1:
-            check_agreement(description, group, what="DiLoCo settings")
-        if error is not None:
-            raise error
+        self._face_agree({} if error is not None else self._description(), error,
+                         what="DiLoCo settings")
+        self._refuse_ddp(self._ddp)
         self._start()
 
     # -- construction --------------------------------------------------------------------
@@ -161,15 +155,17 @@ class DiLoCo(torch.optim.Optimizer):
             raise ValueError(f"fusion_threshold_mb must be a finite number >= 0, got {fusion_threshold_mb!r}")
         named = named_parameters_of(self.inner, named_parameters)
         check_trainable(named, "DiLoCo")
+        self._plan_requires_grad(named)
         self._trainable = [(n, p) for n, p in named if p.requires_grad]
+        self._ddp = self._ddp_wrapped([p for _, p in self._trainable])
         if not self._trainable:
             raise ValueError("DiLoCo got no trainable parameters (requires_grad=True)")
         self._layouts, self._members = plan_fragments(self._trainable, self.config.fragments,
                                                       int(fusion_threshold_mb * 2 ** 20))
 
     def _description(self) -> Dict[str, Any]:
-        return {"optimizer": "DiLoCo", "world size": self._size,
-                "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in self._trainable],
+        return {"parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in self._trainable],
+                "wrapped in DistributedDataParallel": self._ddp is not None,
                 "settings": repr(self.config),
                 "compressor": self.compression.fingerprint(),
                 "inner optimizer": type(self.inner).__name__,
@@ -204,7 +200,6 @@ class DiLoCo(torch.optim.Optimizer):
                           "warmup_syncs": 0}
         self._dense_per_step = sum(l.numel for l in self._layouts) * 4
         self._agreed = True
-        self._closed = False
 
     # -- the step --------------------------------------------------------------------------
     def _inner_step(self, closure):
@@ -236,8 +231,8 @@ class DiLoCo(torch.optim.Optimizer):
             loss.backward()
             opt.step()
         """
-        if self._closed:
-            raise RuntimeError("this DiLoCo was closed; build a new one")
+        self._check_live()
+        self._check_requires_grad()
         if not self._agreed:
             self._agree_resumed()
         if self.config.in_warmup(self._counters["inner_steps"] + 1):
@@ -282,8 +277,7 @@ class DiLoCo(torch.optim.Optimizer):
                 loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
             opt.sync()                       # the final model = θ_global, identical everywhere
         """
-        if self._closed:
-            raise RuntimeError("this DiLoCo was closed; build a new one")
+        self._check_live()
         if not self._agreed:
             self._agree_resumed()
         if not self.config.in_warmup(self._counters["inner_steps"]):   # else θ_global is current
@@ -367,16 +361,19 @@ class DiLoCo(torch.optim.Optimizer):
                           "every rank (lower the inner lr, clip, or use GradScaler)", RuntimeWarning,
                           stacklevel=3)
 
-    def _agree_resumed(self) -> None:
+    def _agree_resumed(self) -> None:  # type: ignore[override]
         """After a load, before the next collective: every rank resumed the same step."""
-        if self._size > 1:
-            steps = {k: self._counters[k] for k in ("inner_steps", "syncs", "fragment_syncs")}
-            check_agreement({"steps": steps,
-                             "compressor state": [describe_state(s) for s in self._reducer.states],
-                             "warm-up compressor state": [describe_state(s)
-                                                          for s in self._warmup_reducer.states]},
-                            self._group, what="DiLoCo resumed state")
         self._agreed = True
+        steps = {k: self._counters[k] for k in ("inner_steps", "syncs", "fragment_syncs")}
+        Face._agree_resumed(self, {
+            "steps": steps, "compressor state": [describe_state(s) for s in self._reducer.states],
+            "warm-up compressor state": [describe_state(s) for s in self._warmup_reducer.states]},
+            what="DiLoCo resumed state")
+
+    def _release_groups(self) -> None:
+        self._group = None
+        self._reducer.release()
+        self._warmup_reducer.release()
 
     # -- the rest of the optimizer API -----------------------------------------------------
     def comm_stats(self) -> dict:
@@ -417,7 +414,7 @@ class DiLoCo(torch.optim.Optimizer):
 
             opt.close()
         """
-        self._closed = True
+        self._face_close()
 
     def state_dict(self) -> dict:  # type: ignore[override]
         """The inner optimizer's state dict plus, under ``"diloco"``, θ_global, the outer SGD,
@@ -434,7 +431,7 @@ class DiLoCo(torch.optim.Optimizer):
                          "outer": self.outer_optimizer.state_dict(),
                          "reducer": self._reducer.state_dict(),
                          "warmup_reducer": self._warmup_reducer.state_dict(),
-                         "config": repr(self.config), "rank": self._rank, "world": self._size}
+                         "config": repr(self.config), **self._envelope(self._counters["inner_steps"])}
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
@@ -452,7 +449,10 @@ class DiLoCo(torch.optim.Optimizer):
         if extra.get("config") != repr(self.config):
             raise ValueError(f"checkpoint was saved with {extra.get('config')}, this DiLoCo has "
                              f"{self.config!r}")
-        owner_check(extra, self._rank, self._size)
+        states = [extra["reducer"]["states"], extra.get("warmup_reducer", {}).get("states", [])]
+        if not self._check_envelope(extra, per_rank_state=has_tensor(states)):
+            self._agreed = False              # the next step raises the problem on every rank
+            return
         inner = {k: v for k, v in state_dict.items() if k != "diloco"}
         load_checked(self, inner, extra)
         self._agreed = False

@@ -11,36 +11,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["owner_check", "load_checked"]
+__all__ = ["has_tensor", "load_checked"]
 
 
-def _has_tensor(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return True
-    if isinstance(obj, dict):
-        return any(_has_tensor(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_has_tensor(v) for v in obj)
-    return False
-
-
-def owner_check(extra: dict, rank: int, world: int) -> None:
-    """Refuse another rank's compressor state (per-rank error feedback): resuming from it would
-    run, but not reproduce the uninterrupted run.
+def has_tensor(obj: Any) -> bool:
+    """Whether a nested state holds a tensor (per-rank state such as error-feedback residuals).
 
     Example::
 
-        owner_check(state_dict["diloco"], rank=0, world=2)
+        has_tensor({"residual": torch.zeros(3)})   # True
     """
-    saved, saved_world = extra.get("rank"), extra.get("world")
-    if saved_world is not None and saved_world != world:
-        raise ValueError(f"this checkpoint was saved by a DiLoCo over {saved_world} ranks; this one "
-                         f"has {world}")
-    states = [extra["reducer"]["states"], extra.get("warmup_reducer", {}).get("states", [])]
-    if saved is not None and saved != rank and _has_tensor(states):
-        raise ValueError(f"this checkpoint holds the compressor state of rank {saved} (per-rank "
-                         f"error-feedback memory); this is rank {rank}. Save opt.state_dict() on "
-                         "every rank and load each rank's own file")
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(has_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(has_tensor(v) for v in obj)
+    return False
 
 
 def load_checked(opt, inner: dict, extra: dict) -> None:

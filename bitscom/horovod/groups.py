@@ -5,7 +5,7 @@ group passed in, else the world, else — one process — ``None`` (every collec
 identity). Under a launcher that started more than one process but before ``bitscom.init()``
 it raises instead: silently returning this rank's own value (what ``allreduce`` used to do)
 trains each rank on its own, like an optimizer built before init (the
-library's one check, :func:`bitscom.lifecycle.require_group`).
+library's one check, :func:`bitscom.face.require_group`).
 
 Payload groups. Handles issue their header round on the call's group at call time and their
 payload round later, in call order; the payload goes to a second group so that a later
@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import lifecycle, runtime
+from .. import face, runtime
 from ..comm import Comm
 from .failures import peer_failure
 
@@ -32,14 +32,14 @@ __all__ = ["require_group", "face_group", "group_size", "group_device", "payload
 
 def require_group(process_group: Optional[Any], what: str) -> Optional[Any]:
     """The group ``what`` (e.g. ``"bitscom.allreduce"``) uses — the library's one
-    :func:`bitscom.lifecycle.require_group`: the given group, else the world, else ``None`` (a
+    :func:`bitscom.face.require_group`: the given group, else the world, else ``None`` (a
     single process); a clear error under a launcher before init, or on a non-member rank.
 
     Example::
 
         group = require_group(process_group, "bitscom.allreduce")
     """
-    return lifecycle.require_group(process_group, what)
+    return face.require_group(process_group, what)
 
 
 def face_group(process_group: Optional[Any], process_set: Optional[Any], what: str) -> Optional[Any]:

@@ -33,7 +33,7 @@ from typing import Any, Dict, Generator, List, Optional, Sequence, Set, Tuple, c
 
 import torch
 
-from ..lifecycle import live_objects
+from ..face import live_objects
 from ..comm import Comm, drive
 from ..ops import Average, ReduceOp, Sum
 from .args import check_name, label, resolve_op

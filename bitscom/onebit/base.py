@@ -11,17 +11,17 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..agreement import check_agreement
 from ..comm import Comm, drive
 from ..engine import comm_stats
-from ..lifecycle import StepFace, check_trainable, require_group
+from ..face import Face, check_trainable
+from ..lifecycle import StepFace
 from ..lowbit import LowBitState, all_reduce_rounds
 from .config import check_common
 
 __all__ = ["OneBitBase"]
 
 
-class OneBitBase(torch.optim.Optimizer):
+class OneBitBase(Face, torch.optim.Optimizer):
     """Base class: subclasses set ``_NAME``, build ``self.config`` in ``_make_config`` and
     implement ``_update(grad_flat)`` and ``_extra_state`` / ``_load_extra``."""
 
@@ -38,10 +38,8 @@ class OneBitBase(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float, weight_decay: float, group, settings: Dict[str, Any]):
         name = self._NAME
-        pg = require_group(group, name, warn_single=True)
-        self._group = pg
-        self._size = dist.get_world_size(pg) if pg is not None else 1
-        self._rank = dist.get_rank(pg) if pg is not None else 0
+        self._face_init(name, group)
+        pg = self._group = self.process_group
         # Validate on every rank, then compare: a bad value on one rank becomes the same error
         # on every rank instead of one rank raising while the others wait in a collective.
         error: Optional[Exception] = None
@@ -52,17 +50,16 @@ class OneBitBase(torch.optim.Optimizer):
             self._plan()
         except (TypeError, ValueError) as err:
             error = err
-        description: Dict[str, Any] = {
-            "settings error": None if error is None else f"{type(error).__name__}: {error}"}
+        description: Dict[str, Any] = {}
+        ddp = None
         if error is None:
-            description.update({"optimizer": name, "world size": self._size,
-                                "settings": repr(self.config),
+            ddp = self._ddp_wrapped(self._params)
+            description.update({"settings": repr(self.config),
                                 "groups": [(g["lr"], g["weight_decay"]) for g in self.param_groups],
-                                "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._params]})
-        if self._size > 1:
-            check_agreement(description, pg, what=f"{name} settings")
-        if error is not None:
-            raise error
+                                "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._params],
+                                "wrapped in DistributedDataParallel": ddp is not None})
+        self._face_agree(description, error, what=f"{name} settings")
+        self._refuse_ddp(ddp)
         if self._size > 1:        # every replica starts from rank 0's weights, as DDP does
             from ..broadcast import broadcast_parameters
             broadcast_parameters(list(self._params), root_rank=dist.get_global_rank(pg, 0),
@@ -114,6 +111,7 @@ class OneBitBase(torch.optim.Optimizer):
         if not params:
             raise ValueError(f"{self._NAME} got no parameters")
         self._params = params
+        self._plan_requires_grad([(f"param {i} of shape {tuple(p.shape)}", p) for i, p in enumerate(params)])
         sizes = [p.numel() for p in params]
         self._numel = sum(sizes)
         self._offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -214,6 +212,8 @@ class OneBitBase(torch.optim.Optimizer):
 
             loss.backward(); opt.step(); opt.zero_grad()
         """
+        self._check_live()
+        self._check_requires_grad()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -244,6 +244,7 @@ class OneBitBase(torch.optim.Optimizer):
                 loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
             opt.sync()
         """
+        self._check_live()
         if not self._agreed:
             self._agree_resumed()
 
@@ -280,7 +281,7 @@ class OneBitBase(torch.optim.Optimizer):
         out = super().state_dict()
         for g in out["param_groups"]:
             g.pop("exp_avg_mask", None)   # the user's masks stay the user's (as DeepSpeed)
-        out["onebit"] = {"optimizer": self._NAME, "rank": self._rank, "world size": self._size,
+        out["onebit"] = {"optimizer": self._NAME, **self._envelope(self._counters["step"]),
                          "settings": repr(self.config), "counters": dict(self._counters),
                          "exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone(),
                          "lowbit": self._lowbit.state_dict(), "extra": self._extra_state()}
@@ -298,11 +299,13 @@ class OneBitBase(torch.optim.Optimizer):
         extra = state_dict.get("onebit") if isinstance(state_dict, dict) else None
         if not isinstance(extra, dict) or extra.get("optimizer") != self._NAME:
             raise ValueError(f"not a {self._NAME} state dict (no matching 'onebit' entry)")
-        for key, mine in (("settings", repr(self.config)), ("world size", self._size), ("rank", self._rank)):
-            if extra.get(key) != mine:
-                raise ValueError(f"{self._NAME} state dict has {key}={extra.get(key)!r}, this "
-                                 f"optimizer {mine!r}; each rank loads its own checkpoint, made with "
-                                 "the same settings and world size")
+        if extra.get("settings") != repr(self.config):
+            raise ValueError(f"{self._NAME} state dict has settings={extra.get('settings')!r}, this "
+                             f"optimizer {self.config!r}; each rank loads its own checkpoint, made with "
+                             "the same settings and world size")
+        if not self._check_envelope(extra, per_rank_state=True):
+            self._agreed = False              # the next step raises the problem on every rank
+            return
         if extra["exp_avg"].numel() != self._numel:
             raise ValueError(f"{self._NAME} state dict has {extra['exp_avg'].numel()} elements, this "
                              f"model {self._numel}")
@@ -320,10 +323,22 @@ class OneBitBase(torch.optim.Optimizer):
         self._load_extra(extra["extra"])
         self._agreed = False
 
-    def _agree_resumed(self) -> None:
-        if self._size > 1:
-            check_agreement({"counters": {k: v for k, v in self._counters.items() if k != "bytes_sent"},
-                             "extra": {k: v for k, v in self._extra_state().items()
-                                       if not isinstance(v, torch.Tensor)}},
-                            self._group, what=f"{self._NAME} resumed state")
+    def _agree_resumed(self) -> None:  # type: ignore[override]
         self._agreed = True
+        Face._agree_resumed(self, {
+            "counters": {k: v for k, v in self._counters.items() if k != "bytes_sent"},
+            "extra": {k: v for k, v in self._extra_state().items() if not isinstance(v, torch.Tensor)}},
+            what=f"{self._NAME} resumed state")
+
+    def _release_groups(self) -> None:
+        self._group = None
+        self._comm = None
+
+    def close(self) -> None:
+        """Refuse further steps (the optimizer holds no hooks; its groups are the caller's).
+
+        Example::
+
+            opt.close()
+        """
+        self._face_close()

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .. import runtime
 from ..comm import Comm, gather_objects, wait
 from ..engine import ByteTotals, comm_stats
-from ..lifecycle import StepFace, StepLifecycle, check_trainable, ddp_owner, require_group
+from ..lifecycle import StepFace, StepLifecycle
 from ..node_groups import node_groups
 from ..ops import Average, ReduceOp
 from ..params import named_parameters_of
@@ -190,7 +190,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             fusion_threshold_mb=fusion_threshold_mb, backward_passes_per_step=backward_passes_per_step,
             op=op, seed=seed)
         named = named_parameters_of(optimizer, named_parameters)
-        check_trainable(named, "ShardedOptimizer", dtypes=_DTYPES)
+        self._face_init("ShardedOptimizer", process_group, named, warn_single=False, dtypes=_DTYPES)
         self._trainable = [(n, p) for n, p in named if p.requires_grad]
         if not self._trainable:
             raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
@@ -203,8 +203,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._master_dtype = torch.float64 if self._param_dtype == torch.float64 else torch.float32
         device = self._trainable[0][1].device
 
-        group = require_group(process_group, "ShardedOptimizer")
-        topo, layout = _resolve_topology(group, intra_group, inter_group, local_size)
+        topo, layout = _resolve_topology(self.process_group, intra_group, inter_group, local_size)
         pending_local = None
         if topo is None:
             group, world, rank, pending_local = layout
@@ -214,16 +213,13 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                                 topo.world, topo.rank, self.config.fusion_threshold_bytes,
                                 self.config.gradient_alltoall_pipeline,
                                 torch.empty((), dtype=self._master_dtype).element_size())
-        self._ddp = ddp_owner([p for _, p in self._trainable]) if topo.world > 1 else None
+        self._ddp = self._ddp_wrapped([p for _, p in self._trainable])
         self._static = self._describe(optimizer, topo, layout)
         self._life = StepLifecycle(self, "ShardedOptimizer", named, topo.group, backward_passes_per_step)
         self._life.agree()                      # every rank, before any other collective
         if layout != "consistent":
             raise RuntimeError(layout)
-        if self._ddp is not None:
-            raise TypeError(f"the model's parameters belong to a {self._ddp}; DDP would all-reduce "
-                            "them in full precision as well. Give ShardedOptimizer the unwrapped "
-                            "model's parameters: a model never wrapped in DDP (with Accelerate: prepare() only the data)")
+        self._refuse_ddp(self._ddp)
         if pending_local is not None and topo.world > 1 and self.config.quantized_gradients:
             intra, inter = node_groups(topo.group, pending_local)
             topo = Topology(topo.group, intra, inter, topo.world, topo.rank, pending_local)
@@ -562,6 +558,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         """
         self._reducer.abort()
         self._life.close()
+        self._face_close()
 
     # -- statistics ------------------------------------------------------------------------
     def comm_stats(self) -> dict:
@@ -612,7 +609,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         # A copy, not references to the live state (torch's default): loading it into another
         # optimizer in the same process must not make the two share moment buffers.
         return {"optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                "sharded": {"world": self.topo.world, "rank": self.topo.rank, "step": self._step_count,
+                "sharded": {**self._envelope(self._step_count), "step": self._step_count,
                             "plan": self.plan.describe(), "master": self._master.clone()}}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -629,6 +626,10 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             raise ValueError("not a ShardedOptimizer state dict (no 'sharded' entry); load a plain "
                              "optimizer's state before wrapping it")
         sh = state_dict["sharded"]
+        if sh["world"] == self.topo.world and sh["plan"] == self.plan.describe() and \
+                not self._check_envelope(sh, per_rank_state=True):   # another rank's shard: every
+            self._life.loaded(None)                                  # rank raises at the next step
+            return
         if sh["world"] != self.topo.world or sh["rank"] != self.topo.rank or sh["plan"] != self.plan.describe():
             raise ValueError(f"this shard checkpoint was written by rank {sh['rank']} of {sh['world']} "
                              f"with another plan; this is rank {self.topo.rank} of {self.topo.world}. "

@@ -1,0 +1,408 @@
+"""Face: what every face of bitscom is, written once.
+
+A *face* is what a user holds: ``DistributedOptimizer``, ``ShardedOptimizer``, ``DiLoCo``,
+``OneBitAdam`` / ``ZeroOneAdam``, the DDP hook's state, the FSDP2 handle. Faces differ in their
+plan (which buckets, which compressor) and their step. Everything around that is the same
+policy, and every defect found in testing sat in a face that had its own copy of a piece of it
+or skipped one. So the policy lives here, and a face inherits it:
+
+1. **Group and membership** (:meth:`Face._face_init`): the group is ``process_group`` or the
+   world group; before ``bitscom.init()`` under a launcher it is a clear error (never a silent
+   one-process run); a non-member rank is a clear error.
+2. **Liveness** (:meth:`Face._check_live`): the face remembers the world it was built in. After
+   ``bitscom.shutdown()`` (or ``dist.destroy_process_group()``, or a new ``init()``) every use is
+   the same clear error on every rank: each rank decides locally, so none waits on a peer.
+   ``runtime`` also tells every live face to drop its groups when the world goes
+   (:func:`release_all`), so a face kept alive cannot keep the old world's store listening
+   (that made a later ``init()`` wait for a store that never closed).
+3. **Construction checks**: trainable parameters (:func:`check_trainable`),
+   a model already wrapped in DDP (its full-precision all-reduce would run underneath,
+   uncounted), all refused the same way on every face.
+4. **Agreement** (:meth:`Face._face_agree`): settings are validated on every rank and then
+   compared, so a bad value on one rank is the same error on every rank; the description names
+   the face, the world size, parameter names/shapes/dtypes and the settings.
+5. **The checkpoint envelope** (:meth:`Face._envelope`, :meth:`Face._check_envelope`,
+   :func:`load_all_or_nothing`): who saved it (rank, world) and after how many steps. Another
+   rank's per-rank state is refused; in a multi-rank run the refusal is *deferred* to the next
+   step's agreement so that every rank raises it (a rank raising alone would leave the others
+   waiting in their next collective). A failed load leaves the face as it was.
+6. **Byte report** (:meth:`Face._report`): ``comm_stats()`` has one meaning on every face.
+7. ``close()`` bookkeeping.
+
+Example::
+
+    class MyFace(Face):
+        def __init__(self, named, process_group=None):
+            self._face_init("MyFace", process_group, named)
+            self._face_agree({"parameters": describe_parameters(named)})
+
+        def step(self):
+            self._check_live()
+            ...
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import runtime
+from .agreement import check_agreement, require_member
+from .comm import resolve_group
+
+__all__ = ["Face", "require_group", "check_trainable", "ddp_owner", "live_objects", "describe_parameters", "raise_problem", "load_all_or_nothing", "release_all", "dense_bytes",
+           "report"]
+
+_live: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def release_all() -> None:
+    """Drop every live face's process groups: the world they were built in is gone.
+
+    Called by :mod:`bitscom.runtime` at ``shutdown()`` and when ``init()`` finds the recorded
+    world destroyed. A face (or anything under it) that still held the old world's groups would
+    keep that world's TCPStore listening, and the next rendezvous would wait on it.
+
+    Example::
+
+        bitscom.face.release_all()
+    """
+    for face in list(_live):
+        face._release_world()
+
+
+runtime.on_world_gone(release_all)
+
+
+def describe_parameters(named: Sequence[Tuple[str, torch.Tensor]]) -> list:
+    """(name, shape, dtype) of each parameter: what every rank must agree on.
+
+    Example::
+
+        describe_parameters(list(model.named_parameters()))
+    """
+    return [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+
+
+def dense_bytes(numel: int) -> int:
+    """What ``numel`` fp32 gradient elements cost uncompressed: the one baseline every face's
+    ``compression_ratio`` divides by.
+
+    Example::
+
+        dense_bytes(1000)   # 4000
+    """
+    return int(numel) * 4
+
+
+def report(bytes_sent: int, dense: int, *, total_sent: Optional[int] = None,
+           total_dense: Optional[int] = None, **extra) -> dict:
+    """The byte report of every face's ``comm_stats()``.
+
+    ``bytes_sent`` / ``dense_bytes``: the last step that communicated on this rank for faces
+    that communicate every step (``DistributedOptimizer``, ``ShardedOptimizer``, the DDP hook),
+    the whole run for faces that communicate every few steps (``DiLoCo``, ``OneBitAdam``,
+    ``ZeroOneAdam``, the FSDP2 handle), where one step says nothing. ``total_bytes_sent`` /
+    ``total_dense_bytes``: since construction on every face. ``compression_ratio`` is
+    ``dense_bytes / bytes_sent`` (NaN before anything was sent).
+
+    Example::
+
+        report(1000, 32000)["compression_ratio"]   # 32.0
+    """
+    stats = dict(extra, bytes_sent=int(bytes_sent), dense_bytes=int(dense))
+    stats["total_bytes_sent"] = int(bytes_sent if total_sent is None else total_sent)
+    stats["total_dense_bytes"] = int(dense if total_dense is None else total_dense)
+    stats["compression_ratio"] = dense / bytes_sent if bytes_sent else float("nan")
+    return stats
+
+
+def load_all_or_nothing(save: Callable[[], Any], load: Callable[[], None],
+                        restore: Callable[[Any], None]) -> None:
+    """Run ``load()``; if it raises, put back what ``save()`` captured before and re-raise.
+
+    Example::
+
+        load_all_or_nothing(reducer.state_dict, lambda: reducer.load_state_dict(new),
+                            reducer.load_state_dict)
+    """
+    backup = save()
+    try:
+        load()
+    except BaseException:
+        restore(backup)
+        raise
+
+
+def require_group(process_group, face: str, *, warn_single: bool = False):
+    """The group ``face`` reduces over (``process_group`` or the world group), or ``None`` for
+    one process; a clear error instead of a silent local run when a launcher started several
+    processes but torch.distributed is not initialized, or when this rank is not a member.
+
+    Example::
+
+        group = require_group(None, "ShardedOptimizer")
+    """
+    group = resolve_group(process_group)
+    if group is None:
+        info = runtime.discover()
+        if info.size > 1:
+            raise RuntimeError(
+                f"{face} was used before bitscom.init(): the launcher ({info.launcher}) started "
+                f"{info.size} processes but torch.distributed is not initialized, so it would run "
+                "each rank on its own and the replicas would diverge. Call bitscom.init() (or "
+                "torch.distributed.init_process_group) first.")
+        if warn_single and not runtime.is_initialized():
+            warnings.warn(f"bitscom.{face}: neither bitscom.init() nor torch.distributed was "
+                          "initialized, so it runs as a plain single-process optimizer; call "
+                          "bitscom.init() first (a no-op for one process) to silence this warning",
+                          stacklevel=3)
+        return None
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of "
+                         f"process_group (ranks {dist.get_process_group_ranks(group)}); build "
+                         f"{face} on member ranks only")
+    require_member(group, face)
+    return group
+
+
+def check_trainable(named: Sequence[Tuple[str, torch.Tensor]], face: str,
+                    dtypes: Optional[Sequence[torch.dtype]] = None) -> None:
+    """Refuse parameters no face can reduce: meta tensors (no data), non-floating or complex
+    trainable parameters, sparse layouts, and (when ``dtypes`` is given) other dtypes.
+
+    Example::
+
+        check_trainable(list(model.named_parameters()), "DistributedOptimizer")
+    """
+    for name, p in named:
+        if p.is_meta:
+            raise ValueError(f"parameter {name!r} is on the meta device (it has no data); "
+                             "materialize the model (e.g. model.to_empty(device=...) and "
+                             f"initialize it) before building {face}")
+        if not p.requires_grad:
+            continue
+        if p.is_complex():
+            raise TypeError(f"parameter {name!r} is complex ({p.dtype}); bitscom reduces real "
+                            "tensors only (view it with torch.view_as_real)")
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only floating-point "
+                            "parameters can be trained")
+        if p.layout != torch.strided:
+            raise TypeError(f"parameter {name!r} is not dense ({p.layout}); {face} reduces dense "
+                            "parameters")
+        if dtypes is not None and p.dtype not in dtypes:
+            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; {face} allows {list(dtypes)}")
+
+
+def ddp_owner(params: Sequence[torch.Tensor], objects: Optional[list] = None) -> Optional[str]:
+    """The class name of a ``DistributedDataParallel`` module that owns any of ``params``, or
+    ``None``. A model already wrapped in DDP (e.g. by Accelerate's ``prepare()``) would be
+    reduced twice — DDP's full-precision all-reduce in backward, then ours — while
+    ``comm_stats()`` reported only ours; the faces refuse it.
+
+    Example::
+
+        assert ddp_owner(list(model.parameters())) is None
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ours = {id(p) for p in params}
+    for obj in (live_objects(DDP) if objects is None else objects):
+        if isinstance(obj, DDP) and any(id(p) in ours for p in obj.module.parameters()):
+            return type(obj).__name__
+    return None
+
+
+def live_objects(types) -> list:
+    """Every live object of ``types`` (one garbage-collector scan, at construction only): how a
+    face finds modules that own its parameters (a DDP wrapper, sparse embeddings) when the user
+    handed it only the parameters. Deprecated torch objects warn when inspected; silenced.
+
+    Example::
+
+        embeddings = live_objects((torch.nn.Embedding,))
+    """
+    wanted: Dict[type, bool] = {}        # each type's answer once: the scan is one dict lookup per object
+    found = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            cls = type(obj)
+            hit = wanted.get(cls)
+            if hit is None:
+                hit = wanted[cls] = issubclass(cls, types)
+            if hit:
+                found.append(obj)
+    return found
+
+
+def raise_problem(description: Dict[str, Any]) -> None:
+    """After an agreement passed: every rank had the very same checkpoint problem (so the
+    descriptions agreed); raise it.
+
+    Example::
+
+        raise_problem({"checkpoint problem": None})    # nothing to raise
+    """
+    if description.get("checkpoint problem"):
+        raise RuntimeError(description["checkpoint problem"])
+
+
+class Face:
+    """The base of every face; see the module docstring for what it owns.
+
+    State it keeps: ``process_group`` (None for one process), ``_rank``, ``_size``,
+    ``_face_name``, ``_face_closed``, ``_face_problem`` (a checkpoint problem waiting for the
+    next agreement).
+
+    Example::
+
+        class MyFace(Face):
+            def __init__(self, named, process_group=None):
+                self._face_init("MyFace", process_group, named)
+    """
+
+    _face_name = "face"
+    _face_closed = False
+    _face_released = False
+    _face_problem: Optional[str] = None
+
+    # -- construction --------------------------------------------------------------------------
+    def _face_init(self, name: str, process_group, named: Optional[Sequence[Tuple[str, torch.Tensor]]] = None,
+                   *, warn_single: bool = True, dtypes=None) -> None:
+        """Resolve the group (or a clear error), remember the world, check the parameters."""
+        self._face_name = name
+        group = require_group(process_group, name, warn_single=warn_single)
+        self.process_group = group
+        self._size = dist.get_world_size(group) if group is not None else 1
+        self._rank = dist.get_rank(group) if group is not None else 0
+        self._world = runtime.world_token() if group is not None else None
+        self._face_closed = False
+        self._face_problem = None
+        self._face_planned: list = []
+        if named is not None:
+            check_trainable(named, name, dtypes)
+            self._plan_requires_grad(named)
+        _live.add(self)
+
+    def _plan_requires_grad(self, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
+        """Remember which parameters train: plans (buckets, flat momentum) are made once."""
+        self._face_planned = [(n, p, p.requires_grad) for n, p in named]
+
+    def _check_requires_grad(self) -> None:
+        """A parameter frozen or unfrozen since construction is the same clear error on every
+        face (the plan was made once: a frozen parameter would still move under a flat momentum
+        or an outer step, an unfrozen one would never be reduced)."""
+        for name, p, planned in self._face_planned:
+            if p.requires_grad != planned:
+                change = "unfrozen" if p.requires_grad else "frozen"
+                raise RuntimeError(
+                    f"parameter {name!r} was {change} (requires_grad={p.requires_grad}) after "
+                    f"{self._face_name} was built; bitscom plans once, so it would be updated "
+                    "wrongly. close() this optimizer and build a new one after changing "
+                    "requires_grad")
+
+    def _ddp_wrapped(self, params: Sequence[torch.Tensor], found: Optional[list] = None) -> Optional[str]:
+        """The DDP class owning any of ``params`` (multi-rank only: one process has no DDP)."""
+        return ddp_owner(params, found) if self._size > 1 else None
+
+    def _refuse_ddp(self, owner: Optional[str]) -> None:
+        """Raise (after the agreement, so on every rank alike) if the model is DDP-wrapped."""
+        if owner is None:
+            return
+        raise TypeError(
+            f"the model's parameters belong to a {owner} (e.g. from Accelerate's prepare()): DDP "
+            f"already all-reduces them in full precision during backward, so {self._face_name} "
+            "would communicate on top of it and comm_stats() would hide DDP's traffic. Give "
+            f"{self._face_name} a model that was never wrapped in DDP (with Accelerate: prepare() "
+            "only the data loader, see docs/integrations.md), or keep DDP and compress with "
+            "bitscom.ddp_comm_hook instead")
+
+    def _face_agree(self, description: Dict[str, Any], error: Optional[BaseException] = None,
+                    what: Optional[str] = None) -> None:
+        """Compare ``description`` across ranks; raise ``error`` (a local validation error) on
+        this rank only after every rank has seen it, so all ranks raise together."""
+        desc: Dict[str, Any] = {"settings error": None if error is None else f"{type(error).__name__}: {error}"}
+        if error is None:
+            desc.update({"face": self._face_name, "world size": self._size})
+            desc.update(description)
+        if self._size > 1:
+            check_agreement(desc, self.process_group, what=what or f"{self._face_name} plan")
+        if error is not None:
+            raise error
+
+    # -- liveness -------------------------------------------------------------------------------
+    def _check_live(self) -> None:
+        """A clear error if this face was closed or its world is gone (decided locally)."""
+        if self._face_closed:
+            raise RuntimeError(f"this {self._face_name} was closed; build a new one")
+        if self._size > 1 and (self._face_released or runtime.world_token() != self._world):
+            raise RuntimeError(
+                f"this {self._face_name} was built in a process group that has since been shut down "
+                "(bitscom.shutdown() or dist.destroy_process_group()"
+                + (", and bitscom.init() started a new one" if dist.is_initialized() else "")
+                + f"); its groups are gone. Build a new {self._face_name} (and its model replicas) "
+                "after bitscom.init()")
+
+    def _release_world(self) -> None:
+        """The world is gone: drop the groups (see :func:`release_all`); uses then raise."""
+        self._face_released = True
+        self.process_group = None
+        self._release_groups()
+
+    def _release_groups(self) -> None:
+        """Faces drop whatever else holds groups (their reducers, lifecycles); overridden."""
+
+    # -- the checkpoint envelope ---------------------------------------------------------------
+    def _envelope(self, steps: int) -> Dict[str, Any]:
+        """Who saved a checkpoint and when: stored beside the face's state."""
+        return {"face": self._face_name, "rank": self._rank, "world": self._size, "steps": int(steps)}
+
+    def _check_envelope(self, saved: Dict[str, Any], per_rank_state: bool) -> bool:
+        """Whether ``saved`` (an envelope) may be loaded here. A different world size is a
+        ValueError now (every rank sees the same mismatch). Another rank's per-rank state
+        (``per_rank_state``: error-feedback residuals) is a ValueError now for one process, and
+        otherwise a problem raised on every rank at the next agreement: returns False then, and
+        the caller loads nothing."""
+        world = saved.get("world", saved.get("world size"))
+        if world is not None and world != self._size:
+            raise ValueError(f"this checkpoint was saved by a {self._face_name} over {world} ranks; "
+                             f"this one has {self._size}")
+        rank = saved.get("rank")
+        if rank is None or rank == self._rank or not per_rank_state:
+            return True
+        problem = (f"rank {self._rank} was given the checkpoint of rank {rank} of {world} (per-rank "
+                   "error-feedback memory), so resuming would not reproduce the run. Save "
+                   "opt.state_dict() on every rank (e.g. f'opt.{bitscom.rank()}.pt') and load each "
+                   "rank's own file, use bitscom.checkpointing.save/load (DCP, per-rank keys), or "
+                   "drop the compressor state to restart it from zero")
+        if self._size == 1:
+            raise ValueError(problem)
+        self._face_problem = problem
+        return False
+
+    def _deferred_problem(self) -> Dict[str, Any]:
+        """The agreement entry that carries a deferred checkpoint problem to every rank (taken:
+        asked once per agreement). Ranks with and without a problem then disagree, which is the
+        same RuntimeError, naming the problem, on every rank."""
+        problem, self._face_problem = self._face_problem, None
+        return {"checkpoint problem": problem}
+
+    def _agree_resumed(self, description: Dict[str, Any], what: str) -> None:
+        """After a load, before the next collective: the ranks compare what they resumed
+        (``description``: step counters, state shapes) and any deferred checkpoint problem, so a
+        stale or foreign checkpoint on one rank is the same RuntimeError on every rank."""
+        desc = dict(description, **self._deferred_problem())
+        if self._size > 1:
+            check_agreement(desc, self.process_group, what=what)
+        raise_problem(desc)
+
+    # -- reporting, closing ------------------------------------------------------------------
+    def _face_close(self) -> None:
+        self._face_closed = True
+        _live.discard(self)
