@@ -14,10 +14,10 @@ import dataclasses
 from typing import Dict, Optional
 
 import torch
-import torch.distributed as dist
 
 from .. import runtime
-from ..agreement import check_agreement
+from ..agreement import describe_state
+from ..face import Face, describe_parameters, load_all_or_nothing
 from ..engine import comm_stats as _stats
 from ..lowbit.config import LowBitConfig
 from ..lowbit.state import LowBitState
@@ -75,7 +75,7 @@ def _levels(cfg: LowBitConfig, intra_group, inter_group):
     return intra_group, inter_group
 
 
-class FSDPCompression:
+class FSDPCompression(Face):
     """What :func:`compress` installed on one model: byte counts and the per-module states.
 
     Attributes:
@@ -91,8 +91,26 @@ class FSDPCompression:
         torch.save(handle.state_dict(), "fsdp_lowbit.pt")
     """
 
-    def __init__(self, config: LowBitConfig, states: Dict[str, LowBitState], counter: ByteCount):
+    def __init__(self, config: LowBitConfig, states: Dict[str, LowBitState], counter: ByteCount,
+                 process_group=None):
         self.config, self.states, self.counter = config, states, counter
+        self._face_init("bitscom.fsdp.compress", process_group, warn_single=False)
+        self._resumed = False
+
+    def _before(self) -> None:
+        """Before each reduce-scatter: the world is alive, and after a load every rank resumed
+        the same reduce-scatter count with states of the same shapes (the first reduce-scatter
+        after a load is collective on every rank, so the check cannot hang)."""
+        self._check_live()
+        if self._resumed:
+            self._resumed = False
+            self._agree_resumed({"reduce-scatters": self.counter.calls,
+                                 "states": {k: describe_state(s) for k, s in sorted(self.states.items())}},
+                                what="bitscom.fsdp resumed state")
+
+    def _release_groups(self) -> None:
+        for rs in self._reduce_scatters:
+            rs.process_group = rs.levels = None
 
     def comm_stats(self) -> dict:
         """``bytes_sent`` / ``dense_bytes`` / ``compression_ratio`` of the gradient
@@ -112,18 +130,28 @@ class FSDPCompression:
     def state_dict(self) -> dict:
         """Step counters and error-feedback residuals, per module (this rank's; every rank saves
         its own, like an optimizer's sharded state)."""
-        return {"config": repr(self.config), "states": {k: s.state_dict() for k, s in self.states.items()}}
+        return {"config": repr(self.config), "states": {k: s.state_dict() for k, s in self.states.items()},
+                "calls": self.counter.calls, **self._envelope(self.counter.calls)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output; the modules and settings must be the same."""
+        """Restore this rank's own :meth:`state_dict`; the modules and settings must be the same.
+        Another rank's state, or another step's on one rank, is the same error on every rank at
+        the next reduce-scatter (loading it would resume, but not reproduce the run)."""
+        if not isinstance(state, dict) or "states" not in state:
+            raise ValueError("not a bitscom.fsdp handle state dict (no 'states' entry)")
         if state.get("config") != repr(self.config):
             raise ValueError(f"checkpoint was written with {state.get('config')}, this model is "
                              f"compressed with {self.config!r}")
         saved = state["states"]
         if set(saved) != set(self.states):
             raise ValueError(f"checkpoint has FSDP modules {sorted(saved)}, this model {sorted(self.states)}")
-        for name, s in self.states.items():
-            s.load_state_dict(saved[name])
+        self._resumed = True                  # the next reduce-scatter compares the ranks
+        if not self._check_envelope(state, per_rank_state=True):
+            return
+        backup = {name: s.state_dict() for name, s in self.states.items()}
+        load_all_or_nothing(lambda: backup, lambda: [s.load_state_dict(saved[n]) for n, s in self.states.items()],
+                            lambda b: [s.load_state_dict(b[n]) for n, s in self.states.items()])
+        self.counter.calls = int(state.get("calls", self.counter.calls))
 
 
 def compress(module: torch.nn.Module, gradients=None, weights=None, process_group=None, *,
@@ -171,21 +199,23 @@ def compress(module: torch.nn.Module, gradients=None, weights=None, process_grou
         raise RuntimeError("this model is already compressed by bitscom.fsdp.compress; use the handle "
                            "it returned (or bitscom.fsdp.handle(model))")
     names = [name for name, sub in module.named_modules() if isinstance(sub, FSDPModule) and _param_groups(sub)]
-    if dist.is_initialized() and dist.get_world_size(process_group) > 1:
-        # Ranks with other settings (bit width, error feedback, hierarchy) or other sharded
-        # modules would exchange bytes of different formats: a gloo abort, or silently mixed
-        # bytes (error feedback on one rank only). The same error on every rank instead.
-        fields = {f"gradients.{f.name}": repr(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-        check_agreement({**fields, "sharded modules": names}, process_group, "bitscom.fsdp.compress settings")
-    states: Dict[str, LowBitState] = {}
-    counter = ByteCount()
+    states: Dict[str, LowBitState] = {name: LowBitState() for name in names}
+    compression = FSDPCompression(cfg, states, ByteCount(), process_group)
+    # Ranks with other settings (bit width, error feedback, hierarchy), other sharded modules or
+    # other parameter shapes would exchange bytes of different formats or sizes: a gloo abort,
+    # or silently mixed bytes (error feedback on one rank only). The same error on every rank.
+    fields = {f"gradients.{f.name}": repr(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    compression._face_agree({**fields, "sharded modules": names,
+                             "parameters": describe_parameters(list(module.named_parameters()))},
+                            what="bitscom.fsdp.compress settings")
+    compression._reduce_scatters = []
     for name, sub in module.named_modules():
         if name not in names:
             continue
-        states[name] = LowBitState()
-        sub.set_custom_reduce_scatter(LowBitReduceScatter(cfg, name, states[name], counter, process_group,
-                                                          levels, _divide_factor(sub)))
-    compression = FSDPCompression(cfg, states, counter)
+        rs = LowBitReduceScatter(cfg, name, states[name], compression.counter, process_group, levels,
+                                 _divide_factor(sub), before=compression._before)
+        compression._reduce_scatters.append(rs)
+        sub.set_custom_reduce_scatter(rs)
     setattr(module, _ATTR, compression)
     return compression
 

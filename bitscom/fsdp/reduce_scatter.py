@@ -92,6 +92,7 @@ class LowBitReduceScatter:
             have FSDP's ranks, in FSDP's order (checked on first use).
         levels: ``(intra_group, inter_group)`` for ``hierarchy="two_level"``.
         divide_factor: callable returning the module's gradient divide factor (old torch only).
+        before: called before every reduce-scatter (the handle's liveness and resume checks).
 
     Example::
 
@@ -100,9 +101,10 @@ class LowBitReduceScatter:
     """
 
     def __init__(self, cfg: LowBitConfig, key: str, state: LowBitState, counter: ByteCount,
-                 process_group=None, levels=None, divide_factor=None):
+                 process_group=None, levels=None, divide_factor=None, before=None):
         self.cfg, self.key, self.state, self.counter = cfg, key, state, counter
         self.process_group, self.levels, self.divide_factor = process_group, levels, divide_factor
+        self.before = before
         self._checked = None
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -113,6 +115,8 @@ class LowBitReduceScatter:
                  async_op: bool = False) -> Optional[object]:
         """``output_tensor`` = this rank's shard of the reduced ``input_tensor``; synchronous
         (returns ``None``: FSDP's protocol allows it and FSDP ignores the return value)."""
+        if self.before is not None:
+            self.before()
         group = self._group(group)
         alpha = reduce_scale(op, dist.get_world_size(group), self.divide_factor)
         acc = output_tensor if output_tensor.dtype == torch.float32 else \
