@@ -326,17 +326,37 @@ class _PreviousStore:
     """
 
     store: Any = None
+    world_id: Optional[str] = None
+    KEY = "bitscom/world-id"
 
     @classmethod
     def remember(cls, info: LaunchInfo) -> None:
-        cls.store = None
-        if info.rank == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        """Name this world in its store (rank 0 writes a fresh id, the others read it) and, on
+        ranks other than 0, keep a client of the store. The id tells the old server from a new
+        one on the same port: rank 0 may already serve the *next* world there when another rank
+        looks (a check for "any server" then waited for a server that was the new one)."""
+        cls.store, cls.world_id = None, None
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             return                    # torchrun's agent hosts a store that outlives every world
         getter = getattr(dist.distributed_c10d, "_get_default_store", None)
         try:
-            cls.store = getter() if getter is not None else None
+            store = getter() if getter is not None else None
+            if store is None:
+                return
+            if info.rank == 0:
+                store.set(cls.KEY, f"{os.getpid()}-{time.time_ns()}")
+                return
+            cls.world_id = store.get(cls.KEY).decode()
+            cls.store = store
         except (RuntimeError, ValueError):
-            cls.store = None
+            cls.store, cls.world_id = None, None
+
+    @classmethod
+    def _old_server_up(cls, store) -> bool:
+        try:
+            return bool(store.check([cls.KEY])) and store.get(cls.KEY).decode() == cls.world_id
+        except (RuntimeError, OSError):                   # DistNetworkError: it is gone
+            return False
 
     @classmethod
     def wait_until_gone(cls, timeout: Optional[datetime.timedelta]) -> None:
@@ -346,25 +366,29 @@ class _PreviousStore:
         limit = (timeout or datetime.timedelta(minutes=30)).total_seconds()
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
-            try:
-                store.check(["bitscom/previous-world"])       # answers while the server is up
-            except (RuntimeError, OSError):                   # DistNetworkError: it is gone
+            if not cls._old_server_up(store):
                 return
             time.sleep(0.05)
         raise RuntimeError(
             f"bitscom.init(): the previous world's store (rank 0's, at MASTER_PORT) is still up "
             f"after {limit:.0f} s; call bitscom.shutdown() (or dist.destroy_process_group()) on "
-            "every rank, rank 0 included, before init() starts a new world")
+            "every rank, rank 0 included, before init() starts a new world, and release what "
+            "still holds its process groups")
 
 
 def _start(info: LaunchInfo, backend: str, timeout: Optional[datetime.timedelta]) -> None:
     """``init_process_group`` from the launcher's rendezvous (env:// or tcp://), after the
     previous world's store is gone (see :class:`_PreviousStore`)."""
-    _PreviousStore.wait_until_gone(timeout)
+    port = _NextWorld.take()
+    if port is None:                  # a new port needs no wait: the old server may live on
+        _PreviousStore.wait_until_gone(timeout)
+    _PreviousStore.store = None
     kwargs: dict = {"backend": backend, "rank": info.rank, "world_size": info.size}
     if timeout is not None:
         kwargs["timeout"] = timeout
-    if info.launcher == "torchrun":
+    if port is not None and info.master_addr is not None:
+        kwargs["init_method"] = f"tcp://{info.master_addr}:{port}"
+    elif info.launcher == "torchrun":
         kwargs["init_method"] = "env://"
     else:
         addr, port = (info.master_addr, info.master_port)
@@ -550,9 +574,51 @@ def shutdown() -> None:
         bitscom.init(); train(); bitscom.shutdown()
     """
     if _rt.owns_pg and not _rt.stale() and dist.is_initialized():
+        _NextWorld.agree_port(_rt.info)
         dist.destroy_process_group()
     _world_gone()
     _rt.reset()
+
+
+class _NextWorld:
+    """The port the next world started by :func:`init` in this process rendezvouses on.
+
+    Why: torch does not always free a destroyed world. Once ``torch._dynamo`` is imported
+    (creating any ``torch.optim`` optimizer imports it), the default group outlives
+    ``dist.destroy_process_group()``, and with it rank 0's store server keeps listening on
+    MASTER_PORT. A new world rendezvousing on the same port then meets the old server (rank 1
+    waited for it to close, rank 0 waited for rank 1: a hang). So :func:`shutdown`, which every
+    rank calls, agrees on a fresh port through the old store before it destroys the world.
+    """
+
+    port: Optional[int] = None
+    KEY = "bitscom/next-port"
+
+    @classmethod
+    def agree_port(cls, info: Optional[LaunchInfo]) -> None:
+        cls.port = None
+        if info is None or info.size < 2 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            if info.rank == 0:
+                with socket.socket() as sock:
+                    sock.bind(("", 0))
+                    store.set(cls.KEY, str(sock.getsockname()[1]))
+            port = int(store.get(cls.KEY))
+            store.add(cls.KEY + "/read", 1)
+            if info.rank == 0:               # keep the store up until every rank has read it
+                deadline = time.monotonic() + (timeout() or datetime.timedelta(minutes=30)).total_seconds()
+                while store.add(cls.KEY + "/read", 0) < info.size and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        except (RuntimeError, ValueError, OSError):
+            return                             # a peer is gone: the next init uses MASTER_PORT
+        cls.port = port
+
+    @classmethod
+    def take(cls) -> Optional[int]:
+        port, cls.port = cls.port, None
+        return port
 
 
 def is_initialized() -> bool:

@@ -1,0 +1,234 @@
+"""The face contract: every face of bitscom, through the same checks, on 2 gloo ranks.
+
+A face joins by one line in ``face_specs.SPECS``. What every face must do (DESIGN.md, "one
+stack under every face"; issue 32):
+
+* a setting or a parameter shape that differs on one rank: the same clear error on every rank;
+* a model already wrapped in DDP: the same clear error on every rank;
+* before ``bitscom.init()`` under a launcher: a clear error; one process after ``init()``: no
+  warning telling the user to call ``init()``;
+* after ``bitscom.shutdown()``, and after a new ``init()`` with the face still alive: a clear
+  error on every rank (decided locally: nobody waits on a peer);
+* another rank's checkpoint, or a stale one on one rank: the same clear error on every rank at
+  the next step, or an exact resume;
+* NaN on one rank is visible on every rank once the face communicated;
+* replicas bitwise identical after training (``sync()`` first where a face has local steps);
+* 20 build/step/close cycles leak no process groups, threads or file descriptors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import bitscom
+from distpool import WorkerPool
+from face_specs import SPECS, build, flat_parameters, train_step
+
+NAMES = [s.name for s in SPECS]
+BY_NAME = {s.name: s for s in SPECS}
+
+
+def _outcome(fn):
+    """("ok", value) or (exception type name, message)."""
+    try:
+        return ("ok", fn())
+    except Exception as err:  # noqa: BLE001 — the contract compares what each rank raised
+        return (type(err).__name__, str(err))
+
+
+def _train(spec, model, opt, rank, steps, start=0):
+    for step in range(start, start + steps):
+        train_step(opt, model, rank, step)
+
+
+def _finish(opt):
+    if hasattr(opt, "sync"):
+        opt.sync()
+
+
+# -- mismatches: the same clear error on every rank --------------------------------------------
+
+def _mismatch(rank, world, name, what):
+    spec = BY_NAME[name]
+    if what == "setting":
+        setting = spec.mismatch if rank == 1 else {}
+        return _outcome(lambda: build(spec, rank, **setting) and None)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8 + rank), torch.nn.Tanh(), torch.nn.Linear(8 + rank, 3))
+    return _outcome(lambda: spec.build(model) and None)
+
+
+@pytest.mark.parametrize("what", ["setting", "shape"])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_mismatch_is_one_clear_error_on_every_rank(pools, name, what):
+    results = pools.run(2, _mismatch, name, what)
+    assert all(kind == "RuntimeError" and "disagree" in msg for kind, msg in results), results
+
+
+def _ddp_wrapped(rank, world, name):
+    spec = BY_NAME[name]
+    model = torch.nn.Linear(6, 3)
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    try:
+        return _outcome(lambda: spec.build(model) and None)
+    finally:
+        del wrapped
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_ddp_wrapped_model_is_refused_on_every_rank(pools, name):
+    results = pools.run(2, _ddp_wrapped, name)
+    assert all(kind == "TypeError" and "DistributedDataParallel" in msg for kind, msg in results), results
+
+
+# -- one process ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_before_init_under_a_launcher_is_a_clear_error(monkeypatch, name):
+    assert not dist.is_initialized()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"before bitscom.init\(\).*2 processes"):
+        build(BY_NAME[name], 0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_process_after_init_does_not_ask_for_init(name):
+    bitscom.init()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model, opt = build(BY_NAME[name], 0)
+            _train(BY_NAME[name], model, opt, 0, 2)
+    finally:
+        bitscom.shutdown()
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+def _foreign_checkpoint(rank, world, name, stale):
+    """Every rank loads rank 0's checkpoint (``stale=False``), or rank 1 loads its own from one
+    step earlier (``stale=True``); then one more step."""
+    spec = BY_NAME[name]
+    model, opt = build(spec, rank)
+    steps = spec.steps_to_communicate * 2
+    _train(spec, model, opt, rank, steps - 1)
+    early = opt.state_dict()
+    _train(spec, model, opt, rank, 1, start=steps - 1)
+    mine = opt.state_dict()
+    shared = [mine]
+    dist.broadcast_object_list(shared, src=0)
+    chosen = (early if rank == 1 else mine) if stale else shared[0]
+    loaded = _outcome(lambda: opt.load_state_dict(chosen))
+    stepped = _outcome(lambda: (_train(spec, model, opt, rank, spec.steps_to_communicate, start=steps),
+                                _finish(opt)))
+    opt.close()
+    return loaded, stepped, flat_parameters(model)
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["rank0-everywhere", "stale-on-rank1"])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_foreign_or_stale_checkpoint_is_one_error_on_every_rank_or_an_exact_resume(pools, name, stale):
+    results = pools.run(2, _foreign_checkpoint, name, stale)
+    loads = [r[0] for r in results]
+    steps = [r[1] for r in results]
+    assert all(kind in ("ok", "ValueError") for kind, _ in loads), loads
+    if all(kind == "ok" for kind, _ in steps):
+        assert not stale, "a stale checkpoint on one rank resumed silently"
+        assert torch.equal(results[0][2], results[1][2]), "resumed, but the replicas differ"
+    else:
+        kinds = {kind for kind, _ in steps}
+        assert kinds == {"RuntimeError"}, steps
+        assert all("checkpoint" in msg or "steps" in msg or "counters" in msg or "reduce-scatters" in msg
+                   for _, msg in steps), steps
+
+
+# -- NaN, replicas -------------------------------------------------------------------------------
+
+def _nan_and_replicas(rank, world, name):
+    spec = BY_NAME[name]
+    model, opt = build(spec, rank)
+    _train(spec, model, opt, rank, 2 * spec.steps_to_communicate + 1)
+    _finish(opt)
+    clean = flat_parameters(model)
+    train_step(opt, model, rank, 99, poison=(rank == 1))
+    for step in range(1, spec.steps_to_communicate):
+        train_step(opt, model, rank, 99 + step)
+    opt.close()
+    return clean, bool(torch.isfinite(flat_parameters(model)).all())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_replicas_identical_and_nan_visible_on_every_rank(pools, name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (clean0, finite0), (clean1, finite1) = pools.run(2, _nan_and_replicas, name)
+    assert torch.equal(clean0, clean1), "replicas differ"
+    assert not finite0 and not finite1, "a NaN on rank 1 did not reach every rank"
+
+
+# -- leaks ----------------------------------------------------------------------------------------
+
+def _counts():
+    gc.collect()
+    groups = len(dist.distributed_c10d._world.pg_map)
+    return groups, threading.active_count(), len(os.listdir("/proc/self/fd"))
+
+
+def _cycles(rank, world, name, n):
+    spec = BY_NAME[name]
+    seen = []
+    for _ in range(n):
+        model, opt = build(spec, rank)
+        _train(spec, model, opt, rank, spec.steps_to_communicate)
+        opt.close()
+        del model, opt
+        seen.append(_counts())
+    return seen[1], seen[-1]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_twenty_cycles_leak_no_groups_threads_or_fds(pools, name):
+    for first, last in pools.run(2, _cycles, name, 20):
+        assert last == first, f"(groups, threads, fds) after cycle 2 {first}, after cycle 20 {last}"
+
+
+# -- the world goes away ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def own_pool():
+    """A private pool: these tests shut the world down and start it again."""
+    p = WorkerPool(2)
+    yield p
+    p.close()
+
+
+def _after_shutdown(rank, world, name, reinit):
+    spec = BY_NAME[name]
+    model, opt = build(spec, rank)
+    _train(spec, model, opt, rank, spec.steps_to_communicate)
+    bitscom.shutdown()
+    if reinit:
+        bitscom.init(timeout=datetime.timedelta(seconds=60))
+    outcome = _outcome(lambda: _train(spec, model, opt, rank, spec.steps_to_communicate, start=10))
+    if not reinit:
+        bitscom.init(timeout=datetime.timedelta(seconds=60))   # leave the pool a world
+    probe = torch.ones(1)
+    dist.all_reduce(probe)
+    return outcome, probe.item()
+
+
+@pytest.mark.parametrize("reinit", [False, True], ids=["after-shutdown", "after-re-init"])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_face_whose_world_is_gone_is_a_clear_error_on_every_rank(own_pool, name, reinit):
+    results = own_pool.run(_after_shutdown, name, reinit, timeout=150)
+    for (kind, msg), total in results:
+        assert kind == "RuntimeError" and "shut down" in msg and "bitscom.init()" in msg, (kind, msg)
+        assert total == 2.0
