@@ -11,7 +11,7 @@ checkpoints the states.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -96,6 +96,7 @@ class FSDPCompression(Face):
         self.config, self.states, self.counter = config, states, counter
         self._face_init("bitscom.fsdp.compress", process_group, warn_single=False)
         self._resumed = False
+        self._reduce_scatters: List[LowBitReduceScatter] = []
 
     def _before(self) -> None:
         """Before each reduce-scatter: the world is alive, and after a load every rank resumed
@@ -107,6 +108,10 @@ class FSDPCompression(Face):
             self._agree_resumed({"reduce-scatters": self.counter.calls,
                                  "states": {k: describe_state(s) for k, s in sorted(self.states.items())}},
                                 what="bitscom.fsdp resumed state")
+
+    def _load_states(self, saved: dict) -> None:
+        for name, s in self.states.items():
+            s.load_state_dict(saved[name])
 
     def _release_groups(self) -> None:
         for rs in self._reduce_scatters:
@@ -148,9 +153,8 @@ class FSDPCompression(Face):
         self._resumed = True                  # the next reduce-scatter compares the ranks
         if not self._check_envelope(state, per_rank_state=True):
             return
-        backup = {name: s.state_dict() for name, s in self.states.items()}
-        load_all_or_nothing(lambda: backup, lambda: [s.load_state_dict(saved[n]) for n, s in self.states.items()],
-                            lambda b: [s.load_state_dict(b[n]) for n, s in self.states.items()])
+        load_all_or_nothing(lambda: {n: s.state_dict() for n, s in self.states.items()},
+                            lambda: self._load_states(saved), self._load_states)
         self.counter.calls = int(state.get("calls", self.counter.calls))
 
 
@@ -208,7 +212,6 @@ def compress(module: torch.nn.Module, gradients=None, weights=None, process_grou
     compression._face_agree({**fields, "sharded modules": names,
                              "parameters": describe_parameters(list(module.named_parameters()))},
                             what="bitscom.fsdp.compress settings")
-    compression._reduce_scatters = []
     for name, sub in module.named_modules():
         if name not in names:
             continue

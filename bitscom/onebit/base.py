@@ -332,7 +332,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
     def _release_groups(self) -> None:
         self._group = None
-        self._comm = None
+        self._comm = Comm(None)
 
     def close(self) -> None:
         """Refuse further steps (the optimizer holds no hooks; its groups are the caller's).
