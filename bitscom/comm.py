@@ -283,13 +283,24 @@ class Rounds:
         r.wait()
     """
 
-    def __init__(self, rounds: Iterator[Any], comms: Iterable[Comm] = ()):
+    def __init__(self, rounds: Iterator[Any], comms: Iterable[Comm] = (), *, total: Optional[int] = None,
+                 keep_going: bool = False):
         self._rounds = rounds
         self.comms = [c for c in comms if c is not None]
         self.work = None
         self.done = False
         self.result = None
+        self.error: Optional[BaseException] = None
         self.started = False
+        self.issued = 0
+        self.total = total              # rounds it issues, when known (see ``released``)
+        self.keep_going = keep_going    # its errors leave the group in step (a call header's)
+
+    @property
+    def released(self) -> bool:
+        """Finished, or issued all of its ``total`` rounds: works queued behind it on a
+        :class:`~bitscom.channel.Channel` may issue their later rounds."""
+        return self.done or (self.total is not None and self.issued >= self.total)
 
     def start(self) -> "Rounds":
         """Issue the first round (idempotent)."""
@@ -303,6 +314,7 @@ class Rounds:
     def _advance(self) -> None:
         try:
             self.work = next(self._rounds)
+            self.issued += 1
         except StopIteration as stop:
             self.work, self.done, self.result = None, True, stop.value
         except BaseException:

@@ -31,9 +31,11 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from .channel import Channel
+
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "world_group", "intra_group", "inter_group", "device",
-           "LaunchInfo", "discover", "timeout", "new_group", "shared_group"]
+           "LaunchInfo", "discover", "timeout", "new_group", "shared_group", "channel"]
 
 
 @dataclass(frozen=True)
@@ -497,6 +499,40 @@ def shared_group(ranks: Iterable[int], *, tag: str, backend: Optional[str] = Non
         if isinstance(group, dist.ProcessGroup):
             made[key] = group
     return group
+
+
+_channels: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # world -> {group: Channel}
+
+
+def channel(group, *, later: bool = False) -> Channel:
+    """The :class:`~bitscom.channel.Channel` of ``group``: one per group and world, shared by
+    every face on it, so all of their multi-round collectives keep one order.
+
+    ``later=True`` gives it its later-round group on first need (made here, the one place;
+    every member must ask at the same point of the program, e.g. in a face's constructor).
+    Over the whole world every rank creates it (torch names it by a counter); over a sub-group
+    only members do (``use_local_synchronization``), and such a group is never destroyed and
+    made again under the same name (stale rendezvous keys hang): it lives as long as the world,
+    like the channel. Held weakly and keyed by the world, as :func:`shared_group`, so
+    :func:`shutdown` drops the channels with their groups. ``None`` or a group of one rank
+    gets a private channel (every collective is local).
+
+    Example::
+
+        ch = bitscom.runtime.channel(group, later=True)
+    """
+    world = _current_world()
+    if group is None or world is None or dist.get_world_size(group) == 1:
+        return Channel(group)
+    made = _channels.setdefault(world, weakref.WeakKeyDictionary())
+    ch = made.get(group)
+    if ch is None:
+        ch = made[group] = Channel(group, weak=True)
+    if later and not ch._has_later:
+        ranks = dist.get_process_group_ranks(group)
+        whole = len(ranks) == dist.get_world_size()
+        ch.set_later_group(new_group(ranks, use_local_synchronization=not whole, settle=whole))
+    return ch
 
 
 def shutdown() -> None:
