@@ -7,12 +7,11 @@ it raises instead: silently returning this rank's own value (what ``allreduce`` 
 trains each rank on its own, like an optimizer built before init (the
 library's one check, :func:`bitscom.lifecycle.require_group`).
 
-Payload groups. Handles issue their header round on the call's group at call time and their
-payload round later, in call order; the payload goes to a second group so that a later
-call's header never pairs with an earlier call's payload. It is created by
-:func:`bitscom.runtime.new_group` (so it has init's timeout), once per group, always inside
-the user's call (creating a group synchronizes its members, so it must happen at the same
-point of the program on every rank).
+Payload rounds. Handles issue their header round on the call's group at call time and their
+payload round later, in call order, on the later group of the group's channel
+(:func:`bitscom.runtime.channel`), so that a later call's header never pairs with an earlier
+call's payload. The channel is asked for inside the user's call (creating its later group
+synchronizes the members, so it must happen at the same point of the program on every rank).
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ from .. import lifecycle, runtime
 from ..comm import Comm
 from .failures import peer_failure
 
-__all__ = ["require_group", "face_group", "group_size", "group_device", "payload_group",
-           "face_comm"]
+__all__ = ["require_group", "face_group", "group_size", "group_device", "face_comm"]
 
 
 def require_group(process_group: Optional[Any], what: str) -> Optional[Any]:
@@ -71,23 +69,9 @@ def group_device(group: Any, tensor: Optional[torch.Tensor] = None) -> torch.dev
     return tensor.device
 
 
-def payload_group(group: Any, what: str) -> Any:
-    """The payload group of ``group``, created (with init's timeout) on first use.
-
-    Example::
-
-        later = payload_group(group, "bitscom.allreduce")
-    """
-    try:
-        return runtime.shared_group(dist.get_process_group_ranks(group),
-                                    tag=f"horovod-payload-{id(group)}")
-    except RuntimeError as err:
-        raise peer_failure(what, err, "creating its payload process group") from err
-
-
 def face_comm(group: Optional[Any], what: str) -> Optional[Comm]:
-    """The :class:`Comm` of one call: header round on ``group``, later rounds on its payload
-    group; ``None`` for a single process (the call is local).
+    """The :class:`Comm` of one call on ``group``'s channel (header round on ``group``, later
+    rounds on the channel's later group); ``None`` for a single process (the call is local).
 
     Example::
 
@@ -95,4 +79,7 @@ def face_comm(group: Optional[Any], what: str) -> Optional[Comm]:
     """
     if group_size(group) == 1:
         return None
-    return Comm(group, payload_group(group, what))
+    try:
+        return runtime.channel(group, later=True).comm()
+    except RuntimeError as err:
+        raise peer_failure(what, err, "creating its payload process group") from err

@@ -83,7 +83,7 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set: Any = No
     group = face_group(process_group, process_set, what)
     if group_size(group) == 1:
         return [obj]
-    progress()
+    progress(group)
     comm = Comm(group)
     return drive(gather_object_rounds(comm, obj, group_device(group), what), comm)
 
@@ -103,6 +103,6 @@ def barrier(process_set: Any = None, *, process_group: Any = None) -> None:
     """
     group = face_group(process_group, process_set, "bitscom.barrier")
     if group_size(group) > 1:
-        progress()
+        progress(group)
         comm = Comm(group)
         drive(_barrier_rounds(comm, group_device(group)), comm)
