@@ -31,7 +31,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from .comm import Comm, Rounds, wait
+from .comm import Comm, Rounds
 
 __all__ = ["Channel"]
 
@@ -68,6 +68,7 @@ class Channel:
         self._transport, self._rank, self._size = transport, rank, size
         self._queue: List[Rounds] = []
         self.bytes_sent = 0
+        self._submitted = 0
         self._lock = threading.Lock()
         self._jobs: Optional[queue.Queue] = None
         if driver:
@@ -114,6 +115,8 @@ class Channel:
         With a driver thread, ``on_done(rounds)`` runs there once the work finished (its
         :attr:`~bitscom.comm.Rounds.error` set on failure), inside ``stream`` when given.
         """
+        rounds._seq = self._submitted     # submission order, which wait(work) drives up to
+        self._submitted += 1
         try:
             rounds.start()
         except BaseException:
@@ -162,10 +165,11 @@ class Channel:
 
     # -- driving --------------------------------------------------------------------------------
     def _drive(self, until: Optional[Rounds], block: bool) -> None:
-        if until is not None and until not in self._queue:
-            return
+        limit = None if until is None else until._seq
         ahead: List[Rounds] = []
         for w in list(self._queue):
+            if limit is not None and w._seq > limit:
+                break
             if w.done:                      # aborted meanwhile
                 continue
             self._step(w, block=False)
@@ -175,7 +179,7 @@ class Channel:
             if w.error is not None and not w.keep_going:
                 self.abort(self._queue[self._queue.index(w) + 1:], cause=w.error)
                 break
-            if w is until or not w.released:
+            if not w.released:
                 break
         if block:
             for w in ahead:
@@ -190,13 +194,14 @@ class Channel:
         """Advance ``w`` over what completed; with ``block`` first wait for its current round."""
         try:
             if block:
-                wait(w.work)
-            Rounds.poll(w)
+                w.step()
+            else:
+                Rounds.poll(w)
         except Exception as err:  # noqa: BLE001 — the work's error, raised to whoever waits
             w.done, w.error = True, err
 
     def _finished(self, w: Rounds) -> None:
-        if not getattr(w, "_counted", False):
+        if not w._counted:
             w._counted = True
             self.bytes_sent += w.bytes_sent
 

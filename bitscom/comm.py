@@ -295,6 +295,8 @@ class Rounds:
         self.issued = 0
         self.total = total              # rounds it issues, when known (see ``released``)
         self.keep_going = keep_going    # its errors leave the group in step (a call header's)
+        self._seq = -1                  # its place on a Channel, and whether the channel counted it
+        self._counted = False
 
     @property
     def released(self) -> bool:
@@ -330,6 +332,15 @@ class Rounds:
             wait(self.work)
             self._advance()
         return self.done
+
+    def step(self) -> None:
+        """Wait for the current round and issue the next one (blocking; one round). Unlike
+        :meth:`poll` it does not ask the work whether it completed (some of torch's wrapped
+        works never say so)."""
+        self.start()
+        if not self.done:
+            wait(self.work)
+            self._advance()
 
     def wait(self, timeout=None) -> bool:
         """Drive every remaining round to completion (``timeout`` is accepted, like torch's

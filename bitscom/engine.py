@@ -140,9 +140,11 @@ class Reducer:
         except BaseException as err:  # noqa: BLE001 — re-raised below, the first bucket's first
             failed = err
         errors = [r.error for _, r in self._flights if r.error is not None]
-        if failed is not None or errors:
+        if failed is not None:
+            errors.append(failed)
+        if errors:
             self.abort()
-            raise errors[0] if errors else failed
+            raise errors[0]
         sent = sum(r.bytes_sent for _, r in self._flights)
         self._flights = []
         return sent
