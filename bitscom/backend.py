@@ -51,7 +51,7 @@ from torch._C._distributed_c10d import Backend as C10dBackend  # ProcessGroupGlo
 from .collectives import LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds, reduce_scatter_rounds
 from .channel import Channel
 from .comm import Comm, Rounds, is_sum_or_avg
-from .lowbit.call_header import Call, agree_rounds
+from .call_header import Call, agree_rounds
 
 __all__ = ["register_lowbit_backend", "LowBitProcessGroup", "registered_config", "BACKEND_NAME",
            "FutureWork", "InnerTransport", "StateSlots", "MAX_STATES"]
@@ -148,7 +148,7 @@ def _create(dist_opts, pg_options):
                               dist_opts.timeout, cfg)
 
 
-# -- error-feedback state slots (the call header is bitscom.lowbit.call_header) ----------------
+# -- error-feedback state slots (the call header is bitscom.call_header) ----------------
 _SLOT_BITS, _GEN_BITS = 16, 32
 _LABEL = "bitscom lowbit backend"
 

@@ -6,7 +6,7 @@ key (error feedback, seeds) and drives the round generators through
 :class:`~bitscom.comm.Rounds`, synchronously or as a :class:`LowBitWork` whose ``wait()``
 drives the rounds still to come. The works of one process group are driven in call order,
 whatever order they are waited in (see :class:`LowBitWork`). Every call, low-bit or exact,
-first all-gathers the call header of :mod:`bitscom.lowbit.call_header` (kind, reduce op, dtype,
+first all-gathers the call header of :mod:`bitscom.call_header` (kind, reduce op, dtype,
 element count: two integers), the same check the ``lowbit`` backend makes, so ranks that
 called different collectives are the same clear error on every rank instead of a gloo abort,
 a timeout or a silently misaligned sum, and the group stays usable. Non-float tensors and
@@ -25,7 +25,7 @@ from . import runtime
 from .agreement import check_agreement
 from .collectives import LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds, reduce_scatter_rounds
 from .comm import Comm, Rounds, is_sum_or_avg, resolve_group
-from .lowbit.call_header import Call, agree_rounds
+from .call_header import Call, agree_rounds
 from .quantization import FULL_PRECISION, Quantized, dequantize, quantize
 
 __all__ = ["LowBitGroup", "LowBitWork"]

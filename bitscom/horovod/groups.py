@@ -21,23 +21,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import lifecycle, runtime
+from .. import runtime
 from ..comm import Comm
+from ..lifecycle import require_group    # the library's one group/membership check
 from .failures import peer_failure
 
 __all__ = ["require_group", "face_group", "group_size", "group_device", "face_comm"]
-
-
-def require_group(process_group: Optional[Any], what: str) -> Optional[Any]:
-    """The group ``what`` (e.g. ``"bitscom.allreduce"``) uses — the library's one
-    :func:`bitscom.lifecycle.require_group`: the given group, else the world, else ``None`` (a
-    single process); a clear error under a launcher before init, or on a non-member rank.
-
-    Example::
-
-        group = require_group(process_group, "bitscom.allreduce")
-    """
-    return lifecycle.require_group(process_group, what)
 
 
 def face_group(process_group: Optional[Any], process_set: Optional[Any], what: str) -> Optional[Any]:
