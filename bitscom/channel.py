@@ -26,20 +26,21 @@ import contextlib
 import queue
 import threading
 import weakref
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, TypeVar
 
 import torch
 
 from .comm import Comm, Rounds
 
 __all__ = ["Channel"]
+W = TypeVar("W", bound=Rounds)
 
 
 class Channel:
     """The in-order queue of :class:`~bitscom.comm.Rounds` over one process group.
 
-    ``weak=True`` (runtime's channels) holds the groups weakly: torch's registry owns them, so
-    a destroyed world really goes, and a face still holding the channel gets a clear error.
+    It holds its groups weakly (torch's registry, or the backend, owns them), so a destroyed
+    world really goes, and a face still holding the channel gets a clear error.
 
     Example::
 
@@ -50,8 +51,7 @@ class Channel:
     """
 
     def __init__(self, group=None, later_group=None, *, transport=None, rank: Optional[int] = None,
-                 size: Optional[int] = None, driver: bool = False, weak: bool = False):
-        self._weak = weak
+                 size: Optional[int] = None, driver: bool = False):
         self._groups = [self._hold(group), self._hold(later_group)]
         self._comm_args = dict(transport=transport, rank=rank, size=size)
         self._queue: List[Rounds] = []
@@ -65,8 +65,9 @@ class Channel:
                              name="bitscom-channel-driver", daemon=True).start()
             weakref.finalize(self, self._jobs.put, None)      # no thread outlives its channel
 
-    def _hold(self, group):
-        return (group is not None, weakref.ref(group) if self._weak and group is not None else lambda: group)
+    @staticmethod
+    def _hold(group):
+        return group is not None, (weakref.ref(group) if group is not None else lambda: None)
 
     def _get(self, which: int):
         had, ref = self._groups[which]
@@ -94,8 +95,7 @@ class Channel:
         rounds on :attr:`later_group`."""
         return Comm(self.group, self.later_group, **self._comm_args)
 
-    def submit(self, rounds: Rounds, on_done: Optional[Callable[[Rounds], None]] = None,
-               stream=None) -> Rounds:
+    def submit(self, rounds: W, on_done: Optional[Callable[[Rounds], None]] = None, stream=None) -> W:
         """Issue ``rounds``' first round now and queue the rest; returns ``rounds`` (the work).
 
         An error up to the first round reaches the caller here; nothing is queued. With a

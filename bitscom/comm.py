@@ -9,9 +9,8 @@ Three things live here, once:
 * :class:`Comm`: asynchronous collectives on behalf of one reduction, with byte counting; a
   collective on a group of one member is a local copy (no traffic, nothing counted);
 * :class:`Rounds`: the one driver of a round generator (a compressor's ``reduce``, the
-  low-bit collectives): start it (issues its first round), poll it, wait for it. The engine,
-  :class:`bitscom.LowBitGroup`'s work handles and the ``lowbit`` backend all drive rounds
-  through it.
+  low-bit collectives): start it (issues its first round), poll it, wait for it; every face
+  submits them to its group's :class:`~bitscom.channel.Channel`.
 
 Where a :class:`Comm` issues is its *transport*: :class:`TorchTransport` (the
 ``torch.distributed`` functions on a registered process group, the default) or the backend's
@@ -117,10 +116,9 @@ class Comm:
     cost of the same gradient. A group of one member sends nothing: its collectives are local
     copies (or nothing) and are not counted.
 
-    Later rounds: collectives issued before :meth:`enter_later_rounds` go to ``group``, later
-    ones to ``later_group`` when one is given. Only the engine and the backend pass a later
-    group (see :mod:`bitscom.engine` for why); :class:`Rounds` calls :meth:`enter_later_rounds`
-    after the first round was issued.
+    Collectives issued before :meth:`enter_later_rounds` (which :class:`Rounds` calls after the
+    first round) go to ``group``, later ones to ``later_group`` when given (a
+    :class:`~bitscom.channel.Channel`'s comms: see there why).
 
     Example::
 

@@ -34,14 +34,11 @@ _LABEL = "LowBitGroup"
 
 
 class LowBitWork(Rounds):
-    """Handle of an asynchronous low-bit collective (a :class:`~bitscom.comm.Rounds`).
-
-    On return from the collective its first round (the call header) is in flight; its later
-    rounds follow on the process group's :class:`~bitscom.channel.Channel`, in call order.
-    ``wait()`` (or ``poll()``) drives the group's works in call order up to this one, so every
-    rank issues the same rounds in the same order whatever order each rank waits in. An error
-    of an earlier work met on the way is kept for that work's own ``wait()``. ``bytes_sent``
-    counts what this rank handed to the network.
+    """Handle of an asynchronous low-bit collective (a :class:`~bitscom.comm.Rounds`): its
+    first round (the call header) is in flight on return, the rest follow on the group's
+    :class:`~bitscom.channel.Channel` in call order. ``wait()`` / ``poll()`` drive the group's
+    works in call order up to this one, so any rank may wait in any order; an earlier work's
+    error is kept for that work's own ``wait()``. ``bytes_sent``: what this rank sent.
 
     Example::
 
@@ -62,25 +59,6 @@ class LowBitWork(Rounds):
         if self.done and self.error is not None:
             raise self.error
         return self.done
-
-
-class _ExactWork:
-    """Wraps a torch Work (or None) plus a step to run after it (e.g. AVG's division)."""
-
-    def __init__(self, work, after=None):
-        self._work, self._after, self._done = work, after, False
-
-    def is_completed(self) -> bool:
-        return self._done
-
-    def wait(self, timeout=None) -> bool:
-        if not self._done:
-            if self._work is not None:
-                self._work.wait()
-            if self._after is not None:
-                self._after()
-            self._done = True
-        return True
 
 
 def _handed(work, async_op: bool):
@@ -300,11 +278,11 @@ class LowBitGroup:
             parts = flat.view(len(outs), -1)
 
             def scatter():
+                yield work
                 for o, p in zip(outs, parts):
                     o.copy_(p.view(o.shape))
 
-            w = _ExactWork(work, scatter)
-            return _handed(w, async_op)
+            return _handed(Rounds(scatter()).start(), async_op)
         call = Call.of("all_gather", dist.ReduceOp.SUM, input.dtype, input.numel())
         if not (input.is_floating_point() and output.is_floating_point()):
             return self._exact(call, input.device, lambda comm: comm.all_gather(output, input), async_op)

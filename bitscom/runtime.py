@@ -542,16 +542,14 @@ _channels: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # world -
 
 def channel(group, *, later: bool = False) -> Channel:
     """The :class:`~bitscom.channel.Channel` of ``group``: one per group and world, shared by
-    every face on it, so all of their multi-round collectives keep one order.
+    every face on it, so all their multi-round collectives keep one order.
 
-    ``later=True`` gives it its later-round group on first need (made here, the one place;
-    every member must ask at the same point of the program, e.g. in a face's constructor).
-    Over the whole world every rank creates it (torch names it by a counter); over a sub-group
-    only members do (``use_local_synchronization``), and such a group is never destroyed and
-    made again under the same name (stale rendezvous keys hang): it lives as long as the world,
-    like the channel. Held weakly and keyed by the world, as :func:`shared_group`, so
-    :func:`shutdown` drops the channels with their groups. ``None`` or a group of one rank
-    gets a private channel (every collective is local).
+    ``later=True`` gives it its later-round group on first need, made here (every member asks
+    at the same point of the program, e.g. in a face's constructor): over the whole world by
+    every rank; over a sub-group by its members only, and then never destroyed and made again
+    under its name (stale rendezvous keys hang). Keyed by the world and held weakly, like
+    :func:`shared_group`, so :func:`shutdown` drops channels and groups. ``None`` or a group
+    of one rank gets a private channel (every collective is local).
 
     Example::
 
@@ -563,7 +561,7 @@ def channel(group, *, later: bool = False) -> Channel:
     made = _channels.setdefault(world, weakref.WeakKeyDictionary())
     ch = made.get(group)
     if ch is None:
-        ch = made[group] = Channel(group, weak=True)
+        ch = made[group] = Channel(group)
     if later and ch.later_group is None:
         ranks = dist.get_process_group_ranks(group)
         whole = len(ranks) == dist.get_world_size()

@@ -1,11 +1,8 @@
-"""The process groups of the Horovod face: which group a call uses, and its payload group.
+"""The process groups of the Horovod face: which group a call uses, and its comm.
 
-:func:`require_group` is the one answer to "which group does this call reduce over": the
-group passed in, else the world, else — one process — ``None`` (every collective is the
-identity). Under a launcher that started more than one process but before ``bitscom.init()``
-it raises instead: silently returning this rank's own value (what ``allreduce`` used to do)
-trains each rank on its own, like an optimizer built before init (the
-library's one check, :func:`bitscom.lifecycle.require_group`).
+:func:`require_group` (the library's one check, :func:`bitscom.lifecycle.require_group`)
+answers "which group does this call reduce over": the group passed in, else the world, else
+``None`` for one process; before ``bitscom.init()`` under a multi-process launcher it raises.
 
 Payload rounds. Handles issue their header round on the call's group at call time and their
 payload round later, in call order, on the later group of the group's channel

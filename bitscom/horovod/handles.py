@@ -17,11 +17,13 @@ from .. import runtime
 from ..channel import Channel
 from ..comm import Comm, Rounds
 
-__all__ = ["Handle", "submit", "progress", "synchronize", "poll"]
+__all__ = ["Handle", "submit", "synchronize", "poll"]
 
 
-class Handle:
-    """An asynchronous collective in flight: pass it to :func:`synchronize` or :func:`poll`.
+class Handle(Rounds):
+    """An asynchronous collective in flight (a :class:`~bitscom.comm.Rounds` on its group's
+    channel): pass it to :func:`synchronize` or :func:`poll`. ``done``: finished, with a result
+    or an error; ``bytes_sent``: what this rank sent for it so far.
 
     Example::
 
@@ -30,36 +32,13 @@ class Handle:
         avg = bitscom.synchronize(h)
     """
 
-    def __init__(self, fn: str, name: Optional[str], rounds: Rounds, channel: Channel):
-        self.fn = fn
-        self.name = name
-        self._rounds = rounds
-        self._channel = channel
-
-    @property
-    def done(self) -> bool:
-        """Finished, with a result or an error (:func:`synchronize` will not block)."""
-        return self._rounds.done
-
-    @property
-    def bytes_sent(self) -> int:
-        """Bytes this rank sent for this call so far (counted by its :class:`Comm`)."""
-        return self._rounds.bytes_sent
+    def __init__(self, fn: str, name: Optional[str], rounds: Iterator, comm: Optional[Comm], channel: Channel):
+        super().__init__(rounds, [] if comm is None else [comm], keep_going=True)
+        self.fn, self.name, self._channel = fn, name, channel
 
     def __repr__(self) -> str:
         state = "done" if self.done else "in flight"
         return f"<bitscom.Handle {self.fn}{'' if self.name is None else ' ' + repr(self.name)} {state}>"
-
-
-def progress(group: Any = None) -> None:
-    """Issue whatever payload rounds on ``group``'s channel are due; never blocks.
-
-    Example::
-
-        progress(group)
-    """
-    if group is not None:
-        runtime.channel(group).poll()
 
 
 def submit(fn: str, name: Optional[str], rounds: Iterator, comm: Optional[Comm]) -> Handle:
@@ -72,9 +51,7 @@ def submit(fn: str, name: Optional[str], rounds: Iterator, comm: Optional[Comm])
         return submit("allgather", name, _allgather_rounds(label, tensor, comm), comm)
     """
     channel = runtime.channel(comm.group) if comm is not None else Channel()
-    handle = Handle(fn, name, Rounds(rounds, [] if comm is None else [comm], keep_going=True), channel)
-    channel.submit(handle._rounds)
-    return handle
+    return channel.submit(Handle(fn, name, rounds, comm, channel))
 
 
 def synchronize(handle: Handle) -> Any:
@@ -88,10 +65,8 @@ def synchronize(handle: Handle) -> Any:
     """
     if not isinstance(handle, Handle):
         raise TypeError(f"synchronize expects a bitscom.Handle, got {type(handle).__name__}")
-    handle._channel.wait(handle._rounds)
-    if handle._rounds.error is not None:
-        raise handle._rounds.error
-    return handle._rounds.result
+    handle._channel.wait(handle)
+    return handle.result
 
 
 def poll(handle: Handle) -> bool:

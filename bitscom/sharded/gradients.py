@@ -11,17 +11,12 @@ Two-level (TLq, TLq-HS): the low-bit level-wise reduce-scatter
 optional, ``gradient_alltoall_pipeline`` chunks per bucket. A level of one rank (one node, or
 one rank per node) is skipped.
 
-This module only builds those round generators and submits them, in launch order, to the
-process group's :class:`~bitscom.channel.Channel` (declaring how many rounds each issues):
-every chunk's intra-node round is issued at launch (launch order is bucket order, the same on
-every rank), and chunk ``k``'s inter-node round once its intra round completed and every
-earlier chunk (of this bucket and of earlier buckets) issued its inter round. So each group
-sees its collectives in one order on every rank, while chunk ``k+1``'s intra-node all-to-all
-overlaps chunk ``k``'s inter-node one.
-
-No later group is needed: each group carries one kind of round only (the intra group first
-rounds, the inter group later rounds, the process group the exact reduce-scatters, issued at
-launch). Bytes are counted by the :class:`~bitscom.comm.Comm` objects.
+This module builds those round generators and submits them, in launch order, to the group's
+:class:`~bitscom.channel.Channel` with their round count: every chunk's intra-node round is
+issued at launch, chunk ``k``'s inter-node round once every earlier chunk issued its own. Each
+group carries one kind of round (intra: first rounds; inter: later ones; the process group:
+the exact reduce-scatters), so no later group is needed, and chunk ``k+1``'s intra-node
+all-to-all overlaps chunk ``k``'s inter-node one. Bytes are counted by the Comms.
 """
 
 from __future__ import annotations
