@@ -148,3 +148,34 @@ def test_twenty_build_close_cycles_leak_no_groups_threads_or_fds(pools):
         assert len(set(groups)) == 1, f"process groups grew: {groups}"
         assert max(fds[3:]) <= fds[2] + 2, f"fds grew: {fds}"
         assert max(threads[3:]) <= threads[2] + 2, f"threads grew: {threads}"
+
+
+def _after_shutdown(rank, world):
+    import datetime
+    import gc
+    import weakref
+    ch = bitscom.runtime.channel(dist.group.WORLD, later=True)
+    ch.wait(_submit(ch, torch.ones(2)))
+    later = weakref.ref(ch.later_group)
+    bitscom.shutdown()
+    gc.collect()
+    try:
+        ch.comm()
+        stale = None
+    except RuntimeError as err:
+        stale = str(err)
+    bitscom.init(timeout=datetime.timedelta(seconds=60))
+    fresh = bitscom.runtime.channel(dist.group.WORLD, later=True)
+    fresh.wait(_submit(fresh, torch.full((2,), float(rank + 1))))
+    return later() is None, stale, fresh is not ch, fresh.poll()
+
+
+def test_shutdown_drops_the_channels_of_its_world():
+    from distpool import WorkerPool
+    pool = WorkerPool(2)                  # private: it restarts the world the shared pools keep
+    try:
+        for freed, stale, fresh, idle in pool.run(_after_shutdown, timeout=120):
+            assert freed and fresh and idle
+            assert stale is not None and "destroyed" in stale
+    finally:
+        pool.close()
