@@ -29,6 +29,8 @@ import weakref
 from typing import Callable, List, Optional, TypeVar
 
 import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend  # the lowbit backend's inner groups
 
 from .comm import Comm, Rounds
 
@@ -67,7 +69,9 @@ class Channel:
 
     @staticmethod
     def _hold(group):
-        return group is not None, (weakref.ref(group) if group is not None else lambda: None)
+        if isinstance(group, (dist.ProcessGroup, C10dBackend)):
+            return True, weakref.ref(group)
+        return group is not None, lambda: group          # None, or torch's NON_GROUP_MEMBER
 
     def _get(self, which: int):
         had, ref = self._groups[which]

@@ -548,15 +548,15 @@ def channel(group, *, later: bool = False) -> Channel:
     at the same point of the program, e.g. in a face's constructor): over the whole world by
     every rank; over a sub-group by its members only, and then never destroyed and made again
     under its name (stale rendezvous keys hang). Keyed by the world and held weakly, like
-    :func:`shared_group`, so :func:`shutdown` drops channels and groups. ``None`` or a group
-    of one rank gets a private channel (every collective is local).
+    :func:`shared_group`, so :func:`shutdown` drops channels and groups. ``None``, a group of
+    one rank or one this rank is not in gets a private channel (the face's checks decide).
 
     Example::
 
         ch = bitscom.runtime.channel(group, later=True)
     """
     world = _current_world()
-    if group is None or world is None or dist.get_world_size(group) == 1:
+    if group is None or world is None or dist.get_world_size(group) <= 1:    # -1: not a member
         return Channel(group)
     made = _channels.setdefault(world, weakref.WeakKeyDictionary())
     ch = made.get(group)
