@@ -324,11 +324,8 @@ class Rounds:
     def poll(self, block: bool = False) -> bool:
         """Advance through completed rounds; returns :attr:`done`."""
         self.start()
-        while not self.done:
-            if not block and not is_completed(self.work):
-                break
-            wait(self.work)
-            self._advance()
+        while not self.done and (block or is_completed(self.work)):
+            self.step()
         return self.done
 
     def step(self) -> None:
