@@ -37,10 +37,8 @@ same number of states.
 
 from __future__ import annotations
 
-import queue
 import threading
 import warnings
-import weakref
 from collections import OrderedDict
 from datetime import timedelta
 from typing import Any, Generator, Optional
@@ -51,8 +49,9 @@ from torch._C._distributed_c10d import AllgatherOptions
 from torch._C._distributed_c10d import Backend as C10dBackend  # ProcessGroupGloo/NCCL's base
 
 from .collectives import LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds, reduce_scatter_rounds
+from .channel import Channel
 from .comm import Comm, Rounds, is_sum_or_avg
-from .lowbit.call_header import Call, agree_rounds
+from .call_header import Call, agree_rounds
 
 __all__ = ["register_lowbit_backend", "LowBitProcessGroup", "registered_config", "BACKEND_NAME",
            "FutureWork", "InnerTransport", "StateSlots", "MAX_STATES"]
@@ -149,7 +148,7 @@ def _create(dist_opts, pg_options):
                               dist_opts.timeout, cfg)
 
 
-# -- error-feedback state slots (the call header is bitscom.lowbit.call_header) ----------------
+# -- error-feedback state slots (the call header is bitscom.call_header) ----------------
 _SLOT_BITS, _GEN_BITS = 16, 32
 _LABEL = "bitscom lowbit backend"
 
@@ -311,41 +310,6 @@ class FutureWork(dist.Work):
         return self._future.wait()
 
 
-class _Driver:
-    """One thread per group that runs the later rounds of the collectives with a header
-    (compressed or exact), in call order."""
-
-    def __init__(self):
-        self._queue: "queue.Queue" = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="bitscom-lowbit-driver", daemon=True)
-        self._thread.start()
-
-    def submit(self, rounds: _Counted, future: torch.futures.Future, result, stream=None) -> None:
-        self._queue.put((rounds, future, result, stream))
-
-    def close(self) -> None:
-        """Let the thread end once the queued collectives finished (the group was dropped)."""
-        self._queue.put(None)
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            rounds, future, result, stream = item
-            try:
-                if stream is not None:
-                    with torch.cuda.stream(stream):
-                        rounds.wait()
-                        stream.synchronize()
-                else:
-                    rounds.wait()
-            except BaseException as err:  # noqa: BLE001 — handed to whoever waits on the work
-                future.set_exception(err)
-            else:
-                future.set_result(result)
-
-
 class LowBitProcessGroup(dist.ProcessGroup):
     """A process group whose float SUM/AVG all-reduce (and, with ``backend_ops``, flat
     reduce-scatter / all-gather) is low-bit; everything else is exact.
@@ -381,7 +345,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
                 opts._timeout = timeout
                 table["cuda"] = dist.ProcessGroupNCCL(dist.PrefixStore(name, store), rank, size, opts)
         self._slots = StateSlots(MAX_STATES, warn=config.error_feedback or config.stage2_error_feedback)
-        self._driver: Optional[_Driver] = None
+        self._channels: dict[str, Channel] = {}     # per device kind, made on first use
         self._lock = threading.Lock()
 
     def getBackendName(self) -> str:
@@ -419,9 +383,14 @@ class LowBitProcessGroup(dist.ProcessGroup):
         return self._inner[self._kind(*tensors)]
 
     # -- the collectives with a header --------------------------------------------------------
-    def _comm(self, kind: str) -> Comm:
-        return Comm(self._inner[kind], self._later[kind], transport=_INNER, rank=self._rank,
-                    size=self._size)
+    def _channel(self, kind: str) -> Channel:
+        """The channel of ``kind``'s inner backends: headers on the first, the rest on the
+        second, run by its driver thread in call order (the thread ends with the group)."""
+        with self._lock:
+            if kind not in self._channels:
+                self._channels[kind] = Channel(self._inner[kind], self._later[kind], transport=_INNER,
+                                               rank=self._rank, size=self._size, driver=True)
+            return self._channels[kind]
 
     def _rounds(self, comm: Comm, call: Call, key, body, device) -> Generator[Any, None, None]:
         """The header, then ``body(comm, states)``: ``states`` are ``key``'s (None: stateless)."""
@@ -433,17 +402,23 @@ class LowBitProcessGroup(dist.ProcessGroup):
         """Issue the header now (in call order); the driver runs ``body`` after it. Returns a
         Work the driver completes; ``counted``: add the bytes to :attr:`bytes_sent`."""
         kind = self._kind(tensors)
-        comm = self._comm(kind)
+        channel = self._channel(kind)
+        comm = channel.comm()
         device = tensors[0].device
-        rounds = Rounds(self._rounds(comm, call, key, body, device), [comm])
-        rounds.start()                 # the header, issued now, in call order
         future: torch.futures.Future = torch.futures.Future()
+
+        def finished(rounds: Rounds) -> None:
+            if counted:
+                self.bytes_sent += rounds.bytes_sent
+            if rounds.error is not None:
+                future.set_exception(rounds.error)
+            else:
+                future.set_result(result)
+
         stream = torch.cuda.current_stream(device) if kind == "cuda" else None
-        with self._lock:
-            if self._driver is None:
-                self._driver = _Driver()
-                weakref.finalize(self, self._driver.close)   # no thread outlives its group
-        self._driver.submit(_Counted(rounds, self if counted else None), future, result, stream)
+        # the header is issued now, in call order; the channel's driver thread runs the rest
+        channel.submit(Rounds(self._rounds(comm, call, key, body, device), [comm], keep_going=True),
+                       finished, stream)
         return FutureWork(future)
 
     def _exact(self, call: Call, tensors: list, issue, result):
@@ -610,18 +585,3 @@ class LowBitProcessGroup(dist.ProcessGroup):
 def _storage(t: torch.Tensor) -> tuple:
     """This rank's identity of a tensor's buffer: (address, numel, dtype)."""
     return (t.data_ptr(), t.numel(), t.dtype)
-
-
-class _Counted:
-    """Rounds whose bytes are added to the group's ``bytes_sent`` once they finished (when a
-    group is given: exact collectives are not counted)."""
-
-    def __init__(self, rounds: Rounds, group: Optional[LowBitProcessGroup]):
-        self._rounds, self._group = rounds, group
-
-    def wait(self) -> None:
-        try:
-            self._rounds.wait()
-        finally:
-            if self._group is not None:
-                self._group.bytes_sent += self._rounds.bytes_sent

@@ -9,9 +9,8 @@ Three things live here, once:
 * :class:`Comm`: asynchronous collectives on behalf of one reduction, with byte counting; a
   collective on a group of one member is a local copy (no traffic, nothing counted);
 * :class:`Rounds`: the one driver of a round generator (a compressor's ``reduce``, the
-  low-bit collectives): start it (issues its first round), poll it, wait for it. The engine,
-  :class:`bitscom.LowBitGroup`'s work handles and the ``lowbit`` backend all drive rounds
-  through it.
+  low-bit collectives): start it (issues its first round), poll it, wait for it; every face
+  submits them to its group's :class:`~bitscom.channel.Channel`.
 
 Where a :class:`Comm` issues is its *transport*: :class:`TorchTransport` (the
 ``torch.distributed`` functions on a registered process group, the default) or the backend's
@@ -117,10 +116,9 @@ class Comm:
     cost of the same gradient. A group of one member sends nothing: its collectives are local
     copies (or nothing) and are not counted.
 
-    Later rounds: collectives issued before :meth:`enter_later_rounds` go to ``group``, later
-    ones to ``later_group`` when one is given. Only the engine and the backend pass a later
-    group (see :mod:`bitscom.engine` for why); :class:`Rounds` calls :meth:`enter_later_rounds`
-    after the first round was issued.
+    Collectives issued before :meth:`enter_later_rounds` (which :class:`Rounds` calls after the
+    first round) go to ``group``, later ones to ``later_group`` when given (a
+    :class:`~bitscom.channel.Channel`'s comms: see there why).
 
     Example::
 
@@ -283,13 +281,26 @@ class Rounds:
         r.wait()
     """
 
-    def __init__(self, rounds: Iterator[Any], comms: Iterable[Comm] = ()):
+    def __init__(self, rounds: Iterator[Any], comms: Iterable[Comm] = (), *, total: Optional[int] = None,
+                 keep_going: bool = False):
         self._rounds = rounds
         self.comms = [c for c in comms if c is not None]
         self.work = None
         self.done = False
         self.result = None
+        self.error: Optional[BaseException] = None
         self.started = False
+        self.issued = 0
+        self.total = total              # rounds it issues, when known (see ``released``)
+        self.keep_going = keep_going    # its errors leave the group in step (a call header's)
+        self._seq = -1                  # its place on a Channel, and whether the channel counted it
+        self._counted = False
+
+    @property
+    def released(self) -> bool:
+        """Finished, or issued all of its ``total`` rounds: works queued behind it on a
+        :class:`~bitscom.channel.Channel` may issue their later rounds."""
+        return self.done or (self.total is not None and self.issued >= self.total)
 
     def start(self) -> "Rounds":
         """Issue the first round (idempotent)."""
@@ -303,6 +314,7 @@ class Rounds:
     def _advance(self) -> None:
         try:
             self.work = next(self._rounds)
+            self.issued += 1
         except StopIteration as stop:
             self.work, self.done, self.result = None, True, stop.value
         except BaseException:
@@ -312,12 +324,18 @@ class Rounds:
     def poll(self, block: bool = False) -> bool:
         """Advance through completed rounds; returns :attr:`done`."""
         self.start()
-        while not self.done:
-            if not block and not is_completed(self.work):
-                break
+        while not self.done and (block or is_completed(self.work)):
+            self.step()
+        return self.done
+
+    def step(self) -> None:
+        """Wait for the current round and issue the next one (blocking; one round). Unlike
+        :meth:`poll` it does not ask the work whether it completed (some of torch's wrapped
+        works never say so)."""
+        self.start()
+        if not self.done:
             wait(self.work)
             self._advance()
-        return self.done
 
     def wait(self, timeout=None) -> bool:
         """Drive every remaining round to completion (``timeout`` is accepted, like torch's

@@ -3,9 +3,10 @@
 Why a scheduler and not one reduction per hook call: multi-round compressors (PowerSGD's P
 then Q, low-bit's all-to-all then all-gather) issue their later rounds when earlier work
 completes — at different moments on different ranks. The hook therefore drives compressors
-with the optimizer's own :class:`~bitscom.engine.Reducer`: a bucket's first round starts
-when DDP hands the bucket over (so it overlaps the rest of backward), later rounds go to a
-second process group in bucket order, and the hook of the *last* bucket finishes them all
+with the optimizer's own :class:`~bitscom.engine.Reducer` on the group's
+:class:`~bitscom.channel.Channel`: a bucket's first round starts when DDP hands the bucket over
+(so it overlaps the rest of backward), later rounds go to the channel's later group in bucket
+order, and the hook of the *last* bucket finishes them all
 and completes every bucket's future. DDP waits on the futures only after the last hook, so
 that final blocking costs nothing.
 
@@ -17,7 +18,6 @@ is checkpointable with :meth:`DDPCommState.state_dict` / :meth:`DDPCommState.loa
 
 from __future__ import annotations
 
-import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -76,24 +76,22 @@ class DDPCommState:
         state.load_state_dict(torch.load(path)["comm"])
     """
 
-    def __init__(self, compressor: Compressor, process_group, later_group,
+    def __init__(self, compressor: Compressor, process_group, channel,
                  names: Optional[Dict[int, str]] = None):
         self.compressor = compressor
         self.process_group = process_group
         self._names = names                       # id(parameter) -> name, or None
         # The core Reducer with layouts and states filled in lazily, per DDP bucket index.
-        self._reducer = Reducer(compressor, [], process_group, later_group)
+        self._reducer = Reducer(compressor, [], channel)
         self._keys: List[Optional[tuple]] = []
         self._loaded: Dict[int, tuple] = {}       # index -> (shapes, state dict) awaiting a bucket
         self._pending: List[Tuple[torch.futures.Future, torch.Tensor]] = []
         self._stats = {"bytes_sent": 0, "dense_bytes": 0, "buckets": 0}
         self._closed = False
-        self._finalizer = weakref.finalize(self, _destroy_group, later_group)
-        self._finalizer.atexit = False
 
     def close(self) -> None:
-        """Destroy the process group the hook created (also done on garbage collection);
-        the hook fails loudly if DDP calls it afterwards.
+        """Forget the buckets in flight; the hook fails loudly if DDP calls it afterwards (the
+        later-round group is the process group's channel's, shared, made once by runtime).
 
         Example::
 
@@ -101,7 +99,6 @@ class DDPCommState:
         """
         self._closed = True
         self._reducer.abort()
-        self._finalizer()
 
     # -- per-bucket state ----------------------------------------------------------------
     def _prepare(self, bucket) -> int:
@@ -199,14 +196,6 @@ class DDPCommState:
                 self._loaded[i] = (tuple(shapes), saved)
 
 
-def _destroy_group(group) -> None:
-    if group is not None and dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group(group)
-        except (RuntimeError, ValueError):   # already gone with the default group
-            pass
-
-
 def _shapes(layout: BucketLayout) -> tuple:
     return tuple(tuple(s.shape) for s in layout.slots)
 
@@ -218,9 +207,9 @@ def _hook(state, bucket):       # no annotations: DDP checks them and these woul
 def ddp_comm_hook(compressor="none", process_group=None, named_parameters=None):
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
 
-    Every rank must call it (it creates the second process group for later rounds, with the
-    ``timeout`` given to :func:`bitscom.init`, and checks that all ranks chose the same
-    compressor settings). ``state.close()`` destroys that group.
+    Every rank must call it (it checks that all ranks chose the same compressor settings, and
+    the group's channel may create its later-round group, with the ``timeout`` given to
+    :func:`bitscom.init`).
 
     Args:
         compressor: a bitscom compressor (``bitscom.Compression.fp16``,
@@ -260,18 +249,10 @@ def ddp_comm_hook(compressor="none", process_group=None, named_parameters=None):
                            "torch.distributed.init_process_group) before building the hook")
     process_group = resolve_group(process_group)
     require_member(process_group, "ddp_comm_hook")
-    later = None
-    if dist.get_world_size(process_group) > 1:
+    many = dist.get_world_size(process_group) > 1
+    if many:
         agreed = {"compressor": compressor.fingerprint()}
         if names is not None:
             agreed["parameter names"] = sorted(names.values())
         check_agreement(agreed, process_group, "DDP comm hook")
-        ranks = dist.get_process_group_ranks(process_group)
-        whole = len(ranks) == dist.get_world_size()
-        # See bitscom.optimizer: only a group every rank created can be destroyed safely.
-        later = runtime.new_group(ranks, use_local_synchronization=not whole, settle=whole)
-        state = DDPCommState(compressor, process_group, later, names)
-        if not whole:
-            state._finalizer.detach()
-        return state, _hook
-    return DDPCommState(compressor, process_group, later, names), _hook
+    return DDPCommState(compressor, process_group, runtime.channel(process_group, later=many), names), _hook

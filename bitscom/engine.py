@@ -1,16 +1,11 @@
 """The reduction engine: drives each bucket's compressor rounds without blocking backward.
 
-Why two process groups. Collectives on one group must be issued in the same order on every
-rank. First rounds are launched from backward hooks in bucket order — the same order
-everywhere. Later rounds (PowerSGD's Q, low-bit's all-gather) become possible when earlier
-work *completes*, which happens at different moments on different ranks; issuing them on
-the first-round group would interleave them differently per rank and mix bytes or hang.
-So later rounds go to a second group, and there in a fixed order too: bucket k issues a
-later round only once every bucket before it has finished all of its rounds.
-
-That policy is this module's job: it builds each bucket's :class:`~bitscom.comm.Comm` with the
-later group, and the one round driver (:class:`~bitscom.comm.Rounds`) switches it after the
-first round.
+Buckets are submitted, in bucket order, to the face's :class:`~bitscom.channel.Channel`: it
+issues each bucket's first round at launch (from backward hooks, in the same order on every
+rank) and its later rounds (PowerSGD's Q, low-bit's all-gather — possible only once earlier
+work *completed*, at different moments per rank) on the channel's later group, where bucket k
+issues a later round only once every bucket before it finished (see :mod:`bitscom.channel`).
+The engine keeps what is per face: the compressor, the layouts and each bucket's state.
 """
 
 from __future__ import annotations
@@ -18,9 +13,10 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
-from .comm import Comm, Rounds
+from . import runtime
+from .channel import Channel
+from .comm import Rounds
 from .compressors.base import BucketLayout, Compressor, State
 from .lowbit.config import canonical_fingerprint
 
@@ -73,23 +69,28 @@ class Reducer:
     guarantees it); ``poll()`` advances buckets whose work completed; ``wait_all()``
     finishes every bucket and returns the bytes this rank sent.
 
+    ``channel`` is the face's :class:`~bitscom.channel.Channel` (a process group, or None,
+    is resolved with :func:`bitscom.runtime.channel`).
+
     Example::
 
-        reducer = Reducer(compressor, layouts, group)
+        reducer = Reducer(compressor, layouts, bitscom.runtime.channel(group, later=True))
         for i, flat in enumerate(flats):
             reducer.launch(i, flat)
         sent = reducer.wait_all()
     """
 
-    def __init__(self, compressor: Compressor, layouts: Sequence[BucketLayout],
-                 group: Optional[dist.ProcessGroup] = None,
-                 later_group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, compressor: Compressor, layouts: Sequence[BucketLayout], channel=None):
         self.compressor = compressor
         self.layouts: List[Any] = list(layouts)       # None where DDP has not defined one yet
-        self.group = group
-        self.later_group = later_group
+        self.channel = channel if isinstance(channel, Channel) else runtime.channel(channel)
         self.states: List[Any] = [compressor.init_state(l) for l in self.layouts]
         self._flights: List[Tuple[int, Rounds]] = []
+
+    @property
+    def later_group(self):
+        """The group later rounds go to (the channel's)."""
+        return self.channel.later_group
 
     def set_bucket(self, index: int, layout: BucketLayout, state: Optional[State] = None) -> State:
         """Define (or redefine) bucket ``index``; for adapters that learn buckets lazily, like
@@ -104,12 +105,13 @@ class Reducer:
 
     def abort(self) -> None:
         """Forget every launched bucket (after a failure); their work is not waited for."""
+        self.channel.abort([r for _, r in self._flights])
         self._flights = []
 
     def release(self) -> None:
-        """The world is gone: hold none of its groups (see :func:`bitscom.face.release_all`)."""
+        """The world is gone: drop the work in flight (the channel holds its groups weakly, so
+        nothing here keeps the old world alive; see :func:`bitscom.face.release_all`)."""
         self._flights = []
-        self.group = self.later_group = None
 
     @property
     def in_flight(self) -> bool:
@@ -120,29 +122,34 @@ class Reducer:
         if self._flights and self._flights[-1][0] >= index:
             raise RuntimeError(f"bucket {index} launched out of order after bucket "
                                f"{self._flights[-1][0]}")
-        comm = Comm(self.group, self.later_group)
+        comm = self.channel.comm()
         rounds = Rounds(self.compressor.reduce(flat, self.layouts[index], self.states[index], comm),
                         [comm])
         self._flights.append((index, rounds))
-        rounds.start()
+        self.channel.submit(rounds)
 
     def poll(self, block: bool = False) -> None:
-        """Advance buckets whose current work completed (all of them with ``block=True``).
-
-        Bucket order is kept for later rounds: a bucket that has not finished stops every
-        bucket after it from issuing later rounds.
-        """
-        for _, rounds in self._flights:
-            if not rounds.poll(block):
-                return
+        """Advance buckets whose current work completed (all of them with ``block=True``), in
+        bucket order (the channel's rule)."""
+        if block and self._flights:
+            self.channel.wait(self._flights[-1][1])
+        else:
+            self.channel.poll()
 
     def wait_all(self) -> int:
-        """Finish every launched bucket; return the bytes sent and reset for the next step."""
+        """Finish every launched bucket; return the bytes sent and reset for the next step (a
+        failed bucket's error is raised, the others are forgotten)."""
+        failed: Optional[BaseException] = None
         try:
             self.poll(block=True)
-        except BaseException:
+        except BaseException as err:  # noqa: BLE001 — re-raised below, the first bucket's first
+            failed = err
+        errors = [r.error for _, r in self._flights if r.error is not None]
+        if failed is not None:
+            errors.append(failed)
+        if errors:
             self.abort()
-            raise
+            raise errors[0]
         sent = sum(r.bytes_sent for _, r in self._flights)
         self._flights = []
         return sent

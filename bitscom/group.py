@@ -6,7 +6,7 @@ key (error feedback, seeds) and drives the round generators through
 :class:`~bitscom.comm.Rounds`, synchronously or as a :class:`LowBitWork` whose ``wait()``
 drives the rounds still to come. The works of one process group are driven in call order,
 whatever order they are waited in (see :class:`LowBitWork`). Every call, low-bit or exact,
-first all-gathers the call header of :mod:`bitscom.lowbit.call_header` (kind, reduce op, dtype,
+first all-gathers the call header of :mod:`bitscom.call_header` (kind, reduce op, dtype,
 element count: two integers), the same check the ``lowbit`` backend makes, so ranks that
 called different collectives are the same clear error on every rank instead of a gloo abort,
 a timeout or a silently misaligned sum, and the group stays usable. Non-float tensors and
@@ -16,8 +16,6 @@ reductions other than SUM/AVG take the exact ``torch.distributed`` collective af
 from __future__ import annotations
 
 import dataclasses
-import weakref
-from collections import deque
 from typing import Any, Dict, Optional
 
 import torch
@@ -27,7 +25,7 @@ from . import runtime
 from .agreement import check_agreement
 from .collectives import LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds, reduce_scatter_rounds
 from .comm import Comm, Rounds, is_sum_or_avg, resolve_group
-from .lowbit.call_header import Call, agree_rounds
+from .call_header import Call, agree_rounds
 from .quantization import FULL_PRECISION, Quantized, dequantize, quantize
 
 __all__ = ["LowBitGroup", "LowBitWork"]
@@ -36,14 +34,11 @@ _LABEL = "LowBitGroup"
 
 
 class LowBitWork(Rounds):
-    """Handle of an asynchronous low-bit collective (a :class:`~bitscom.comm.Rounds`).
-
-    On return from the collective its first round (the call header) is in flight, unless an
-    earlier work of the same process group is still pending: then it is issued once those
-    finished. ``wait()`` (or ``poll()``) drives the group's works in call order up to this
-    one, so every rank issues the same rounds in the same order whatever order each rank
-    waits in. An error of an earlier work met on the way is kept for that work's own
-    ``wait()``. ``bytes_sent`` counts what this rank handed to the network.
+    """Handle of an asynchronous low-bit collective (a :class:`~bitscom.comm.Rounds`): its
+    first round (the call header) is in flight on return, the rest follow on the group's
+    :class:`~bitscom.channel.Channel` in call order. ``wait()`` / ``poll()`` drive the group's
+    works in call order up to this one, so any rank may wait in any order; an earlier work's
+    error is kept for that work's own ``wait()``. ``bytes_sent``: what this rank sent.
 
     Example::
 
@@ -51,86 +46,19 @@ class LowBitWork(Rounds):
         wb.wait(); wa.wait()          # any order, on any rank
     """
 
-    def __init__(self, rounds, comms=(), queue: Optional["_WorkQueue"] = None):
-        super().__init__(rounds, comms)
-        self.error: Optional[BaseException] = None
-        self._queue = queue
+    def __init__(self, rounds, comms=(), channel=None):
+        super().__init__(rounds, comms, keep_going=True)   # a header error is raised on every rank
+        self._channel = channel
 
     def poll(self, block: bool = False) -> bool:
         if not self.done:
-            if self._queue is None:
-                return super().poll(block)
-            self._queue.advance(self, block)
+            if block:
+                self._channel.wait(self)
+            else:
+                self._channel.poll()
         if self.done and self.error is not None:
             raise self.error
         return self.done
-
-
-class _WorkQueue:
-    """The pending low-bit works of one process group, in call order (the per-group FIFO).
-
-    A work is started (its first round issued) when nothing is ahead of it, else when the
-    works ahead finished; every round of a work is issued before the next work's first. So
-    the collectives each rank issues are its calls' rounds concatenated in call order: the
-    same on every rank, whenever and in whatever order the works are waited on.
-    """
-
-    def __init__(self):
-        self._pending: deque = deque()
-
-    def submit(self, work: LowBitWork) -> None:
-        while self._pending and self._pending[0].done:
-            self._pending.popleft()
-        if not self._pending:
-            work.start()                  # errors here reach the caller; nothing is queued
-        self._pending.append(work)
-
-    def advance(self, target: Optional[LowBitWork] = None, block: bool = False) -> None:
-        """Drive works in call order until ``target`` is done (every work when None); without
-        ``block`` only as far as completed rounds allow."""
-        while self._pending:
-            head = self._pending[0]
-            try:
-                finished = Rounds.poll(head, block)
-            except Exception as err:  # noqa: BLE001 — kept for whoever waits on that work
-                head.error, finished = err, True
-            if not finished:
-                return
-            self._pending.popleft()
-            if head is target:
-                return
-
-
-_QUEUES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _queue_for(group) -> _WorkQueue:
-    """The FIFO of ``group``, shared by every LowBitGroup over it (a private one for None)."""
-    if group is None:
-        return _WorkQueue()
-    queue = _QUEUES.get(group)
-    if queue is None:
-        queue = _QUEUES[group] = _WorkQueue()
-    return queue
-
-
-class _ExactWork:
-    """Wraps a torch Work (or None) plus a step to run after it (e.g. AVG's division)."""
-
-    def __init__(self, work, after=None):
-        self._work, self._after, self._done = work, after, False
-
-    def is_completed(self) -> bool:
-        return self._done
-
-    def wait(self, timeout=None) -> bool:
-        if not self._done:
-            if self._work is not None:
-                self._work.wait()
-            if self._after is not None:
-                self._after()
-            self._done = True
-        return True
 
 
 def _handed(work, async_op: bool):
@@ -188,7 +116,7 @@ class LowBitGroup:
         self.inter_group = inter_group
         self._states: Dict[Any, LowBitState] = {}
         self._calls = 0
-        self._queue = _queue_for(self.process_group)
+        self._channel = runtime.channel(self.process_group, later=True)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
             # Ranks with different settings would exchange bytes of different formats: fail
             # here, on every rank, with what differs.
@@ -239,19 +167,19 @@ class LowBitGroup:
 
     # -- helpers ------------------------------------------------------------------------------
     def _start(self, rounds, comms, async_op: bool):
-        work = LowBitWork(rounds, comms, self._queue)
-        self._queue.submit(work)
+        work = LowBitWork(rounds, comms, self._channel)
+        self._channel.submit(work)
         return _handed(work, async_op)
 
     def _checked(self, call: Call, device, rounds):
         """``rounds`` after the call header on the whole group."""
-        check = Comm(self.process_group)
+        check = self._channel.comm()
         return _chain(agree_rounds(check, call, 0, device, _LABEL), rounds), check
 
     def _exact(self, call: Call, device, issue, async_op: bool, error: Optional[Exception] = None):
         """An op low bit does not compute: the call header, then ``issue(comm)`` exactly (or
         ``error``, raised on every rank once the header showed they all made this call)."""
-        comm = Comm(self.process_group)
+        comm = self._channel.comm()
 
         def body():
             if error is not None:
@@ -301,7 +229,7 @@ class LowBitGroup:
         average = op == dist.ReduceOp.AVG
         st, full_key = self._state("all_reduce", key, tensor, cfg)
         if cfg.hierarchy == "none":
-            comms = [Comm(self.process_group)]
+            comms = [self._channel.comm()]
             rounds = all_reduce_rounds(tensor, comms[0], cfg, st, average=average, key=full_key)
         else:
             intra = local_group or self.intra_group or runtime.intra_group()
@@ -328,7 +256,7 @@ class LowBitGroup:
                 or not is_sum_or_avg(op):
             return self._exact(call, output.device, lambda comm: comm.reduce_scatter(output, input, op), async_op)
         st, full_key = self._state("reduce_scatter", key, input, self.config)
-        comm = Comm(self.process_group)
+        comm = self._channel.comm()
         average = op == dist.ReduceOp.AVG
         rounds = reduce_scatter_rounds(output, input, comm, self.config, st, average=average,
                                        key=full_key)
@@ -350,16 +278,16 @@ class LowBitGroup:
             parts = flat.view(len(outs), -1)
 
             def scatter():
+                yield work
                 for o, p in zip(outs, parts):
                     o.copy_(p.view(o.shape))
 
-            w = _ExactWork(work, scatter)
-            return _handed(w, async_op)
+            return _handed(Rounds(scatter()).start(), async_op)
         call = Call.of("all_gather", dist.ReduceOp.SUM, input.dtype, input.numel())
         if not (input.is_floating_point() and output.is_floating_point()):
             return self._exact(call, input.device, lambda comm: comm.all_gather(output, input), async_op)
         st, full_key = self._state("all_gather", key, input, self.config)
-        comm = Comm(self.process_group)
+        comm = self._channel.comm()
         rounds = all_gather_rounds(output, input, comm, self.config, st, key=full_key)
         rounds, check = self._checked(call, input.device, rounds)
         return self._start(rounds, [check, comm], async_op)

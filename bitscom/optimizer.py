@@ -31,7 +31,6 @@ import zlib
 from typing import Any, Dict
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import runtime, uneven
@@ -64,21 +63,6 @@ def _passes(value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"backward_passes_per_step must be an int >= 1, got {value!r}")
     return value
-
-
-def _later_group(process_group):
-    """(the later-round group, the group to destroy on close or None).
-
-    Over the whole world the group is created by every rank (torch then names it by a
-    counter), so destroying it later is safe. Over a sub-group only members take part, torch
-    names the group by its ranks, and a name reused after a destroy meets stale rendezvous
-    keys and hangs: such groups are kept for the life of the process.
-    """
-    ranks = dist.get_process_group_ranks(process_group)
-    if len(ranks) == dist.get_world_size():
-        group = runtime.new_group(ranks, settle=True)
-        return group, group
-    return runtime.new_group(ranks, use_local_synchronization=True), None
 
 
 def _check_momentum_free(optimizer, compression) -> None:
@@ -253,12 +237,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
                                    backward_passes_per_step)
         self._life.agree()                      # every rank, before any other collective
         self._refuse_ddp(self._ddp)
-        later, owned = (None, None)
-        if self._size > 1:
-            later, owned = _later_group(process_group)
-        self._reducer = Reducer(compression, self._layouts, process_group, later)
-        if owned is not None:
-            self._life.own(owned)
+        self._reducer = Reducer(compression, self._layouts, runtime.channel(process_group, later=self._size > 1))
         # The hooks hold the optimizer weakly; when it is closed or collected they are removed
         # and its group destroyed, so a replaced optimizer stops reducing.
         self._life.attach([p for _, p in self._trainable])

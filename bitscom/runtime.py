@@ -32,10 +32,12 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from .channel import Channel
+
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "world_group", "intra_group", "inter_group", "device",
-           "LaunchInfo", "discover", "timeout", "new_group", "shared_group", "world_token",
-           "on_world_gone"]
+           "LaunchInfo", "discover", "timeout", "new_group", "shared_group", "channel", "node_layout",
+           "node_groups", "world_token", "on_world_gone"]
 
 
 @dataclass(frozen=True)
@@ -456,15 +458,50 @@ def _build_node_groups(info: LaunchInfo, backend: str) -> None:
             raise RuntimeError(f"rank {r} reports local rank {lr} of {ls}; bitscom needs the ranks "
                                f"of a node to be contiguous with equal local sizes "
                                f"(use mpirun --map-by slot); layout seen: {layout}")
-    nodes = size // local
-    for n in range(nodes):
-        g = new_group(list(range(n * local, (n + 1) * local)), backend=backend)
+    world = list(range(size))
+    for n in range(size // local):
+        g = new_group(node_layout(world, local, n * local)[0], backend=backend)
         if info.rank // local == n:
             _rt.intra = g
     for lr in range(local):
-        g = new_group(list(range(lr, size, local)), backend=backend)
+        g = new_group(node_layout(world, local, lr)[1], backend=backend)
         if info.rank % local == lr:
             _rt.inter = g
+
+
+def node_layout(ranks: Iterable[int], local_size: int, rank: int) -> tuple:
+    """The one node-layout rule: ``ranks`` as contiguous nodes of ``local_size`` ranks (torchrun,
+    ``mpirun --map-by slot``, Slurm block distribution). Returns (the ranks of group rank
+    ``rank``'s node, the ranks with its local rank, one per node).
+
+    Example::
+
+        node_layout([0, 1, 2, 3], 2, 3)      # ([2, 3], [1, 3])
+    """
+    ranks = list(ranks)
+    node, local = divmod(rank, local_size)
+    return ranks[node * local_size:(node + 1) * local_size], ranks[local::local_size]
+
+
+def node_groups(group, local_size: int) -> tuple:
+    """(intra, inter) groups for this rank of ``group`` laid out by :func:`node_layout`: the
+    ones :func:`init` built when they are the ones asked for, else made once per rank list
+    and world by :func:`shared_group` and reused (a face that built its own per instance
+    would leak two groups each time, and a sub-group cannot be destroyed and made again under
+    its name). Only members call it.
+
+    Example::
+
+        intra, inter = bitscom.runtime.node_groups(dist.group.WORLD, 2)   # 4 ranks as 2 x 2
+    """
+    ranks = dist.get_process_group_ranks(group)
+    if local_size < 1 or len(ranks) % local_size:
+        raise ValueError(f"local_size={local_size} must divide the group size {len(ranks)}")
+    _forget_if_stale()
+    pair = zip(node_layout(ranks, local_size, dist.get_rank(group)), (_rt.intra, _rt.inter))
+    return tuple(group if len(want) == len(ranks) else
+                 made if made is not None and dist.get_process_group_ranks(made) == want else
+                 shared_group(want, tag="node") for want, made in pair)
 
 
 def build_fingerprint() -> int:
@@ -563,6 +600,38 @@ def shared_group(ranks: Iterable[int], *, tag: str, backend: Optional[str] = Non
         if isinstance(group, dist.ProcessGroup):
             made[key] = group
     return group
+
+
+_channels: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # world -> {group: Channel}
+
+
+def channel(group, *, later: bool = False) -> Channel:
+    """The :class:`~bitscom.channel.Channel` of ``group``: one per group and world, shared by
+    every face on it, so all their multi-round collectives keep one order.
+
+    ``later=True`` gives it its later-round group on first need, made here (every member asks
+    at the same point of the program, e.g. in a face's constructor): over the whole world by
+    every rank; over a sub-group by its members only, and then never destroyed and made again
+    under its name (stale rendezvous keys hang). Keyed by the world and held weakly, like
+    :func:`shared_group`, so :func:`shutdown` drops channels and groups. ``None``, a group of
+    one rank or one this rank is not in gets a private channel (the face's checks decide).
+
+    Example::
+
+        ch = bitscom.runtime.channel(group, later=True)
+    """
+    world = _current_world()
+    if group is None or world is None or dist.get_world_size(group) <= 1:    # -1: not a member
+        return Channel(group)
+    made = _channels.setdefault(world, weakref.WeakKeyDictionary())
+    ch = made.get(group)
+    if ch is None:
+        ch = made[group] = Channel(group)
+    if later and ch.later_group is None:
+        ranks = dist.get_process_group_ranks(group)
+        whole = len(ranks) == dist.get_world_size()
+        ch.set_later_group(new_group(ranks, use_local_synchronization=not whole, settle=whole))
+    return ch
 
 
 def shutdown() -> None:

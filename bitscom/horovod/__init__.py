@@ -12,8 +12,8 @@ on :mod:`bitscom.comm` and :mod:`bitscom.runtime`):
   round driver, :class:`bitscom.comm.Rounds`, and finish in call order;
 * :mod:`.negotiation`: the header all-gather that checks every rank makes the same call;
 * :mod:`.groups`: the group a call uses (a clear error before ``bitscom.init()`` under a
-  multi-process launcher) and the payload groups (made by :func:`bitscom.runtime.new_group`,
-  so with init's timeout);
+  multi-process launcher) and each call's comm on its group's channel
+  (:func:`bitscom.runtime.channel`, whose later group carries the payloads);
 * :mod:`.failures`: a failed collective names the bitscom call and the likely cause;
 * :mod:`.codec`: :class:`HorovodCodec`, published as ``bitscom.compression.Compressor``.
 

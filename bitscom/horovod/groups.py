@@ -1,18 +1,14 @@
-"""The process groups of the Horovod face: which group a call uses, and its payload group.
+"""The process groups of the Horovod face: which group a call uses, and its comm.
 
-:func:`require_group` is the one answer to "which group does this call reduce over": the
-group passed in, else the world, else — one process — ``None`` (every collective is the
-identity). Under a launcher that started more than one process but before ``bitscom.init()``
-it raises instead: silently returning this rank's own value (what ``allreduce`` used to do)
-trains each rank on its own, like an optimizer built before init (the
-library's one check, :func:`bitscom.face.require_group`).
+:func:`require_group` (the library's one check, :func:`bitscom.face.require_group`)
+answers "which group does this call reduce over": the group passed in, else the world, else
+``None`` for one process; before ``bitscom.init()`` under a multi-process launcher it raises.
 
-Payload groups. Handles issue their header round on the call's group at call time and their
-payload round later, in call order; the payload goes to a second group so that a later
-call's header never pairs with an earlier call's payload. It is created by
-:func:`bitscom.runtime.new_group` (so it has init's timeout), once per group, always inside
-the user's call (creating a group synchronizes its members, so it must happen at the same
-point of the program on every rank).
+Payload rounds. Handles issue their header round on the call's group at call time and their
+payload round later, in call order, on the later group of the group's channel
+(:func:`bitscom.runtime.channel`), so that a later call's header never pairs with an earlier
+call's payload. The channel is asked for inside the user's call (creating its later group
+synchronizes the members, so it must happen at the same point of the program on every rank).
 """
 
 from __future__ import annotations
@@ -22,24 +18,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import face, runtime
+from .. import runtime
 from ..comm import Comm
+from ..face import require_group    # the library's one group/membership check
 from .failures import peer_failure
 
-__all__ = ["require_group", "face_group", "group_size", "group_device", "payload_group",
-           "face_comm"]
-
-
-def require_group(process_group: Optional[Any], what: str) -> Optional[Any]:
-    """The group ``what`` (e.g. ``"bitscom.allreduce"``) uses — the library's one
-    :func:`bitscom.face.require_group`: the given group, else the world, else ``None`` (a
-    single process); a clear error under a launcher before init, or on a non-member rank.
-
-    Example::
-
-        group = require_group(process_group, "bitscom.allreduce")
-    """
-    return face.require_group(process_group, what)
+__all__ = ["require_group", "face_group", "group_size", "group_device", "face_comm"]
 
 
 def face_group(process_group: Optional[Any], process_set: Optional[Any], what: str) -> Optional[Any]:
@@ -71,23 +55,9 @@ def group_device(group: Any, tensor: Optional[torch.Tensor] = None) -> torch.dev
     return tensor.device
 
 
-def payload_group(group: Any, what: str) -> Any:
-    """The payload group of ``group``, created (with init's timeout) on first use.
-
-    Example::
-
-        later = payload_group(group, "bitscom.allreduce")
-    """
-    try:
-        return runtime.shared_group(dist.get_process_group_ranks(group),
-                                    tag=f"horovod-payload-{id(group)}")
-    except RuntimeError as err:
-        raise peer_failure(what, err, "creating its payload process group") from err
-
-
 def face_comm(group: Optional[Any], what: str) -> Optional[Comm]:
-    """The :class:`Comm` of one call: header round on ``group``, later rounds on its payload
-    group; ``None`` for a single process (the call is local).
+    """The :class:`Comm` of one call on ``group``'s channel (header round on ``group``, later
+    rounds on the channel's later group); ``None`` for a single process (the call is local).
 
     Example::
 
@@ -95,4 +65,7 @@ def face_comm(group: Optional[Any], what: str) -> Optional[Comm]:
     """
     if group_size(group) == 1:
         return None
-    return Comm(group, payload_group(group, what))
+    try:
+        return runtime.channel(group, later=True).comm()
+    except RuntimeError as err:
+        raise peer_failure(what, err, "creating its payload process group") from err

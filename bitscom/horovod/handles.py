@@ -1,28 +1,29 @@
-"""Handles of asynchronous Horovod-face calls, driven by the one round driver.
+"""Handles of asynchronous Horovod-face calls, submitted to the group's Channel.
 
 A :class:`Handle` wraps a :class:`bitscom.comm.Rounds` (the round driver every face uses):
-the call's round generator issues its header round at call time; the payload round starts
-once the header round completed — noticed on the next call into this face, in :func:`poll`
-or in :func:`synchronize`.
-
-In-call-order rule: unfinished handles wait in one queue and only the oldest is advanced, so
-a handle issues its payload only when every earlier handle has finished. Every rank thus
-issues payload rounds in the same order whatever the timing (the rule :mod:`bitscom.engine`
-follows for buckets). A handle that fails keeps its error for :func:`synchronize` and does
-not block the handles after it.
+the call's round generator issues its header round at call time; the payload round follows on
+the group's :class:`~bitscom.channel.Channel` (its later group), in call order, once every
+earlier work on that group finished — the rule every face on the group shares, so Horovod
+calls, LowBitGroup works and optimizer buckets on one group keep one order. A handle that
+fails keeps its error for :func:`synchronize` and does not block the handles after it (a
+header mismatch is raised on every rank alike).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, Optional
 
+from .. import runtime
+from ..channel import Channel
 from ..comm import Comm, Rounds
 
-__all__ = ["Handle", "submit", "progress", "synchronize", "poll"]
+__all__ = ["Handle", "submit", "synchronize", "poll"]
 
 
-class Handle:
-    """An asynchronous collective in flight: pass it to :func:`synchronize` or :func:`poll`.
+class Handle(Rounds):
+    """An asynchronous collective in flight (a :class:`~bitscom.comm.Rounds` on its group's
+    channel): pass it to :func:`synchronize` or :func:`poll`. ``done``: finished, with a result
+    or an error; ``bytes_sent``: what this rank sent for it so far.
 
     Example::
 
@@ -31,57 +32,17 @@ class Handle:
         avg = bitscom.synchronize(h)
     """
 
-    def __init__(self, fn: str, name: Optional[str], rounds: Rounds):
-        self.fn = fn
-        self.name = name
-        self._rounds = rounds
-        self._error: Optional[BaseException] = None
-
-    @property
-    def done(self) -> bool:
-        """Finished, with a result or an error (:func:`synchronize` will not block)."""
-        return self._error is not None or self._rounds.done
-
-    @property
-    def bytes_sent(self) -> int:
-        """Bytes this rank sent for this call so far (counted by its :class:`Comm`)."""
-        return self._rounds.bytes_sent
-
-    def _drive(self, block: bool) -> bool:
-        if not self.done:
-            try:
-                self._rounds.poll(block=block)
-            except Exception as err:  # noqa: BLE001 — kept and raised by synchronize()
-                self._error = err
-        return self.done
+    def __init__(self, fn: str, name: Optional[str], rounds: Iterator, comm: Optional[Comm], channel: Channel):
+        super().__init__(rounds, [] if comm is None else [comm], keep_going=True)
+        self.fn, self.name, self._channel = fn, name, channel
 
     def __repr__(self) -> str:
         state = "done" if self.done else "in flight"
         return f"<bitscom.Handle {self.fn}{'' if self.name is None else ' ' + repr(self.name)} {state}>"
 
 
-_queue: List[Handle] = []          # unfinished handles, in call order
-
-
-def progress(until: Optional[Handle] = None) -> None:
-    """Advance handles in call order; block for every handle up to ``until`` (inclusive).
-
-    Example::
-
-        progress()          # non-blocking: issue whatever payload rounds are due
-    """
-    blocking = until is not None and until in _queue
-    while _queue:
-        handle = _queue[0]
-        if not handle._drive(block=blocking):
-            return
-        _queue.pop(0)
-        if handle is until:
-            return
-
-
 def submit(fn: str, name: Optional[str], rounds: Iterator, comm: Optional[Comm]) -> Handle:
-    """Start a call's round generator (its header round) and queue its handle.
+    """Start a call's round generator (its header round) on its group's channel.
 
     Errors found before any collective (bad arguments on a single process) raise here.
 
@@ -89,17 +50,8 @@ def submit(fn: str, name: Optional[str], rounds: Iterator, comm: Optional[Comm])
 
         return submit("allgather", name, _allgather_rounds(label, tensor, comm), comm)
     """
-    handle = Handle(fn, name, Rounds(rounds, [] if comm is None else [comm]))
-    progress()
-    try:
-        handle._rounds.start()
-    except Exception as err:  # noqa: BLE001
-        handle._error = err
-    if handle._error is not None:
-        raise handle._error
-    if not handle.done:
-        _queue.append(handle)
-    return handle
+    channel = runtime.channel(comm.group) if comm is not None else Channel()
+    return channel.submit(Handle(fn, name, rounds, comm, channel))
 
 
 def synchronize(handle: Handle) -> Any:
@@ -113,11 +65,8 @@ def synchronize(handle: Handle) -> Any:
     """
     if not isinstance(handle, Handle):
         raise TypeError(f"synchronize expects a bitscom.Handle, got {type(handle).__name__}")
-    if not handle.done:
-        progress(until=handle)
-    if handle._error is not None:
-        raise handle._error
-    return handle._rounds.result
+    handle._channel.wait(handle)
+    return handle.result
 
 
 def poll(handle: Handle) -> bool:
@@ -130,5 +79,5 @@ def poll(handle: Handle) -> bool:
     """
     if not isinstance(handle, Handle):
         raise TypeError(f"poll expects a bitscom.Handle, got {type(handle).__name__}")
-    progress()
+    handle._channel.poll()
     return handle.done

@@ -27,8 +27,8 @@ from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..call_header import DTYPES, OPS     # the one op/dtype table
 from ..comm import Comm
-from ..ops import Average, Max, Min, Product, Sum
 from .failures import guard
 from .groups import group_device
 
@@ -38,9 +38,6 @@ __all__ = ["MAX_DIMS", "H_FIXED", "KINDS", "OPS", "DTYPES", "ERRORS", "ERROR_TYP
 MAX_DIMS = 16
 H_FIXED = 9
 KINDS = {"allreduce": 1, "allgather": 2, "broadcast": 3, "alltoall": 4, "sparse_allreduce": 5}
-OPS = {Average: 1, Sum: 2, Min: 3, Max: 4, Product: 5}
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
-          torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
 ERRORS = {1: f"the tensor has more than {MAX_DIMS} dimensions",
           2: "splits must have one non-negative entry per rank summing to tensor.shape[0]",
           3: "tensor.shape[0] is not divisible by the number of ranks (pass splits=)",
@@ -136,7 +133,7 @@ def _check_shapes(label: str, rows: List[List[int]], kind: int) -> None:
         raise RuntimeError(f"{label}: ranks disagree on the tensor {part} ({seen})")
 
 
-def negotiate(comm: Comm, label: str, tensor: torch.Tensor, kind: int, op: int = 0,
+def negotiate(comm: Comm, label: str, tensor: torch.Tensor, kind: int, op: int = -1,
               root: int = -1, pre: float = 1.0, post: float = 1.0, err: int = 0,
               extra: Sequence[int] = (), name: Optional[str] = None
               ) -> Generator[Any, None, List[List[int]]]:

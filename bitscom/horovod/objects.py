@@ -18,7 +18,6 @@ from ..comm import Comm, drive
 from .args import check_name, label
 from .failures import guard
 from .groups import face_group, group_device, group_size
-from .handles import progress
 
 __all__ = ["allgather_object", "barrier", "gather_object_rounds", "broadcast_object_rounds"]
 
@@ -83,7 +82,6 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set: Any = No
     group = face_group(process_group, process_set, what)
     if group_size(group) == 1:
         return [obj]
-    progress()
     comm = Comm(group)
     return drive(gather_object_rounds(comm, obj, group_device(group), what), comm)
 
@@ -103,6 +101,5 @@ def barrier(process_set: Any = None, *, process_group: Any = None) -> None:
     """
     group = face_group(process_group, process_set, "bitscom.barrier")
     if group_size(group) > 1:
-        progress()
         comm = Comm(group)
         drive(_barrier_rounds(comm, group_device(group)), comm)

@@ -11,29 +11,23 @@ Two-level (TLq, TLq-HS): the low-bit level-wise reduce-scatter
 optional, ``gradient_alltoall_pipeline`` chunks per bucket. A level of one rank (one node, or
 one rank per node) is skipped.
 
-This module only drives those round generators, with the one driver
-(:class:`bitscom.comm.Rounds`), and keeps the order rule: every chunk's intra-node round is
-issued at launch (launch order is bucket order, the same on every rank), and chunk ``k``'s
-inter-node round once its intra round completed and every earlier chunk (of this bucket and of
-earlier buckets) issued its inter round. So each group sees its collectives in one order on
-every rank, while chunk ``k+1``'s intra-node all-to-all overlaps chunk ``k``'s inter-node one.
-
-No second ("later rounds") group is needed, unlike :mod:`bitscom.engine`: there, first rounds
-(timed by backward hooks) and later rounds (timed by completions) share a group, so their
-interleaving could differ per rank. Here each group carries one kind of round only: the intra
-group first rounds, the inter group later rounds, each issued in a fixed order; the process
-group carries the exact reduce-scatters (launch order) and nothing concurrent with the
-quantized rounds. Bytes are counted by the :class:`~bitscom.comm.Comm` objects.
+This module builds those round generators and submits them, in launch order, to the group's
+:class:`~bitscom.channel.Channel` with their round count: every chunk's intra-node round is
+issued at launch, chunk ``k``'s inter-node round once every earlier chunk issued its own. Each
+group carries one kind of round (intra: first rounds; inter: later ones; the process group:
+the exact reduce-scatters), so no later group is needed, and chunk ``k+1``'s intra-node
+all-to-all overlaps chunk ``k``'s inter-node one. Bytes are counted by the Comms.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 
-from ..comm import Comm, Rounds, wait
+from .. import runtime
+from ..comm import Comm, Rounds
 from ..lowbit.codec import Codec
 from ..lowbit.levelwise import levelwise_chunks, levelwise_wire_bytes
 from ..ops import Average
@@ -96,34 +90,6 @@ def _exact_rounds(out: torch.Tensor, flat: torch.Tensor, comm: Comm, divide_by: 
         out.div_(divide_by)
 
 
-class _Counted:
-    """An iterator that counts the rounds its generator issued (the order rule reads it)."""
-
-    def __init__(self, rounds):
-        self.rounds, self.issued = rounds, 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        work = next(self.rounds)
-        self.issued += 1
-        return work
-
-
-@dataclass
-class _Flight:
-    """One chunk (or one exact bucket) in flight: its driver and how many rounds it takes."""
-
-    counted: _Counted
-    rounds: Rounds
-    total: int
-
-    @property
-    def issued_all(self) -> bool:
-        return self.rounds.done or self.counted.issued >= self.total
-
-
 @dataclass
 class GradientReducer:
     """Reduce-scatters buckets, launched in bucket order, without blocking backward.
@@ -137,12 +103,16 @@ class GradientReducer:
 
     cfg: ShardedConfig
     topo: Topology
-    _flights: List[_Flight] = field(default_factory=list)
+    _flights: List[Rounds] = field(default_factory=list)
     _comms: List[Comm] = field(default_factory=list)
+    channel: Any = None
+
+    def __post_init__(self) -> None:
+        self.channel = runtime.channel(self.topo.group if self.topo.world > 1 else None)
 
     @property
     def in_flight(self) -> bool:
-        return any(not f.rounds.done for f in self._flights)
+        return any(not f.done for f in self._flights)
 
     def launch(self, bucket: int, flat: torch.Tensor, out: torch.Tensor, step: int) -> None:
         """Start reducing ``flat`` (``world * S`` float elements) into ``out`` (``S``): issues the
@@ -170,35 +140,30 @@ class GradientReducer:
             self._start(gen, [intra, inter], 2)
 
     def _start(self, gen, comms: List[Comm], total: int) -> None:
-        counted = _Counted(gen)
-        flight = _Flight(counted, Rounds(counted, comms), total)
-        self._flights.append(flight)
-        flight.rounds.start()
+        self._flights.append(self.channel.submit(Rounds(gen, comms, total=total)))
 
     def poll(self, step: int, block: bool = False) -> None:
         """Advance whatever completed; later rounds are issued in launch order (see the module
         docstring). ``block=True`` finishes everything. ``step`` is kept for callers; the seeds
         were fixed at :meth:`launch`."""
-        for f in self._flights:
-            f.rounds.poll()
-            while block and not f.issued_all:
-                wait(f.rounds.work)
-                f.rounds.poll()
-            if not f.issued_all:
-                return
-        if block:
-            for f in self._flights:
-                f.rounds.poll(block=True)
+        if block and self._flights:
+            self.channel.wait(self._flights[-1])
+        else:
+            self.channel.poll()
 
     def wait_all(self, step: int) -> int:
         """Finish every launched bucket; returns the bytes sent this step and resets (also when
         a collective failed: the error propagates, the in-flight work is forgotten)."""
         try:
             self.poll(step, block=True)
+            failed = [f.error for f in self._flights if f.error is not None]
+            if failed:
+                raise failed[0]
             return sum(c.bytes_sent for c in self._comms)
         finally:
             self.abort()
 
     def abort(self) -> None:
         """Forget every launched bucket (after a failure); their work is not waited for."""
+        self.channel.abort(self._flights)
         self._flights, self._comms = [], []

@@ -32,7 +32,7 @@ from .. import runtime
 from ..comm import Comm, gather_objects, wait
 from ..engine import ByteTotals, comm_stats
 from ..lifecycle import StepFace, StepLifecycle
-from ..node_groups import node_groups
+from ..runtime import node_groups, node_layout
 from ..ops import Average, ReduceOp
 from ..params import named_parameters_of
 from .norms import clip_coefficient, global_norm, norm_summary
@@ -89,11 +89,9 @@ def _resolve_topology(process_group, intra_group, inter_group, local_size):
         return None, (process_group, world, rank, local_size)
     L = dist.get_world_size(intra_group)
     ranks = dist.get_process_group_ranks(process_group)
-    node, local = divmod(rank, L) if world % L == 0 else (-1, -1)
-    expect_intra = [ranks[node * L + i] for i in range(L)] if node >= 0 else None
-    expect_inter = [ranks[n * L + local] for n in range(world // L)] if node >= 0 else None
+    expect_intra, expect_inter = node_layout(ranks, L, rank) if world % L == 0 else (None, None)
     layout = "consistent"
-    if node < 0 or dist.get_process_group_ranks(intra_group) != expect_intra \
+    if expect_intra is None or dist.get_process_group_ranks(intra_group) != expect_intra \
             or dist.get_process_group_ranks(inter_group) != expect_inter:
         layout = (f"rank {rank}: intra group {dist.get_process_group_ranks(intra_group)}, inter group "
                   f"{dist.get_process_group_ranks(inter_group)}; expected contiguous nodes of "

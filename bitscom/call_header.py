@@ -1,4 +1,6 @@
-"""The call header: what every low-bit collective all-gathers before its first payload byte.
+"""The call header: what every low-bit collective all-gathers before its first payload byte,
+and the one op/dtype table of every header (this one, and the Horovod face's negotiation
+header, which adds shapes, scales, splits and the name hash, :mod:`bitscom.horovod.negotiation`).
 
 Why: ranks that call different collectives (float SUM on one, int SUM or MAX on another; fp32
 on one, fp16 of the same size on another) or pass different element counts would pair a
@@ -9,8 +11,10 @@ leave the group usable (every rank consumed the same collective). The ``lowbit``
 torch.distributed backend and :class:`bitscom.LowBitGroup` both use it: one check, one
 message, whichever face the call came through.
 
-Layout: ``[numel, kind | op << 2 | dtype << 6 | slot << 12]``; ``slot`` is the backend's
-error-feedback state slot (0 for callers without slots).
+Layout: ``[numel, kind | op << 2 | dtype << 6 | slot << 12]``: ``op`` a torch ``RedOpType``
+number, ``dtype`` 1 + its index in :data:`DTYPES` (0: another dtype), ``slot`` the backend's
+error-feedback state slot (0 for callers without slots). Two integers: the 16 bytes per call
+that ``bytes_sent`` reports.
 """
 
 from __future__ import annotations
@@ -21,12 +25,18 @@ from typing import Any, Generator, List
 import torch
 import torch.distributed as dist
 
-__all__ = ["Call", "check_calls", "agree_rounds"]
+from .ops import Average, Max, Min, Product, Sum
+
+__all__ = ["Call", "check_calls", "agree_rounds", "DTYPES", "OPS"]
 
 _KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")     # 2 bits
 _OPS = tuple(dist.ReduceOp.RedOpType.__members__)            # SUM, AVG, PRODUCT, MIN, MAX, ...
-_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8,
-           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)
+OPS = {op: int(getattr(dist.ReduceOp.RedOpType, name)) for op, name in
+       ((Average, "AVG"), (Sum, "SUM"), (Min, "MIN"), (Max, "MAX"), (Product, "PRODUCT"))}
+"""The Horovod-style ops (``bitscom.Average``, ...) as the ``RedOpType`` numbers headers carry."""
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
+          torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)
+"""The dtypes a header names (and the Horovod face accepts)."""
 
 
 def _op_code(op) -> int:
@@ -51,7 +61,7 @@ class Call:
 
     @classmethod
     def of(cls, kind: str, op, dtype: torch.dtype, numel: int) -> "Call":
-        code = _DTYPES.index(dtype) if dtype in _DTYPES else 0
+        code = DTYPES.index(dtype) + 1 if dtype in DTYPES else 0
         return cls(_KINDS.index(kind), _op_code(op), code, int(numel))
 
     def header(self, slot_code: int = 0) -> List[int]:
@@ -68,7 +78,7 @@ class Call:
 
     def describe(self) -> str:
         op = _OPS[self.op] if self.op < len(_OPS) else f"op {self.op}"
-        dtype = _DTYPES[self.dtype] if self.dtype else "tensors of another dtype"
+        dtype = DTYPES[self.dtype - 1] if self.dtype else "tensors of another dtype"
         return f"{self.name} {op} of {self.numel} {dtype}"
 
 

@@ -1,0 +1,204 @@
+"""Channel: the one in-order queue of multi-round collectives, one per process group.
+
+Why one per group. Collectives on a group must be issued in the same order on every rank. A
+multi-round collective (PowerSGD's P then Q, low-bit's all-to-all then all-gather, a call
+header then its payload) issues its later rounds when earlier work *completes*, at different
+moments on different ranks. Two queues over one group (an optimizer and a DDP hook, two
+LowBitGroups, a Horovod call and a LowBitGroup) would interleave differently per rank. So
+every face submits to its group's Channel (:func:`bitscom.runtime.channel`), whose rule is:
+
+1. a work's first round is issued at :meth:`Channel.submit`, on ``group`` (submission order
+   is program order, the same on every rank);
+2. its later rounds go to ``later_group`` (see :class:`~bitscom.comm.Comm`), in submission
+   order too: work ``k`` issues a later round only once every work before it is *released*
+   (finished, or issued all of its declared ``total`` rounds);
+3. a failed round fails its work (whoever waits for it gets the error) and, unless the work
+   is ``keep_going`` (a call header's errors are raised on every rank in step), aborts every
+   work queued behind it: their rounds would pair with the wrong peers.
+
+``bytes_sent`` totals what its finished works sent. The ``lowbit`` backend, whose caller must
+not block, runs its channels with a driver thread (``driver=True``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import weakref
+from typing import Callable, List, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend  # the lowbit backend's inner groups
+
+from .comm import Comm, Rounds
+
+__all__ = ["Channel"]
+W = TypeVar("W", bound=Rounds)
+
+
+class Channel:
+    """The in-order queue of :class:`~bitscom.comm.Rounds` over one process group.
+
+    It holds its groups weakly (torch's registry, or the backend, owns them), so a destroyed
+    world really goes, and a face still holding the channel gets a clear error.
+
+    Example::
+
+        ch = bitscom.runtime.channel(group, later=True)
+        comm = ch.comm()
+        work = ch.submit(Rounds(compressor.reduce(flat, layout, state, comm), [comm]))
+        ch.wait(work)
+    """
+
+    def __init__(self, group=None, later_group=None, *, transport=None, rank: Optional[int] = None,
+                 size: Optional[int] = None, driver: bool = False):
+        self._groups = [self._hold(group), self._hold(later_group)]
+        self._comm_args = dict(transport=transport, rank=rank, size=size)
+        self._queue: List[Rounds] = []
+        self.bytes_sent = 0
+        self._submitted = 0
+        self._lock = threading.Lock()
+        self._jobs: Optional[queue.Queue] = None
+        if driver:
+            self._jobs = queue.Queue()
+            threading.Thread(target=_run, args=(self._jobs, self._lock, weakref.ref(self)),
+                             name="bitscom-channel-driver", daemon=True).start()
+            weakref.finalize(self, self._jobs.put, None)      # no thread outlives its channel
+
+    @staticmethod
+    def _hold(group):
+        if isinstance(group, (dist.ProcessGroup, C10dBackend)):
+            return True, weakref.ref(group)
+        return group is not None, lambda: group          # None, or torch's NON_GROUP_MEMBER
+
+    def _get(self, which: int):
+        had, ref = self._groups[which]
+        if had and ref() is None:
+            raise RuntimeError("the process group of this bitscom channel was destroyed (bitscom.shutdown() "
+                               "or dist.destroy_process_group()); build the face again after bitscom.init()")
+        return ref()
+
+    @property
+    def group(self):
+        """The group first rounds go to."""
+        return self._get(0)
+
+    @property
+    def later_group(self):
+        """The group later rounds go to (None: the face's comms choose their groups)."""
+        return self._get(1)
+
+    def set_later_group(self, later_group) -> None:
+        """Give the channel its later group (runtime does, once, when a face first needs one)."""
+        self._groups[1] = self._hold(later_group)
+
+    def comm(self) -> Comm:
+        """A :class:`~bitscom.comm.Comm` for one work: first round on :attr:`group`, later
+        rounds on :attr:`later_group`."""
+        return Comm(self.group, self.later_group, **self._comm_args)
+
+    def submit(self, rounds: W, on_done: Optional[Callable[[Rounds], None]] = None, stream=None) -> W:
+        """Issue ``rounds``' first round now and queue the rest; returns ``rounds`` (the work).
+
+        An error up to the first round reaches the caller here; nothing is queued. With a
+        driver thread, ``on_done(rounds)`` runs there once the work finished (``rounds.error``
+        set on failure), inside ``stream`` when given.
+        """
+        rounds._seq, self._submitted = self._submitted, self._submitted + 1
+        try:
+            rounds.start()
+        except BaseException:
+            self._finished(rounds)
+            raise
+        if self._jobs is not None:
+            self._jobs.put((rounds, on_done, stream))
+        elif rounds.done:
+            self._finished(rounds)
+        else:
+            self._queue.append(rounds)
+        return rounds
+
+    def poll(self, block: bool = False) -> bool:
+        """Advance queued works over completed rounds, in order (all of them with ``block``);
+        returns whether none is left. Errors stay with their works."""
+        self._drive(None, block)
+        return not self._queue
+
+    def wait(self, work: Optional[Rounds] = None) -> None:
+        """Finish ``work`` and every work submitted before it (every work when None), in
+        submission order; raises ``work``'s error if it failed."""
+        if self._jobs is not None:
+            raise RuntimeError("a driver-thread channel finishes its works itself; wait on the work's future")
+        self._drive(work, True)
+        if work is not None and work.error is not None:
+            raise work.error
+
+    def abort(self, works: Optional[List[Rounds]] = None, cause: Optional[BaseException] = None) -> None:
+        """Forget ``works`` (every queued work when None) without waiting for them, after a
+        failure; waiting for one of them then raises instead of hanging."""
+        drop = list(self._queue) if works is None else [w for w in works if w in self._queue]
+        for w in drop:
+            if not w.done:
+                w.done = True
+                w.error = RuntimeError("bitscom: this collective was aborted after an earlier one on its "
+                                       f"process group failed{': ' + str(cause) if cause else ''}")
+            self._finished(w)
+        self._queue = [w for w in self._queue if w not in drop]
+
+    def _drive(self, until: Optional[Rounds], block: bool) -> None:
+        limit = None if until is None else until._seq
+        ahead: List[Rounds] = []
+        for w in list(self._queue):
+            if limit is not None and w._seq > limit:
+                break
+            if w.done:
+                continue
+            _step(w, block=False)
+            while block and not w.released:
+                _step(w, block=True)
+            ahead.append(w)
+            if w.error is not None and not w.keep_going:
+                self.abort(self._queue[self._queue.index(w) + 1:], cause=w.error)
+                break
+            if not w.released:
+                break
+        for w in ahead if block else ():
+            while not w.done:
+                _step(w, block=True)
+        for w in [w for w in self._queue if w.done]:
+            self._finished(w)
+        self._queue = [w for w in self._queue if not w.done]
+
+    def _finished(self, w: Rounds) -> None:
+        if not w._counted:
+            w._counted = True
+            self.bytes_sent += w.bytes_sent
+
+
+def _step(w: Rounds, block: bool) -> None:
+    """Advance ``w`` over completed rounds; with ``block`` wait for its current round first."""
+    try:
+        w.step() if block else Rounds.poll(w)
+    except Exception as err:  # noqa: BLE001 — the work's error, raised to whoever waits for it
+        w.done, w.error = True, err
+
+
+def _run(jobs: queue.Queue, lock: threading.Lock, channel: "weakref.ref") -> None:
+    """The driver thread: finishes each work in submission order (holds the channel weakly)."""
+    while (item := jobs.get()) is not None:
+        rounds, on_done, stream = item
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                Rounds.poll(rounds, block=True)
+                if stream is not None:
+                    stream.synchronize()
+        except BaseException as err:  # noqa: BLE001 — handed to whoever waits on the work
+            rounds.done, rounds.error = True, err
+        ch = channel()
+        if ch is not None:
+            with lock:
+                ch._finished(rounds)
+        if on_done is not None:
+            on_done(rounds)
