@@ -26,7 +26,7 @@ or skipped one. So the policy lives here, and a face inherits it:
    rank's per-rank state is refused; in a multi-rank run the refusal is *deferred* to the next
    step's agreement so that every rank raises it (a rank raising alone would leave the others
    waiting in their next collective). A failed load leaves the face as it was.
-6. **Byte report** (:meth:`Face._report`): ``comm_stats()`` has one meaning on every face.
+6. **Byte report** (:func:`report`, :class:`ByteLedger`): ``comm_stats()`` has one meaning on every face.
 7. ``close()`` bookkeeping.
 
 Example::
@@ -56,7 +56,7 @@ from .agreement import check_agreement, require_member
 from .comm import resolve_group
 
 __all__ = ["Face", "require_group", "check_trainable", "ddp_owner", "live_objects", "describe_parameters", "raise_problem", "load_all_or_nothing", "release_all", "dense_bytes",
-           "report"]
+           "report", "ByteLedger"]
 
 _live: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -100,26 +100,54 @@ def dense_bytes(numel: int) -> int:
     return int(numel) * 4
 
 
-def report(bytes_sent: int, dense: int, *, total_sent: Optional[int] = None,
-           total_dense: Optional[int] = None, **extra) -> dict:
-    """The byte report of every face's ``comm_stats()``.
+def report(step_sent: int, step_dense: int, total_sent: int, total_dense: int, **extra) -> dict:
+    """The byte report of every face's ``comm_stats()``, with one meaning on every face.
 
-    ``bytes_sent`` / ``dense_bytes``: the last step that communicated on this rank for faces
-    that communicate every step (``DistributedOptimizer``, ``ShardedOptimizer``, the DDP hook),
-    the whole run for faces that communicate every few steps (``DiLoCo``, ``OneBitAdam``,
-    ``ZeroOneAdam``, the FSDP2 handle), where one step says nothing. ``total_bytes_sent`` /
-    ``total_dense_bytes``: since construction on every face. ``compression_ratio`` is
-    ``dense_bytes / bytes_sent`` (NaN before anything was sent).
+    * ``bytes_sent`` / ``dense_bytes`` / ``compression_ratio``: since construction, this rank:
+      the payload it handed to the network, what fp32 data parallelism (an exact all-reduce of
+      every gradient every step) would have sent for the same steps, and their quotient. A
+      whole-run number is the one that means the same for a face that communicates every step
+      and for one that communicates every few steps (DiLoCo, 0/1 Adam's local steps).
+      ``total_bytes_sent`` / ``total_dense_bytes`` are the same numbers under their older names.
+    * ``step_bytes_sent`` / ``step_dense_bytes``: the last step alone (0 sent for a step that
+      communicated nothing).
 
     Example::
 
-        report(1000, 32000)["compression_ratio"]   # 32.0
+        report(1000, 32000, 5000, 160000)["compression_ratio"]   # 32.0
     """
-    stats = dict(extra, bytes_sent=int(bytes_sent), dense_bytes=int(dense))
-    stats["total_bytes_sent"] = int(bytes_sent if total_sent is None else total_sent)
-    stats["total_dense_bytes"] = int(dense if total_dense is None else total_dense)
-    stats["compression_ratio"] = dense / bytes_sent if bytes_sent else float("nan")
+    stats = dict(extra, bytes_sent=int(total_sent), dense_bytes=int(total_dense),
+                 step_bytes_sent=int(step_sent), step_dense_bytes=int(step_dense),
+                 total_bytes_sent=int(total_sent), total_dense_bytes=int(total_dense))
+    stats["compression_ratio"] = total_dense / total_sent if total_sent else float("nan")
     return stats
+
+
+class ByteLedger:
+    """What a face sent: the open step, the last finished step and the whole run.
+
+    Example::
+
+        ledger = ByteLedger(); ledger.add(100, 400); ledger.end_step(); ledger.report()["bytes_sent"]  # 100
+    """
+
+    def __init__(self) -> None:
+        self.total_sent = self.total_dense = 0
+        self.step_sent = self.step_dense = 0
+        self._open_sent = self._open_dense = 0
+
+    def add(self, sent: int, dense: int) -> None:
+        self._open_sent += int(sent)
+        self._open_dense += int(dense)
+        self.total_sent += int(sent)
+        self.total_dense += int(dense)
+
+    def end_step(self) -> None:
+        self.step_sent, self.step_dense = self._open_sent, self._open_dense
+        self._open_sent = self._open_dense = 0
+
+    def report(self, **extra) -> dict:
+        return report(self.step_sent, self.step_dense, self.total_sent, self.total_dense, **extra)
 
 
 def load_all_or_nothing(save: Callable[[], Any], load: Callable[[], None],

@@ -35,11 +35,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import runtime, uneven
 from .agreement import check_agreement, describe_state
-from .face import live_objects
+from .face import ByteLedger, dense_bytes, live_objects
 from .lifecycle import StepFace, StepLifecycle
 from .buckets import FlatBucket, plan_buckets, plan_groups
 from .compressors import Compression, resolve as resolve_compressor
-from .engine import ByteTotals, Reducer, comm_stats
+from .engine import Reducer
 from .horovod.sparse import SparseGradients
 from .ops import Adasum, Average, ReduceOp, Sum
 from .params import named_parameters_of
@@ -231,8 +231,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._sparse_grads = None if (self.sparse_as_dense or self._size == 1) \
             else SparseGradients(self._trainable, found)
         self._uid = zlib.crc32(repr(self._description()).encode()) & 0x3FFFFFFF
-        self._stats = {"bytes_sent": 0, "dense_bytes": 0, "buckets": len(self._buckets)}
-        self._totals = ByteTotals()
+        self._bytes = ByteLedger()
         self._life = StepLifecycle(self, "DistributedOptimizer", named, process_group,
                                    backward_passes_per_step)
         self._life.agree()                      # every rank, before any other collective
@@ -367,12 +366,12 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             if post != 1.0:
                 bucket.flat.mul_(post)
             bucket.write_back()
-            dense += bucket.layout.numel * 4
-        self._stats = {"bytes_sent": sent, "dense_bytes": dense, "buckets": len(self._buckets)}
-        self._totals.add(sent, dense)
+            dense += dense_bytes(bucket.layout.numel)
+        self._bytes.add(sent, dense)
         self._life.completed = True
         if self._sparse_grads is not None and self._sparse_grads.params:
             self._sparse_grads.finish(self)      # every rank, plan order: sparse p.grad
+        self._bytes.end_step()
 
     def _reset_buckets(self) -> None:
         self._next_launch = 0
@@ -525,9 +524,9 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._face_close()
 
     def comm_stats(self) -> dict:
-        """Bytes of the last synchronized step: ``bytes_sent`` (payload this rank handed to
-        the network) and ``dense_bytes`` (what fp32 gradients would have cost), and since
-        construction: ``total_bytes_sent`` / ``total_dense_bytes``.
+        """Bytes this rank sent: ``bytes_sent`` / ``dense_bytes`` / ``compression_ratio`` since
+        construction, ``step_bytes_sent`` / ``step_dense_bytes`` for the last reduced step (one
+        meaning on every face: :func:`bitscom.face.report`), and ``buckets``.
 
         Example::
 
@@ -536,11 +535,11 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         With ``compression="auto"`` it also has ``auto_plan``: the compressor chosen for each
         bucket (``None`` while a bucket is still being probed).
         """
-        stats: Dict[str, Any] = dict(self._stats, **self._totals.as_dict())
+        extra: Dict[str, Any] = {"buckets": len(self._buckets)}
         from .compressors.auto import Auto
         if isinstance(self.compression, Auto):
-            stats["auto_plan"] = Auto.plan(self._reducer.states)
-        return comm_stats(**stats)
+            extra["auto_plan"] = Auto.plan(self._reducer.states)
+        return self._bytes.report(**extra)
 
     def state_dict(self) -> dict:
         """torch's optimizer state dict (``state``, ``param_groups``) plus this rank's

@@ -288,8 +288,8 @@ def main(argv=None) -> int:
             loss.backward()
             opt.step()
             st = opt.comm_stats()
-            sent += st["bytes_sent"]
-            dense += st["dense_bytes"]
+            sent += st["step_bytes_sent"]
+            dense += st["step_dense_bytes"]
             loss_sum += loss.item() * len(y)
             correct += (out.argmax(1) == y).sum().item()
             seen += len(y)

@@ -151,7 +151,7 @@ def part_train(args, world, rank, rows):
             opt.step()
             lt = loss.detach().clone()
             dist.all_reduce(lt)
-            rows.append([name, step, float(lt) / world, opt.comm_stats()["bytes_sent"]])
+            rows.append([name, step, float(lt) / world, opt.comm_stats()["step_bytes_sent"]])
 
 
 def write(path, header, rows):

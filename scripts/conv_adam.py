@@ -164,7 +164,6 @@ def train_one(task, task_name, kind, settings, seed, rank, world, eval_every):
     gen = torch.Generator().manual_seed(seed * 1000 + rank + 1)
     losses, curve = [], []
     sent = dense = 0
-    first_dense, cumulative = None, None
     nonfinite = False
     t0 = time.perf_counter()
     for step in range(task.steps):
@@ -177,16 +176,8 @@ def train_one(task, task_name, kind, settings, seed, rank, world, eval_every):
         opt.step()
         if final_sync and step + 1 == task.steps:    # the last partial interval, synchronized
             opt.sync()
-        stats = opt.comm_stats()
-        if first_dense is None:
-            first_dense = stats["dense_bytes"]
-        elif cumulative is None:     # whole-run counters grow with the steps; per-step ones do not
-            cumulative = stats["dense_bytes"] > 1.5 * first_dense
-        if cumulative:
-            sent, dense = stats["bytes_sent"], stats["dense_bytes"]
-        else:
-            sent += stats["bytes_sent"]
-            dense += stats["dense_bytes"]
+        stats = opt.comm_stats()                     # whole run on every face
+        sent, dense = stats["bytes_sent"], stats["dense_bytes"]
         losses.append(loss.item())
         nonfinite = nonfinite or not torch.isfinite(loss).item()
         if rank == 0 and ((step + 1) % eval_every == 0 or step + 1 == task.steps):

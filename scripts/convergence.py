@@ -12,7 +12,7 @@ Why one run for all variants: the comparison that matters is compressor vs S-SGD
 task, seed and data order; running them in one suite (one pair of processes, one process
 group) keeps everything but the compressor equal. Every rank builds the model from the same
 seed; each rank draws its own batches. Bytes are counted by the optimizer itself
-(``comm_stats()["bytes_sent"]`` summed over every step, warm-up included) and compared with
+(``comm_stats()["step_bytes_sent"]`` summed over every step, warm-up included) and compared with
 what fp32 all-reduce would have sent (``dense_bytes``): the whole-run ratio in the summary is
 never an analytic claim.
 
@@ -285,8 +285,8 @@ def train_one(task, name, settings, seed, rank, world, eval_every):
         loss.backward()
         opt.step()
         stats = opt.comm_stats()
-        sent += stats["bytes_sent"]
-        dense += stats["dense_bytes"]
+        sent += stats["step_bytes_sent"]
+        dense += stats["step_dense_bytes"]
         losses.append(loss.item())
         nonfinite = nonfinite or not torch.isfinite(loss).item()
         if rank == 0 and ((step + 1) % eval_every == 0 or step + 1 == task.steps):

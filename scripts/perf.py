@@ -359,7 +359,7 @@ def _gather(a, stats, params, times, compute_times, dev, rank, size):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
     if stats is not None:
         st = stats()
-        sent, dense = st["bytes_sent"], st["dense_bytes"]
+        sent, dense = st["step_bytes_sent"], st["step_dense_bytes"]
         if rank == 0 and st.get("auto_plan") is not None:    # compression="auto": what it chose
             print(f"[perf] auto plan per bucket: {' | '.join(st['auto_plan'])}", flush=True)
     else:

@@ -258,7 +258,7 @@ def _optimizer_bytes(rank, world, name):
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        seen.append(opt.comm_stats()["bytes_sent"])
+        seen.append(opt.comm_stats()["step_bytes_sent"])
     layouts = [[s.shape for s in lay.slots] for lay in opt._layouts]
     opt.close()
     return seen, layouts

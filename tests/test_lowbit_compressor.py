@@ -74,7 +74,7 @@ def test_trains_with_identical_replicas(pools, settings, tol):
 def test_bytes_match_wire_cost(pools):
     results = pools.run(2, _train, 2, {"bitwidth": 4})
     stats, wire = results[0][1][-1], results[0][3]
-    assert stats["bytes_sent"] == sum(wire)
+    assert stats["step_bytes_sent"] == sum(wire)
     assert stats["compression_ratio"] > 3
 
 
@@ -94,7 +94,7 @@ def test_hierarchical_on_two_nodes(pools, settings):
     steps = 3
     results = pools.run(4, _train, steps, settings, 0.0002, True)
     _check(results, 4, steps, 0.06)
-    assert results[0][1][-1]["bytes_sent"] > 0
+    assert results[0][1][-1]["step_bytes_sent"] > 0
 
 
 def test_registry_and_bad_settings():

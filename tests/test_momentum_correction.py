@@ -256,7 +256,7 @@ def _gloo_dgc(rank, world):
     # DGC (top-k 20% with masking): bytes as promised, checkpoint resume bitwise
     comp = MomentumCorrection(TopK(ratio=0.2), masking=True)
     model, opt, straight = run(comp, 0.0, 0.01, range(6))
-    sent = opt.comm_stats()["bytes_sent"]
+    sent = opt.comm_stats()["step_bytes_sent"]
     promised = sum(comp.wire_bytes(lay, world) for lay in opt.bucket_layouts)
     model, opt, _ = run(comp, 0.0, 0.01, range(3))
     buf = io.BytesIO()

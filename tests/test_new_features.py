@@ -448,7 +448,7 @@ def _optimizer_exclude_frozen_adam(rank, world):
             nn.functional.mse_loss(model(x), y).backward()
             if check:
                 _check_exact_average(rank, world, model, _local_grads(model, x, y))
-                sent = opt.comm_stats()["bytes_sent"]
+                sent = opt.comm_stats()["step_bytes_sent"]
                 assert sent == sum(comp.wire_bytes(lay, world, step) for lay in opt.bucket_layouts), step
             opt.step()
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

@@ -64,8 +64,8 @@ def test_parity_with_float64_reference(pools, world, threshold, expect_buckets):
         assert n_buckets == expect_buckets
     stats = results[0][1][-1]
     numel = sum(p.numel() for p in make_model().parameters())
-    assert stats["dense_bytes"] == numel * 4
-    assert stats["bytes_sent"] == numel * 4
+    assert stats["step_dense_bytes"] == numel * 4
+    assert stats["step_bytes_sent"] == numel * 4
 
 
 @pytest.mark.parametrize("passes", [2, 3])
@@ -87,7 +87,7 @@ def test_casting_compressors_within_precision(pools, compression, tol):
     _assert_replicas_identical(results)
     _assert_matches_reference(results, 2, 3, tol=tol)
     numel = sum(p.numel() for p in make_model().parameters())
-    assert results[0][1][-1]["bytes_sent"] == numel * 2
+    assert results[0][1][-1]["step_bytes_sent"] == numel * 2
 
 
 def _unused_and_frozen(rank, world):

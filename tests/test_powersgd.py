@@ -228,7 +228,7 @@ def train_resumable(rank, world, comp, steps, k, passes=2):
                 x, y = batch(rank, step, j)
                 nn.functional.mse_loss(model(x), y).backward()
             opt.step()
-            sent.append(opt.comm_stats()["bytes_sent"])
+            sent.append(opt.comm_stats()["step_bytes_sent"])
 
     model, opt = build(100 + rank)
     bitscom.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -315,7 +315,7 @@ def _optimizer_steps(rank, world):
             opt.zero_grad()
             model(torch.randn(4, 8, generator=g)).square().mean().backward()
             opt.step()
-        assert opt.comm_stats()["bytes_sent"] == sum(comp.wire_bytes(l, world) for l in opt.bucket_layouts)
+        assert opt.comm_stats()["step_bytes_sent"] == sum(comp.wire_bytes(l, world) for l in opt.bucket_layouts)
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         gathered = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(gathered, flat)

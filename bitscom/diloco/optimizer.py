@@ -33,8 +33,8 @@ from ..agreement import describe_state
 from ..buckets import FlatBucket
 from ..compressors import resolve as resolve_compressor
 from ..compressors.lowbit import LowBit
-from ..engine import Reducer, comm_stats
-from ..face import Face, check_trainable
+from ..engine import Reducer
+from ..face import Face, check_trainable, dense_bytes, report
 from ..lifecycle import StepFace
 from ..params import named_parameters_of
 from .config import DiLoCoConfig
@@ -198,7 +198,8 @@ class DiLoCo(Face, torch.optim.Optimizer):
         self._counters = {"inner_steps": 0, "skipped_inner_steps": 0, "syncs": 0,
                           "fragment_syncs": 0, "bytes_sent": 0, "nonfinite_syncs": 0,
                           "warmup_syncs": 0}
-        self._dense_per_step = sum(l.numel for l in self._layouts) * 4
+        self._dense_per_step = dense_bytes(sum(l.numel for l in self._layouts))
+        self._last_step = (0, 0)
         self._agreed = True
 
     # -- the step --------------------------------------------------------------------------
@@ -231,6 +232,13 @@ class DiLoCo(Face, torch.optim.Optimizer):
             loss.backward()
             opt.step()
         """
+        before = self._counters["bytes_sent"]
+        try:
+            return self._step(closure)
+        finally:
+            self._last_step = (self._counters["bytes_sent"] - before, self._dense_per_step)
+
+    def _step(self, closure):
         self._check_live()
         self._check_requires_grad()
         if not self._agreed:
@@ -389,8 +397,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         """
         c = dict(self._counters)
         sent = c.pop("bytes_sent")
-        dense = c["inner_steps"] * self._dense_per_step
-        return comm_stats(sent, dense, **c, total_bytes_sent=sent, total_dense_bytes=dense)
+        return report(*self._last_step, sent, c["inner_steps"] * self._dense_per_step, **c)
 
     @property
     def global_parameters(self) -> List[torch.Tensor]:

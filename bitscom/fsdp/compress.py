@@ -17,8 +17,7 @@ import torch
 
 from .. import runtime
 from ..agreement import describe_state
-from ..face import Face, describe_parameters, load_all_or_nothing
-from ..engine import comm_stats as _stats
+from ..face import Face, describe_parameters, load_all_or_nothing, report
 from ..lowbit.config import LowBitConfig
 from ..lowbit.state import LowBitState
 from .reduce_scatter import ByteCount, LowBitReduceScatter
@@ -124,8 +123,7 @@ class FSDPCompression(Face):
         ``inter_node_bytes`` (the part of ``bytes_sent`` that crossed the slow inter-node level)."""
         c = self.counter
         extra = {"inter_node_bytes": c.inter_bytes} if self.config.hierarchy == "two_level" else {}
-        return _stats(c.bytes_sent, c.dense_bytes, reduce_scatters=c.calls, **extra,
-                      total_bytes_sent=c.bytes_sent, total_dense_bytes=c.dense_bytes)
+        return report(c.bytes_sent, c.dense_bytes, c.bytes_sent, c.dense_bytes, reduce_scatters=c.calls, **extra)
 
     def reset_stats(self) -> None:
         """Start counting bytes from zero again (e.g. after warm-up)."""

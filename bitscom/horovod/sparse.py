@@ -352,6 +352,6 @@ class SparseGradients:
             result = drive(reduce_rounds(lbl, p.detach(), grad, layout, opt.op, comm), comm)
             if result is not None:
                 p.grad = result
-        opt._stats["bytes_sent"] = opt._stats.get("bytes_sent", 0) + comm.bytes_sent
+        opt._bytes.add(comm.bytes_sent, 0)
 
 

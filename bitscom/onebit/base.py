@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Comm, drive
-from ..engine import comm_stats
-from ..face import Face, check_trainable
+from ..face import Face, check_trainable, dense_bytes, report
 from ..lifecycle import StepFace
 from ..lowbit import LowBitState, all_reduce_rounds
 from .config import check_common
@@ -220,13 +219,18 @@ class OneBitBase(Face, torch.optim.Optimizer):
                 loss = closure()
         if not self._agreed:
             self._agree_resumed()
+        before = self._counters["bytes_sent"]
         if self._skip_for_overflow():
             self._counters["skipped_steps"] += 1
-            return loss
-        grad = self._local_gradient()
-        self._counters["step"] += 1
-        self._update(grad, self._counters["step"])
+        else:
+            grad = self._local_gradient()
+            self._counters["step"] += 1
+            self._update(grad, self._counters["step"])
+        self._last_step = (self._counters["bytes_sent"] - before, self._dense_per_step())
         return loss
+
+    def _dense_per_step(self) -> int:
+        return dense_bytes(self._numel) if self._size > 1 else 0
 
     def _update(self, grad: torch.Tensor, t: int) -> None:
         raise NotImplementedError
@@ -260,8 +264,9 @@ class OneBitBase(Face, torch.optim.Optimizer):
         """
         c = dict(self._counters)
         sent = c.pop("bytes_sent")
-        dense = (c["step"] + c["skipped_steps"]) * self._numel * 4 if self._size > 1 else 0
-        return comm_stats(sent, dense, **c, total_bytes_sent=sent, total_dense_bytes=dense)
+        dense = (c["step"] + c["skipped_steps"]) * self._dense_per_step()
+        step_sent, step_dense = getattr(self, "_last_step", (0, 0))
+        return report(step_sent, step_dense, sent, dense, **c)
 
     def _extra_state(self) -> Dict[str, Any]:
         return {}

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .. import runtime
 from ..comm import Comm, gather_objects, wait
-from ..engine import ByteTotals, comm_stats
+from ..face import ByteLedger
 from ..lifecycle import StepFace, StepLifecycle
 from ..runtime import node_groups, node_layout
 from ..ops import Average, ReduceOp
@@ -248,7 +248,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._reset_buckets()
         self._reducer = GradientReducer(self.config, topo)
         self._stats: Dict[str, Any] = {}
-        self._totals = ByteTotals()
+        self._bytes = ByteLedger()
         self._norms: Optional[torch.Tensor] = None   # this step's global gradient norm summary (clip_grad_norm_)
         self._uid = zlib.crc32(repr(self._static).encode()) & 0x3FFFFFFF
         self._optimizer_step_pre_hooks = {}
@@ -406,7 +406,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             self._reset_buckets()
         dense = sum(gradient_wire_bytes(ShardedConfig(), self.topo, b.shard_numel) for b in self.plan.buckets)
         self._stats = {"gradient_bytes": sent, "dense_gradient_bytes": dense}
-        self._totals.add(sent, dense)
+        self._bytes.add(sent, dense)
         self._life.completed = True
 
     def _reset_buckets(self) -> None:
@@ -530,7 +530,8 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._stats["dense_weight_bytes"] = sum(
             weight_wire_bytes(ShardedConfig(), self.topo, b.shard_numel, self._param_dtype)
             for b in self.plan.buckets)
-        self._totals.add(sent, self._stats["dense_weight_bytes"])
+        self._bytes.add(sent, self._stats["dense_weight_bytes"])
+        self._bytes.end_step()
         self._life.stepped()
         return result
 
@@ -560,18 +561,17 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
     # -- statistics ------------------------------------------------------------------------
     def comm_stats(self) -> dict:
-        """Bytes of the last step this rank handed to the network (each collective's input
-        buffer), gradients and weights separately, and what exact fp32 sharded DP would send;
-        ``total_bytes_sent`` / ``total_dense_bytes`` since construction.
+        """Bytes this rank sent (each collective's input buffer) against exact fp32 sharded DP:
+        ``bytes_sent`` / ``dense_bytes`` / ``compression_ratio`` since construction,
+        ``step_bytes_sent`` / ``step_dense_bytes`` for the last step (one meaning on every face:
+        :func:`bitscom.face.report`), and the last step's ``gradient_bytes`` / ``weight_bytes``
+        (with their ``dense_`` counterparts).
 
         Example::
 
             opt.step(); print(opt.comm_stats()["gradient_bytes"])
         """
-        s = self._stats
-        return comm_stats(s.get("gradient_bytes", 0) + s.get("weight_bytes", 0),
-                          s.get("dense_gradient_bytes", 0) + s.get("dense_weight_bytes", 0), **s,
-                          **self._totals.as_dict())
+        return self._bytes.report(**self._stats)
 
     def memory_stats(self) -> dict:
         """Bytes this rank holds for optimizer state, the master shard and its gradient.
