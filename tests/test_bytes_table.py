@@ -60,7 +60,7 @@ def _platform() -> str:
 def _run_all(rank, world):
     import bitscom
     from bitscom import compressors as C  # noqa: F401  (used by the expressions)
-    from bitscom.compressors.auto import SGD_ALL, Auto  # noqa: F401
+    from bitscom.cost.auto import SGD_ALL, Auto  # noqa: F401
     from bitscom.cost import Link  # noqa: F401
     out = {}
     for expr in CONFIGS:
