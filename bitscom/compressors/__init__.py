@@ -15,6 +15,7 @@ from .powersgd import PowerSGD
 from .registry import get, names, register, resolve
 from .signsgd import SignSGD
 from .topk import TopK
+from .warmup import WarmUp
 
 register("none", NoneCompressor)
 register("fp16", FP16Compressor)
@@ -26,10 +27,11 @@ register("topk", TopK)
 register("signsgd", SignSGD)
 register("exclude", Exclude)
 register("dgc", MomentumCorrection)
+register("warmup", WarmUp)
 
 __all__ = [
     "BucketLayout", "Comm", "Compressor", "State", "TensorSlot", "drive", "ErrorFeedback",
     "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
-    "LowBit", "PowerSGD", "ACPSGD", "TopK", "SignSGD", "Exclude", "MomentumCorrection",
+    "LowBit", "PowerSGD", "ACPSGD", "TopK", "SignSGD", "Exclude", "MomentumCorrection", "WarmUp",
     "get", "names", "register", "resolve",
 ]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 
-from .base import BucketLayout, Comm, dense_bytes, plain_average
+from .base import BucketLayout, Comm, dense_bytes
 from .lowrank import LowRankCompressor, LowRankPlan, LowRankState, forget_if_nonfinite, \
     orthogonalize, random_factors
 
@@ -83,17 +83,13 @@ class ACPSGD(LowRankCompressor[ACPSGDState]):
             return dense_bytes(layout)
         return p_bytes if (step - self.start_iter) % 2 == 0 else q_bytes
 
-    def reduce(self, flat, layout, state: ACPSGDState, comm: Comm):
-        step, state.step = state.step, state.step + 1
-        if step < self.start_iter:
-            yield from plain_average(flat, comm)
-            return
+    def compressed(self, flat, layout, state: ACPSGDState, comm: Comm):
         plan, ef = state.plan, state.ef
         native = plan.native_compensate(ef, flat)    # the matrices' e + g is fused below
         fused = native is not None
         x = native if native is not None else ef.compensate(flat)    # else M + E, fp32
         p_all, q_all = state.p[:plan.p_numel], state.q[:plan.q_numel]
-        send_p = (step - self.start_iter) % 2 == 0
+        send_p = (state.step - 1 - self.start_iter) % 2 == 0     # step counts this one already
         # Fresh factors on the first step, after a non-finite step, and (P steps) without warm start.
         fresh = not state.ready or (send_p and not self.warm_start)
         if fresh:

@@ -32,21 +32,13 @@ __all__ = ["TensorSlot", "BucketLayout", "Comm", "State", "Compressor", "drive",
            "is_completed", "wait"]
 
 
-def check_start_iter(owner: str, value) -> None:
-    """``start_iter`` (plain all-reduce warm-up steps) must be an int >= 0 (ValueError naming it)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{owner} start_iter must be an int >= 0, got {value!r}")
-
-
 def plain_average(flat: torch.Tensor, comm) -> Iterator[Any]:
     """Round generator: ``flat`` ← the average over ``comm``'s ranks by one plain all-reduce
-    in its own dtype — what a compressor's warm-up steps (``start_iter``) do.
+    in its own dtype — what a warm-up step (:mod:`.warmup`) and ``NoneCompressor`` do.
 
     Example::
 
-        if step < self.start_iter:
-            yield from plain_average(flat, comm)
-            return
+        yield from plain_average(flat, comm)
     """
     yield comm.all_reduce(flat)
     flat.div_(comm.size)

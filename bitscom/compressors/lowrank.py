@@ -28,6 +28,7 @@ from typing import List, Optional, Sequence, Tuple, TypeVar
 import torch
 
 from .base import BucketLayout, Compressor, State
+from .warmup import StartIter
 from .error_feedback import ErrorFeedback
 
 __all__ = ["ORTHOGONALIZATIONS", "LowRankCompressor", "MatrixGroup", "LowRankPlan", "LowRankState", "orthogonalize", "project",
@@ -69,7 +70,7 @@ LowRankStateT = TypeVar("LowRankStateT", bound="LowRankState")
 
 
 @dataclass(frozen=True)
-class LowRankCompressor(Compressor[LowRankStateT]):
+class LowRankCompressor(StartIter, Compressor[LowRankStateT]):
     """Settings both low-rank compressors share (PowerSGD and ACP-SGD redeclare the defaults
     of ``rank`` and ``start_iter``)."""
 

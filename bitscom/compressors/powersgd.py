@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 
-from .base import BucketLayout, Comm, dense_bytes, plain_average
+from .base import BucketLayout, Comm, dense_bytes
 from .lowrank import LowRankCompressor, LowRankState, forget_if_nonfinite, \
     orthogonalize, random_factors
 
@@ -72,11 +72,7 @@ class PowerSGD(LowRankCompressor[PowerSGDState]):
         plan = self.plan(layout)
         return (plan.p_numel + plan.q_numel + plan.uncompressed_numel) * 4
 
-    def reduce(self, flat, layout, state: PowerSGDState, comm: Comm):
-        step, state.step = state.step, state.step + 1
-        if step < self.start_iter:
-            yield from plain_average(flat, comm)
-            return
+    def compressed(self, flat, layout, state: PowerSGDState, comm: Comm):
         plan, ef = state.plan, state.ef
         native = plan.native_compensate(ef, flat)    # the matrices' e + g is fused below
         fused = native is not None

@@ -50,7 +50,8 @@ import torch
 
 from ..error_feedback import SteppedErrorFeedback
 from ..quantization import pack_signs, unpack_signs
-from .base import BucketLayout, Comm, Compressor, check_start_iter, dense_bytes, plain_average
+from .base import BucketLayout, Comm, Compressor, dense_bytes
+from .warmup import StartIter, check_start_iter
 
 __all__ = ["SignSGD", "pack_signs", "unpack_signs"]
 
@@ -87,7 +88,7 @@ def _native_for(x: torch.Tensor):
 
 
 @dataclass(frozen=True)
-class SignSGD(Compressor[SteppedErrorFeedback]):
+class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
     """One bit per gradient entry plus one fp32 scale per 16-entry block, with error feedback.
 
     Args:
@@ -166,13 +167,9 @@ class SignSGD(Compressor[SteppedErrorFeedback]):
             sizes = (numel,)
         return sizes if self.block_size is None else _blocks(sizes, self.block_size)
 
-    def reduce(self, flat, layout, state, comm: Comm):
+    def compressed(self, flat, layout, state, comm: Comm):
         numel = flat.numel()
         if numel == 0:
-            return
-        step, state.step = state.step, state.step + 1
-        if step < self.start_iter:
-            yield from plain_average(flat, comm)
             return
         sizes = self._sizes(layout, numel)
         native = None if self.majority_vote else _native_for(flat)

@@ -30,7 +30,8 @@ from typing import Optional
 
 import torch
 
-from .base import BucketLayout, Comm, Compressor, check_start_iter, dense_bytes, plain_average
+from .base import BucketLayout, Comm, Compressor, dense_bytes
+from .warmup import StartIter, check_start_iter
 from ..error_feedback import SteppedErrorFeedback
 
 __all__ = ["TopK"]
@@ -87,7 +88,7 @@ def _sampled_topk(mag: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class TopK(Compressor[SteppedErrorFeedback]):
+class TopK(StartIter, Compressor[SteppedErrorFeedback]):
     """Send the ``ratio`` fraction of largest-magnitude gradient entries (values + indices).
 
     Args:
@@ -200,20 +201,15 @@ class TopK(Compressor[SteppedErrorFeedback]):
                              for s in layout.slots if s.numel])
         return x[indices], indices, False
 
-    def reduce(self, flat, layout, state, comm: Comm):
+    def compressed(self, flat, layout, state, comm: Comm):
         numel = flat.numel()                     # == layout.numel: callers pass the bucket's flat
         k = self.k_of(layout)
         if k == 0:
             return
-        step, state.step = state.step, state.step + 1
-        state.last_sent = None       # which entries this step sent (MomentumCorrection's masking)
-        if step < self.start_iter:
-            yield from plain_average(flat, comm)
-            return
         x = state.compensate(flat)
         residual = state.residual if state.enabled else None
         values, indices, updated = self._select(x, k, layout, residual)
-        state.last_sent = indices
+        state.last_sent = indices    # which entries this step sent (MomentumCorrection's masking)
         native = _native_for(flat)
         index_dtype = self._index_dtype(numel)
         words = 1 if index_dtype == torch.int32 else 2          # int32 words per index

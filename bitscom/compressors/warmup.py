@@ -1,0 +1,135 @@
+"""Warm-up: the first ``start_iter`` steps of a bucket are a plain exact average, then the
+compressor runs.
+
+Why: compressing from the first step hurts where the gradient changes fastest (PowerSGD's
+paper and torch's hook warm up; DGC and 1-bit Adam do too, and Adam's variance needs exact
+gradients before it is frozen). The rule was written five times, once per compressor; it is
+written once here and composed like :class:`~bitscom.compressors.Exclude` and
+:class:`~bitscom.compressors.MomentumCorrection`:
+
+* :class:`WarmUp` ``(inner, start_iter)`` gives any compressor a warm-up (its state holds the
+  step count and the inner state);
+* the ``start_iter=`` setting that PowerSGD, ACP-SGD, Top-k and Sign-SGD keep
+  (:class:`StartIter`) is the same rule, counted in the compressor's own state, so
+  checkpoints of earlier versions load unchanged.
+
+During warm-up a bucket costs its full bytes in its own dtype. An empty bucket has no step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Union
+
+import torch
+
+from .base import BucketLayout, Comm, Compressor, State, plain_average
+
+__all__ = ["WarmUp", "WarmUpState", "StartIter", "warm_up", "check_start_iter"]
+
+
+def check_start_iter(owner: str, value) -> None:
+    """``start_iter`` (plain all-reduce warm-up steps) must be an int >= 0 (ValueError naming it)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{owner} start_iter must be an int >= 0, got {value!r}")
+
+
+def warm_up(start_iter: int, state: Any, flat: torch.Tensor, comm: Comm,
+            compressed: Iterator[Any]) -> Iterator[Any]:
+    """Round generator: count the step in ``state.step``; before ``start_iter`` the plain
+    average of ``flat``, from then on the ``compressed`` rounds (a generator not yet started:
+    it is dropped unrun during warm-up).
+
+    Example::
+
+        yield from warm_up(10, state, flat, comm, inner.reduce(flat, layout, state.inner, comm))
+    """
+    if flat.numel() == 0:
+        yield from compressed
+        return
+    step, state.step = state.step, state.step + 1
+    if step < start_iter:
+        yield from plain_average(flat, comm)
+        return
+    yield from compressed
+
+
+class StartIter:
+    """What a compressor's ``start_iter=`` setting does: :func:`warm_up` around its
+    :meth:`compressed` rounds, the step counted in its own state (``state.step``, which the
+    compressed rounds may read: ACP-SGD alternates on it). A mixin, listed before
+    :class:`Compressor`.
+
+    Example::
+
+        @dataclass(frozen=True)
+        class Halves(StartIter, Compressor):
+            start_iter: int = 0
+            def compressed(self, flat, layout, state, comm): ...
+    """
+
+    start_iter: int
+
+    def compressed(self, flat: torch.Tensor, layout: BucketLayout, state: Any,
+                   comm: Comm) -> Iterator[Any]:
+        """One step's rounds after the warm-up (``state.step`` already counts this step)."""
+        raise NotImplementedError
+
+    def reduce(self, flat: torch.Tensor, layout: BucketLayout, state: Any, comm: Comm) -> Iterator[Any]:
+        return warm_up(self.start_iter, state, flat, comm, self.compressed(flat, layout, state, comm))
+
+
+class WarmUpState(State):
+    """The bucket's step count and the inner compressor's state."""
+
+    def __init__(self, inner: State):
+        self.step = 0
+        self.inner = inner
+
+
+@dataclass(frozen=True)
+class WarmUp(Compressor[WarmUpState]):
+    """A plain exact average for the first ``start_iter`` steps of each bucket, then ``inner``.
+
+    Args:
+        inner: the compressor after the warm-up (an instance or a registry name).
+        start_iter: warm-up steps, an int >= 0.
+
+    Example::
+
+        comp = bitscom.compressors.WarmUp("lowbit", start_iter=100)
+        opt = bitscom.DistributedOptimizer(opt, model.named_parameters(), compression=comp)
+    """
+
+    inner: Union[Compressor, str, None] = None
+    start_iter: int = 0
+
+    name = "warmup"
+
+    def __post_init__(self):
+        from .registry import resolve
+        if self.inner is None:
+            raise ValueError("WarmUp needs an inner compressor (an instance or a registry name), got None")
+        inner = resolve(self.inner, "WarmUp inner")
+        if getattr(inner, "applies_momentum", False):
+            raise ValueError(f"WarmUp inner must not be a MomentumCorrection: the warm-up steps would "
+                             f"get no momentum. Put it outside: MomentumCorrection(WarmUp(...)), got {inner!r}")
+        check_start_iter("WarmUp", self.start_iter)
+        object.__setattr__(self, "inner", inner)
+
+    @property
+    def _inner(self) -> Compressor:
+        inner = self.inner
+        assert isinstance(inner, Compressor), "__post_init__ resolves inner to a compressor"
+        return inner
+
+    @property
+    def uses_names(self) -> bool:       # Exclude inside needs parameter names too
+        return self._inner.uses_names
+
+    def init_state(self, layout: BucketLayout) -> WarmUpState:
+        return WarmUpState(self._inner.init_state(layout))
+
+    def reduce(self, flat, layout, state: WarmUpState, comm: Comm) -> Iterator[Any]:
+        return warm_up(self.start_iter, state, flat, comm,
+                       self._inner.reduce(flat, layout, state.inner, comm))
