@@ -1,0 +1,61 @@
+"""The cost model's rounds per compressor, against a table recorded from the per-class formulas
+before the model learned rounds by running each compressor's ``reduce`` on a local transport
+(issue 32): the numbers must not change. Local, no ranks.
+
+Re-record (only on purpose)::
+
+    BITSCOM_RECORD_ROUNDS_TABLE=1 python -m pytest -q tests/test_rounds_table.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from bitscom.compressors import ACPSGD, LowBit, MomentumCorrection, PowerSGD, SignSGD, TopK  # noqa: F401
+from bitscom.cost import rounds_for
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "rounds_table.json")
+
+FLAT = ["'none'", "'fp16'", "'bf16'", "LowBit()", "LowBit(bitwidth=2, stage2_bitwidth=8, block_size=64)",
+        "LowBit(chunk_size=2048)", "PowerSGD()", "PowerSGD(rank=2, start_iter=0)", "ACPSGD()",
+        "ACPSGD(start_iter=1)", "ACPSGD(rank=3, min_compression_rate=1)", "TopK()",
+        "TopK(per_tensor=True, ratio=0.1)", "SignSGD()", "SignSGD(block_size=None)",
+        "MomentumCorrection(TopK())", "MomentumCorrection(ACPSGD())"]
+HIER = ["LowBit(hierarchy='two_level', intra_group=G, inter_group=G)",
+        "LowBit(hierarchy='two_level', intra_group=G, inter_group=G, chunk_size=1024, intra_bitwidth=16)"]
+BUCKETS = [(1000, None), (64 * 48 + 48, [(64, 48), (48,)]), (1 << 14, None), (5, None)]
+STEPS = [dict(), dict(warm=False), dict(step=0, warm=False), dict(step=1), dict(step=2), dict(step=3)]
+
+
+def _table() -> dict:
+    G = object()      # noqa: F841 (a stand-in group: the model never talks to it)
+    out = {}
+    for expr in FLAT + HIER:
+        comp = eval(expr)
+        worlds = [(2, 1), (4, 1)] if expr in FLAT else [(4, 2), (4, 4), (4, 1), (8, 2)]
+        for numel, shapes in BUCKETS:
+            for world, local in worlds:
+                for dtype in (torch.float32, torch.bfloat16):
+                    for kw in STEPS:
+                        key = f"{expr} n={numel} shapes={shapes} world={world}x{local} {dtype} {kw}"
+                        rounds = rounds_for(comp, numel, world, local_size=local, dtype=dtype,
+                                            shapes=shapes, **kw)
+                        out[key] = [[r.kind, r.nbytes, r.level] for r in rounds]
+    return out
+
+
+def test_rounds_match_the_recorded_table():
+    table = _table()
+    if os.environ.get("BITSCOM_RECORD_ROUNDS_TABLE"):
+        with open(DATA, "w") as f:
+            json.dump(table, f, indent=0, sort_keys=True)
+            f.write("\n")
+    with open(DATA) as f:
+        recorded = json.load(f)
+    assert sorted(table) == sorted(recorded)
+    changed = [k for k in table if table[k] != recorded[k]]
+    assert changed == [], f"{len(changed)} changed, e.g. {changed[:3]}: " + \
+        "; ".join(f"{table[k]} != {recorded[k]}" for k in changed[:3])
