@@ -53,7 +53,7 @@ def _decide_with(rank, world, failure):
             return 0.0
         comp = Auto(link=Link(0.0, 1e-6), codec_seconds=codec)
     opt = bitscom.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                       compression=comp, fusion_threshold_mb=0)
+                                       compression=comp)    # one bucket: one decision in flight
     error = None
     try:
         for step in range(comp.probe_steps + 1):
@@ -65,7 +65,9 @@ def _decide_with(rank, world, failure):
         error = str(err) + " | " + repr(err.__cause__)
     finally:
         opt.close()
-    return error
+    probe = torch.ones(1)
+    torch.distributed.all_reduce(probe)     # the group is left clean: the same collectives ran
+    return error if probe.item() == world else f"group left unclean: {probe.item()}"
 
 
 @pytest.mark.parametrize("failure", ["rank0 decision", "one rank's codec timing"])

@@ -26,10 +26,9 @@ the reduction is exact (with error feedback, once the first step's residual is p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 
-from .base import BucketLayout, Comm, dense_bytes
+from .base import BucketLayout, Comm
 from .lowrank import LowRankCompressor, LowRankPlan, LowRankState, forget_if_nonfinite, \
     orthogonalize, random_factors
 
@@ -70,18 +69,6 @@ class ACPSGD(LowRankCompressor[ACPSGDState]):
 
     def init_state(self, layout: BucketLayout) -> ACPSGDState:
         return ACPSGDState(layout, self.plan(layout), self.seed, self.error_feedback)
-
-    def wire_bytes(self, layout: BucketLayout, world_size: int, step: Optional[int] = None) -> int:
-        """Bytes one rank sends for step ``step`` (0-based) of ``layout``; without ``step``,
-        the mean of a P step and a Q step (the steady-state cost per step)."""
-        plan = self.plan(layout)
-        p_bytes = (plan.p_numel + plan.uncompressed_numel) * 4
-        q_bytes = (plan.q_numel + plan.uncompressed_numel) * 4
-        if step is None:
-            return (p_bytes + q_bytes) // 2
-        if step < self.start_iter:
-            return dense_bytes(layout)
-        return p_bytes if (step - self.start_iter) % 2 == 0 else q_bytes
 
     def compressed(self, flat, layout, state: ACPSGDState, comm: Comm):
         plan, ef = state.plan, state.ef

@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Generic, Iterator, Optional, TypeVar, cast
+from typing import Any, Generic, Iterator, TypeVar, cast
 
 import torch
 
@@ -211,6 +211,12 @@ class Compressor(abc.ABC, Generic[StateT]):
 
     name = "base"
     applies_momentum = False
+    models_on_meta = True
+    """Whether the cost model (:func:`bitscom.cost.rounds_of`) may run large buckets of this
+    compressor on ``meta`` tensors, shapes only: far cheaper than real data where the local
+    run grows with ranks × bucket (an all-gather decoded rank by rank), slower where it is
+    many small operations per rank (LowBit's rows). A compressor that needs values (a
+    finiteness check) runs on real data anyway."""
     """True for :class:`MomentumCorrection`: it applies SGD momentum before compressing, so
     only :class:`bitscom.DistributedOptimizer` (which checks the optimizer has none) runs it."""
 
@@ -238,10 +244,3 @@ class Compressor(abc.ABC, Generic[StateT]):
             fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
             return f"{type(self).__name__}({fields})"
         return repr(self)
-
-    def wire_bytes(self, layout: BucketLayout, world_size: int, step: Optional[int] = None) -> Optional[int]:
-        """Analytic bytes one reduction of ``layout`` sends from one rank, if known.
-
-        ``step`` matters for compressors whose traffic changes over time (warm-up steps,
-        ACP-SGD's alternating factors); ``None`` asks for the steady-state average."""
-        return None

@@ -136,10 +136,3 @@ class Exclude(Compressor[ExcludeState]):
         for s in excluded:
             flat[s.offset:s.end].copy_(exact[at:at + s.numel])
             at += s.numel
-
-    def wire_bytes(self, layout: BucketLayout, world_size: int, step: Optional[int] = None) -> Optional[int]:
-        kept, excluded = split_layout(layout, self.patterns)
-        inner = self._inner.wire_bytes(kept, world_size, step) if kept.slots else 0
-        if inner is None:
-            return None
-        return inner + 4 * sum(s.numel for s in excluded)

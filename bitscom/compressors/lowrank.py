@@ -91,6 +91,10 @@ class LowRankCompressor(StartIter, Compressor[LowRankStateT]):
     seed: int = 0
     """Seed of the initial factors (with the bucket index); must match on ranks (checked)."""
 
+    matrix_buckets = True
+    """The cost model's shape-less bucket is the most nearly square matrix (the best case of a
+    low-rank compressor; a 1-D tensor would travel uncompressed)."""
+
     def __post_init__(self):
         check_low_rank_settings(self)
 
@@ -453,7 +457,7 @@ def forget_if_nonfinite(reduced: torch.Tensor, state: "LowRankState") -> None:
     so later steps start clean instead of carrying NaN forever. ``reduced`` is identical on
     every rank, so every rank takes the same decision and draws the same fresh factors. The
     check reads one small buffer (a host sync on GPUs, like GradScaler's own)."""
-    if not bool(torch.isfinite(reduced).all()):
+    if not reduced.is_meta and not bool(torch.isfinite(reduced).all()):   # meta: the cost model's run
         state.ef.reset()
         state.ready = False
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
@@ -136,9 +136,6 @@ class MomentumCorrection(Compressor[MomentumState]):
         # A step AMP skips for overflow must not poison every later step (NaN/Inf already
         # reached this step's output, where GradScaler sees it).
         torch.nan_to_num_(u, nan=0.0, posinf=0.0, neginf=0.0)
-
-    def wire_bytes(self, layout: BucketLayout, world_size: int, step: Optional[int] = None) -> Optional[int]:
-        return self._inner.wire_bytes(layout, world_size, step)
 
 
 def _contains_momentum(compressor) -> bool:

@@ -50,7 +50,7 @@ import torch
 
 from ..error_feedback import SteppedErrorFeedback
 from ..quantization import pack_signs, unpack_signs
-from .base import BucketLayout, Comm, Compressor, dense_bytes
+from .base import BucketLayout, Comm, Compressor
 from .warmup import StartIter, check_start_iter
 
 __all__ = ["SignSGD", "pack_signs", "unpack_signs"]
@@ -70,7 +70,8 @@ def _segments(sizes: tuple, device: str):
     segment index (``scales[ids]`` expands per-segment scales to elements). Cached: rebuilding
     them is a host-to-device copy of up to 10⁵ counts every step."""
     counts = torch.tensor(sizes, device=device)
-    return counts, torch.repeat_interleave(torch.arange(len(sizes), device=device), counts)
+    return counts, torch.repeat_interleave(torch.arange(len(sizes), device=device), counts,
+                                           output_size=sum(sizes))
 
 
 @functools.lru_cache(maxsize=256)
@@ -152,9 +153,10 @@ class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
         return torch.cat([pack_signs(x), scales.view(torch.uint8)])
 
     @staticmethod
-    def decode(record: torch.Tensor, sizes):
-        """``(signs ±1 fp32, per-tensor scales fp32)`` of one wire record."""
-        numel = sum(sizes)
+    def decode(record: torch.Tensor, sizes, numel: Optional[int] = None):
+        """``(signs ±1 fp32, per-tensor scales fp32)`` of one wire record (``numel``: ``sum(sizes)``,
+        given by callers that decode many records)."""
+        numel = sum(sizes) if numel is None else numel
         nbytes = -(-numel // 8)
         scales = record[nbytes:].clone().view(torch.float32)     # clone: 4-byte aligned
         return unpack_signs(record[:nbytes], numel), scales
@@ -183,12 +185,14 @@ class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
         state.update(signs * scales[ids])
         gathered = torch.empty(comm.size * record.numel(), dtype=torch.uint8, device=flat.device)
         yield comm.all_gather(gathered, record)
+        if flat.is_meta:        # the cost model's shape-only run: the decode issues no collective
+            return
         gathered = gathered.view(comm.size, -1)
         acc = torch.zeros(numel, dtype=torch.float32, device=flat.device)
         scale_sum = torch.zeros(len(sizes), dtype=torch.float32, device=flat.device)
         gathered_scales = []
         for r in range(comm.size):                              # fixed order: bitwise identical
-            signs, scales = self.decode(gathered[r], sizes)
+            signs, scales = self.decode(gathered[r], sizes, numel)
             gathered_scales.append(scales)
             if self.majority_vote:
                 acc += signs
@@ -199,7 +203,7 @@ class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
             flat.copy_(acc.sign_().mul_((scale_sum / comm.size)[ids]))
         else:
             flat.copy_(acc.div_(comm.size))
-        if not bool(torch.isfinite(torch.stack(gathered_scales)).all()):
+        if not flat.is_meta and not bool(torch.isfinite(torch.stack(gathered_scales)).all()):
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
 
     def _reduce_native(self, native, flat, sizes, state, comm: Comm):
@@ -228,10 +232,3 @@ class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
                                            divide=comm.size)
         if nonfinite:
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
-
-    def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:
-        """Bytes one rank sends for one step of ``layout`` (a sign step unless ``step`` <
-        ``start_iter``)."""
-        if step is not None and step < self.start_iter:
-            return dense_bytes(layout)
-        return -(-layout.numel // 8) + 4 * max(len(self._sizes(layout, layout.numel)), 1)

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from .base import BucketLayout, Comm, Compressor, dense_bytes
+from .base import BucketLayout, Comm, Compressor
 from .warmup import StartIter, check_start_iter
 from ..error_feedback import SteppedErrorFeedback
 
@@ -242,14 +242,6 @@ class TopK(StartIter, Compressor[SteppedErrorFeedback]):
         if not in_place:
             flat.copy_(dense)
         if not fused:
-            nonfinite = not bool(torch.isfinite(gathered[:, :k].view(torch.float32)).all())
+            nonfinite = not gathered.is_meta and not bool(torch.isfinite(gathered[:, :k].view(torch.float32)).all())
         if nonfinite:
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
-
-    def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:
-        """Bytes one rank sends for one step of ``layout`` (a sparse step unless ``step`` <
-        ``start_iter``)."""
-        if step is not None and step < self.start_iter:
-            return dense_bytes(layout)
-        k = self.k_of(layout)
-        return k * (4 + (4 if self._index_dtype(layout.numel) == torch.int32 else 8))
