@@ -85,3 +85,31 @@ def test_meta_runs_record_what_real_runs_record():
             except RuntimeError:          # needs values: the model falls back to real data
                 continue
             assert on_meta == recorded_rounds(comp, real, world, 3, local_size=local), (expr, dtype)
+
+
+def test_compressors_without_a_formula_are_modelled_by_running_them():
+    """What the old formulas could not model: Auto (its probe steps: plain all-reduces, which
+    ``fusion_threshold_mb="auto"`` plans with), a Horovod-style codec, WarmUp; a rooted reduce
+    (LowBit's leader hierarchy) is a clear NotImplementedError, which the fusion choice turns
+    into the plain plan."""
+    import pytest
+
+    from bitscom.compressors import WarmUp, get
+    from bitscom.compressors.hvd_adapter import HorovodAdapter as Adapter
+
+    class Half:
+        @staticmethod
+        def compress(t):
+            return t.half(), t.dtype
+
+        @staticmethod
+        def decompress(t, ctx):
+            return t.to(ctx)
+
+    assert rounds_for("auto", 1000, 4) == rounds_for("none", 1000, 4)
+    assert rounds_for(Adapter(Half), 1000, 4) == rounds_for("fp16", 1000, 4)
+    assert rounds_for(WarmUp("lowbit", 3), 1000, 4) == rounds_for("lowbit", 1000, 4)
+    assert rounds_for(WarmUp("lowbit", 3), 1000, 4, warm=False) == rounds_for("none", 1000, 4)
+    G = object()
+    with pytest.raises(NotImplementedError, match="rooted reduce"):
+        rounds_for(get("lowbit", hierarchy="leader", intra_group=G, inter_group=G), 1 << 14, 4, local_size=2)

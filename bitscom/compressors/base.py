@@ -44,16 +44,6 @@ def plain_average(flat: torch.Tensor, comm) -> Iterator[Any]:
     flat.div_(comm.size)
 
 
-def dense_bytes(layout: "BucketLayout") -> int:
-    """Bytes one rank sends for a plain all-reduce of ``layout`` in its own dtype.
-
-    Example::
-
-        dense_bytes(BucketLayout.for_tensor(torch.zeros(10)))    # 40
-    """
-    return layout.numel * torch.empty((), dtype=layout.dtype).element_size()
-
-
 @dataclass(frozen=True)
 class TensorSlot:
     """Where one parameter's gradient lives inside its bucket's flat buffer.

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ..collectives import LowBitConfig, LowBitState, all_reduce_rounds
+from ..lowbit import LowBitConfig, LowBitState, all_reduce_rounds
 from .base import BucketLayout, Comm, Compressor
 
 __all__ = ["LowBit"]

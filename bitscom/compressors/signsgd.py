@@ -48,8 +48,8 @@ from typing import Optional
 
 import torch
 
-from ..error_feedback import SteppedErrorFeedback
-from ..quantization import pack_signs, unpack_signs
+from ..lowbit.error_feedback import SteppedErrorFeedback
+from ..lowbit.format import pack_signs, unpack_signs
 from .base import BucketLayout, Comm, Compressor
 from .warmup import StartIter, check_start_iter
 

@@ -32,7 +32,7 @@ import torch
 
 from .base import BucketLayout, Comm, Compressor
 from .warmup import StartIter, check_start_iter
-from ..error_feedback import SteppedErrorFeedback
+from ..lowbit.error_feedback import SteppedErrorFeedback
 
 __all__ = ["TopK"]
 

@@ -1,19 +1,12 @@
-"""Warm-up: the first ``start_iter`` steps of a bucket are a plain exact average, then the
-compressor runs.
+"""Warm-up: the first ``start_iter`` steps of a bucket are a plain exact average (full bytes,
+its own dtype), then the compressor runs.
 
-Why: compressing from the first step hurts where the gradient changes fastest (PowerSGD's
-paper and torch's hook warm up; DGC and 1-bit Adam do too, and Adam's variance needs exact
-gradients before it is frozen). The rule was written five times, once per compressor; it is
-written once here and composed like :class:`~bitscom.compressors.Exclude` and
-:class:`~bitscom.compressors.MomentumCorrection`:
-
-* :class:`WarmUp` ``(inner, start_iter)`` gives any compressor a warm-up (its state holds the
-  step count and the inner state);
-* the ``start_iter=`` setting that PowerSGD, ACP-SGD, Top-k and Sign-SGD keep
-  (:class:`StartIter`) is the same rule, counted in the compressor's own state, so
-  checkpoints of earlier versions load unchanged.
-
-During warm-up a bucket costs its full bytes in its own dtype. An empty bucket has no step.
+Why: compressing from the first step hurts where the gradient changes fastest (PowerSGD and
+torch's hook warm up; DGC and 1-bit Adam too). The rule was written in five compressors; it
+is written once here. :class:`WarmUp` composes it around any compressor, like
+:class:`~bitscom.compressors.Exclude`; the ``start_iter=`` settings of PowerSGD, ACP-SGD,
+Top-k and Sign-SGD run it through :class:`StartIter`, counting in the compressor's own
+state so earlier checkpoints load unchanged. An empty bucket has no step.
 """
 
 from __future__ import annotations
@@ -55,10 +48,9 @@ def warm_up(start_iter: int, state: Any, flat: torch.Tensor, comm: Comm,
 
 
 class StartIter:
-    """What a compressor's ``start_iter=`` setting does: :func:`warm_up` around its
-    :meth:`compressed` rounds, the step counted in its own state (``state.step``, which the
-    compressed rounds may read: ACP-SGD alternates on it). A mixin, listed before
-    :class:`Compressor`.
+    """A compressor's ``start_iter=`` setting: :func:`warm_up` around its ``compressed(flat,
+    layout, state, comm)`` rounds, counted in its own ``state.step`` (which they may read:
+    ACP-SGD alternates on it). A mixin, listed before :class:`Compressor`.
 
     Example::
 
@@ -69,11 +61,7 @@ class StartIter:
     """
 
     start_iter: int
-
-    def compressed(self, flat: torch.Tensor, layout: BucketLayout, state: Any,
-                   comm: Comm) -> Iterator[Any]:
-        """One step's rounds after the warm-up (``state.step`` already counts this step)."""
-        raise NotImplementedError
+    compressed: Any
 
     def reduce(self, flat: torch.Tensor, layout: BucketLayout, state: Any, comm: Comm) -> Iterator[Any]:
         return warm_up(self.start_iter, state, flat, comm, self.compressed(flat, layout, state, comm))
