@@ -27,6 +27,7 @@ from typing import List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
+from ..validate import choice, flag, number
 from .base import BucketLayout, Compressor, State
 from .warmup import StartIter
 from .error_feedback import ErrorFeedback
@@ -45,24 +46,12 @@ def check_low_rank_settings(settings) -> None:
     ``orthogonalization`` and ``start_iter`` are checked, and ``error_feedback``, ``warm_start``
     and ``batch_same_shape`` must be bools (a string such as ``'no'`` would read as True).
     """
-    def _int(name, low):
-        value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-
-    _int("rank", 1)
-    _int("seed", 0)
-    _int("start_iter", 0)
-    rate = settings.min_compression_rate
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
-        raise ValueError(f"min_compression_rate must be a number > 0, got {rate!r}")
+    for name, low in (("rank", 1), ("seed", 0), ("start_iter", 0)):
+        number(name, getattr(settings, name), minimum=low, integer=True)
+    number("min_compression_rate", settings.min_compression_rate, minimum=0, inclusive=False)
     for name in ("error_feedback", "warm_start", "batch_same_shape"):
-        value = getattr(settings, name)
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
-    if settings.orthogonalization not in ORTHOGONALIZATIONS:
-        raise ValueError(f"orthogonalization must be one of {ORTHOGONALIZATIONS}, "
-                         f"got {settings.orthogonalization!r}")
+        flag(name, getattr(settings, name))
+    choice("orthogonalization", settings.orthogonalization, ORTHOGONALIZATIONS)
 
 
 LowRankStateT = TypeVar("LowRankStateT", bound="LowRankState")

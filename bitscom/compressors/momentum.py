@@ -38,12 +38,12 @@ Example::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Union
 
 import torch
 
+from ..validate import flag, number
 from .base import BucketLayout, Comm, Compressor, State
 from .topk import TopK
 
@@ -96,14 +96,9 @@ class MomentumCorrection(Compressor[MomentumState]):
         if getattr(inner, "applies_momentum", False) or _contains_momentum(inner):
             raise ValueError(f"MomentumCorrection inner must not apply momentum itself, got {inner!r}")
         object.__setattr__(self, "inner", inner)
-        m = self.momentum
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or math.isnan(float(m)) \
-                or not 0.0 <= float(m) < 1.0:
-            raise ValueError(f"MomentumCorrection momentum must be a number in [0, 1), got {m!r}")
+        m = number("MomentumCorrection momentum", self.momentum, minimum=0, maximum=1, inclusive=(True, False))
         object.__setattr__(self, "momentum", float(m))
-        masking = self.masking
-        if not isinstance(masking, bool):
-            raise TypeError(f"MomentumCorrection masking must be a bool, got {self.masking!r}")
+        masking = flag("MomentumCorrection masking", self.masking)
         if masking and not isinstance(inner, TopK):
             raise ValueError(f"MomentumCorrection masking=True needs a sparsifying inner compressor "
                              f"(TopK); {type(inner).__name__} sends every coordinate, so masking "

@@ -51,6 +51,7 @@ import torch
 from ..lowbit.error_feedback import SteppedErrorFeedback
 from ..lowbit.format import pack_signs, unpack_signs
 from .base import BucketLayout, Comm, Compressor
+from ..validate import flag, number
 from .warmup import StartIter, check_start_iter
 
 __all__ = ["SignSGD", "pack_signs", "unpack_signs"]
@@ -121,15 +122,12 @@ class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
     name = "signsgd"
 
     def __post_init__(self):
-        if not isinstance(self.majority_vote, bool):
-            raise TypeError(f"SignSGD majority_vote must be a bool, got {self.majority_vote!r}")
-        if self.error_feedback is not None and not isinstance(self.error_feedback, bool):
-            raise TypeError(f"SignSGD error_feedback must be a bool or None, got {self.error_feedback!r}")
+        flag("SignSGD majority_vote", self.majority_vote)
+        if self.error_feedback is not None:         # None: on without majority vote
+            flag("SignSGD error_feedback", self.error_feedback)
         check_start_iter("SignSGD", self.start_iter)
-        b = self.block_size
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-            raise ValueError(f"SignSGD block_size must be None (one scale per tensor) or an int >= 1, "
-                             f"got {b!r}")
+        if self.block_size is not None:             # None: one scale per tensor
+            number("SignSGD block_size", self.block_size, minimum=1, integer=True)
 
     @property
     def uses_error_feedback(self) -> bool:

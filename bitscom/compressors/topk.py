@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from .base import BucketLayout, Comm, Compressor
+from ..validate import choice, flag, number
 from .warmup import StartIter, check_start_iter
 from ..lowbit.error_feedback import SteppedErrorFeedback
 
@@ -138,16 +139,11 @@ class TopK(StartIter, Compressor[SteppedErrorFeedback]):
     name = "topk"
 
     def __post_init__(self):
-        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) \
-                or not 0.0 < float(self.ratio) <= 1.0 or math.isnan(float(self.ratio)):
-            raise ValueError(f"TopK ratio must be a number in (0, 1], got {self.ratio!r}")
-        if not isinstance(self.error_feedback, bool):
-            raise TypeError(f"TopK error_feedback must be a bool, got {self.error_feedback!r}")
+        number("TopK ratio", self.ratio, minimum=0, maximum=1, inclusive=(False, True))
+        flag("TopK error_feedback", self.error_feedback)
         check_start_iter("TopK", self.start_iter)
-        if not isinstance(self.per_tensor, bool):
-            raise TypeError(f"TopK per_tensor must be a bool, got {self.per_tensor!r}")
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"TopK selection must be one of {SELECTIONS}, got {self.selection!r}")
+        flag("TopK per_tensor", self.per_tensor)
+        choice("TopK selection", self.selection, SELECTIONS)
 
     def k_for(self, numel: int) -> int:
         """Entries sent for a bucket of ``numel`` elements: ``ceil(ratio · numel)``, at least 1.

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Union
 
 import torch
 
+from ..validate import number
 from .base import BucketLayout, Comm, Compressor, State, plain_average
 
 __all__ = ["WarmUp", "WarmUpState", "StartIter", "warm_up", "check_start_iter"]
@@ -23,8 +24,7 @@ __all__ = ["WarmUp", "WarmUpState", "StartIter", "warm_up", "check_start_iter"]
 
 def check_start_iter(owner: str, value) -> None:
     """``start_iter`` (plain all-reduce warm-up steps) must be an int >= 0 (ValueError naming it)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{owner} start_iter must be an int >= 0, got {value!r}")
+    number(f"{owner} start_iter", value, minimum=0, integer=True)
 
 
 def warm_up(start_iter: int, state: Any, flat: torch.Tensor, comm: Comm,

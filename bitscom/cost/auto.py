@@ -38,6 +38,7 @@ import torch.distributed
 from ..compressors import (ACPSGD, BF16Compressor, FP16Compressor, LowBit, NoneCompressor, PowerSGD,
                            SignSGD, TopK, register)
 from ..compressors.base import BucketLayout, Comm, Compressor, State
+from ..validate import number
 from .calibrate import fit_link, time_codec
 from .formulas import round_seconds
 from .links import Link, Topology
@@ -203,9 +204,7 @@ class Auto(Compressor):
             raise ValueError(f"Auto candidates must be a non-empty tuple of compressors, got {cands!r}")
         if any(isinstance(c, Auto) for c in cands):
             raise ValueError("Auto candidates cannot contain Auto itself")
-        if isinstance(self.probe_steps, bool) or not isinstance(self.probe_steps, int) \
-                or self.probe_steps < 2:
-            raise ValueError(f"Auto probe_steps must be an int >= 2, got {self.probe_steps!r}")
+        number("Auto probe_steps", self.probe_steps, minimum=2, integer=True)
         if self.link is not None and not isinstance(self.link, Link):
             raise TypeError(f"Auto link must be None (fit the probe) or a bitscom.cost.Link, e.g. "
                             f"Link.from_gbit(10, latency_s=5e-5); got {self.link!r}")

@@ -16,6 +16,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..comm import Comm
+from ..validate import choice, number
 from ..compressors.base import BucketLayout, Compressor
 
 __all__ = ["Round", "KINDS", "LEVELS", "LocalTransport", "local_comm", "recorded_rounds"]
@@ -39,12 +40,9 @@ class Round:
     level: str = "flat"
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"Round kind must be one of {KINDS}, got {self.kind!r}")
-        if self.level not in LEVELS:
-            raise ValueError(f"Round level must be one of {LEVELS}, got {self.level!r}")
-        if isinstance(self.nbytes, bool) or not isinstance(self.nbytes, int) or self.nbytes < 0:
-            raise ValueError(f"Round nbytes must be an int >= 0, got {self.nbytes!r}")
+        choice("Round kind", self.kind, KINDS)
+        choice("Round level", self.level, LEVELS)
+        number("Round nbytes", self.nbytes, minimum=0, integer=True)
 
 
 class _Done:

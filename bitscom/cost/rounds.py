@@ -19,6 +19,7 @@ import torch
 
 from ..compressors.base import BucketLayout, Compressor, TensorSlot
 from ..compressors.registry import resolve
+from ..validate import number
 from .local import KINDS, LEVELS, Round, recorded_rounds
 
 __all__ = ["Round", "KINDS", "LEVELS", "rounds_for", "rounds_of", "sent_bytes", "layout_of"]
@@ -87,10 +88,8 @@ def rounds_of(compressor, layout: BucketLayout, world: int, *, local_size: int =
         # [Round('all_gather', 400, 'flat')]
     """
     comp = resolve(compressor, "compressor")
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"world must be an int >= 1, got {world!r}")
-    if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \
-            or world % local_size:
+    number("world", world, minimum=1, integer=True)
+    if number("local_size", local_size, minimum=1, integer=True) and world % local_size:
         raise ValueError(f"local_size must be an int >= 1 dividing world={world}, got {local_size!r}")
     if world == 1 or layout.numel == 0:
         return []
