@@ -1,17 +1,6 @@
 """Checks of numbers, flags and choices in settings, written once: every error names the
-setting, the value and what is allowed (DESIGN.md, Reliability), with one wording.
-
-``True`` is never a number here (``isinstance(True, int)`` holds in Python) and NaN never
-passes a bound.
-
-Example::
-
-    from bitscom.validate import choice, flag, number
-    number("TopK ratio", ratio, minimum=0, maximum=1, inclusive=(False, True))
-    number("PowerSGD rank", rank, minimum=1, integer=True)
-    flag("TopK per_tensor", per_tensor)
-    choice("TopK selection", selection, ("exact", "sampled"))
-"""
+setting, the value and what is allowed (DESIGN.md, Reliability), in one wording. ``True`` is
+never a number here (though ``isinstance(True, int)``) and NaN never passes a bound."""
 
 from __future__ import annotations
 
@@ -24,10 +13,9 @@ __all__ = ["number", "flag", "choice"]
 def _bounds(minimum, maximum, inclusive: Tuple[bool, bool]) -> str:
     if minimum is not None and maximum is not None:
         return f" in {'[' if inclusive[0] else '('}{minimum:g}, {maximum:g}{']' if inclusive[1] else ')'}"
-    if minimum is not None:
-        return f" {'>=' if inclusive[0] else '>'} {minimum:g}"
-    if maximum is not None:
-        return f" {'<=' if inclusive[1] else '<'} {maximum:g}"
+    if minimum is not None or maximum is not None:
+        below = maximum is not None
+        return f" {'<' if below else '>'}{'=' if inclusive[below] else ''} {maximum if below else minimum:g}"
     return ""
 
 
@@ -39,7 +27,7 @@ def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: O
 
     Example::
 
-        number("chunk_size", 4096, minimum=1, integer=True)     # 4096
+        number("TopK ratio", ratio, minimum=0, maximum=1, inclusive=(False, True))
     """
     closed = (inclusive, inclusive) if isinstance(inclusive, bool) else (inclusive[0], inclusive[1])
     kind = "an int" if integer else ("a finite number" if finite else "a number")
@@ -55,11 +43,9 @@ def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: O
 
 
 def flag(name: str, value: Any) -> bool:
-    """``value`` if it is a bool, else a TypeError (a string such as ``'no'`` would read as True).
+    """``value`` if it is a bool, else a TypeError (``'no'`` would read as True). Example::
 
-    Example::
-
-        flag("error_feedback", True)
+        flag("TopK per_tensor", per_tensor)
     """
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
@@ -67,11 +53,9 @@ def flag(name: str, value: Any) -> bool:
 
 
 def choice(name: str, value: Any, allowed: Sequence[Any]) -> Any:
-    """``value`` if it is one of ``allowed``, else a ValueError listing them.
+    """``value`` if it is one of ``allowed``, else a ValueError listing them. Example::
 
-    Example::
-
-        choice("orthogonalization", "qr", ("auto", "gram_schmidt", "qr"))
+        choice("TopK selection", selection, ("exact", "sampled"))
     """
     if not any(value == a and type(value) is type(a) for a in allowed):
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")

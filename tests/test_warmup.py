@@ -61,7 +61,7 @@ def test_state_counts_steps_and_round_trips():
     again = comp.init_state(layout)
     again.load_state_dict(state.state_dict())
     assert again.step == 3 and again.inner.step == 2
-    assert get("warmup", inner="fp16", start_iter=4) == WarmUp(get("fp16"), 4)
+    assert WarmUp("fp16", start_iter=4) == WarmUp(get("fp16"), 4)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -27,7 +27,6 @@ register("topk", TopK)
 register("signsgd", SignSGD)
 register("exclude", Exclude)
 register("dgc", MomentumCorrection)
-register("warmup", WarmUp)
 
 __all__ = [
     "BucketLayout", "Comm", "Compressor", "State", "TensorSlot", "drive", "ErrorFeedback",

@@ -28,7 +28,7 @@ import torch
 
 from ..comm import Comm, Rounds, drive, is_completed, wait
 
-__all__ = ["TensorSlot", "BucketLayout", "Comm", "State", "Compressor", "drive", "Rounds",
+__all__ = ["TensorSlot", "BucketLayout", "Comm", "State", "Compressor", "Wrapper", "drive", "Rounds",
            "is_completed", "wait"]
 
 
@@ -169,6 +169,23 @@ def _copy_checked(key: str, current: torch.Tensor, value: torch.Tensor) -> None:
         raise ValueError(f"state {key!r}: checkpoint tensor has shape {tuple(value.shape)}, this "
                          f"bucket's has {tuple(current.shape)}; was the model or plan changed?")
     current.copy_(value)
+
+
+class Wrapper:
+    """What a compressor around an ``inner`` one (Exclude, MomentumCorrection, WarmUp) shares:
+    ``_inner``, the inner compressor as ``__post_init__`` resolved it, and its need for names.
+    A mixin, listed before :class:`Compressor`."""
+
+    inner: Any
+
+    @property
+    def _inner(self) -> "Compressor":
+        assert isinstance(self.inner, Compressor), "__post_init__ resolves inner to a compressor"
+        return self.inner
+
+    @property
+    def uses_names(self) -> bool:       # Exclude inside needs parameter names too
+        return self._inner.uses_names
 
 
 StateT = TypeVar("StateT")

@@ -36,7 +36,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .base import BucketLayout, Comm, Compressor, State, TensorSlot
+from .base import BucketLayout, Comm, Compressor, State, TensorSlot, Wrapper
 
 __all__ = ["Exclude", "split_layout"]
 
@@ -64,7 +64,7 @@ class ExcludeState(State):
 
 
 @dataclass(frozen=True)
-class Exclude(Compressor[ExcludeState]):
+class Exclude(Wrapper, Compressor[ExcludeState]):
     """Send the slots whose names match ``patterns`` as exact fp32, the rest through ``inner``.
 
     Args:
@@ -104,13 +104,6 @@ class Exclude(Compressor[ExcludeState]):
             raise ValueError(f"Exclude patterns must be a non-empty tuple of non-empty strings, "
                              f"got {self.patterns!r}")
         object.__setattr__(self, "patterns", tuple(pats))
-
-    @property
-    def _inner(self) -> Compressor:
-        """``inner`` as :meth:`__post_init__` resolved it (always a compressor instance)."""
-        inner = self.inner
-        assert isinstance(inner, Compressor), "__post_init__ resolves inner to a compressor"
-        return inner
 
     def init_state(self, layout: BucketLayout) -> ExcludeState:
         kept, _ = split_layout(layout, self.patterns)

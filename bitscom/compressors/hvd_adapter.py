@@ -93,13 +93,8 @@ class HorovodAdapter(Compressor):
 
 class HorovodCodec:
     """Base class for a Horovod-style codec (``horovod.torch.compression.Compressor``),
-    published as ``bitscom.compression.Compressor``. Defined here, beside the adapter that
-    runs it, so the Horovod face imports it from below and nothing here imports the face.
-
-    Subclass it (or write any class with static ``compress``/``decompress``) and pass the
-    class itself as ``compression=``; bitscom wraps it in :class:`HorovodAdapter`.
-
-    Example::
+    published as ``bitscom.compression.Compressor`` (see :mod:`bitscom.horovod.codec`); here,
+    beside its adapter, so nothing here imports the Horovod face. Example::
 
         class HalfCodec(bitscom.compression.Compressor):
             @staticmethod
@@ -108,8 +103,6 @@ class HorovodCodec:
             @staticmethod
             def decompress(tensor, ctx):
                 return tensor.to(ctx)
-
-        avg = bitscom.allreduce(t, compression=HalfCodec)
     """
 
     @staticmethod

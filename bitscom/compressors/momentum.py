@@ -44,7 +44,7 @@ from typing import Union
 import torch
 
 from ..validate import flag, number
-from .base import BucketLayout, Comm, Compressor, State
+from .base import BucketLayout, Comm, Compressor, State, Wrapper
 from .topk import TopK
 
 __all__ = ["MomentumCorrection", "MomentumState"]
@@ -59,7 +59,7 @@ class MomentumState(State):
 
 
 @dataclass(frozen=True)
-class MomentumCorrection(Compressor[MomentumState]):
+class MomentumCorrection(Wrapper, Compressor[MomentumState]):
     """Apply SGD momentum on each rank before ``inner`` compresses (DGC's momentum correction
     and momentum factor masking); the optimizer then runs with ``momentum=0``.
 
@@ -105,16 +105,6 @@ class MomentumCorrection(Compressor[MomentumState]):
                              "would remove momentum altogether. Use masking=False")
         object.__setattr__(self, "masking", masking)
 
-    @property
-    def _inner(self) -> Compressor:
-        """``inner`` as :meth:`__post_init__` resolved it (always a compressor instance)."""
-        inner = self.inner
-        assert isinstance(inner, Compressor), "__post_init__ resolves inner to a compressor"
-        return inner
-
-    @property
-    def uses_names(self) -> bool:       # Exclude inside needs parameter names too
-        return self._inner.uses_names
 
     def init_state(self, layout: BucketLayout) -> MomentumState:
         return MomentumState(layout.numel, layout.device, self._inner.init_state(layout))

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Union
 import torch
 
 from ..validate import number
-from .base import BucketLayout, Comm, Compressor, State, plain_average
+from .base import BucketLayout, Comm, Compressor, State, Wrapper, plain_average
 
 __all__ = ["WarmUp", "WarmUpState", "StartIter", "warm_up", "check_start_iter"]
 
@@ -76,7 +76,7 @@ class WarmUpState(State):
 
 
 @dataclass(frozen=True)
-class WarmUp(Compressor[WarmUpState]):
+class WarmUp(Wrapper, Compressor[WarmUpState]):
     """A plain exact average for the first ``start_iter`` steps of each bucket, then ``inner``.
 
     Args:
@@ -105,15 +105,6 @@ class WarmUp(Compressor[WarmUpState]):
         check_start_iter("WarmUp", self.start_iter)
         object.__setattr__(self, "inner", inner)
 
-    @property
-    def _inner(self) -> Compressor:
-        inner = self.inner
-        assert isinstance(inner, Compressor), "__post_init__ resolves inner to a compressor"
-        return inner
-
-    @property
-    def uses_names(self) -> bool:       # Exclude inside needs parameter names too
-        return self._inner.uses_names
 
     def init_state(self, layout: BucketLayout) -> WarmUpState:
         return WarmUpState(self._inner.init_state(layout))
