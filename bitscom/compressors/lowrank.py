@@ -40,12 +40,7 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def check_low_rank_settings(settings) -> None:
-    """Constructor validation shared by the low-rank compressors (ValueError naming the value).
-
-    ``settings`` is the compressor: its ``rank``, ``min_compression_rate``, ``seed``,
-    ``orthogonalization`` and ``start_iter`` are checked, and ``error_feedback``, ``warm_start``
-    and ``batch_same_shape`` must be bools (a string such as ``'no'`` would read as True).
-    """
+    """Constructor validation shared by the low-rank compressors (naming the bad value)."""
     for name, low in (("rank", 1), ("seed", 0), ("start_iter", 0)):
         number(name, getattr(settings, name), minimum=low, integer=True)
     number("min_compression_rate", settings.min_compression_rate, minimum=0, inclusive=False)

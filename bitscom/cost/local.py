@@ -1,11 +1,8 @@
 """A transport that runs a compressor's rounds without a network, as if every rank held the
-same tensor: for timing the codec alone (:func:`bitscom.cost.calibrate.time_codec`) and for
-recording the rounds a compressor issues (:func:`recorded_rounds`), which is how the cost
-model learns every compressor's rounds (:func:`bitscom.cost.rounds_of`).
-
-A compressor that talks to its own node groups (hierarchical :class:`~bitscom.compressors.LowBit`)
-asks its Comm's transport for them: :meth:`LocalTransport.levels` gives two local Comms, intra-
-and inter-node, recording into the same log with their level.
+same tensor: to time the codec alone (:func:`bitscom.cost.calibrate.time_codec`) and to record
+the rounds a compressor issues (:func:`recorded_rounds`), which is how the cost model learns
+them (:func:`bitscom.cost.rounds_of`). A compressor that talks to the node groups asks the
+transport for them (:meth:`LocalTransport.levels`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from ..compressors.registry import resolve
 from ..validate import number
 from .local import KINDS, LEVELS, Round, recorded_rounds
 
-__all__ = ["Round", "KINDS", "LEVELS", "rounds_for", "rounds_of", "sent_bytes", "layout_of"]
+__all__ = ["Round", "KINDS", "LEVELS", "rounds_for", "rounds_of", "sent_bytes", "layout_of", "warm_up_steps"]
 
 
 def _square(numel: int) -> tuple:
@@ -60,6 +60,15 @@ def _chain(comp) -> Iterator[Compressor]:
         comp = getattr(comp, "inner", None)
 
 
+def warm_up_steps(compressor) -> int:
+    """Plain all-reduce steps before ``compressor`` compresses: the ``start_iter`` of it and of
+    the compressors it wraps (``WarmUp(TopK(start_iter=2), 3)``: 5). Example::
+
+        warm_up_steps(PowerSGD())      # 10
+    """
+    return sum(int(getattr(c, "start_iter", 0) or 0) for c in _chain(compressor))
+
+
 def _mean(first: List[Round], second: List[Round]) -> List[Round]:
     """Two consecutive steps as one steady-state step: the same rounds, each of the mean bytes
     (rounded down) where the steps differ in bytes only (ACP-SGD alternates P and Q)."""
@@ -93,7 +102,7 @@ def rounds_of(compressor, layout: BucketLayout, world: int, *, local_size: int =
         raise ValueError(f"local_size must be an int >= 1 dividing world={world}, got {local_size!r}")
     if world == 1 or layout.numel == 0:
         return []
-    start = sum(int(getattr(c, "start_iter", 0) or 0) for c in _chain(comp))
+    start = warm_up_steps(comp)
     if step is None and not warm and start > 0:
         step = 0
     key: tuple = (comp, layout, world, local_size, step)
@@ -149,14 +158,10 @@ def sent_bytes(compressor, layout: BucketLayout, world: int, step: Optional[int]
 def rounds_for(compressor, numel: int, world: int, *, local_size: int = 1, dtype=torch.float32,
                warm: bool = True, shapes: Optional[Sequence[tuple]] = None,
                step: Optional[int] = None) -> List[Round]:
-    """The rounds one bucket of ``numel`` elements costs with ``compressor`` on ``world`` ranks:
-    :func:`rounds_of` of the :func:`layout_of` ``shapes`` (their names are ``t0``, ``t1``, …).
-
-    ``shapes`` (the bucket's tensor shapes) matter for the low-rank compressors; without them
-    a bucket is one 1-D tensor, or, for a compressor that declares ``matrix_buckets``
-    (PowerSGD, ACP-SGD), the most nearly square matrix of ``numel`` elements (their best case).
-    ``local_size`` > 1 matters for hierarchical LowBit (``two_level``); every other compressor
-    runs flat over the world.
+    """:func:`rounds_of` one bucket of ``numel`` elements of ``shapes`` (:func:`layout_of`;
+    without them one 1-D tensor, or for ``matrix_buckets`` compressors, PowerSGD and ACP-SGD,
+    the most nearly square matrix: their best case). ``local_size`` > 1 matters for
+    hierarchical LowBit (``two_level``); every other compressor runs flat over the world.
 
     Example::
 
