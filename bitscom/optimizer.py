@@ -168,7 +168,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
                  process_group=None, *, sparse_as_dense: bool = False, groups=None,
                  num_groups: int = 0):
         if isinstance(compression, str) and compression.lower() == "auto":
-            from .compressors.auto import Auto, candidates_for
+            from .cost.auto import Auto, candidates_for
             compression = Auto(candidates=candidates_for(optimizer))   # safe for this optimizer
         compression = resolve_compressor(compression, "compression")
         if compression.uses_names and named_parameters is None:
@@ -536,7 +536,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         bucket (``None`` while a bucket is still being probed).
         """
         extra: Dict[str, Any] = {"buckets": len(self._buckets)}
-        from .compressors.auto import Auto
+        from .cost.auto import Auto
         if isinstance(self.compression, Auto):
             extra["auto_plan"] = Auto.plan(self._reducer.states)
         return self._bytes.report(**extra)

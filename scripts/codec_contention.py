@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import bitscom
-from bitscom.compressors.auto import SGD_SAFE
+from bitscom.cost.auto import SGD_SAFE
 from bitscom.cost import layout_of, time_codec
 
 SHAPES = [(768, 3072), (3072, 768), (768, 768), (768, 768), (768, 768), (768, 768), (3072,), (768,)]

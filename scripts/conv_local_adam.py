@@ -18,7 +18,6 @@ Not in the library: it is measured here to decide whether it belongs there. Used
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -65,6 +64,3 @@ class LocalAdam(Compressor):
         u = (state.m / (1 - self.beta1 ** state.t)).div_(v_hat.sqrt_().add_(self.eps))
         flat.copy_(u.view_as(flat))
         yield from self.inner.reduce(flat, layout, state.inner, comm)
-
-    def wire_bytes(self, layout: BucketLayout, world_size: int, step: Optional[int] = None) -> Optional[int]:
-        return self.inner.wire_bytes(layout, world_size, step)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import bitscom
+from bitscom.cost import sent_bytes
 from bitscom.compressors import ACPSGD
 from test_powersgd import check_resumable, check_steps, drive_steps, make_layout, tol, \
     train_resumable
@@ -19,8 +20,8 @@ def test_wire_bytes_alternate():
     p = 4 * (plan.p_numel + plan.uncompressed_numel)
     q = 4 * (plan.q_numel + plan.uncompressed_numel)
     assert p != q
-    assert [comp.wire_bytes(layout, 2, s) for s in range(5)] == [4 * layout.numel, p, q, p, q]
-    assert comp.wire_bytes(layout, 2) == (p + q) // 2
+    assert [sent_bytes(comp, layout, 2, s) for s in range(5)] == [4 * layout.numel, p, q, p, q]
+    assert sent_bytes(comp, layout, 2) == (p + q) // 2
 
 
 def test_bad_settings_name_the_value():
@@ -36,7 +37,7 @@ def test_one_allreduce_per_step_alternating(pools):
     comp = ACPSGD(rank=2)
     results = pools.run(2, drive_steps, comp, 4)
     layout = make_layout()
-    assert [r["bytes"] for r in results[0]] == [comp.wire_bytes(layout, 2, s) for s in range(4)]
+    assert [r["bytes"] for r in results[0]] == [sent_bytes(comp, layout, 2, s) for s in range(4)]
     check_steps(comp, results, 2, first_compressed=0, alternating=True)
     # error feedback pays back everything after each Q step (the P factor then spans the
     # column space): cumulative output = cumulative average input, and the residual is 0
@@ -65,6 +66,6 @@ def test_invariants_on_full_rank_gradients_three_ranks(pools):
 def test_replicas_accumulation_unused_bytes_and_exact_resume(pools):
     # resume at step 3: a Q step, so the checkpoint must carry the reduced P and the residual
     results = pools.run(2, train_resumable, ACPSGD(rank=2), 6, 3)
-    check_resumable(results)               # includes bytes_sent == Σ wire_bytes per step
+    check_resumable(results)               # includes bytes_sent == Σ sent_bytes per step
     sent = results[0]["sent"]
     assert sent[0] == sent[2] == sent[4] and sent[1] == sent[3] == sent[5] and sent[0] != sent[1]

@@ -10,7 +10,7 @@ import torch
 
 import bitscom
 from bitscom.compressors import get
-from bitscom.compressors.auto import ADAM_SAFE, SGD_SAFE, Auto, candidates_for, decide, labels
+from bitscom.cost.auto import ADAM_SAFE, SGD_SAFE, Auto, candidates_for, decide, labels
 from bitscom.cost import Link, Topology, layout_of, round_seconds, rounds_for
 
 SHAPES = [(64, 48), (48,)]

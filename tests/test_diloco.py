@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import bitscom
+from bitscom.cost import sent_bytes
 from bitscom.compressors import get
 from bitscom.compressors.base import Comm, drive
 from bitscom.diloco import DiLoCo, DiLoCoConfig
@@ -247,7 +248,7 @@ def _direct(rank, world, steps, H, F, settings):
                      [g.detach().clone() for g in opt.global_parameters]))
     synced = [layouts[b] for t in range(1, steps + 1) for f in DiLoCoConfig(H, fragments=F).due(t)
               for b in opt.fragment_buckets[f]]
-    wire = sum(comp.wire_bytes(l, world) for l in synced)
+    wire = sum(sent_bytes(comp, l, world) for l in synced)
     frags = [[s.name for b in m for s in layouts[b].slots] for m in opt.fragment_buckets]
     return hist, opt.comm_stats(), wire, sum(l.numel * 4 for l in synced), frags
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import bitscom
+from bitscom.cost import sent_bytes
 from bitscom.compressors import LowBit, get
 from helpers import global_batch, make_model, params_of, reference_run, shard
 
@@ -46,7 +47,7 @@ def _train(rank, world, steps, settings, threshold=25, hier=False, resume_at=Non
             nn.functional.mse_loss(model2(shard(x, rank, world)), shard(y, rank, world)).backward()
             opt2.step()
         resumed = params_of(model2)
-    wire = [opt.compression.wire_bytes(l, world) for l in opt.bucket_layouts]
+    wire = [sent_bytes(opt.compression, l, world) for l in opt.bucket_layouts]
     return history, stats, resumed, wire
 
 

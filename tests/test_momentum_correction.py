@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import bitscom
+from bitscom.cost import sent_bytes
 from bitscom.compressors import (ACPSGD, BucketLayout, Exclude, MomentumCorrection, SignSGD, TopK,
                                  get)
 from simranks import lockstep
@@ -132,7 +133,7 @@ def test_bad_settings_are_clear_errors():
     inner = Exclude(TopK(), patterns=("*.bias",))
     assert MomentumCorrection(inner).uses_names and not MomentumCorrection().uses_names
     layout = BucketLayout.for_tensor(torch.zeros(1000))
-    assert MomentumCorrection(ACPSGD()).wire_bytes(layout, 2) == ACPSGD().wire_bytes(layout, 2)
+    assert sent_bytes(MomentumCorrection(ACPSGD()), layout, 2) == sent_bytes(ACPSGD(), layout, 2)
 
 
 # ---------------------------------------------------------------- DistributedOptimizer, 1 process
@@ -257,7 +258,7 @@ def _gloo_dgc(rank, world):
     comp = MomentumCorrection(TopK(ratio=0.2), masking=True)
     model, opt, straight = run(comp, 0.0, 0.01, range(6))
     sent = opt.comm_stats()["step_bytes_sent"]
-    promised = sum(comp.wire_bytes(lay, world) for lay in opt.bucket_layouts)
+    promised = sum(sent_bytes(comp, lay, world) for lay in opt.bucket_layouts)
     model, opt, _ = run(comp, 0.0, 0.01, range(3))
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)

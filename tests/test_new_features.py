@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 import bitscom
+from bitscom.cost import sent_bytes
 from bitscom.compressors import BucketLayout, Exclude, SignSGD, TensorSlot, TopK, get
 from bitscom.error_feedback import SteppedErrorFeedback
 from simranks import lockstep
@@ -224,8 +225,8 @@ def test_exclude_exact_on_matches_inner_on_the_rest(world, inner):
             assert torch.equal(_split(f, layout, kept_names), subs[0]), "kept slots differ from the inner alone"
         excluded_bytes = 4 * sum(s.numel for s in excluded)
         assert sent == [r + excluded_bytes for r in ref_sent]
-        assert sent[0] == comp.wire_bytes(layout, world, step) == inner.wire_bytes(kept, world, step) + excluded_bytes
-    assert comp.wire_bytes(layout, world) == inner.wire_bytes(kept, world) + 4 * 16
+        assert sent[0] == sent_bytes(comp, layout, world, step) == sent_bytes(inner, kept, world, step) + excluded_bytes
+    assert sent_bytes(comp, layout, world) == sent_bytes(inner, kept, world) + 4 * 16
 
 
 def test_exclude_everything_is_plain_average_and_nothing_is_inner_alone():
@@ -237,7 +238,7 @@ def test_exclude_everything_is_plain_average_and_nothing_is_inner_alone():
     flats = [g.clone() for g in gs]
     sent = lockstep(everything, flats, states, layout)
     assert torch.equal(flats[0], exact_average(gs)) and torch.equal(flats[1], flats[0])
-    assert sent == [4 * layout.numel] * world == [everything.wire_bytes(layout, world)] * world
+    assert sent == [4 * layout.numel] * world == [sent_bytes(everything, layout, world)] * world
     saved = roundtrip(states[0].state_dict())
     fresh = everything.init_state(layout)
     fresh.load_state_dict(saved)
@@ -252,7 +253,7 @@ def test_exclude_everything_is_plain_average_and_nothing_is_inner_alone():
         flats, refs = [g.clone() for g in gs], [g.clone() for g in gs]
         assert lockstep(nothing, flats, states, layout) == lockstep(inner, refs, ref_states, layout)
         assert all(torch.equal(f, r) for f, r in zip(flats, refs))
-    assert nothing.wire_bytes(layout, world) == inner.wire_bytes(layout, world)
+    assert sent_bytes(nothing, layout, world) == sent_bytes(inner, layout, world)
 
 
 def test_exclude_state_checkpoint_resumes_bitwise():
@@ -327,14 +328,14 @@ def test_warm_up_is_exact_then_compressed(comp):
         gs = randn(world, 500, seed=30 + step)
         flats = [g.clone() for g in gs]
         sent = lockstep(comp, flats, states, layout)
-        assert sent == [comp.wire_bytes(layout, world, step)] * world
+        assert sent == [sent_bytes(comp, layout, world, step)] * world
         if step < 2:
             assert sent == [4 * 500] * world
             assert torch.equal(flats[0], exact_average(gs)) and torch.equal(flats[1], flats[0])
             assert all(s.residual is None or torch.count_nonzero(s.residual) == 0 for s in states)
         else:       # compressed, as a compressor without warm-up from a fresh state
             colds = [g.clone() for g in gs]
-            assert sent == lockstep(cold, colds, cold_states, layout) == [comp.wire_bytes(layout, world)] * world
+            assert sent == lockstep(cold, colds, cold_states, layout) == [sent_bytes(comp, layout, world)] * world
             assert all(torch.equal(f, c) for f, c in zip(flats, colds))
             assert not torch.equal(flats[0], exact_average(gs))
         assert all(s.step == step + 1 for s in states)
@@ -345,7 +346,7 @@ def test_warm_up_counts_bucket_dtype_bytes():
     comp = TopK(ratio=0.1, start_iter=1)
     gs = [g.half() for g in randn(2, 100, seed=1)]
     sent = lockstep(comp, [g.clone() for g in gs], [comp.init_state(layout) for _ in gs], layout)
-    assert sent == [200, 200] == [comp.wire_bytes(layout, 2, 0)] * 2
+    assert sent == [200, 200] == [sent_bytes(comp, layout, 2, 0)] * 2
 
 
 @pytest.mark.parametrize("comp", WARM[:2], ids=["topk", "signsgd"])
@@ -369,7 +370,7 @@ def test_resume_in_the_middle_of_warm_up_continues_it(comp):
         r.load_state_dict(d)
     for step, (gs, expect, size) in enumerate(zip(grads[1:], outs[1:], sizes[1:]), start=1):
         flats = [g.clone() for g in gs]
-        assert lockstep(comp, flats, resumed, layout)[0] == size == comp.wire_bytes(layout, world, step)
+        assert lockstep(comp, flats, resumed, layout)[0] == size == sent_bytes(comp, layout, world, step)
         assert torch.equal(flats[0], expect)
     assert sizes[:3] == [1200] * 3 and sizes[3] < 1200
 
@@ -449,7 +450,7 @@ def _optimizer_exclude_frozen_adam(rank, world):
             if check:
                 _check_exact_average(rank, world, model, _local_grads(model, x, y))
                 sent = opt.comm_stats()["step_bytes_sent"]
-                assert sent == sum(comp.wire_bytes(lay, world, step) for lay in opt.bucket_layouts), step
+                assert sent == sum(sent_bytes(comp, lay, world, step) for lay in opt.bucket_layouts), step
             opt.step()
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             assert _same_on_all_ranks(flat), f"replicas differ after step {step}"
@@ -501,7 +502,7 @@ def _ddp_exclude(rank, world):
         stats = state.comm_stats()
         layouts = state._reducer.layouts[:stats["buckets"]]
         assert {s.name for lay in layouts for s in lay.slots} == {n for n, _ in net.named_parameters()}
-        assert stats["bytes_sent"] == sum(comp.wire_bytes(lay, world) for lay in layouts)
+        assert stats["bytes_sent"] == sum(sent_bytes(comp, lay, world) for lay in layouts)
         opt.step()
         assert _same_on_all_ranks(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
     state.close()
@@ -588,4 +589,4 @@ def test_study_local_adam_matches_float64(convergence):
             expect += (m[r] / (1 - b1 ** t)) / ((v[r] / (1 - b2 ** t)).sqrt() + eps) / world
         assert all(torch.equal(f, flats[0]) for f in flats)
         torch.testing.assert_close(flats[0].double(), expect, rtol=1e-5, atol=1e-6)
-    assert LocalAdam(TopK(ratio=0.1)).wire_bytes(layout, 2) == TopK(ratio=0.1).wire_bytes(layout, 2)
+    assert sent_bytes(LocalAdam(TopK(ratio=0.1)), layout, 2) == sent_bytes(TopK(ratio=0.1), layout, 2)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import bitscom
+from bitscom.cost import sent_bytes
 from bitscom.compressors import PowerSGD
 from bitscom.compressors.base import BucketLayout, Comm, TensorSlot, drive
 from bitscom.compressors.lowrank import LowRankPlan, orthogonalize
@@ -130,8 +131,8 @@ def test_plan_splits_and_wire_bytes():
     assert [(g.n, g.m, g.r, g.batch) for g in plan.groups] == [(32, 24, 2, 3), (16, 36, 2, 1)]
     assert plan.uncompressed_numel == 32 + 30 + 3
     assert plan.p_numel == 3 * 32 * 2 + 16 * 2 and plan.q_numel == 3 * 24 * 2 + 36 * 2
-    assert comp.wire_bytes(layout, 2) == 4 * (plan.p_numel + plan.q_numel + plan.uncompressed_numel)
-    assert comp.wire_bytes(layout, 2, step=0) == 4 * layout.numel   # before start_iter
+    assert sent_bytes(comp, layout, 2) == 4 * (plan.p_numel + plan.q_numel + plan.uncompressed_numel)
+    assert sent_bytes(comp, layout, 2, step=0) == 4 * layout.numel   # before start_iter
     # rank clipped to min(n, m); a big min_compression_rate sends everything uncompressed
     assert PowerSGD(rank=64).plan(layout).groups == ()
     assert PowerSGD(rank=1, batch_same_shape=False).plan(layout).groups[2].batch == 1
@@ -170,7 +171,7 @@ def test_exact_on_low_rank_gradients_and_error_feedback(pools):
         assert (results[0][step]["output"] - avg_in).abs().max() <= tol(avg_in)
     # bytes: plain step = dense; compressed = P + Q + uncompressed, fp32
     layout = make_layout()
-    assert [r["bytes"] for r in results[0]] == [comp.wire_bytes(layout, 2, s) for s in range(4)]
+    assert [r["bytes"] for r in results[0]] == [sent_bytes(comp, layout, 2, s) for s in range(4)]
 
 
 def test_invariants_on_full_rank_gradients_three_ranks(pools):
@@ -246,7 +247,7 @@ def train_resumable(rank, world, comp, steps, k, passes=2):
     run(model2, opt2, k, steps, [])
     resumed = [p.detach().clone() for p in model2.parameters()]
     layouts = opt.bucket_layouts
-    expected = [sum(comp.wire_bytes(l, world, s) for l in layouts) for s in range(steps)]
+    expected = [sum(sent_bytes(comp, l, world, s) for l in layouts) for s in range(steps)]
     return {"full": full, "resumed": resumed, "sent": sent, "expected": expected,
             "rng_untouched": rng_untouched, "buckets": len(layouts)}
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import bitscom
+from bitscom.cost import sent_bytes
 from bitscom.compressors import BucketLayout, SignSGD, TopK, get, names
 from bitscom.compressors.error_feedback import ErrorFeedback
 from bitscom.compressors.signsgd import pack_signs, unpack_signs
@@ -98,7 +99,7 @@ def test_topk_per_tensor_picks_within_each_tensor():
     states = [comp.init_state(layout) for _ in gs]
     sent = lockstep(comp, flats, states, layout)
     assert comp.k_of(layout) == 30 + 1 + 7 == sent[0] // 8
-    assert sent == [comp.wire_bytes(layout, 2)] * 2
+    assert sent == [sent_bytes(comp, layout, 2)] * 2
     expect = torch.zeros(off, dtype=torch.float64)
     for g in gs:
         for sl in slots:
@@ -118,7 +119,7 @@ def test_topk_sparse_result_and_bytes():
     flats = [g.clone() for g in gs]
     states = [comp.init_state(layout) for _ in gs]
     sent = lockstep(comp, flats, states, layout)
-    assert comp.k_for(numel) == 10 and sent == [80, 80] == [comp.wire_bytes(layout, 2)] * 2
+    assert comp.k_for(numel) == 10 and sent == [80, 80] == [sent_bytes(comp, layout, 2)] * 2
     expect = torch.zeros(numel)
     for g in gs:
         idx = g.abs().topk(10).indices
@@ -176,7 +177,7 @@ def test_signsgd_average_and_bytes():
     states = [comp.init_state(layout) for _ in gs]
     sent = lockstep(comp, flats, states, layout)
     blocks = math.ceil(numel / comp.block_size)                 # one fp32 scale per block_size entries
-    assert sent == [math.ceil(numel / 8) + 4 * blocks] * world == [comp.wire_bytes(layout, world)] * world
+    assert sent == [math.ceil(numel / 8) + 4 * blocks] * world == [sent_bytes(comp, layout, world)] * world
     expect = sum(transmitted(comp, g) for g in gs) / world
     torch.testing.assert_close(flats[0], expect)
     assert all(torch.equal(f, flats[0]) for f in flats)
@@ -190,7 +191,7 @@ def test_signsgd_scale_per_tensor():
     comp = SignSGD(majority_vote=False)
     flats = [g.clone() for g in gs]
     sent = lockstep(comp, flats, [comp.init_state(layout) for _ in gs], layout)
-    assert sent == [2 + 8] * 2 == [comp.wire_bytes(layout, 2)] * 2
+    assert sent == [2 + 8] * 2 == [sent_bytes(comp, layout, 2)] * 2
     expect = sum(torch.cat([transmitted(comp, g[:12]), transmitted(comp, g[12:])]) for g in gs) / 2
     torch.testing.assert_close(flats[0], expect)
     assert flats[0][12:].abs().max() < 1e-2          # the bias keeps its own small scale
@@ -202,7 +203,7 @@ def test_signsgd_blocks_stay_inside_tensors():
                           torch.float32, torch.device("cpu"))
     comp = SignSGD(block_size=32)
     assert comp._sizes(layout, 75) == (32, 32, 6, 5)            # w: 32+32+6, then b alone
-    assert comp.wire_bytes(layout, 2) == math.ceil(75 / 8) + 4 * 4
+    assert sent_bytes(comp, layout, 2) == math.ceil(75 / 8) + 4 * 4
     gs = [torch.cat([torch.randn(70), 1e-3 * torch.randn(5)]) for _ in range(2)]
     flats = [g.clone() for g in gs]
     lockstep(comp, flats, [comp.init_state(layout) for _ in gs], layout)
@@ -296,7 +297,7 @@ def test_bitwise_identical_across_ranks(pools, world, name, settings):
     results = pools.run(world, _identical_across_ranks, name, settings)
     comp, layout = get(name, **settings), BucketLayout.for_tensor(torch.zeros(4099))
     assert all(same for same, _ in results)
-    assert all(sent == comp.wire_bytes(layout, world) for _, sent in results)
+    assert all(sent == sent_bytes(comp, layout, world) for _, sent in results)
 
 
 def test_distributed_optimizer_runs_topk_and_sign(pools):
@@ -315,7 +316,7 @@ def _optimizer_steps(rank, world):
             opt.zero_grad()
             model(torch.randn(4, 8, generator=g)).square().mean().backward()
             opt.step()
-        assert opt.comm_stats()["step_bytes_sent"] == sum(comp.wire_bytes(l, world) for l in opt.bucket_layouts)
+        assert opt.comm_stats()["step_bytes_sent"] == sum(sent_bytes(comp, l, world) for l in opt.bucket_layouts)
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         gathered = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(gathered, flat)

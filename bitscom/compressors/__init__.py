@@ -15,6 +15,7 @@ from .powersgd import PowerSGD
 from .registry import get, names, register, resolve
 from .signsgd import SignSGD
 from .topk import TopK
+from .warmup import WarmUp
 
 register("none", NoneCompressor)
 register("fp16", FP16Compressor)
@@ -30,6 +31,6 @@ register("dgc", MomentumCorrection)
 __all__ = [
     "BucketLayout", "Comm", "Compressor", "State", "TensorSlot", "drive", "ErrorFeedback",
     "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
-    "LowBit", "PowerSGD", "ACPSGD", "TopK", "SignSGD", "Exclude", "MomentumCorrection",
+    "LowBit", "PowerSGD", "ACPSGD", "TopK", "SignSGD", "Exclude", "MomentumCorrection", "WarmUp",
     "get", "names", "register", "resolve",
 ]

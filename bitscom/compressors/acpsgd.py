@@ -26,10 +26,9 @@ the reduction is exact (with error feedback, once the first step's residual is p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 
-from .base import BucketLayout, Comm, dense_bytes, plain_average
+from .base import BucketLayout, Comm
 from .lowrank import LowRankCompressor, LowRankPlan, LowRankState, forget_if_nonfinite, \
     orthogonalize, random_factors
 
@@ -71,29 +70,13 @@ class ACPSGD(LowRankCompressor[ACPSGDState]):
     def init_state(self, layout: BucketLayout) -> ACPSGDState:
         return ACPSGDState(layout, self.plan(layout), self.seed, self.error_feedback)
 
-    def wire_bytes(self, layout: BucketLayout, world_size: int, step: Optional[int] = None) -> int:
-        """Bytes one rank sends for step ``step`` (0-based) of ``layout``; without ``step``,
-        the mean of a P step and a Q step (the steady-state cost per step)."""
-        plan = self.plan(layout)
-        p_bytes = (plan.p_numel + plan.uncompressed_numel) * 4
-        q_bytes = (plan.q_numel + plan.uncompressed_numel) * 4
-        if step is None:
-            return (p_bytes + q_bytes) // 2
-        if step < self.start_iter:
-            return dense_bytes(layout)
-        return p_bytes if (step - self.start_iter) % 2 == 0 else q_bytes
-
-    def reduce(self, flat, layout, state: ACPSGDState, comm: Comm):
-        step, state.step = state.step, state.step + 1
-        if step < self.start_iter:
-            yield from plain_average(flat, comm)
-            return
+    def compressed(self, flat, layout, state: ACPSGDState, comm: Comm):
         plan, ef = state.plan, state.ef
         native = plan.native_compensate(ef, flat)    # the matrices' e + g is fused below
         fused = native is not None
         x = native if native is not None else ef.compensate(flat)    # else M + E, fp32
         p_all, q_all = state.p[:plan.p_numel], state.q[:plan.q_numel]
-        send_p = (step - self.start_iter) % 2 == 0
+        send_p = (state.step - 1 - self.start_iter) % 2 == 0     # step counts this one already
         # Fresh factors on the first step, after a non-finite step, and (P steps) without warm start.
         fresh = not state.ready or (send_p and not self.warm_start)
         if fresh:

@@ -22,44 +22,26 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Generic, Iterator, Optional, TypeVar, cast
+from typing import Any, Generic, Iterator, TypeVar, cast
 
 import torch
 
 from ..comm import Comm, Rounds, drive, is_completed, wait
 
-__all__ = ["TensorSlot", "BucketLayout", "Comm", "State", "Compressor", "drive", "Rounds",
+__all__ = ["TensorSlot", "BucketLayout", "Comm", "State", "Compressor", "Wrapper", "drive", "Rounds",
            "is_completed", "wait"]
-
-
-def check_start_iter(owner: str, value) -> None:
-    """``start_iter`` (plain all-reduce warm-up steps) must be an int >= 0 (ValueError naming it)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{owner} start_iter must be an int >= 0, got {value!r}")
 
 
 def plain_average(flat: torch.Tensor, comm) -> Iterator[Any]:
     """Round generator: ``flat`` ← the average over ``comm``'s ranks by one plain all-reduce
-    in its own dtype — what a compressor's warm-up steps (``start_iter``) do.
+    in its own dtype — what a warm-up step (:mod:`.warmup`) and ``NoneCompressor`` do.
 
     Example::
 
-        if step < self.start_iter:
-            yield from plain_average(flat, comm)
-            return
+        yield from plain_average(flat, comm)
     """
     yield comm.all_reduce(flat)
     flat.div_(comm.size)
-
-
-def dense_bytes(layout: "BucketLayout") -> int:
-    """Bytes one rank sends for a plain all-reduce of ``layout`` in its own dtype.
-
-    Example::
-
-        dense_bytes(BucketLayout.for_tensor(torch.zeros(10)))    # 40
-    """
-    return layout.numel * torch.empty((), dtype=layout.dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -189,6 +171,23 @@ def _copy_checked(key: str, current: torch.Tensor, value: torch.Tensor) -> None:
     current.copy_(value)
 
 
+class Wrapper:
+    """What a compressor around an ``inner`` one (Exclude, MomentumCorrection, WarmUp) shares:
+    ``_inner``, the inner compressor as ``__post_init__`` resolved it, and its need for names.
+    A mixin, listed before :class:`Compressor`."""
+
+    inner: Any
+
+    @property
+    def _inner(self) -> "Compressor":
+        assert isinstance(self.inner, Compressor), "__post_init__ resolves inner to a compressor"
+        return self.inner
+
+    @property
+    def uses_names(self) -> bool:       # Exclude inside needs parameter names too
+        return self._inner.uses_names
+
+
 StateT = TypeVar("StateT")
 """The type of a compressor's per-bucket state (what its :meth:`Compressor.init_state` returns
 and its :meth:`Compressor.reduce` takes)."""
@@ -219,6 +218,12 @@ class Compressor(abc.ABC, Generic[StateT]):
 
     name = "base"
     applies_momentum = False
+    models_on_meta = True
+    """Whether the cost model (:func:`bitscom.cost.rounds_of`) may run large buckets of this
+    compressor on ``meta`` tensors, shapes only: far cheaper than real data where the local
+    run grows with ranks × bucket (an all-gather decoded rank by rank), slower where it is
+    many small operations per rank (LowBit's rows). A compressor that needs values (a
+    finiteness check) runs on real data anyway."""
     """True for :class:`MomentumCorrection`: it applies SGD momentum before compressing, so
     only :class:`bitscom.DistributedOptimizer` (which checks the optimizer has none) runs it."""
 
@@ -246,10 +251,3 @@ class Compressor(abc.ABC, Generic[StateT]):
             fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
             return f"{type(self).__name__}({fields})"
         return repr(self)
-
-    def wire_bytes(self, layout: BucketLayout, world_size: int, step: Optional[int] = None) -> Optional[int]:
-        """Analytic bytes one reduction of ``layout`` sends from one rank, if known.
-
-        ``step`` matters for compressors whose traffic changes over time (warm-up steps,
-        ACP-SGD's alternating factors); ``None`` asks for the steady-state average."""
-        return None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BucketLayout, Compressor, dense_bytes, plain_average
+from .base import Compressor, plain_average
 
 __all__ = ["NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
 
@@ -42,9 +42,6 @@ class NoneCompressor(Compressor):
     def decompress(self, tensor: torch.Tensor, ctx):
         """Horovod's codec interface: the tensor itself."""
         return tensor
-
-    def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:
-        return dense_bytes(layout)
 
 
 @dataclass(frozen=True)
@@ -74,9 +71,6 @@ class _CastCompressor(Compressor):
         if ctx is not None and ctx.is_floating_point and tensor.dtype != ctx:
             return tensor.to(ctx)
         return tensor
-
-    def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:
-        return layout.numel * torch.empty((), dtype=self.wire_dtype).element_size()
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,6 @@
 (below the compressors, so the low-bit collectives use it too); this name is kept for imports.
 """
 
-from ..error_feedback import ErrorFeedback
+from ..lowbit.error_feedback import ErrorFeedback
 
 __all__ = ["ErrorFeedback"]

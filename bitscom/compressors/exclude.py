@@ -36,7 +36,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .base import BucketLayout, Comm, Compressor, State, TensorSlot
+from .base import BucketLayout, Comm, Compressor, State, TensorSlot, Wrapper
 
 __all__ = ["Exclude", "split_layout"]
 
@@ -64,7 +64,7 @@ class ExcludeState(State):
 
 
 @dataclass(frozen=True)
-class Exclude(Compressor[ExcludeState]):
+class Exclude(Wrapper, Compressor[ExcludeState]):
     """Send the slots whose names match ``patterns`` as exact fp32, the rest through ``inner``.
 
     Args:
@@ -105,13 +105,6 @@ class Exclude(Compressor[ExcludeState]):
                              f"got {self.patterns!r}")
         object.__setattr__(self, "patterns", tuple(pats))
 
-    @property
-    def _inner(self) -> Compressor:
-        """``inner`` as :meth:`__post_init__` resolved it (always a compressor instance)."""
-        inner = self.inner
-        assert isinstance(inner, Compressor), "__post_init__ resolves inner to a compressor"
-        return inner
-
     def init_state(self, layout: BucketLayout) -> ExcludeState:
         kept, _ = split_layout(layout, self.patterns)
         return ExcludeState(self._inner.init_state(kept) if kept.slots else None)
@@ -136,10 +129,3 @@ class Exclude(Compressor[ExcludeState]):
         for s in excluded:
             flat[s.offset:s.end].copy_(exact[at:at + s.numel])
             at += s.numel
-
-    def wire_bytes(self, layout: BucketLayout, world_size: int, step: Optional[int] = None) -> Optional[int]:
-        kept, excluded = split_layout(layout, self.patterns)
-        inner = self._inner.wire_bytes(kept, world_size, step) if kept.slots else 0
-        if inner is None:
-            return None
-        return inner + 4 * sum(s.numel for s in excluded)

@@ -11,9 +11,9 @@ it exactly like ``Compression.fp16``. What the wrapper does with one bucket:
 3. all-reduce (sum) ``wire``;
 4. ``flat = codec.decompress(wire, ctx)``.
 
-The codec's base class (Horovod's ``hvd.compression.Compressor``) is
-:class:`bitscom.horovod.codec.HorovodCodec`, in the Horovod face; this module needs only the
-duck type (``compress``/``decompress``), so ``compressors`` never imports the face above it.
+The codec's base class (Horovod's ``hvd.compression.Compressor``) is :class:`HorovodCodec`,
+defined here and re-exported by the Horovod face (:mod:`bitscom.horovod.codec`); the adapter
+needs only the duck type (``compress``/``decompress``), and nothing here imports the face.
 
 The wire tensor must be floating point: the ranks' wire tensors are summed, and a codec whose
 wire values only make sense together with a per-rank ``ctx`` (e.g. int8 with a local scale)
@@ -23,13 +23,13 @@ cannot be averaged on the wire; such codecs need a bitscom compressor (``LowBit`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Tuple
 
 import torch
 
 from .base import Compressor
 
-__all__ = ["HorovodAdapter", "is_codec"]
+__all__ = ["HorovodAdapter", "HorovodCodec", "is_codec"]
 
 
 def is_codec(obj: Any) -> bool:
@@ -91,15 +91,38 @@ class HorovodAdapter(Compressor):
         return f"HorovodAdapter({_codec_name(self.codec)})"
 
 
+class HorovodCodec:
+    """Base class for a Horovod-style codec (``horovod.torch.compression.Compressor``),
+    published as ``bitscom.compression.Compressor`` (see :mod:`bitscom.horovod.codec`); here,
+    beside its adapter, so nothing here imports the Horovod face. Example::
+
+        class HalfCodec(bitscom.compression.Compressor):
+            @staticmethod
+            def compress(tensor):
+                return tensor.to(torch.float16), tensor.dtype
+            @staticmethod
+            def decompress(tensor, ctx):
+                return tensor.to(ctx)
+    """
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        """Return ``(wire_tensor, ctx)``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Return the tensor rebuilt from the reduced ``wire_tensor`` and this rank's ``ctx``."""
+        raise NotImplementedError
+
+
 def __getattr__(name: str) -> Any:
     # ``bitscom.compressors.hvd_adapter.HorovodCompressor`` was the codec base class's first
-    # home. Resolved lazily (on access only), so importing this module never imports the
-    # Horovod face above it; new code uses bitscom.compression.Compressor.
+    # name; new code uses bitscom.compression.Compressor.
     if name == "HorovodCompressor":
         import warnings
         warnings.warn("bitscom.compressors.hvd_adapter.HorovodCompressor moved: use "
                       "bitscom.compression.Compressor (bitscom.horovod.codec.HorovodCodec)",
                       DeprecationWarning, stacklevel=2)
-        from ..horovod.codec import HorovodCodec
         return HorovodCodec
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

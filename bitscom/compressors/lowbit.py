@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ..collectives import LowBitConfig, LowBitState, all_reduce_rounds, wire_bytes_all_reduce
+from ..lowbit import LowBitConfig, LowBitState, all_reduce_rounds
 from .base import BucketLayout, Comm, Compressor
 
 __all__ = ["LowBit"]
@@ -46,6 +46,7 @@ class LowBit(Compressor[LowBitState]):
     """
 
     name = "lowbit"
+    models_on_meta = False      # its rank-by-rank rows run faster on real data (see Compressor)
 
     config: LowBitConfig
     intra_group: Any = field(default=None, compare=False, repr=False)
@@ -70,7 +71,9 @@ class LowBit(Compressor[LowBitState]):
         if cfg.hierarchy == "none":
             yield from all_reduce_rounds(flat, comm, cfg, state, average=True, key=layout.index)
             return
-        intra, inter = Comm(self.intra_group), Comm(self.inter_group)
+        # The cost model's local run hands a transport that emulates the node groups (bitscom.cost.local).
+        levels = getattr(comm.transport, "levels", None)
+        intra, inter = levels() if levels is not None else (Comm(self.intra_group), Comm(self.inter_group))
         # Issue nothing in the first round: every collective then runs as a later round, which the
         # engine starts strictly in bucket order, so intra/inter groups see one order everywhere.
         yield None
@@ -86,8 +89,3 @@ class LowBit(Compressor[LowBitState]):
             text += (f", intra_size={dist.get_world_size(self.intra_group)}, "
                      f"inter_size={dist.get_world_size(self.inter_group)}")
         return f"LowBit({text})"
-
-    def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> Optional[int]:
-        if self.config.hierarchy != "none" or world_size <= 1:
-            return None
-        return wire_bytes_all_reduce(layout.numel, world_size, self.config)

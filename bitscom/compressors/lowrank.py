@@ -27,7 +27,9 @@ from typing import List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
+from ..validate import choice, flag, number
 from .base import BucketLayout, Compressor, State
+from .warmup import StartIter
 from .error_feedback import ErrorFeedback
 
 __all__ = ["ORTHOGONALIZATIONS", "LowRankCompressor", "MatrixGroup", "LowRankPlan", "LowRankState", "orthogonalize", "project",
@@ -38,30 +40,13 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def check_low_rank_settings(settings) -> None:
-    """Constructor validation shared by the low-rank compressors (ValueError naming the value).
-
-    ``settings`` is the compressor: its ``rank``, ``min_compression_rate``, ``seed``,
-    ``orthogonalization`` and ``start_iter`` are checked, and ``error_feedback``, ``warm_start``
-    and ``batch_same_shape`` must be bools (a string such as ``'no'`` would read as True).
-    """
-    def _int(name, low):
-        value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-
-    _int("rank", 1)
-    _int("seed", 0)
-    _int("start_iter", 0)
-    rate = settings.min_compression_rate
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
-        raise ValueError(f"min_compression_rate must be a number > 0, got {rate!r}")
+    """Constructor validation shared by the low-rank compressors (naming the bad value)."""
+    for name, low in (("rank", 1), ("seed", 0), ("start_iter", 0)):
+        number(name, getattr(settings, name), minimum=low, integer=True)
+    number("min_compression_rate", settings.min_compression_rate, minimum=0, inclusive=False)
     for name in ("error_feedback", "warm_start", "batch_same_shape"):
-        value = getattr(settings, name)
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
-    if settings.orthogonalization not in ORTHOGONALIZATIONS:
-        raise ValueError(f"orthogonalization must be one of {ORTHOGONALIZATIONS}, "
-                         f"got {settings.orthogonalization!r}")
+        flag(name, getattr(settings, name))
+    choice("orthogonalization", settings.orthogonalization, ORTHOGONALIZATIONS)
 
 
 LowRankStateT = TypeVar("LowRankStateT", bound="LowRankState")
@@ -69,7 +54,7 @@ LowRankStateT = TypeVar("LowRankStateT", bound="LowRankState")
 
 
 @dataclass(frozen=True)
-class LowRankCompressor(Compressor[LowRankStateT]):
+class LowRankCompressor(StartIter, Compressor[LowRankStateT]):
     """Settings both low-rank compressors share (PowerSGD and ACP-SGD redeclare the defaults
     of ``rank`` and ``start_iter``)."""
 
@@ -89,6 +74,10 @@ class LowRankCompressor(Compressor[LowRankStateT]):
     """One bmm per group of same-shaped matrices: fewer kernel launches; may copy to batch."""
     seed: int = 0
     """Seed of the initial factors (with the bucket index); must match on ranks (checked)."""
+
+    matrix_buckets = True
+    """The cost model's shape-less bucket is the most nearly square matrix (the best case of a
+    low-rank compressor; a 1-D tensor would travel uncompressed)."""
 
     def __post_init__(self):
         check_low_rank_settings(self)
@@ -452,7 +441,7 @@ def forget_if_nonfinite(reduced: torch.Tensor, state: "LowRankState") -> None:
     so later steps start clean instead of carrying NaN forever. ``reduced`` is identical on
     every rank, so every rank takes the same decision and draws the same fresh factors. The
     check reads one small buffer (a host sync on GPUs, like GradScaler's own)."""
-    if not bool(torch.isfinite(reduced).all()):
+    if not reduced.is_meta and not bool(torch.isfinite(reduced).all()):   # meta: the cost model's run
         state.ef.reset()
         state.ready = False
 

@@ -38,13 +38,13 @@ Example::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
-from .base import BucketLayout, Comm, Compressor, State
+from ..validate import flag, number
+from .base import BucketLayout, Comm, Compressor, State, Wrapper
 from .topk import TopK
 
 __all__ = ["MomentumCorrection", "MomentumState"]
@@ -59,7 +59,7 @@ class MomentumState(State):
 
 
 @dataclass(frozen=True)
-class MomentumCorrection(Compressor[MomentumState]):
+class MomentumCorrection(Wrapper, Compressor[MomentumState]):
     """Apply SGD momentum on each rank before ``inner`` compresses (DGC's momentum correction
     and momentum factor masking); the optimizer then runs with ``momentum=0``.
 
@@ -96,30 +96,15 @@ class MomentumCorrection(Compressor[MomentumState]):
         if getattr(inner, "applies_momentum", False) or _contains_momentum(inner):
             raise ValueError(f"MomentumCorrection inner must not apply momentum itself, got {inner!r}")
         object.__setattr__(self, "inner", inner)
-        m = self.momentum
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or math.isnan(float(m)) \
-                or not 0.0 <= float(m) < 1.0:
-            raise ValueError(f"MomentumCorrection momentum must be a number in [0, 1), got {m!r}")
+        m = number("MomentumCorrection momentum", self.momentum, minimum=0, maximum=1, inclusive=(True, False))
         object.__setattr__(self, "momentum", float(m))
-        masking = self.masking
-        if not isinstance(masking, bool):
-            raise TypeError(f"MomentumCorrection masking must be a bool, got {self.masking!r}")
+        masking = flag("MomentumCorrection masking", self.masking)
         if masking and not isinstance(inner, TopK):
             raise ValueError(f"MomentumCorrection masking=True needs a sparsifying inner compressor "
                              f"(TopK); {type(inner).__name__} sends every coordinate, so masking "
                              "would remove momentum altogether. Use masking=False")
         object.__setattr__(self, "masking", masking)
 
-    @property
-    def _inner(self) -> Compressor:
-        """``inner`` as :meth:`__post_init__` resolved it (always a compressor instance)."""
-        inner = self.inner
-        assert isinstance(inner, Compressor), "__post_init__ resolves inner to a compressor"
-        return inner
-
-    @property
-    def uses_names(self) -> bool:       # Exclude inside needs parameter names too
-        return self._inner.uses_names
 
     def init_state(self, layout: BucketLayout) -> MomentumState:
         return MomentumState(layout.numel, layout.device, self._inner.init_state(layout))
@@ -136,9 +121,6 @@ class MomentumCorrection(Compressor[MomentumState]):
         # A step AMP skips for overflow must not poison every later step (NaN/Inf already
         # reached this step's output, where GradScaler sees it).
         torch.nan_to_num_(u, nan=0.0, posinf=0.0, neginf=0.0)
-
-    def wire_bytes(self, layout: BucketLayout, world_size: int, step: Optional[int] = None) -> Optional[int]:
-        return self._inner.wire_bytes(layout, world_size, step)
 
 
 def _contains_momentum(compressor) -> bool:

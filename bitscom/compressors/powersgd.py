@@ -23,10 +23,9 @@ makes E exactly "what this rank failed to send" and is ready before round 2 comp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 
-from .base import BucketLayout, Comm, dense_bytes, plain_average
+from .base import BucketLayout, Comm
 from .lowrank import LowRankCompressor, LowRankState, forget_if_nonfinite, \
     orthogonalize, random_factors
 
@@ -64,19 +63,7 @@ class PowerSGD(LowRankCompressor[PowerSGDState]):
     def init_state(self, layout: BucketLayout) -> PowerSGDState:
         return PowerSGDState(layout, self.plan(layout), self.seed, self.error_feedback)
 
-    def wire_bytes(self, layout: BucketLayout, world_size: int, step: Optional[int] = None) -> int:
-        """Bytes one rank sends for one step of ``layout`` (a compressed step unless
-        ``step`` < ``start_iter``)."""
-        if step is not None and step < self.start_iter:
-            return dense_bytes(layout)
-        plan = self.plan(layout)
-        return (plan.p_numel + plan.q_numel + plan.uncompressed_numel) * 4
-
-    def reduce(self, flat, layout, state: PowerSGDState, comm: Comm):
-        step, state.step = state.step, state.step + 1
-        if step < self.start_iter:
-            yield from plain_average(flat, comm)
-            return
+    def compressed(self, flat, layout, state: PowerSGDState, comm: Comm):
         plan, ef = state.plan, state.ef
         native = plan.native_compensate(ef, flat)    # the matrices' e + g is fused below
         fused = native is not None

@@ -103,12 +103,3 @@ def resolve(compressor, what: str = "compression") -> Compressor:
                         f"got {compressor!r}")
     return compressor
 
-
-def _auto(**kwargs) -> Compressor:
-    """``compression="auto"`` (imported lazily: :mod:`.auto` builds on :mod:`bitscom.cost`,
-    which builds on the other compressors)."""
-    from .auto import Auto
-    return Auto(**kwargs)
-
-
-_REGISTRY["auto"] = _auto

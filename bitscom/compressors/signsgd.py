@@ -48,9 +48,11 @@ from typing import Optional
 
 import torch
 
-from ..error_feedback import SteppedErrorFeedback
-from ..quantization import pack_signs, unpack_signs
-from .base import BucketLayout, Comm, Compressor, check_start_iter, dense_bytes, plain_average
+from ..lowbit.error_feedback import SteppedErrorFeedback
+from ..lowbit.format import pack_signs, unpack_signs
+from .base import BucketLayout, Comm, Compressor
+from ..validate import flag, number
+from .warmup import StartIter, check_start_iter
 
 __all__ = ["SignSGD", "pack_signs", "unpack_signs"]
 
@@ -69,7 +71,8 @@ def _segments(sizes: tuple, device: str):
     segment index (``scales[ids]`` expands per-segment scales to elements). Cached: rebuilding
     them is a host-to-device copy of up to 10⁵ counts every step."""
     counts = torch.tensor(sizes, device=device)
-    return counts, torch.repeat_interleave(torch.arange(len(sizes), device=device), counts)
+    return counts, torch.repeat_interleave(torch.arange(len(sizes), device=device), counts,
+                                           output_size=sum(sizes))
 
 
 @functools.lru_cache(maxsize=256)
@@ -87,7 +90,7 @@ def _native_for(x: torch.Tensor):
 
 
 @dataclass(frozen=True)
-class SignSGD(Compressor[SteppedErrorFeedback]):
+class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
     """One bit per gradient entry plus one fp32 scale per 16-entry block, with error feedback.
 
     Args:
@@ -119,15 +122,12 @@ class SignSGD(Compressor[SteppedErrorFeedback]):
     name = "signsgd"
 
     def __post_init__(self):
-        if not isinstance(self.majority_vote, bool):
-            raise TypeError(f"SignSGD majority_vote must be a bool, got {self.majority_vote!r}")
-        if self.error_feedback is not None and not isinstance(self.error_feedback, bool):
-            raise TypeError(f"SignSGD error_feedback must be a bool or None, got {self.error_feedback!r}")
+        flag("SignSGD majority_vote", self.majority_vote)
+        if self.error_feedback is not None:         # None: on without majority vote
+            flag("SignSGD error_feedback", self.error_feedback)
         check_start_iter("SignSGD", self.start_iter)
-        b = self.block_size
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-            raise ValueError(f"SignSGD block_size must be None (one scale per tensor) or an int >= 1, "
-                             f"got {b!r}")
+        if self.block_size is not None:             # None: one scale per tensor
+            number("SignSGD block_size", self.block_size, minimum=1, integer=True)
 
     @property
     def uses_error_feedback(self) -> bool:
@@ -151,9 +151,10 @@ class SignSGD(Compressor[SteppedErrorFeedback]):
         return torch.cat([pack_signs(x), scales.view(torch.uint8)])
 
     @staticmethod
-    def decode(record: torch.Tensor, sizes):
-        """``(signs ±1 fp32, per-tensor scales fp32)`` of one wire record."""
-        numel = sum(sizes)
+    def decode(record: torch.Tensor, sizes, numel: Optional[int] = None):
+        """``(signs ±1 fp32, per-tensor scales fp32)`` of one wire record (``numel``: ``sum(sizes)``,
+        given by callers that decode many records)."""
+        numel = sum(sizes) if numel is None else numel
         nbytes = -(-numel // 8)
         scales = record[nbytes:].clone().view(torch.float32)     # clone: 4-byte aligned
         return unpack_signs(record[:nbytes], numel), scales
@@ -166,13 +167,9 @@ class SignSGD(Compressor[SteppedErrorFeedback]):
             sizes = (numel,)
         return sizes if self.block_size is None else _blocks(sizes, self.block_size)
 
-    def reduce(self, flat, layout, state, comm: Comm):
+    def compressed(self, flat, layout, state, comm: Comm):
         numel = flat.numel()
         if numel == 0:
-            return
-        step, state.step = state.step, state.step + 1
-        if step < self.start_iter:
-            yield from plain_average(flat, comm)
             return
         sizes = self._sizes(layout, numel)
         native = None if self.majority_vote else _native_for(flat)
@@ -186,12 +183,14 @@ class SignSGD(Compressor[SteppedErrorFeedback]):
         state.update(signs * scales[ids])
         gathered = torch.empty(comm.size * record.numel(), dtype=torch.uint8, device=flat.device)
         yield comm.all_gather(gathered, record)
+        if flat.is_meta:        # the cost model's shape-only run: the decode issues no collective
+            return
         gathered = gathered.view(comm.size, -1)
         acc = torch.zeros(numel, dtype=torch.float32, device=flat.device)
         scale_sum = torch.zeros(len(sizes), dtype=torch.float32, device=flat.device)
         gathered_scales = []
         for r in range(comm.size):                              # fixed order: bitwise identical
-            signs, scales = self.decode(gathered[r], sizes)
+            signs, scales = self.decode(gathered[r], sizes, numel)
             gathered_scales.append(scales)
             if self.majority_vote:
                 acc += signs
@@ -202,7 +201,7 @@ class SignSGD(Compressor[SteppedErrorFeedback]):
             flat.copy_(acc.sign_().mul_((scale_sum / comm.size)[ids]))
         else:
             flat.copy_(acc.div_(comm.size))
-        if not bool(torch.isfinite(torch.stack(gathered_scales)).all()):
+        if not flat.is_meta and not bool(torch.isfinite(torch.stack(gathered_scales)).all()):
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
 
     def _reduce_native(self, native, flat, sizes, state, comm: Comm):
@@ -231,10 +230,3 @@ class SignSGD(Compressor[SteppedErrorFeedback]):
                                            divide=comm.size)
         if nonfinite:
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
-
-    def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:
-        """Bytes one rank sends for one step of ``layout`` (a sign step unless ``step`` <
-        ``start_iter``)."""
-        if step is not None and step < self.start_iter:
-            return dense_bytes(layout)
-        return -(-layout.numel // 8) + 4 * max(len(self._sizes(layout, layout.numel)), 1)

@@ -30,8 +30,10 @@ from typing import Optional
 
 import torch
 
-from .base import BucketLayout, Comm, Compressor, check_start_iter, dense_bytes, plain_average
-from ..error_feedback import SteppedErrorFeedback
+from .base import BucketLayout, Comm, Compressor
+from ..validate import choice, flag, number
+from .warmup import StartIter, check_start_iter
+from ..lowbit.error_feedback import SteppedErrorFeedback
 
 __all__ = ["TopK"]
 
@@ -87,7 +89,7 @@ def _sampled_topk(mag: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class TopK(Compressor[SteppedErrorFeedback]):
+class TopK(StartIter, Compressor[SteppedErrorFeedback]):
     """Send the ``ratio`` fraction of largest-magnitude gradient entries (values + indices).
 
     Args:
@@ -137,16 +139,11 @@ class TopK(Compressor[SteppedErrorFeedback]):
     name = "topk"
 
     def __post_init__(self):
-        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) \
-                or not 0.0 < float(self.ratio) <= 1.0 or math.isnan(float(self.ratio)):
-            raise ValueError(f"TopK ratio must be a number in (0, 1], got {self.ratio!r}")
-        if not isinstance(self.error_feedback, bool):
-            raise TypeError(f"TopK error_feedback must be a bool, got {self.error_feedback!r}")
+        number("TopK ratio", self.ratio, minimum=0, maximum=1, inclusive=(False, True))
+        flag("TopK error_feedback", self.error_feedback)
         check_start_iter("TopK", self.start_iter)
-        if not isinstance(self.per_tensor, bool):
-            raise TypeError(f"TopK per_tensor must be a bool, got {self.per_tensor!r}")
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"TopK selection must be one of {SELECTIONS}, got {self.selection!r}")
+        flag("TopK per_tensor", self.per_tensor)
+        choice("TopK selection", self.selection, SELECTIONS)
 
     def k_for(self, numel: int) -> int:
         """Entries sent for a bucket of ``numel`` elements: ``ceil(ratio · numel)``, at least 1.
@@ -200,20 +197,15 @@ class TopK(Compressor[SteppedErrorFeedback]):
                              for s in layout.slots if s.numel])
         return x[indices], indices, False
 
-    def reduce(self, flat, layout, state, comm: Comm):
+    def compressed(self, flat, layout, state, comm: Comm):
         numel = flat.numel()                     # == layout.numel: callers pass the bucket's flat
         k = self.k_of(layout)
         if k == 0:
             return
-        step, state.step = state.step, state.step + 1
-        state.last_sent = None       # which entries this step sent (MomentumCorrection's masking)
-        if step < self.start_iter:
-            yield from plain_average(flat, comm)
-            return
         x = state.compensate(flat)
         residual = state.residual if state.enabled else None
         values, indices, updated = self._select(x, k, layout, residual)
-        state.last_sent = indices
+        state.last_sent = indices    # which entries this step sent (MomentumCorrection's masking)
         native = _native_for(flat)
         index_dtype = self._index_dtype(numel)
         words = 1 if index_dtype == torch.int32 else 2          # int32 words per index
@@ -246,14 +238,6 @@ class TopK(Compressor[SteppedErrorFeedback]):
         if not in_place:
             flat.copy_(dense)
         if not fused:
-            nonfinite = not bool(torch.isfinite(gathered[:, :k].view(torch.float32)).all())
+            nonfinite = not gathered.is_meta and not bool(torch.isfinite(gathered[:, :k].view(torch.float32)).all())
         if nonfinite:
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
-
-    def wire_bytes(self, layout: BucketLayout, world_size: int, step=None) -> int:
-        """Bytes one rank sends for one step of ``layout`` (a sparse step unless ``step`` <
-        ``start_iter``)."""
-        if step is not None and step < self.start_iter:
-            return dense_bytes(layout)
-        k = self.k_of(layout)
-        return k * (4 + (4 if self._index_dtype(layout.numel) == torch.int32 else 8))

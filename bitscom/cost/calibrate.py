@@ -24,6 +24,7 @@ from ..compressors.base import BucketLayout, Compressor
 from .formulas import messages, wire_bytes
 from .links import Link
 from .local import local_comm
+from .rounds import warm_up_steps
 
 __all__ = ["probe_link", "fit_link", "calibrate_link", "time_codec", "parse_samples"]
 
@@ -156,7 +157,7 @@ def time_codec(compressor: Compressor, layout: BucketLayout, world: int, grad: O
     if grad is None:
         grad = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0)).to(layout.dtype)
     state = compressor.init_state(layout)
-    warmup += int(getattr(compressor, "start_iter", 0) or 0)
+    warmup += warm_up_steps(compressor)
     work = torch.empty_like(grad)
     out = torch.empty_like(grad) if with_copies else None     # the write-back's target
     times: List[float] = []

@@ -76,9 +76,9 @@ def auto_fusion_threshold_mb(params: Sequence[Tuple[str, torch.Tensor]], group=N
         return float(max(CANDIDATE_MB))
     if link is None:
         link = calibrate_link(group)
-    try:
+    try:                         # ("auto" models as its probe steps: plain all-reduces)
         rounds_for(compressor, 1, comm.size)
-    except ValueError:           # no formula (e.g. "auto", whose plan is not known yet): plain
+    except NotImplementedError:  # rounds the model cannot count (a rooted reduce): plain
         compressor = "none"
     mb = choose_fusion_threshold_mb(params, Topology.flat(comm.size, link), compressor)
     value = torch.tensor([mb], dtype=torch.float64)

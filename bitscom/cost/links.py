@@ -13,14 +13,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..validate import number
+
 __all__ = ["Link", "Topology"]
 
 
 def _check_nonneg(owner: str, name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
-            or value < 0 or math.isinf(value):
-        raise ValueError(f"{owner} {name} must be a finite number >= 0, got {value!r}")
-    return float(value)
+    return float(number(f"{owner} {name}", value, minimum=0, finite=True))
 
 
 @dataclass(frozen=True)
@@ -48,9 +47,7 @@ class Link:
 
             Link.from_gbit(1, latency_s=100e-6).beta_s_per_byte   # 8e-9
         """
-        if isinstance(gbit, bool) or not isinstance(gbit, (int, float)) or not gbit > 0 \
-                or math.isinf(gbit):
-            raise ValueError(f"Link.from_gbit gbit must be a finite number > 0, got {gbit!r}")
+        number("Link.from_gbit gbit", gbit, minimum=0, inclusive=False, finite=True)
         return Link(latency_s, 8.0 / (gbit * 1e9))
 
     @property

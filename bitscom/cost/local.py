@@ -1,19 +1,45 @@
 """A transport that runs a compressor's rounds without a network, as if every rank held the
-same tensor: for timing the codec alone (:func:`bitscom.cost.calibrate.time_codec`) and for
-recording the rounds a compressor issues (:func:`recorded_rounds`).
+same tensor: to time the codec alone (:func:`bitscom.cost.calibrate.time_codec`) and to record
+the rounds a compressor issues (:func:`recorded_rounds`), which is how the cost model learns
+them (:func:`bitscom.cost.rounds_of`). A compressor that talks to the node groups asks the
+transport for them (:meth:`LocalTransport.levels`).
 """
 
 from __future__ import annotations
 
-from typing import List
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..comm import Comm
+from ..validate import choice, number
 from ..compressors.base import BucketLayout, Compressor
-from .rounds import Round
 
-__all__ = ["LocalTransport", "recorded_rounds"]
+__all__ = ["Round", "KINDS", "LEVELS", "LocalTransport", "local_comm", "recorded_rounds"]
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+LEVELS = ("flat", "intra", "inter")
+
+
+@dataclass(frozen=True)
+class Round:
+    """One collective: ``kind``, the ``nbytes`` this rank hands to it (Comm's count) and the
+    ``level`` it runs at (``flat`` over the world, ``intra``-node, ``inter``-node).
+
+    Example::
+
+        Round("all_reduce", 4000, "flat")
+    """
+
+    kind: str
+    nbytes: int
+    level: str = "flat"
+
+    def __post_init__(self):
+        choice("Round kind", self.kind, KINDS)
+        choice("Round level", self.level, LEVELS)
+        number("Round nbytes", self.nbytes, minimum=0, integer=True)
 
 
 class _Done:
@@ -29,16 +55,28 @@ class _Done:
 class LocalTransport:
     """Collectives of a group of ``size`` identical ranks, computed locally (no traffic):
     all-reduce leaves the buffer as it is, all-gather repeats the input, all-to-all copies.
-    Every call is recorded in :attr:`log` as a :class:`~bitscom.cost.rounds.Round`.
+    Every call is recorded in :attr:`log` as a :class:`Round` at ``level``; ``local_size``
+    is the ranks per node that :meth:`levels` splits the group into.
 
     Example::
 
         comm = Comm(None, transport=LocalTransport(4), rank=0, size=4)
     """
 
-    def __init__(self, size: int):
-        self._size = size
-        self.log: List[Round] = []
+    def __init__(self, size: int, local_size: int = 1, level: str = "flat",
+                 log: Optional[List[Round]] = None):
+        self._size, self._local = size, local_size
+        self._level = level
+        self.log: List[Round] = [] if log is None else log
+
+    def levels(self) -> Tuple[Comm, Comm]:
+        """``(intra, inter)``: local Comms of ``local_size`` and ``size / local_size`` ranks,
+        recording into this log (with one rank per node, the inter level is the flat world)."""
+        nodes = self._size // self._local
+        intra = LocalTransport(self._local, level="intra", log=self.log)
+        inter = LocalTransport(nodes, level="inter" if self._local > 1 else "flat", log=self.log)
+        return (Comm(None, transport=intra, rank=0, size=self._local),
+                Comm(None, transport=inter, rank=0, size=nodes))
 
     def size(self, group) -> int:
         return self._size
@@ -47,7 +85,7 @@ class LocalTransport:
         return 0
 
     def _record(self, kind: str, tensor: torch.Tensor) -> _Done:
-        self.log.append(Round(kind, tensor.numel() * tensor.element_size(), "flat"))
+        self.log.append(Round(kind, tensor.numel() * tensor.element_size(), self._level))
         return _Done()
 
     def all_reduce(self, group, tensor, op):
@@ -68,17 +106,22 @@ class LocalTransport:
     def broadcast(self, group, tensor, src):
         return self._record("broadcast", tensor)
 
+    def reduce(self, group, tensor, dst, op):
+        raise NotImplementedError("the cost model has no formula for a rooted reduce (e.g. LowBit "
+                                  "hierarchy='leader', whose bytes differ between leaders and the "
+                                  "other ranks); use hierarchy 'none' or 'two_level'")
 
-def local_comm(world: int) -> "tuple[Comm, LocalTransport]":
+
+def local_comm(world: int, local_size: int = 1) -> "tuple[Comm, LocalTransport]":
     """A :class:`Comm` of ``world`` identical ranks over a fresh :class:`LocalTransport`."""
-    transport = LocalTransport(world)
+    transport = LocalTransport(world, local_size)
     return Comm(None, transport=transport, rank=0, size=world), transport
 
 
 def recorded_rounds(compressor: Compressor, layout: BucketLayout, world: int, steps: int = 1,
-                    grad=None) -> List[List[Round]]:
-    """The rounds ``compressor`` issues for ``steps`` consecutive steps of ``layout``, recorded
-    from a local run (flat compressors only: a hierarchical one talks to its own groups).
+                    grad=None, local_size: int = 1) -> List[List[Round]]:
+    """The rounds ``compressor`` issues for ``steps`` consecutive steps of ``layout`` on
+    ``world`` ranks (``local_size`` per node), recorded from a local run: group rank 0's view.
 
     Example::
 
@@ -89,7 +132,7 @@ def recorded_rounds(compressor: Compressor, layout: BucketLayout, world: int, st
     out = []
     for _ in range(steps):
         flat = torch.randn(layout.numel, generator=gen).to(layout.dtype) if grad is None else grad.clone()
-        comm, transport = local_comm(world)
+        comm, transport = local_comm(world, local_size)
         for _work in compressor.reduce(flat, layout, state, comm):
             pass
         out.append(list(transport.log))

@@ -1,4 +1,5 @@
-"""The base class of a Horovod-style codec: ``hvd.compression.Compressor``.
+"""The base class of a Horovod-style codec, ``hvd.compression.Compressor``, as the Horovod face
+publishes it (defined in :mod:`bitscom.compressors.hvd_adapter`, beside its adapter).
 
 Horovod scripts subclass ``hvd.compression.Compressor`` (static ``compress`` / ``decompress``)
 and pass the class as ``compression=``. That class is :class:`HorovodCodec`, published as
@@ -8,49 +9,20 @@ protocol (:class:`bitscom.compressors.base.Compressor`, round generators over a 
 class or any duck-typed object with ``compress``/``decompress`` — into one of those. The
 adapter lives in ``compressors`` (the registry, the DDP hook and the optimizer use it) and
 needs only the duck type, so nothing below this face imports this module.
+
+Example::
+
+    from bitscom.horovod.codec import HorovodCodec    # = bitscom.compression.Compressor
 """
 
 from __future__ import annotations
 
-from typing import Any, Tuple
-
-import torch
+from typing import Any
 
 from ..compressors.casting import BF16Compressor, FP16Compressor, NoneCompressor
-from ..compressors.hvd_adapter import is_codec
+from ..compressors.hvd_adapter import HorovodCodec, is_codec
 
 __all__ = ["HorovodCodec", "HorovodCompressor", "check_compression"]
-
-
-class HorovodCodec:
-    """Base class for a Horovod-style codec (``horovod.torch.compression.Compressor``).
-
-    Subclass it (or write any class with static ``compress``/``decompress``) and pass the
-    class itself as ``compression=``; bitscom wraps it in
-    :class:`~bitscom.compressors.hvd_adapter.HorovodAdapter`.
-
-    Example::
-
-        class HalfCodec(bitscom.compression.Compressor):
-            @staticmethod
-            def compress(tensor):
-                return tensor.to(torch.float16), tensor.dtype
-            @staticmethod
-            def decompress(tensor, ctx):
-                return tensor.to(ctx)
-
-        avg = bitscom.allreduce(t, compression=HalfCodec)
-    """
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
-        """Return ``(wire_tensor, ctx)``."""
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        """Return the tensor rebuilt from the reduced ``wire_tensor`` and this rank's ``ctx``."""
-        raise NotImplementedError
 
 
 HorovodCompressor = HorovodCodec

@@ -237,10 +237,6 @@ class LowBitConfig:
         """EF21 estimates (modes ``"ef21"`` and ``"ef21_plus"``)."""
         return self.error_feedback_mode in ("ef21", "ef21_plus")
 
-    @property
-    def needs_state(self) -> bool:
-        return self.error_feedback or self.stage2_error_feedback or self.stochastic_rounding
-
     def codec(self, bits: int) -> Codec:
         """The :class:`~bitscom.lowbit.codec.Codec` of a stage at width ``bits``."""
         return Codec(bits, self.block_size, self.stochastic_rounding, self.simulate_quantization)

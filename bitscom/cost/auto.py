@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -34,13 +35,14 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed
 
-from .acpsgd import ACPSGD
-from .base import BucketLayout, Comm, Compressor, State
-from .casting import BF16Compressor, FP16Compressor, NoneCompressor
-from .lowbit import LowBit
-from .powersgd import PowerSGD
-from .signsgd import SignSGD
-from .topk import TopK
+from ..compressors import (ACPSGD, BF16Compressor, FP16Compressor, LowBit, NoneCompressor, PowerSGD,
+                           SignSGD, TopK, register)
+from ..compressors.base import BucketLayout, Comm, Compressor, State
+from ..validate import number
+from .calibrate import fit_link, time_codec
+from .formulas import round_seconds
+from .links import Link, Topology
+from .rounds import rounds_for
 
 __all__ = ["Auto", "AutoState", "decide", "labels", "candidates_for", "ADAM_SAFE", "SGD_SAFE", "SGD_ALL"]
 
@@ -194,15 +196,22 @@ class Auto(Compressor):
     name = "auto"
 
     def __post_init__(self):
-        if not self.candidates or not all(isinstance(c, Compressor) for c in self.candidates):
-            raise ValueError(f"Auto candidates must be a non-empty tuple of compressors, got "
-                             f"{self.candidates!r}")
-        if any(isinstance(c, Auto) for c in self.candidates):
+        # Every setting is checked here, on every rank alike: a bad one found only at the
+        # decision step used to raise on rank 0 alone and leave the others at a dead peer.
+        cands = self.candidates
+        if not isinstance(cands, (tuple, list)) or not cands \
+                or not all(isinstance(c, Compressor) for c in cands):
+            raise ValueError(f"Auto candidates must be a non-empty tuple of compressors, got {cands!r}")
+        if any(isinstance(c, Auto) for c in cands):
             raise ValueError("Auto candidates cannot contain Auto itself")
-        if isinstance(self.probe_steps, bool) or not isinstance(self.probe_steps, int) \
-                or self.probe_steps < 2:
-            raise ValueError(f"Auto probe_steps must be an int >= 2, got {self.probe_steps!r}")
-        object.__setattr__(self, "candidates", tuple(self.candidates))
+        number("Auto probe_steps", self.probe_steps, minimum=2, integer=True)
+        if self.link is not None and not isinstance(self.link, Link):
+            raise TypeError(f"Auto link must be None (fit the probe) or a bitscom.cost.Link, e.g. "
+                            f"Link.from_gbit(10, latency_s=5e-5); got {self.link!r}")
+        if self.codec_seconds is not None and not callable(self.codec_seconds):
+            raise TypeError(f"Auto codec_seconds must be None (time the codecs) or a callable "
+                            f"(compressor, layout, world) -> seconds; got {self.codec_seconds!r}")
+        object.__setattr__(self, "candidates", tuple(cands))
 
     def init_state(self, layout: BucketLayout) -> AutoState:
         return AutoState(layout, self.candidates)
@@ -212,9 +221,6 @@ class Auto(Compressor):
         cost is all in the measured link fit). Timed as the median of a few runs: during the
         decision every rank runs this at the same moment, so ranks sharing cores contend as
         they do inside a step, and that contention is part of what the step will cost."""
-        import statistics
-
-        from ..cost import time_codec
         out = []
         for comp in self.candidates:
             if isinstance(comp, NoneCompressor):
@@ -229,7 +235,6 @@ class Auto(Compressor):
               codec: Optional[Sequence[float]] = None) -> list:
         """Predicted seconds per candidate for one bucket: codec time (``codec``, or timed
         here by :meth:`codec_times`) + the alpha-beta time of its rounds."""
-        from ..cost import Topology, round_seconds, rounds_for
         topo = Topology.flat(world, link)
         shapes = [s.shape for s in layout.slots]
         if codec is None:
@@ -244,18 +249,36 @@ class Auto(Compressor):
         """Rounds: every rank times the codecs at once and the slowest rank's times count
         (a step waits for its slowest rank; timing rank 0 alone while the others sat in a
         collective gave it the machine's cores to itself and made expensive codecs look cheap
-        where ranks share cores); rank 0 then decides and everyone receives the choice."""
-        codec = torch.tensor(self.codec_times(layout, comm.size, flat.detach().clone()),
-                             dtype=torch.float64)
+        where ranks share cores); rank 0 then decides and everyone receives the choice.
+
+        A failure on one rank reaches every rank through the same two collectives (the
+        bytes do not change): a rank whose codec timing failed sends +inf for every
+        candidate, and rank 0 broadcasts the choice -1 when its decision failed; then every
+        rank raises instead of one raising and the others waiting on a dead peer."""
+        error: Optional[BaseException] = None
+        try:
+            times = self.codec_times(layout, comm.size, flat.detach().clone())
+        except Exception as err:      # noqa: BLE001 (re-raised below, on every rank)
+            error, times = err, [float("inf")] * len(self.candidates)
+        codec = torch.tensor(times, dtype=torch.float64)
         yield comm.all_reduce(codec, op=torch.distributed.ReduceOp.MAX)
-        choice = torch.zeros(1, dtype=torch.int64)
+        choice = torch.full((1,), -1, dtype=torch.int64)
         costs = None
-        if comm.rank == 0:
-            from ..cost import fit_link
-            link = self.link if self.link is not None else fit_link(state.samples, comm.size)
-            costs = self.costs(layout, comm.size, link, codec=codec.tolist())
-            choice[0] = decide(costs)
+        failed = bool(torch.isinf(codec).all())
+        if comm.rank == 0 and not failed:
+            try:
+                link = self.link if self.link is not None else fit_link(state.samples, comm.size)
+                costs = self.costs(layout, comm.size, link, codec=codec.tolist())
+                choice[0] = decide(costs)
+            except Exception as err:  # noqa: BLE001
+                error = err
         yield comm.broadcast(choice, 0)
+        if failed or int(choice[0]) < 0:
+            where = "this rank" if error is not None else \
+                ("another rank" if failed else "group rank 0")
+            raise RuntimeError(f"compression='auto' could not decide bucket {layout.index}: it failed "
+                               f"on {where}" + (f": {error!r}" if error is not None else
+                                                " (that rank's error says why)")) from error
         state.choose(int(choice[0]))
         if costs is not None:
             names = labels(self.candidates)
@@ -290,3 +313,6 @@ class Auto(Compressor):
         """
         return [labels(s._candidates)[s.choice] if isinstance(s, AutoState) and s.choice >= 0 else None
                 for s in states]
+
+
+register("auto", Auto)      # here, not in the registry: Auto builds on the cost model above it

@@ -1,0 +1,62 @@
+"""Checks of numbers, flags and choices in settings, written once: every error names the
+setting, the value and what is allowed (DESIGN.md, Reliability), in one wording. ``True`` is
+never a number here (though ``isinstance(True, int)``) and NaN never passes a bound."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence, Tuple, Union
+
+__all__ = ["number", "flag", "choice"]
+
+
+def _bounds(minimum, maximum, inclusive: Tuple[bool, bool]) -> str:
+    if minimum is not None and maximum is not None:
+        return f" in {'[' if inclusive[0] else '('}{minimum:g}, {maximum:g}{']' if inclusive[1] else ')'}"
+    if minimum is not None or maximum is not None:
+        below = maximum is not None
+        return f" {'<' if below else '>'}{'=' if inclusive[below] else ''} {maximum if below else minimum:g}"
+    return ""
+
+
+def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: Optional[float] = None,
+           inclusive: Union[bool, Tuple[bool, bool]] = True, integer: bool = False,
+           finite: bool = False) -> Any:
+    """``value`` if it is an int (``integer``) or a real number within the bounds, else a
+    ValueError ``"{name} must be an int >= 1, got 0"`` / ``"... a number in (0, 1], got 2"``.
+
+    Example::
+
+        number("TopK ratio", ratio, minimum=0, maximum=1, inclusive=(False, True))
+    """
+    closed = (inclusive, inclusive) if isinstance(inclusive, bool) else (inclusive[0], inclusive[1])
+    kind = "an int" if integer else ("a finite number" if finite else "a number")
+    ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
+    if ok:
+        v = float(value)
+        ok = not math.isnan(v) and not (finite and math.isinf(v)) \
+            and (minimum is None or (v >= minimum if closed[0] else v > minimum)) \
+            and (maximum is None or (v <= maximum if closed[1] else v < maximum))
+    if not ok:
+        raise ValueError(f"{name} must be {kind}{_bounds(minimum, maximum, closed)}, got {value!r}")
+    return value
+
+
+def flag(name: str, value: Any) -> bool:
+    """``value`` if it is a bool, else a TypeError (``'no'`` would read as True). Example::
+
+        flag("TopK per_tensor", per_tensor)
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+    return value
+
+
+def choice(name: str, value: Any, allowed: Sequence[Any]) -> Any:
+    """``value`` if it is one of ``allowed``, else a ValueError listing them. Example::
+
+        choice("TopK selection", selection, ("exact", "sampled"))
+    """
+    if not any(value == a and type(value) is type(a) for a in allowed):
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+    return value

@@ -1,0 +1,36 @@
+"""bitscom.validate: one wording for number, flag and choice errors, naming the value."""
+
+import math
+
+import pytest
+
+from bitscom.validate import choice, flag, number
+
+
+@pytest.mark.parametrize("kwargs, value, message", [
+    (dict(minimum=1, integer=True), 0, "x must be an int >= 1, got 0"),
+    (dict(minimum=1, integer=True), True, "x must be an int >= 1, got True"),
+    (dict(minimum=1, integer=True), 1.5, "x must be an int >= 1, got 1.5"),
+    (dict(minimum=0, maximum=1, inclusive=(False, True)), 0, "x must be a number in (0, 1], got 0"),
+    (dict(minimum=0, maximum=1, inclusive=(True, False)), 1.0, "x must be a number in [0, 1), got 1.0"),
+    (dict(minimum=0, maximum=1), math.nan, "x must be a number in [0, 1], got nan"),
+    (dict(minimum=0, finite=True), math.inf, "x must be a finite number >= 0, got inf"),
+    (dict(minimum=0, inclusive=False), "3", "x must be a number > 0, got '3'"),
+])
+def test_number_refuses_naming_the_value_and_the_range(kwargs, value, message):
+    with pytest.raises(ValueError) as err:
+        number("x", value, **kwargs)
+    assert str(err.value) == message
+
+
+def test_good_values_pass_through_and_flags_and_choices_name_what_is_allowed():
+    assert number("x", 3, minimum=1, integer=True) == 3
+    assert number("x", 0.5, minimum=0, maximum=1) == 0.5
+    assert flag("f", False) is False
+    assert choice("c", "qr", ("auto", "qr")) == "qr"
+    with pytest.raises(TypeError, match=r"f must be a bool \(True or False\), got 'no'"):
+        flag("f", "no")
+    with pytest.raises(ValueError, match=r"c must be one of \('a', 'b'\), got 1"):
+        choice("c", 1, ("a", "b"))
+    with pytest.raises(ValueError, match="got True"):
+        choice("c", True, (1, 2))        # True == 1, but it is not the int 1
