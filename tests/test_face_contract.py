@@ -232,3 +232,33 @@ def test_a_face_whose_world_is_gone_is_a_clear_error_on_every_rank(own_pool, nam
     for (kind, msg), total in results:
         assert kind == "RuntimeError" and "shut down" in msg and "bitscom.init()" in msg, (kind, msg)
         assert total == 2.0
+
+
+# -- a stalled peer: an error within init's timeout, never a hang ----------------------------------
+
+def _stalled_peer(rank, world, port, queue, release):
+    from distpool import worker_env
+    os.environ.update(worker_env(rank, world, port, world))
+    bitscom.init(timeout=datetime.timedelta(seconds=5))
+    faces = {spec.name: build(spec, rank) for spec in SPECS}     # construction: both ranks
+    out = {}
+    if rank == 0:                              # rank 1 stalls: it never steps
+        for spec in SPECS:
+            model, opt = faces[spec.name]
+            out[spec.name] = _outcome(lambda: _train(spec, model, opt, rank, spec.steps_to_communicate))
+    queue.put((rank, out))
+    queue.close()
+    queue.join_thread()
+    if rank == 1:
+        release.wait(300)                      # alive (not crashed) until rank 0 is done
+    os._exit(0)
+
+
+def test_a_stalled_peer_is_an_error_within_the_init_timeout_on_every_face():
+    from distpool import run_spawned
+    results = dict(run_spawned(_stalled_peer, 2, timeout=240))
+    assert set(results[0]) == set(NAMES)
+    for name, (kind, msg) in results[0].items():
+        text = msg.lower()
+        assert kind != "ok" and any(w in text for w in ("timeout", "timed out", "connection", "peer")), \
+            (name, kind, msg[:300])
