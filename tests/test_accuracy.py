@@ -78,8 +78,8 @@ def _train(rank, world, name, settings, seeds=SEEDS, steps=STEPS):
             torch.nn.functional.cross_entropy(net(tx[idx]), ty[idx]).backward()
             opt.step()
             sched.step()
-            sent += opt.comm_stats()["bytes_sent"]
-            dense += opt.comm_stats()["dense_bytes"]
+            sent += opt.comm_stats()["step_bytes_sent"]
+            dense += opt.comm_stats()["step_dense_bytes"]
         with torch.no_grad():
             acc = (net(vx).argmax(1) == vy).float().mean().item() * 100
         checksum = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).double().sum().item()
