@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..comm import Comm, drive, Rounds
+from .. import runtime
+from ..comm import Comm, Rounds
 from ..lowbit.config import LowBitConfig
 from ..lowbit.hadamard import HADAMARD_BLOCK
 from ..lowbit.levelwise import levelwise_reduce_scatter_rounds
@@ -124,9 +125,10 @@ class LowBitReduceScatter:
         if self.cfg.hierarchy == "two_level":
             comms = self._levelwise(acc.view(-1), input_tensor, alpha)
         else:
-            comms = [Comm(group)]
-            drive(reduce_scatter_rounds(acc, input_tensor, comms[0], self.cfg, self.state,
-                                        key=self.key), comms[0])
+            channel = runtime.channel(group)          # one order with every face on the group
+            comms = [channel.comm()]
+            channel.wait(channel.submit(Rounds(reduce_scatter_rounds(
+                acc, input_tensor, comms[0], self.cfg, self.state, key=self.key), comms)))
             if alpha != 1.0:
                 acc.mul_(alpha)
         if acc is not output_tensor:

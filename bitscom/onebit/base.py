@@ -11,7 +11,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm import Comm, drive
+from .. import runtime
+from ..comm import Rounds
 from ..face import Face, check_trainable, dense_bytes, report
 from ..lifecycle import StepFace
 from ..lowbit import LowBitState, all_reduce_rounds
@@ -63,7 +64,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
             from ..broadcast import broadcast_parameters
             broadcast_parameters(list(self._params), root_rank=dist.get_global_rank(pg, 0),
                                  process_group=pg)
-        self._comm = Comm(pg)
+        self._channel = runtime.channel(pg)
         self._lowbit = LowBitState()
         self._counters = {"step": 0, "exact_steps": 0, "compressed_steps": 0, "skipped_steps": 0,
                           "bytes_sent": 0}
@@ -146,21 +147,24 @@ class OneBitBase(Face, torch.optim.Optimizer):
             flat.mul_(scale.double().reciprocal().float().to(flat.device))
         return flat
 
+    def _run(self, rounds_of) -> None:
+        """One collective's rounds on the group's Channel (one order with every other face on
+        the group), to completion; its bytes are counted."""
+        comm = self._channel.comm()
+        self._channel.wait(self._channel.submit(Rounds(rounds_of(comm), [comm])))
+        self._counters["bytes_sent"] += comm.bytes_sent
+
     def _exact_average(self, flat: torch.Tensor) -> torch.Tensor:
         if self._size > 1:
-            before = self._comm.bytes_sent
-            drive(iter([self._comm.all_reduce(flat)]), self._comm)
+            self._run(lambda comm: iter([comm.all_reduce(flat)]))
             flat.div_(self._size)
-            self._counters["bytes_sent"] += self._comm.bytes_sent - before
         return flat
 
     def _onebit_average(self, flat: torch.Tensor) -> torch.Tensor:
         """DeepSpeed's compressed_allreduce: bitscom's two-stage 1-bit all-reduce with worker and
         server error feedback; the result is bitwise identical on every rank."""
         if self._size > 1:
-            before = self._comm.bytes_sent
-            drive(all_reduce_rounds(flat, self._comm, self.config.codec, self._lowbit), self._comm)
-            self._counters["bytes_sent"] += self._comm.bytes_sent - before
+            self._run(lambda comm: all_reduce_rounds(flat, comm, self.config.codec, self._lowbit))
         return flat
 
     def _mask(self, flat: torch.Tensor) -> None:
@@ -197,9 +201,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
             return False
         flag = torch.tensor([float(found)], dtype=torch.float32, device=self.exp_avg.device)
         if self._size > 1:
-            before = self._comm.bytes_sent
-            drive(iter([self._comm.all_reduce(flag, dist.ReduceOp.MAX)]), self._comm)
-            self._counters["bytes_sent"] += self._comm.bytes_sent - before
+            self._run(lambda comm: iter([comm.all_reduce(flag, dist.ReduceOp.MAX)]))
         return bool(flag.item() != 0.0)
 
     # -- the step ----------------------------------------------------------------------------
@@ -337,7 +339,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
     def _release_groups(self) -> None:
         self._group = None
-        self._comm = Comm(None)
+        self._channel = runtime.channel(None)
 
     def close(self) -> None:
         """Refuse further steps (the optimizer holds no hooks; its groups are the caller's).
