@@ -277,7 +277,9 @@ class StepFace(Face):
     _next_launch: int
 
     def _release_groups(self) -> None:
-        self._life.release()
+        life = getattr(self, "_life", None)      # None: construction failed before it
+        if life is not None:
+            life.release()
         reducer = getattr(self, "_reducer", None)
         if reducer is not None:
             reducer.abort()

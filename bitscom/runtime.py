@@ -645,8 +645,10 @@ def shutdown() -> None:
     if _rt.owns_pg and not _rt.stale() and dist.is_initialized():
         _NextWorld.agree_port(_rt.info)
         dist.destroy_process_group()
-    _world_gone()
-    _rt.reset()
+    try:
+        _world_gone()
+    finally:
+        _rt.reset()                   # a failing callback must not leave a dead world recorded
 
 
 class _NextWorld:

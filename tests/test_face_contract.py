@@ -103,12 +103,13 @@ def test_before_init_under_a_launcher_is_a_clear_error(monkeypatch, name):
 def test_one_process_after_init_does_not_ask_for_init(name):
     bitscom.init()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
             model, opt = build(BY_NAME[name], 0)
             _train(BY_NAME[name], model, opt, 0, 2)
     finally:
         bitscom.shutdown()
+    assert not [w for w in seen if "bitscom.init()" in str(w.message)], [str(w.message) for w in seen]
 
 
 # -- checkpoints --------------------------------------------------------------------------------

@@ -524,7 +524,9 @@ def test_bitscom_groups_use_the_init_timeout():
     results = dict(run_spawned(_stalled_peer, 2))
     assert set(results[0]) == {"optimizer", "ddp hook", "intra-node"}
     for name, outcome in results[0].items():
-        assert outcome.startswith("failed") and "imed out" in outcome, \
+        # the first work on a group times out; others on the same group then see the closed
+        # pair ("Application timeout caused pair closure"): both are the init timeout's doing
+        assert outcome.startswith("failed") and ("imed out" in outcome or "timeout" in outcome), \
             f"{name} group: {outcome} (should time out after init's 15 s, not torch's 30 min)"
 
 

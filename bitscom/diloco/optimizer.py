@@ -380,8 +380,9 @@ class DiLoCo(Face, torch.optim.Optimizer):
 
     def _release_groups(self) -> None:
         self._group = None
-        self._reducer.release()
-        self._warmup_reducer.release()
+        for reducer in (getattr(self, "_reducer", None), getattr(self, "_warmup_reducer", None)):
+            if reducer is not None:          # None: construction failed before the reducers
+                reducer.release()
 
     # -- the rest of the optimizer API -----------------------------------------------------
     def comm_stats(self) -> dict:

@@ -113,7 +113,7 @@ class FSDPCompression(Face):
             s.load_state_dict(saved[name])
 
     def _release_groups(self) -> None:
-        for rs in self._reduce_scatters:
+        for rs in getattr(self, "_reduce_scatters", ()):
             rs.process_group = rs.levels = None
 
     def comm_stats(self) -> dict:
