@@ -33,8 +33,10 @@ from typing import Any, Dict
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from . import runtime, uneven
+from . import runtime
 from .agreement import check_agreement, describe_state
+from .broadcast import broadcast_optimizer_state, broadcast_parameters
+from .checkpointing.distributed import load_distributed, save_distributed
 from .face import live_objects
 from .lifecycle import StepFace, StepLifecycle
 from .buckets import FlatBucket, plan_buckets, plan_groups
@@ -381,8 +383,11 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             bucket.reset()
 
     def _after_join(self, root_rank: int, group) -> None:
-        """bitscom.join(): take the last joiner's parameters and state (joined ranks did not step)."""
-        uneven.resync_replicated(self, root_rank, group)
+        """bitscom.join(): take the last joiner's parameters and state (joined ranks did not step).
+        Here, not in :mod:`bitscom.uneven`: the broadcast belongs to the faces above the core."""
+        broadcast_parameters([p for g in self.param_groups for p in g["params"]],
+                             root_rank=root_rank, process_group=group)
+        broadcast_optimizer_state(self, root_rank=root_rank, process_group=group)
 
     def shadow_step(self) -> None:
         """Take part in one step of the other ranks with zero gradients (used by
@@ -610,8 +615,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
 
             opt.save_dcp("ckpt/step100", extra={"model": model.state_dict()})
         """
-        from .checkpointing import save
-        save(self, path, extra=extra)
+        save_distributed(self, path, extra)
 
     def load_dcp(self, path, *, extra=None, reset_compressor_state: bool = False) -> None:
         """Load a :meth:`save_dcp` checkpoint; see :func:`bitscom.checkpointing.load`.
@@ -620,8 +624,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
 
             opt.load_dcp("ckpt/step100", extra={"model": model.state_dict()})
         """
-        from .checkpointing import load
-        load(self, path, extra=extra, reset_compressor_state=reset_compressor_state)
+        load_distributed(self, path, extra, reset_compressor_state)
 
 
 # help() and inspect show __init__'s arguments, not __new__'s (*args, **kwargs).

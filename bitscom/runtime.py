@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from .build_info import __version__
 from .channel import Channel
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -210,6 +211,21 @@ def _current_world():
 
 
 _rt = _Runtime()
+_lowbit_registrar: list = []     # [bitscom.register_lowbit_backend], set by use_lowbit_backend()
+
+
+def use_lowbit_backend(register: Callable[..., Any]) -> None:
+    """Hand runtime the ``lowbit`` backend's registrar, which ``init(bitwidth=...)`` calls.
+
+    Why handed over, not imported: the backend is a face above runtime (it runs low-bit rounds
+    on the groups runtime makes), and nothing low imports anything high; ``bitscom/__init__``
+    wires the two once, at import.
+
+    Example::
+
+        bitscom.runtime.use_lowbit_backend(bitscom.register_lowbit_backend)
+    """
+    _lowbit_registrar[:] = [register]
 _worlds: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # world group -> serial
 _serials = itertools.count(1)
 _gone_callbacks: list = []
@@ -283,11 +299,10 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
     _rt.adopted = False
     if bitwidth is not None or lowbit_options:
         # ``bitwidth=``/lowbit options: register the "lowbit" backend and start on it (see
-        # bitscom.register_lowbit_backend); imported here only, the backend sits above runtime.
-        from .backend import register_lowbit_backend
+        # bitscom.register_lowbit_backend, handed over by the package: the backend sits above runtime).
         if bitwidth is not None:
             lowbit_options["bitwidth"] = bitwidth
-        register_lowbit_backend(**lowbit_options)   # the LowBitConfig settings, by name (or config=)
+        _lowbit_registrar[0](**lowbit_options)   # the LowBitConfig settings, by name (or config=)
         backend = "lowbit"
     info = discover()
     use_cuda = (device == "cuda") or (device is None and torch.cuda.is_available())
@@ -516,7 +531,6 @@ def build_fingerprint() -> int:
 
         assert bitscom.runtime.build_fingerprint() == bitscom.runtime.build_fingerprint()
     """
-    from . import __version__
     h = hashlib.sha256(__version__.encode())
     kernels = pathlib.Path(__file__).with_name("kernels")
     for name in ("quant_cpu.cpp", "quant.cu"):

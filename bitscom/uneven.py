@@ -32,8 +32,9 @@ import torch.distributed as dist
 
 from .agreement import check_agreement
 from .comm import Comm, wait
+from .face import require_group
 
-__all__ = ["join", "register", "unregister", "notify", "resync_replicated"]
+__all__ = ["join", "register", "unregister", "notify"]
 
 _live: "weakref.WeakSet" = weakref.WeakSet()
 _notices: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # optimizer -> (template, buffer)
@@ -95,7 +96,6 @@ def join(process_group=None) -> int:
         last = bitscom.join()
         val_loss = evaluate(model)                 # collectives after join() line up again
     """
-    from .face import require_group      # face registers faces here: no cycle at import
     group = require_group(process_group, "bitscom.join")
     if group is None:
         return 0
@@ -138,17 +138,3 @@ def join(process_group=None) -> int:
         for uid in sorted(mine):
             mine[uid]._after_join(last, group)
     return last
-
-
-def resync_replicated(optimizer, root_rank: int, group) -> None:
-    """After :func:`join`, for a replicated optimizer (DistributedOptimizer): the joined ranks
-    reduced but did not step, so they take the last joiner's parameters and optimizer state.
-
-    Example::
-
-        resync_replicated(opt, last, group)
-    """
-    from .broadcast import broadcast_optimizer_state, broadcast_parameters
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    broadcast_parameters(params, root_rank=root_rank, process_group=group)
-    broadcast_optimizer_state(optimizer, root_rank=root_rank, process_group=group)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
+from ..checkpointing.sharded import load_sharded, save_sharded
 from ..comm import Comm, gather_objects, wait
 from ..engine import ByteTotals, comm_stats
 from ..lifecycle import StepFace, StepLifecycle
@@ -737,8 +738,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
             opt.save_dcp("ckpt/step100")
         """
-        from ..checkpointing import save
-        save(self, path, extra=extra)
+        save_sharded(self, path, extra)
 
     def load_dcp(self, path, *, extra=None, load_replicas: bool = True) -> None:
         """Load a :meth:`save_dcp` checkpoint of any world size; see
@@ -748,5 +748,4 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
             opt.load_dcp("ckpt/step100")
         """
-        from ..checkpointing import load
-        load(self, path, extra=extra, load_replicas=load_replicas)
+        load_sharded(self, path, extra, load_replicas)
