@@ -298,21 +298,9 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
         raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
     _rt.adopted = False
     if bitwidth is not None or lowbit_options:
-        # ``bitwidth=``/lowbit options: register the "lowbit" backend and start on it (see
-        # bitscom.register_lowbit_backend, handed over by the package: the backend sits above runtime).
-        if bitwidth is not None:
-            lowbit_options["bitwidth"] = bitwidth
-        _lowbit_registrar[0](**lowbit_options)   # the LowBitConfig settings, by name (or config=)
-        backend = "lowbit"
+        backend = _lowbit_backend(bitwidth, lowbit_options)
     info = discover()
-    use_cuda = (device == "cuda") or (device is None and torch.cuda.is_available())
-    if backend is None:
-        backend = "nccl" if use_cuda else "gloo"
-    if backend not in ("nccl", "gloo", "mpi") and backend not in dist.Backend.backend_list:
-        raise ValueError(f"backend {backend!r} is not known; use 'nccl', 'gloo' or a registered backend")
-    if use_cuda and torch.cuda.is_available():
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
-        _rt.device = torch.device("cuda", torch.cuda.current_device())
+    backend = _backend_and_device(backend, device, info)
     if dist.is_initialized():
         info = _adopted_info(info)
     elif info.size > 1:
@@ -328,6 +316,29 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
             world_backend = "nccl" if _rt.device.type == "cuda" else "gloo"
         _build_node_groups(info, world_backend)
     return info
+
+
+def _lowbit_backend(bitwidth: Optional[int], lowbit_options: Dict[str, Any]) -> str:
+    """``init(bitwidth=...)`` / lowbit options: register the "lowbit" backend (the registrar
+    :func:`use_lowbit_backend` was handed) with those LowBitConfig settings; start on it."""
+    if bitwidth is not None:
+        lowbit_options["bitwidth"] = bitwidth
+    _lowbit_registrar[0](**lowbit_options)   # the LowBitConfig settings, by name (or config=)
+    return "lowbit"
+
+
+def _backend_and_device(backend: Optional[str], device: Optional[str], info: LaunchInfo) -> str:
+    """The backend to start (``nccl`` with CUDA, else ``gloo``, unless named), checked; sets
+    this rank's CUDA device from its local rank when CUDA is used."""
+    use_cuda = (device == "cuda") or (device is None and torch.cuda.is_available())
+    if backend is None:
+        backend = "nccl" if use_cuda else "gloo"
+    if backend not in ("nccl", "gloo", "mpi") and backend not in dist.Backend.backend_list:
+        raise ValueError(f"backend {backend!r} is not known; use 'nccl', 'gloo' or a registered backend")
+    if use_cuda and torch.cuda.is_available():
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        _rt.device = torch.device("cuda", torch.cuda.current_device())
+    return backend
 
 
 class _PreviousStore:

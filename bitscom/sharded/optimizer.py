@@ -73,6 +73,20 @@ def _resolve_topology(process_group, intra_group, inter_group, local_size):
     if process_group is None:
         return Topology(None, None, None, 1, 0, 1), "consistent"
     world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+    intra_group, inter_group, local_size = _node_choice(process_group, intra_group, inter_group, local_size)
+    if intra_group is None:
+        if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \
+                or world % local_size:
+            raise ValueError(f"local_size={local_size!r} must be an int >= 1 dividing the world size {world}")
+        return None, (process_group, world, rank, local_size)
+    L = dist.get_world_size(intra_group)
+    topology = Topology(process_group, intra_group, inter_group, world, rank, L)
+    return topology, _layout_problem(topology)
+
+
+def _node_choice(process_group, intra_group, inter_group, local_size):
+    """(intra, inter, local_size): the user's node groups, else runtime's node groups when the
+    group is the world, else ``local_size`` (default: one node of the whole group)."""
     if (intra_group is None) != (inter_group is None):
         raise ValueError("pass both intra_group and inter_group, or neither")
     if intra_group is not None and local_size is not None:
@@ -80,24 +94,35 @@ def _resolve_topology(process_group, intra_group, inter_group, local_size):
     if intra_group is None and local_size is None:
         if runtime.is_initialized() and runtime.intra_group() is not None \
                 and dist.get_world_size(process_group) == runtime.size():
-            intra_group, inter_group = runtime.intra_group(), runtime.inter_group()
-        else:
-            local_size = world
-    if intra_group is None:
-        if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \
-                or world % local_size:
-            raise ValueError(f"local_size={local_size!r} must be an int >= 1 dividing the world size {world}")
-        return None, (process_group, world, rank, local_size)
-    L = dist.get_world_size(intra_group)
-    ranks = dist.get_process_group_ranks(process_group)
-    expect_intra, expect_inter = node_layout(ranks, L, rank) if world % L == 0 else (None, None)
-    layout = "consistent"
-    if expect_intra is None or dist.get_process_group_ranks(intra_group) != expect_intra \
-            or dist.get_process_group_ranks(inter_group) != expect_inter:
-        layout = (f"rank {rank}: intra group {dist.get_process_group_ranks(intra_group)}, inter group "
-                  f"{dist.get_process_group_ranks(inter_group)}; expected contiguous nodes of "
-                  f"{L} ranks (intra {expect_intra}, inter {expect_inter})")
-    return Topology(process_group, intra_group, inter_group, world, rank, L), layout
+            return runtime.intra_group(), runtime.inter_group(), None
+        return None, None, dist.get_world_size(process_group)
+    return intra_group, inter_group, local_size
+
+
+def _layout_problem(t: Topology) -> str:
+    """"consistent" when the node groups are contiguous nodes of the group's ranks, else what
+    this rank sees (the ranks compare it before the first collective on the node groups)."""
+    world, rank, L = t.world, t.rank, t.local_size
+    expect_intra, expect_inter = node_layout(dist.get_process_group_ranks(t.group), L, rank) \
+        if world % L == 0 else (None, None)
+    intra, inter = dist.get_process_group_ranks(t.intra), dist.get_process_group_ranks(t.inter)
+    if expect_intra is None or intra != expect_intra or inter != expect_inter:
+        return (f"rank {rank}: intra group {intra}, inter group {inter}; expected contiguous nodes of "
+                f"{L} ranks (intra {expect_intra}, inter {expect_inter})")
+    return "consistent"
+
+
+def _trainable_of(named):
+    """The (name, parameter) pairs that train: at least one, one dtype and one device."""
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if not trainable:
+        raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
+    dtypes = sorted({str(p.dtype) for _, p in trainable})
+    devices = sorted({str(p.device) for _, p in trainable})
+    if len(dtypes) > 1 or len(devices) > 1:
+        raise TypeError(f"all trainable parameters must share one dtype and device; got dtypes "
+                        f"{dtypes} on devices {devices}")
+    return trainable
 
 
 def _check_optimizer(optimizer, elementwise: bool) -> None:
@@ -190,14 +215,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             op=op, seed=seed)
         named = named_parameters_of(optimizer, named_parameters)
         self._face_init("ShardedOptimizer", process_group, named, warn_single=False, dtypes=_DTYPES)
-        self._trainable = [(n, p) for n, p in named if p.requires_grad]
-        if not self._trainable:
-            raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
-        dtypes = sorted({str(p.dtype) for _, p in self._trainable})
-        devices = sorted({str(p.device) for _, p in self._trainable})
-        if len(dtypes) > 1 or len(devices) > 1:
-            raise TypeError(f"all trainable parameters must share one dtype and device; got dtypes "
-                            f"{dtypes} on devices {devices}")
+        self._trainable = _trainable_of(named)
         self._param_dtype = self._trainable[0][1].dtype
         self._master_dtype = torch.float64 if self._param_dtype == torch.float64 else torch.float32
         device = self._trainable[0][1].device
@@ -227,26 +245,10 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._names = [n for n, _ in self._trainable]
         self._broadcast_parameters()
 
-        # Master shard, its gradient, and the pieces the wrapped optimizer now works on.
-        self._master = torch.zeros(self.plan.master_numel, dtype=self._master_dtype, device=device)
-        self._master_grad = torch.zeros_like(self._master)
-        self._pieces: List[torch.Tensor] = []
-        with torch.no_grad():
-            for piece in self.plan.pieces:
-                view = self._master[piece.master_offset:piece.master_offset + piece.numel]
-                view.copy_(self._params[piece.index].detach().reshape(-1)[piece.start:piece.stop])
-                view.grad = self._master_grad[piece.master_offset:piece.master_offset + piece.numel]
-                self._pieces.append(view)
+        self._build_master(device)
         self.optimizer = optimizer
         self._take_over(optimizer)
-
-        self._buckets = [torch.zeros(topo.world * b.shard_numel, dtype=self._master_dtype, device=device)
-                         for b in self.plan.buckets]
-        self._where: Dict[int, tuple] = {}
-        for bi, b in enumerate(self.plan.buckets):
-            for s in b.slots:
-                self._where[id(self._params[s.index])] = (bi, s)
-        self._reset_buckets()
+        self._build_buckets(topo, device)
         self._reducer = GradientReducer(self.config, topo)
         self._stats: Dict[str, Any] = {}
         self._totals = ByteTotals()
@@ -257,6 +259,29 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._life.attach(self._params, solo=True)
 
     # -- construction helpers ---------------------------------------------------------------
+    def _build_master(self, device) -> None:
+        """This rank's master shard, its gradient, and the pieces the wrapped optimizer now
+        works on (views of the shard, filled from the parameters)."""
+        self._master = torch.zeros(self.plan.master_numel, dtype=self._master_dtype, device=device)
+        self._master_grad = torch.zeros_like(self._master)
+        self._pieces: List[torch.Tensor] = []
+        with torch.no_grad():
+            for piece in self.plan.pieces:
+                view = self._master[piece.master_offset:piece.master_offset + piece.numel]
+                view.copy_(self._params[piece.index].detach().reshape(-1)[piece.start:piece.stop])
+                view.grad = self._master_grad[piece.master_offset:piece.master_offset + piece.numel]
+                self._pieces.append(view)
+
+    def _build_buckets(self, topo, device) -> None:
+        """The flat gradient buckets of the plan, and where each parameter sits in them."""
+        self._buckets = [torch.zeros(topo.world * b.shard_numel, dtype=self._master_dtype, device=device)
+                         for b in self.plan.buckets]
+        self._where: Dict[int, tuple] = {}
+        for bi, b in enumerate(self.plan.buckets):
+            for s in b.slots:
+                self._where[id(self._params[s.index])] = (bi, s)
+        self._reset_buckets()
+
     def _describe(self, optimizer, topo, layout) -> dict:
         groups = [{k: repr(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         return {"ranks per node": topo.local_size,
