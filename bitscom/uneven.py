@@ -79,6 +79,18 @@ def _same_group(a, b) -> bool:
     return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
 
 
+def _joining(group) -> Dict[int, Any]:
+    """This rank's live optimizers on ``group``, by id; none may be in the middle of a step."""
+    mine: Dict[int, Any] = {}
+    for opt in list(_live):
+        if not opt._life.closed and _same_group(opt.process_group, group):
+            if opt._mid_step():
+                raise RuntimeError("bitscom.join() was called in the middle of an optimizer step "
+                                   "(after backward, before step()); call it after the last step")
+            mine.setdefault(opt._uid, opt)
+    return mine
+
+
 def join(process_group=None) -> int:
     """Wait for every rank of the group to join, stepping with zero gradients meanwhile.
 
@@ -101,13 +113,7 @@ def join(process_group=None) -> int:
         return 0
     if dist.get_world_size(group) == 1:
         return dist.get_rank()
-    mine: Dict[int, Any] = {}
-    for opt in list(_live):
-        if not opt._life.closed and _same_group(opt.process_group, group):
-            if opt._mid_step():
-                raise RuntimeError("bitscom.join() was called in the middle of an optimizer step "
-                                   "(after backward, before step()); call it after the last step")
-            mine.setdefault(opt._uid, opt)
+    mine = _joining(group)
     device = _device(group)
     comm = Comm(group)
     shadowed = 0

@@ -676,17 +676,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         world = self.topo.world
         if isinstance(to_rank, bool) or not isinstance(to_rank, int) or not 0 <= to_rank < world:
             raise ValueError(f"to_rank={to_rank!r} must be a rank of the group, in [0, {world})")
-        mine: Dict[str, list] = defaultdict(list)
-        for piece, tensor in zip(self.plan.pieces, self._pieces):
-            p = self._params[piece.index]
-            st = {k: piece_state(piece.name, k, v, piece.numel)
-                  for k, v in self.optimizer.state.get(tensor, {}).items()}
-            mine[piece.name].append((piece.start, piece.stop, tensor.detach().cpu().clone(),
-                                     p.detach().reshape(-1)[piece.start:piece.stop].cpu().clone(),
-                                     {k: (kind, v.cpu() if isinstance(v, torch.Tensor) else v)
-                                      for k, (kind, v) in st.items()}))
-        mine = dict(mine)
-        gathered = gather_objects(mine, self.topo.group, to_rank)
+        gathered = gather_objects(self._my_pieces(), self.topo.group, to_rank)
         if gathered is None:          # not the destination rank
             return None
         shapes = {n: tuple(p.shape) for n, p in self._trainable}
@@ -700,6 +690,33 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         return {"format": FORMAT, "step": self._step_count, "settings": self.config.describe(),
                 "optimizer": type(self.optimizer).__name__, "params": params, "param_groups": groups}
 
+    def _my_pieces(self) -> Dict[str, list]:
+        """This rank's part of a consolidated checkpoint: per parameter, each owned piece's
+        (start, stop, master, replica, optimizer state), on the CPU."""
+        mine: Dict[str, list] = defaultdict(list)
+        for piece, tensor in zip(self.plan.pieces, self._pieces):
+            p = self._params[piece.index]
+            st = {k: piece_state(piece.name, k, v, piece.numel)
+                  for k, v in self.optimizer.state.get(tensor, {}).items()}
+            mine[piece.name].append((piece.start, piece.stop, tensor.detach().cpu().clone(),
+                                     p.detach().reshape(-1)[piece.start:piece.stop].cpu().clone(),
+                                     {k: (kind, v.cpu() if isinstance(v, torch.Tensor) else v)
+                                      for k, (kind, v) in st.items()}))
+        return dict(mine)
+
+    def _check_consolidated_params(self, params: dict) -> None:
+        """A consolidated checkpoint holds this model's parameters, by name and shape."""
+        names = [n for n, _ in self._trainable]
+        if sorted(params) != sorted(names):
+            missing = sorted(set(names) - set(params))[:5]
+            extra = sorted(set(params) - set(names))[:5]
+            raise ValueError(f"checkpoint parameters differ from this model's: missing {missing}, "
+                             f"unexpected {extra}")
+        for n, p in self._trainable:
+            if tuple(params[n]["master"].shape) != tuple(p.shape):
+                raise ValueError(f"parameter {n!r}: checkpoint shape {tuple(params[n]['master'].shape)}, "
+                                 f"model shape {tuple(p.shape)}")
+
     def load_consolidated_state_dict(self, state_dict: dict, load_replicas: bool = True) -> None:
         """Load a :meth:`consolidated_state_dict` (from any world size). Every rank calls it with
         the same dict; each keeps its own pieces. ``load_replicas`` also sets the parameters.
@@ -712,16 +729,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             raise ValueError(f"not a consolidated ShardedOptimizer checkpoint (format "
                              f"{state_dict.get('format')!r}, expected {FORMAT!r})")
         params = state_dict["params"]
-        names = [n for n, _ in self._trainable]
-        if sorted(params) != sorted(names):
-            missing = sorted(set(names) - set(params))[:5]
-            extra = sorted(set(params) - set(names))[:5]
-            raise ValueError(f"checkpoint parameters differ from this model's: missing {missing}, "
-                             f"unexpected {extra}")
-        for n, p in self._trainable:
-            if tuple(params[n]["master"].shape) != tuple(p.shape):
-                raise ValueError(f"parameter {n!r}: checkpoint shape {tuple(params[n]['master'].shape)}, "
-                                 f"model shape {tuple(p.shape)}")
+        self._check_consolidated_params(params)
         if len(state_dict["param_groups"]) != len(self.optimizer.param_groups):
             raise ValueError(f"checkpoint has {len(state_dict['param_groups'])} param groups, the "
                              f"optimizer {len(self.optimizer.param_groups)}")
