@@ -248,7 +248,7 @@ def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Option
     flat.copy_(out[:n].view(flat.shape))
 
 
-def _pipelined(x, hier, comms, cfg, state, alpha, seeds, unit, sizes) -> Iterator:
+def _pipelined(x, hier, comms, cfg, state, alpha, seeds, unit, sizes) -> Generator[Any, Any, torch.Tensor]:
     """Round generator over the padded ``x``: its chunks' rounds, pipelined; returns the reduced
     (padded) result with error feedback applied. ``comms`` = (flat comm, intra, inter)."""
     comm, intra, inter = comms

@@ -71,7 +71,7 @@ def join_pieces(contributions: List[dict], shapes: Dict[str, tuple], dtype_of: D
             numel *= d
         master = replica = None
         state: dict = {}
-        elem_keys = set()
+        elem_keys: set = set()
         covered = 0
         for contrib in contributions:
             for start, stop, m, rep, st in contrib.get(name, []):

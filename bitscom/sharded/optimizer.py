@@ -103,9 +103,8 @@ def _layout_problem(t: Topology) -> str:
     """"consistent" when the node groups are contiguous nodes of the group's ranks, else what
     this rank sees (the ranks compare it before the first collective on the node groups)."""
     world, rank, L = t.world, t.rank, t.local_size
-    expect_intra, expect_inter = node_layout(dist.get_process_group_ranks(t.group), L, rank) \
-        if world % L == 0 else (None, None)
-    intra, inter = dist.get_process_group_ranks(t.intra), dist.get_process_group_ranks(t.inter)
+    group, intra, inter = (dist.get_process_group_ranks(cast(Any, g)) for g in (t.group, t.intra, t.inter))
+    expect_intra, expect_inter = node_layout(group, L, rank) if world % L == 0 else (None, None)
     if expect_intra is None or intra != expect_intra or inter != expect_inter:
         return (f"rank {rank}: intra group {intra}, inter group {inter}; expected contiguous nodes of "
                 f"{L} ranks (intra {expect_intra}, inter {expect_inter})")
