@@ -5,7 +5,7 @@ The public face: re-exports only. See README.md for the tour.
 
 from . import checkpointing, compression, compressors, fsdp
 from .backend import register_lowbit_backend
-from .build_info import cuda_built, gloo_built, mpi_built, nccl_built
+from .build_info import __version__ as __version__, cuda_built, gloo_built, mpi_built, nccl_built
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .compressors import Compression
 from .ddp import ddp_comm_hook
@@ -26,8 +26,10 @@ from . import diloco
 from .diloco import DiLoCo
 from . import cost
 from .onebit import OneBitAdam, ZeroOneAdam
+from . import runtime
 
-__version__ = "0.1.0"
+runtime.use_lowbit_backend(register_lowbit_backend)   # init(bitwidth=...): runtime imports no face
+
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",

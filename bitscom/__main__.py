@@ -103,7 +103,7 @@ def _cpu_kernels() -> str:
         warnings.simplefilter("always")
         ok = cpu_native.available()
     if ok:
-        return (f"native: {cpu_native.SOURCE.name} compiled with {cpu_native._compiler()}, "
+        return (f"native: {cpu_native.SOURCE.name} compiled with {cpu_native.compiler()}, "
                 f"cached in {cpu_native.cache_dir()}")
     why = str(caught[0].message).splitlines()[0] if caught else "the native library did not load"
     return f"torch (eager reference, slower): {why}"

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 from torch._C._distributed_c10d import Backend as C10dBackend  # ProcessGroupGloo/NCCL's base
 
-from .collectives import LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds, reduce_scatter_rounds
+from .lowbit import LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds, reduce_scatter_rounds
 from .channel import Channel
 from .comm import Comm, Rounds, is_sum_or_avg
 from .call_header import Call, agree_rounds

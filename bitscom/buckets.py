@@ -70,24 +70,7 @@ def plan_groups(params: Sequence[Tuple[str, torch.Tensor]], groups) -> List[Buck
         cut = [len(rev) * i // n for i in range(n + 1)]
         chosen = [rev[cut[i]:cut[i + 1]] for i in range(n)]
     else:
-        position = {id(p): i for i, (_, p) in enumerate(rev)}
-        chosen, taken = [], set()
-        for g, members in enumerate(groups):
-            picked = []
-            for p in members:
-                if id(p) not in position:
-                    raise ValueError(f"groups[{g}] holds a tensor of shape {tuple(p.shape)} that is "
-                                     "not a trainable parameter of this optimizer")
-                if id(p) in taken:
-                    raise ValueError(f"groups[{g}] repeats a parameter of shape {tuple(p.shape)}; "
-                                     "each parameter may be in one group only")
-                taken.add(id(p))
-                picked.append(rev[position[id(p)]])
-            if picked:
-                chosen.append(sorted(picked, key=lambda item: position[id(item[1])]))
-        chosen += [[item] for item in rev if id(item[1]) not in taken]
-        # First the bucket whose last gradient arrives earliest in backward.
-        chosen.sort(key=lambda members: max(position[id(p)] for _, p in members))
+        chosen = _listed_groups(rev, groups)
     order: List[list] = []
     for members in chosen:
         by_key: Dict[tuple, list] = {}
@@ -95,6 +78,30 @@ def plan_groups(params: Sequence[Tuple[str, torch.Tensor]], groups) -> List[Buck
             by_key.setdefault((p.dtype, p.device), []).append((name, p))
         order.extend(by_key.values())
     return _layouts(order)
+
+
+def _listed_groups(rev: list, groups) -> List[list]:
+    """``groups=`` as lists of parameters: each list (in ``rev`` order) travels together, every
+    other parameter alone; first the bucket whose last gradient arrives earliest in backward."""
+    position = {id(p): i for i, (_, p) in enumerate(rev)}
+    chosen: List[list] = []
+    taken: set = set()
+    for g, members in enumerate(groups):
+        picked = []
+        for p in members:
+            if id(p) not in position:
+                raise ValueError(f"groups[{g}] holds a tensor of shape {tuple(p.shape)} that is "
+                                 "not a trainable parameter of this optimizer")
+            if id(p) in taken:
+                raise ValueError(f"groups[{g}] repeats a parameter of shape {tuple(p.shape)}; "
+                                 "each parameter may be in one group only")
+            taken.add(id(p))
+            picked.append(rev[position[id(p)]])
+        if picked:
+            chosen.append(sorted(picked, key=lambda item: position[id(item[1])]))
+    chosen += [[item] for item in rev if id(item[1]) not in taken]
+    chosen.sort(key=lambda members: max(position[id(p)] for _, p in members))
+    return chosen
 
 
 def _layouts(order: List[list]) -> List[BucketLayout]:

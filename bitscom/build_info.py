@@ -7,6 +7,9 @@ collectives are torch.distributed's, so the answer is what torch was built with.
 import torch
 import torch.distributed as dist
 
+# The version lives here, below runtime (its build fingerprint hashes it), not in __init__.
+__version__ = "0.1.0"
+
 __all__ = ["nccl_built", "gloo_built", "mpi_built", "cuda_built"]
 
 

@@ -148,7 +148,18 @@ class Channel:
         self._queue = [w for w in self._queue if w not in drop]
 
     def _drive(self, until: Optional[Rounds], block: bool) -> None:
-        limit = None if until is None else until._seq
+        ahead = self._advance(None if until is None else until._seq, block)
+        for w in ahead if block else ():
+            while not w.done:
+                _step(w, block=True)
+        for w in [w for w in self._queue if w.done]:
+            self._finished(w)
+        self._queue = [w for w in self._queue if not w.done]
+
+    def _advance(self, limit: Optional[int], block: bool) -> List[Rounds]:
+        """Step the queued works in order, up to ``limit``, while each has released the group
+        (its next round may be issued after them); an error aborts the works behind it.
+        Returns the works stepped, which ``block`` then finishes."""
         ahead: List[Rounds] = []
         for w in list(self._queue):
             if limit is not None and w._seq > limit:
@@ -164,12 +175,7 @@ class Channel:
                 break
             if not w.released:
                 break
-        for w in ahead if block else ():
-            while not w.done:
-                _step(w, block=True)
-        for w in [w for w in self._queue if w.done]:
-            self._finished(w)
-        self._queue = [w for w in self._queue if not w.done]
+        return ahead
 
     def _finished(self, w: Rounds) -> None:
         if not w._counted:

@@ -23,10 +23,10 @@ import torch.distributed as dist
 
 from . import runtime
 from .agreement import check_agreement
-from .collectives import LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds, reduce_scatter_rounds
+from .lowbit import LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds, reduce_scatter_rounds
 from .comm import Comm, Rounds, is_sum_or_avg, resolve_group
 from .call_header import Call, agree_rounds
-from .quantization import FULL_PRECISION, Quantized, dequantize, quantize
+from .lowbit import FULL_PRECISION, Quantized, dequantize, quantize
 
 __all__ = ["LowBitGroup", "LowBitWork"]
 

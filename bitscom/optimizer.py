@@ -33,8 +33,10 @@ from typing import Any, Dict
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from . import runtime, uneven
+from . import runtime
 from .agreement import check_agreement, describe_state
+from .broadcast import broadcast_optimizer_state, broadcast_parameters
+from .checkpointing.distributed import load_distributed, save_distributed
 from .face import ByteLedger, dense_bytes, live_objects
 from .lifecycle import StepFace, StepLifecycle
 from .buckets import FlatBucket, plan_buckets, plan_groups
@@ -167,26 +169,9 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
                  gradient_predivide_factor: float = 1.0, fusion_threshold_mb: float = 25,
                  process_group=None, *, sparse_as_dense: bool = False, groups=None,
                  num_groups: int = 0):
-        if isinstance(compression, str) and compression.lower() == "auto":
-            from .cost.auto import Auto, candidates_for
-            compression = Auto(candidates=candidates_for(optimizer))   # safe for this optimizer
-        compression = resolve_compressor(compression, "compression")
-        if compression.uses_names and named_parameters is None:
-            raise ValueError(f"compression={compression!r} matches parameter names; pass "
-                             "named_parameters=model.named_parameters() (without it the "
-                             "parameters are numbered param.0, param.1, …)")
-        if compression.applies_momentum:
-            _check_momentum_free(optimizer, compression)
+        compression = _checked_compression(optimizer, compression, named_parameters)
         backward_passes_per_step = _passes(backward_passes_per_step)
-        if op is Adasum:
-            raise NotImplementedError("op=Adasum is not supported by bitscom (Horovod's Adasum has no "
-                                      "compressed counterpart here); use bitscom.Average or bitscom.Sum")
-        if op not in (Average, Sum):
-            raise ValueError(f"op must be bitscom.Average or bitscom.Sum, got {op!r}")
-        gradient_predivide_factor = _number("gradient_predivide_factor", gradient_predivide_factor, 0, False)
-        if op is Sum and gradient_predivide_factor != 1.0:
-            raise ValueError("gradient_predivide_factor applies to op=Average only; "
-                             f"got {gradient_predivide_factor} with op=Sum")
+        gradient_predivide_factor = _checked_op(op, gradient_predivide_factor)
         auto_fusion = isinstance(fusion_threshold_mb, str) and fusion_threshold_mb.lower() == "auto"
         if not auto_fusion:
             fusion_threshold_mb = _number("fusion_threshold_mb", fusion_threshold_mb, 0, True)
@@ -211,25 +196,10 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
 
         self._layouts, fusion_threshold_mb = self._plan(groups, fusion_threshold_mb, auto_fusion, compression)
         self.fusion_threshold_mb = None if groups is not None else float(fusion_threshold_mb)
-        by_name = dict(self._trainable)
-        self._buckets = [FlatBucket(l, [by_name[s.name] for s in l.slots]) for l in self._layouts]
-        self._slot: Dict[int, tuple] = {}
-        for b, bucket in enumerate(self._buckets):
-            for s, p in enumerate(bucket.params):
-                self._slot[id(p)] = (b, s)
-        self._next_launch = 0
-        self._should_sync = True
+        self._build_buckets()
+        self._scan_live_objects()
         # Names this optimizer to the other ranks (bitscom.join): the same on every rank that
         # built the same plan.
-        # one scan of the live objects (at construction, multi-rank only) for the DDP-wrap check
-        # and the sparse embeddings of Horovod's sparse path
-        found = live_objects((DistributedDataParallel, torch.nn.Embedding, torch.nn.EmbeddingBag)) \
-            if self._size > 1 else []
-        self._ddp = self._ddp_wrapped([p for _, p in self._trainable], found)
-        # Horovod's sparse path (sparse_as_dense=False): the weights of sparse embeddings, found
-        # now so that every rank agrees on them before the first step
-        self._sparse_grads = None if (self.sparse_as_dense or self._size == 1) \
-            else SparseGradients(self._trainable, found)
         self._uid = zlib.crc32(repr(self._description()).encode()) & 0x3FFFFFFF
         self._bytes = ByteLedger()
         self._life = StepLifecycle(self, "DistributedOptimizer", named, process_group,
@@ -240,6 +210,27 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         # The hooks hold the optimizer weakly; when it is closed or collected they are removed
         # and its group destroyed, so a replaced optimizer stops reducing.
         self._life.attach([p for _, p in self._trainable])
+
+    def _build_buckets(self) -> None:
+        """The flat buckets of the plan, and where each parameter sits in them."""
+        by_name = dict(self._trainable)
+        self._buckets = [FlatBucket(l, [by_name[s.name] for s in l.slots]) for l in self._layouts]
+        self._slot: Dict[int, tuple] = {}
+        for b, bucket in enumerate(self._buckets):
+            for s, p in enumerate(bucket.params):
+                self._slot[id(p)] = (b, s)
+        self._next_launch = 0
+        self._should_sync = True
+
+    def _scan_live_objects(self) -> None:
+        """One scan of the live objects (at construction, multi-rank only) for the DDP-wrap
+        check and Horovod's sparse path (sparse_as_dense=False): the weights of sparse
+        embeddings, found now so that every rank agrees on them before the first step."""
+        found = live_objects((DistributedDataParallel, torch.nn.Embedding, torch.nn.EmbeddingBag)) \
+            if self._size > 1 else []
+        self._ddp = self._ddp_wrapped([p for _, p in self._trainable], found)
+        self._sparse_grads = None if (self.sparse_as_dense or self._size == 1) \
+            else SparseGradients(self._trainable, found)
 
     @property
     def optimizer(self):
@@ -380,8 +371,11 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             bucket.reset()
 
     def _after_join(self, root_rank: int, group) -> None:
-        """bitscom.join(): take the last joiner's parameters and state (joined ranks did not step)."""
-        uneven.resync_replicated(self, root_rank, group)
+        """bitscom.join(): take the last joiner's parameters and state (joined ranks did not step).
+        Here, not in :mod:`bitscom.uneven`: the broadcast belongs to the faces above the core."""
+        broadcast_parameters([p for g in self.param_groups for p in g["params"]],
+                             root_rank=root_rank, process_group=group)
+        broadcast_optimizer_state(self, root_rank=root_rank, process_group=group)
 
     def shadow_step(self) -> None:
         """Take part in one step of the other ranks with zero gradients (used by
@@ -564,16 +558,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
 
             opt.load_state_dict(torch.load(path)["opt"])
         """
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        if "optimizer" in state_dict and "bitscom" in state_dict and "state" not in state_dict:
-            inner, extra = state_dict["optimizer"], state_dict["bitscom"]
-        elif "state" in state_dict and "param_groups" in state_dict:
-            inner = {k: v for k, v in state_dict.items() if k != "bitscom"}
-            extra = state_dict.get("bitscom")
-        else:
-            raise ValueError("not an optimizer state dict: expected the keys 'state' and "
-                             f"'param_groups', got {sorted(map(str, state_dict))}")
+        inner, extra = _split_state_dict(state_dict)
         if self._life.in_step or self._next_launch:
             raise RuntimeError("load_state_dict() was called in the middle of a step; call it "
                                "between steps")
@@ -609,8 +594,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
 
             opt.save_dcp("ckpt/step100", extra={"model": model.state_dict()})
         """
-        from .checkpointing import save
-        save(self, path, extra=extra)
+        save_distributed(self, path, extra)
 
     def load_dcp(self, path, *, extra=None, reset_compressor_state: bool = False) -> None:
         """Load a :meth:`save_dcp` checkpoint; see :func:`bitscom.checkpointing.load`.
@@ -619,14 +603,54 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
 
             opt.load_dcp("ckpt/step100", extra={"model": model.state_dict()})
         """
-        from .checkpointing import load
-        load(self, path, extra=extra, reset_compressor_state=reset_compressor_state)
+        load_distributed(self, path, extra, reset_compressor_state)
 
 
 # help() and inspect show __init__'s arguments, not __new__'s (*args, **kwargs).
 _INIT = inspect.signature(DistributedOptimizer.__init__)
 DistributedOptimizer.__signature__ = _INIT.replace(  # type: ignore[attr-defined]
     parameters=list(_INIT.parameters.values())[1:])
+
+
+def _checked_compression(optimizer, compression, named_parameters):
+    """The compressor ``compression=`` names, refused where it cannot serve this optimizer."""
+    if isinstance(compression, str) and compression.lower() == "auto":
+        from .cost.auto import Auto, candidates_for
+        compression = Auto(candidates=candidates_for(optimizer))   # safe for this optimizer
+    compression = resolve_compressor(compression, "compression")
+    if compression.uses_names and named_parameters is None:
+        raise ValueError(f"compression={compression!r} matches parameter names; pass "
+                         "named_parameters=model.named_parameters() (without it the "
+                         "parameters are numbered param.0, param.1, …)")
+    if compression.applies_momentum:
+        _check_momentum_free(optimizer, compression)
+    return compression
+
+
+def _checked_op(op, gradient_predivide_factor) -> float:
+    """``gradient_predivide_factor``, checked together with ``op`` (Average or Sum only)."""
+    if op is Adasum:
+        raise NotImplementedError("op=Adasum is not supported by bitscom (Horovod's Adasum has no "
+                                  "compressed counterpart here); use bitscom.Average or bitscom.Sum")
+    if op not in (Average, Sum):
+        raise ValueError(f"op must be bitscom.Average or bitscom.Sum, got {op!r}")
+    gradient_predivide_factor = _number("gradient_predivide_factor", gradient_predivide_factor, 0, False)
+    if op is Sum and gradient_predivide_factor != 1.0:
+        raise ValueError("gradient_predivide_factor applies to op=Average only; "
+                         f"got {gradient_predivide_factor} with op=Sum")
+    return gradient_predivide_factor
+
+
+def _split_state_dict(state_dict):
+    """(the wrapped optimizer's state dict, bitscom's part or None) of any accepted form."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    if "optimizer" in state_dict and "bitscom" in state_dict and "state" not in state_dict:
+        return state_dict["optimizer"], state_dict["bitscom"]
+    if "state" in state_dict and "param_groups" in state_dict:
+        return {k: v for k, v in state_dict.items() if k != "bitscom"}, state_dict.get("bitscom")
+    raise ValueError("not an optimizer state dict: expected the keys 'state' and "
+                     f"'param_groups', got {sorted(map(str, state_dict))}")
 
 
 def _leaves(obj):

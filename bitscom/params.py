@@ -52,6 +52,12 @@ def named_parameters_of(optimizer: torch.optim.Optimizer, named_parameters) -> L
     if named_parameters is None:
         return [(f"param.{i}", p) for i, p in enumerate(opt_params)]
     named = checked_pairs(named_parameters)
+    _check_same_parameters(named, opt_params, seen)
+    return [(n, p) for n, p in named if id(p) in seen]
+
+
+def _check_same_parameters(named: List[tuple], opt_params: list, seen: set) -> None:
+    """Every trainable named parameter is in the optimizer, every optimizer parameter named."""
     by_id = {id(p): n for n, p in named}
     missing_from_opt = [n for n, p in named if id(p) not in seen and p.requires_grad]
     if missing_from_opt:
@@ -61,4 +67,3 @@ def named_parameters_of(optimizer: torch.optim.Optimizer, named_parameters) -> L
     if unnamed:
         raise ValueError(f"{len(unnamed)} optimizer parameter(s) (e.g. index {unnamed[0]}) are missing "
                          "from named_parameters; pass model.named_parameters() of the same model")
-    return [(n, p) for n, p in named if id(p) in seen]

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from .build_info import __version__
 from .channel import Channel
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -210,6 +211,21 @@ def _current_world():
 
 
 _rt = _Runtime()
+_lowbit_registrar: list = []     # [bitscom.register_lowbit_backend], set by use_lowbit_backend()
+
+
+def use_lowbit_backend(register: Callable[..., Any]) -> None:
+    """Hand runtime the ``lowbit`` backend's registrar, which ``init(bitwidth=...)`` calls.
+
+    Why handed over, not imported: the backend is a face above runtime (it runs low-bit rounds
+    on the groups runtime makes), and nothing low imports anything high; ``bitscom/__init__``
+    wires the two once, at import.
+
+    Example::
+
+        bitscom.runtime.use_lowbit_backend(bitscom.register_lowbit_backend)
+    """
+    _lowbit_registrar[:] = [register]
 _worlds: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # world group -> serial
 _serials = itertools.count(1)
 _gone_callbacks: list = []
@@ -282,22 +298,9 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
         raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
     _rt.adopted = False
     if bitwidth is not None or lowbit_options:
-        # ``bitwidth=``/lowbit options: register the "lowbit" backend and start on it (see
-        # bitscom.register_lowbit_backend); imported here only, the backend sits above runtime.
-        from .backend import register_lowbit_backend
-        if bitwidth is not None:
-            lowbit_options["bitwidth"] = bitwidth
-        register_lowbit_backend(**lowbit_options)   # the LowBitConfig settings, by name (or config=)
-        backend = "lowbit"
+        backend = _lowbit_backend(bitwidth, lowbit_options)
     info = discover()
-    use_cuda = (device == "cuda") or (device is None and torch.cuda.is_available())
-    if backend is None:
-        backend = "nccl" if use_cuda else "gloo"
-    if backend not in ("nccl", "gloo", "mpi") and backend not in dist.Backend.backend_list:
-        raise ValueError(f"backend {backend!r} is not known; use 'nccl', 'gloo' or a registered backend")
-    if use_cuda and torch.cuda.is_available():
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
-        _rt.device = torch.device("cuda", torch.cuda.current_device())
+    backend = _backend_and_device(backend, device, info)
     if dist.is_initialized():
         info = _adopted_info(info)
     elif info.size > 1:
@@ -313,6 +316,29 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
             world_backend = "nccl" if _rt.device.type == "cuda" else "gloo"
         _build_node_groups(info, world_backend)
     return info
+
+
+def _lowbit_backend(bitwidth: Optional[int], lowbit_options: Dict[str, Any]) -> str:
+    """``init(bitwidth=...)`` / lowbit options: register the "lowbit" backend (the registrar
+    :func:`use_lowbit_backend` was handed) with those LowBitConfig settings; start on it."""
+    if bitwidth is not None:
+        lowbit_options["bitwidth"] = bitwidth
+    _lowbit_registrar[0](**lowbit_options)   # the LowBitConfig settings, by name (or config=)
+    return "lowbit"
+
+
+def _backend_and_device(backend: Optional[str], device: Optional[str], info: LaunchInfo) -> str:
+    """The backend to start (``nccl`` with CUDA, else ``gloo``, unless named), checked; sets
+    this rank's CUDA device from its local rank when CUDA is used."""
+    use_cuda = (device == "cuda") or (device is None and torch.cuda.is_available())
+    if backend is None:
+        backend = "nccl" if use_cuda else "gloo"
+    if backend not in ("nccl", "gloo", "mpi") and backend not in dist.Backend.backend_list:
+        raise ValueError(f"backend {backend!r} is not known; use 'nccl', 'gloo' or a registered backend")
+    if use_cuda and torch.cuda.is_available():
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        _rt.device = torch.device("cuda", torch.cuda.current_device())
+    return backend
 
 
 class _PreviousStore:
@@ -516,7 +542,6 @@ def build_fingerprint() -> int:
 
         assert bitscom.runtime.build_fingerprint() == bitscom.runtime.build_fingerprint()
     """
-    from . import __version__
     h = hashlib.sha256(__version__.encode())
     kernels = pathlib.Path(__file__).with_name("kernels")
     for name in ("quant_cpu.cpp", "quant.cu"):

@@ -32,8 +32,9 @@ import torch.distributed as dist
 
 from .agreement import check_agreement
 from .comm import Comm, wait
+from .face import require_group
 
-__all__ = ["join", "register", "unregister", "notify", "resync_replicated"]
+__all__ = ["join", "register", "unregister", "notify"]
 
 _live: "weakref.WeakSet" = weakref.WeakSet()
 _notices: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # optimizer -> (template, buffer)
@@ -78,6 +79,18 @@ def _same_group(a, b) -> bool:
     return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
 
 
+def _joining(group) -> Dict[int, Any]:
+    """This rank's live optimizers on ``group``, by id; none may be in the middle of a step."""
+    mine: Dict[int, Any] = {}
+    for opt in list(_live):
+        if not opt._life.closed and _same_group(opt.process_group, group):
+            if opt._mid_step():
+                raise RuntimeError("bitscom.join() was called in the middle of an optimizer step "
+                                   "(after backward, before step()); call it after the last step")
+            mine.setdefault(opt._uid, opt)
+    return mine
+
+
 def join(process_group=None) -> int:
     """Wait for every rank of the group to join, stepping with zero gradients meanwhile.
 
@@ -95,19 +108,12 @@ def join(process_group=None) -> int:
         last = bitscom.join()
         val_loss = evaluate(model)                 # collectives after join() line up again
     """
-    from .face import require_group      # face registers faces here: no cycle at import
     group = require_group(process_group, "bitscom.join")
     if group is None:
         return 0
     if dist.get_world_size(group) == 1:
         return dist.get_rank()
-    mine: Dict[int, Any] = {}
-    for opt in list(_live):
-        if not opt._life.closed and _same_group(opt.process_group, group):
-            if opt._mid_step():
-                raise RuntimeError("bitscom.join() was called in the middle of an optimizer step "
-                                   "(after backward, before step()); call it after the last step")
-            mine.setdefault(opt._uid, opt)
+    mine = _joining(group)
     device = _device(group)
     comm = Comm(group)
     shadowed = 0
@@ -138,17 +144,3 @@ def join(process_group=None) -> int:
         for uid in sorted(mine):
             mine[uid]._after_join(last, group)
     return last
-
-
-def resync_replicated(optimizer, root_rank: int, group) -> None:
-    """After :func:`join`, for a replicated optimizer (DistributedOptimizer): the joined ranks
-    reduced but did not step, so they take the last joiner's parameters and optimizer state.
-
-    Example::
-
-        resync_replicated(opt, last, group)
-    """
-    from .broadcast import broadcast_optimizer_state, broadcast_parameters
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    broadcast_parameters(params, root_rank=root_rank, process_group=group)
-    broadcast_optimizer_state(optimizer, root_rank=root_rank, process_group=group)

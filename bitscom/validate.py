@@ -19,6 +19,11 @@ def _bounds(minimum, maximum, inclusive: Tuple[bool, bool]) -> str:
     return ""
 
 
+def _within(v: float, minimum: Optional[float], maximum: Optional[float], closed: Tuple[bool, bool]) -> bool:
+    low = minimum is None or (v >= minimum if closed[0] else v > minimum)
+    return low and (maximum is None or (v <= maximum if closed[1] else v < maximum))
+
+
 def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: Optional[float] = None,
            inclusive: Union[bool, Tuple[bool, bool]] = True, integer: bool = False,
            finite: bool = False) -> Any:
@@ -34,9 +39,7 @@ def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: O
     ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
     if ok:
         v = float(value)
-        ok = not math.isnan(v) and not (finite and math.isinf(v)) \
-            and (minimum is None or (v >= minimum if closed[0] else v > minimum)) \
-            and (maximum is None or (v <= maximum if closed[1] else v < maximum))
+        ok = not math.isnan(v) and not (finite and math.isinf(v)) and _within(v, minimum, maximum, closed)
     if not ok:
         raise ValueError(f"{name} must be {kind}{_bounds(minimum, maximum, closed)}, got {value!r}")
     return value

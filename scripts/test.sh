@@ -11,5 +11,7 @@ source scripts/venv.sh
 python -m pip install -q --upgrade pip >/dev/null
 venv_install "test,mpi,examples,bench"
 python -m ruff check bitscom acpsgd tests scripts examples   # errors, likely bugs, complexity (ruff.toml)
+lint-imports                                                 # layers, no cycles, no shim imports (.importlinter)
+python scripts/complexity.py                                 # no function above 15, and/or counted (radon)
 python -m mypy -p bitscom                                    # types ([mypy] in setup.cfg)
 exec python -m pytest -q "$@"

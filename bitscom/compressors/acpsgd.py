@@ -70,6 +70,17 @@ class ACPSGD(LowRankCompressor[ACPSGDState]):
     def init_state(self, layout: BucketLayout) -> ACPSGDState:
         return ACPSGDState(layout, self.plan(layout), self.seed, self.error_feedback)
 
+    def _project(self, g, x, p, q, send_p: bool, fresh: bool, ef: bool, grad) -> None:
+        """One matrix group's half step: orthogonalize the factor received last step (unless
+        it is fresh), project onto it, and with error feedback keep E = x − P Qᵀ."""
+        factor, out = (q, p) if send_p else (p, q)
+        if not fresh:
+            orthogonalize(factor, self.orthogonalization)
+        if ef:                                       # and E = x − P Qᵀ from the local factors
+            g.project_subtract(x, factor, out, transpose=not send_p, grad=grad)
+        else:
+            g.project(x, factor, out, transpose=not send_p)
+
     def compressed(self, flat, layout, state: ACPSGDState, comm: Comm):
         plan, ef = state.plan, state.ef
         native = plan.native_compensate(ef, flat)    # the matrices' e + g is fused below
@@ -87,16 +98,7 @@ class ACPSGD(LowRankCompressor[ACPSGDState]):
         tail = wire[wire.numel() - plan.uncompressed_numel:]
         plan.gather_uncompressed(x, tail)
         for g in plan.groups:
-            p, q = g.p(p_all), g.q(q_all)
-            if send_p and not fresh:
-                orthogonalize(q, self.orthogonalization)
-            elif not send_p and not fresh:
-                orthogonalize(p, self.orthogonalization)
-            factor, out = (q, p) if send_p else (p, q)
-            if ef.enabled:                           # and E = x − P Qᵀ from the local factors
-                g.project_subtract(x, factor, out, transpose=not send_p, grad=flat if fused else None)
-            else:
-                g.project(x, factor, out, transpose=not send_p)
+            self._project(g, x, g.p(p_all), g.q(q_all), send_p, fresh, ef.enabled, flat if fused else None)
         if ef.enabled:                               # sent exactly: nothing left over
             plan.zero_uncompressed(x)
         yield comm.all_reduce(wire)

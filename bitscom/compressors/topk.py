@@ -213,31 +213,43 @@ class TopK(StartIter, Compressor[SteppedErrorFeedback]):
         record[:k] = values.view(torch.int32)
         record[k:] = indices.to(index_dtype).view(torch.int32)
         if not updated:                            # (the native selection fuses update_sparse)
-            if native is not None and state.enabled:
-                native.scatter(state.residual, indices, values, subtract=True)
-            else:
-                state.update_sparse(indices, values)
+            _keep_residual(state, native, indices, values)
         gathered = torch.empty(comm.size * record.numel(), dtype=torch.int32, device=flat.device)
         yield comm.all_gather(gathered, record)
-        gathered = gathered.view(comm.size, -1)
-        # Sum into the bucket itself when it is fp32 (its values were read above): the same
-        # zeros-then-adds as a separate dense buffer, without a bucket-sized allocation and copy.
-        in_place = flat.dtype == torch.float32 and flat.is_contiguous()
-        dense = flat.view(-1).zero_() if in_place else \
-            torch.zeros(numel, dtype=torch.float32, device=flat.device)
-        fused = native is not None and in_place
-        nonfinite = False                  # some rank sent NaN/Inf (the native scatter reports it)
-        for r in range(comm.size):                              # fixed order: bitwise identical
-            vals = gathered[r, :k].view(torch.float32)
-            if fused:
-                nonfinite |= native.scatter(dense, gathered[r, k:].view(index_dtype), vals)
-                continue
-            idx = gathered[r, k:].contiguous().view(index_dtype).long()
-            dense.index_put_((idx,), dense[idx] + vals)
-        dense.div_(comm.size)
-        if not in_place:
-            flat.copy_(dense)
-        if not fused:
-            nonfinite = not gathered.is_meta and not bool(torch.isfinite(gathered[:, :k].view(torch.float32)).all())
+        nonfinite = _sum_into(flat, gathered.view(comm.size, -1), k, index_dtype, native)
         if nonfinite:
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
+
+
+def _keep_residual(state, native, indices, values) -> None:
+    """Error feedback's sparse update: the sent entries leave the residual."""
+    if native is not None and state.enabled:
+        native.scatter(state.residual, indices, values, subtract=True)
+    else:
+        state.update_sparse(indices, values)
+
+
+def _sum_into(flat, gathered, k: int, index_dtype, native) -> bool:
+    """Average every rank's (values, indices) record into ``flat``, in rank order (bitwise the
+    same on every rank); returns whether any rank sent NaN/Inf.
+
+    Sums into the bucket itself when it is fp32 (its values were read before the all-gather):
+    the same zeros-then-adds as a separate dense buffer, without a bucket-sized allocation."""
+    size, numel = gathered.shape[0], flat.numel()
+    in_place = flat.dtype == torch.float32 and flat.is_contiguous()
+    dense = flat.view(-1).zero_() if in_place else torch.zeros(numel, dtype=torch.float32, device=flat.device)
+    fused = native is not None and in_place
+    nonfinite = False                      # some rank sent NaN/Inf (the native scatter reports it)
+    for r in range(size):                                       # fixed order: bitwise identical
+        vals = gathered[r, :k].view(torch.float32)
+        if fused:
+            nonfinite |= native.scatter(dense, gathered[r, k:].view(index_dtype), vals)
+            continue
+        idx = gathered[r, k:].contiguous().view(index_dtype).long()
+        dense.index_put_((idx,), dense[idx] + vals)
+    dense.div_(size)
+    if not in_place:
+        flat.copy_(dense)
+    if not fused:
+        nonfinite = not gathered.is_meta and not bool(torch.isfinite(gathered[:, :k].view(torch.float32)).all())
+    return nonfinite

@@ -38,7 +38,9 @@ _U32 = ctypes.c_uint32
 _U64 = ctypes.c_uint64
 
 
-def _compiler():
+def compiler():
+    """The C++ compiler the native kernels are built with (None: none found); ``python -m
+    bitscom`` reports it."""
     for name in ("c++", "g++", "clang++"):
         path = shutil.which(name)
         if path:
@@ -207,7 +209,7 @@ def load(root: Optional[pathlib.Path] = None):
     """
     if not SOURCE.exists():
         return None
-    cxx = _compiler()
+    cxx = compiler()
     if cxx is None:
         warnings.warn("bitscom: no C++ compiler found; CPU quantization uses the slow eager torch path")
         return None

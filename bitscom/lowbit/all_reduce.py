@@ -242,7 +242,16 @@ def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Option
         yield from _flat_rounds(flat, comm, cfg, state, alpha, seeds, unit)
         return
     x = pad(flat, unit, cfg, state)
+    out = yield from _pipelined(x, hier, (comm, intra, inter), cfg, state, alpha, seeds, unit, sizes)
+    if cfg.hadamard:
+        out = hadamard(out)
+    flat.copy_(out[:n].view(flat.shape))
 
+
+def _pipelined(x, hier, comms, cfg, state, alpha, seeds, unit, sizes) -> Generator[Any, Any, torch.Tensor]:
+    """Round generator over the padded ``x``: its chunks' rounds, pipelined; returns the reduced
+    (padded) result with error feedback applied. ``comms`` = (flat comm, intra, inter)."""
+    comm, intra, inter = comms
     div = inter.size if hier == "leader" else math.prod(sizes)  # elements per final shard: N/div
     fb = _Feedback(cfg, state, x, div)
     gens = [_chunk_rounds(hier, comm, intra, inter, cfg, fb, alpha, seeds, s, t)
@@ -252,10 +261,7 @@ def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Option
     leader = hier == "leader"
     if leader and len(parts) == 1:
         out = out.clone()   # a follower's result is the broadcast into ``send``, which EF reuses
-    out = fb.finish(out, follower=leader and intra.rank != 0)
-    if cfg.hadamard:
-        out = hadamard(out)
-    flat.copy_(out[:n].view(flat.shape))
+    return fb.finish(out, follower=leader and intra.rank != 0)
 
 
 def wire_bytes_all_reduce(numel: int, world: int, cfg: LowBitConfig) -> int:

@@ -62,12 +62,17 @@ def default_order(levels: int) -> Tuple[int, ...]:
     return tuple(reversed(range(levels)))
 
 
-def _check(flat, out, levels, chunks, order, hadamard, hadamard_backend):
+def _check_levels(levels) -> None:
+    """At least one level, each a (comm, Codec) pair."""
     if not levels:
         raise ValueError("levels must list at least one (comm, codec) pair")
     for _, codec in levels:
         if not isinstance(codec, Codec):
             raise TypeError(f"each level is a (comm, Codec) pair, got codec {codec!r}")
+
+
+def _check(flat, out, levels, chunks, order, hadamard, hadamard_backend):
+    _check_levels(levels)
     world = math.prod(comm.size for comm, _ in levels)
     if not (flat.is_floating_point() and out.is_floating_point()):
         raise TypeError(f"level-wise reduce-scatter needs floating tensors, got {flat.dtype} -> {out.dtype}")

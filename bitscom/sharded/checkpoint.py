@@ -42,6 +42,18 @@ def piece_state(name: str, key: str, value, numel: int):
     return "scalar", value
 
 
+def _put_state(state: dict, elem_keys: set, piece: dict, start: int, stop: int, numel: int) -> None:
+    """Add one piece's optimizer state: scalars once, per-element tensors into their full one."""
+    for key, (kind, v) in piece.items():
+        if kind == "scalar":
+            state.setdefault(key, v)
+        else:
+            elem_keys.add(key)
+            if key not in state:
+                state[key] = torch.zeros(numel, dtype=v.dtype)
+            state[key][start:stop] = v
+
+
 def join_pieces(contributions: List[dict], shapes: Dict[str, tuple], dtype_of: Dict[str, torch.dtype]) -> dict:
     """Assemble per-rank piece lists into full per-parameter tensors.
 
@@ -59,7 +71,7 @@ def join_pieces(contributions: List[dict], shapes: Dict[str, tuple], dtype_of: D
             numel *= d
         master = replica = None
         state: dict = {}
-        elem_keys = set()
+        elem_keys: set = set()
         covered = 0
         for contrib in contributions:
             for start, stop, m, rep, st in contrib.get(name, []):
@@ -69,14 +81,7 @@ def join_pieces(contributions: List[dict], shapes: Dict[str, tuple], dtype_of: D
                 master[start:stop] = m
                 replica[start:stop] = rep
                 covered += stop - start
-                for key, (kind, v) in st.items():
-                    if kind == "scalar":
-                        state.setdefault(key, v)
-                    else:
-                        elem_keys.add(key)
-                        if key not in state:
-                            state[key] = torch.zeros(numel, dtype=v.dtype)
-                        state[key][start:stop] = v
+                _put_state(state, elem_keys, st, start, stop, numel)
         if covered != numel:
             raise RuntimeError(f"parameter {name!r}: pieces cover {covered} of {numel} elements")
         if master is None or replica is None:   # a zero-size parameter: no rank owns a piece of it

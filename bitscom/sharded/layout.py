@@ -22,7 +22,7 @@ import torch
 
 from ..buckets import plan_buckets
 from ..compressors.base import TensorSlot
-from ..quantization import HADAMARD_BLOCK
+from ..lowbit.format import HADAMARD_BLOCK
 
 __all__ = ["Slot", "Piece", "BucketShard", "ShardPlan", "plan_shards"]
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
+from ..checkpointing.sharded import load_sharded, save_sharded
 from ..comm import Comm, gather_objects, wait
 from ..face import ByteLedger
 from ..lifecycle import StepFace, StepLifecycle
@@ -72,6 +73,20 @@ def _resolve_topology(process_group, intra_group, inter_group, local_size):
     if process_group is None:
         return Topology(None, None, None, 1, 0, 1), "consistent"
     world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+    intra_group, inter_group, local_size = _node_choice(process_group, intra_group, inter_group, local_size)
+    if intra_group is None:
+        if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \
+                or world % local_size:
+            raise ValueError(f"local_size={local_size!r} must be an int >= 1 dividing the world size {world}")
+        return None, (process_group, world, rank, local_size)
+    L = dist.get_world_size(intra_group)
+    topology = Topology(process_group, intra_group, inter_group, world, rank, L)
+    return topology, _layout_problem(topology)
+
+
+def _node_choice(process_group, intra_group, inter_group, local_size):
+    """(intra, inter, local_size): the user's node groups, else runtime's node groups when the
+    group is the world, else ``local_size`` (default: one node of the whole group)."""
     if (intra_group is None) != (inter_group is None):
         raise ValueError("pass both intra_group and inter_group, or neither")
     if intra_group is not None and local_size is not None:
@@ -79,24 +94,34 @@ def _resolve_topology(process_group, intra_group, inter_group, local_size):
     if intra_group is None and local_size is None:
         if runtime.is_initialized() and runtime.intra_group() is not None \
                 and dist.get_world_size(process_group) == runtime.size():
-            intra_group, inter_group = runtime.intra_group(), runtime.inter_group()
-        else:
-            local_size = world
-    if intra_group is None:
-        if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \
-                or world % local_size:
-            raise ValueError(f"local_size={local_size!r} must be an int >= 1 dividing the world size {world}")
-        return None, (process_group, world, rank, local_size)
-    L = dist.get_world_size(intra_group)
-    ranks = dist.get_process_group_ranks(process_group)
-    expect_intra, expect_inter = node_layout(ranks, L, rank) if world % L == 0 else (None, None)
-    layout = "consistent"
-    if expect_intra is None or dist.get_process_group_ranks(intra_group) != expect_intra \
-            or dist.get_process_group_ranks(inter_group) != expect_inter:
-        layout = (f"rank {rank}: intra group {dist.get_process_group_ranks(intra_group)}, inter group "
-                  f"{dist.get_process_group_ranks(inter_group)}; expected contiguous nodes of "
-                  f"{L} ranks (intra {expect_intra}, inter {expect_inter})")
-    return Topology(process_group, intra_group, inter_group, world, rank, L), layout
+            return runtime.intra_group(), runtime.inter_group(), None
+        return None, None, dist.get_world_size(process_group)
+    return intra_group, inter_group, local_size
+
+
+def _layout_problem(t: Topology) -> str:
+    """"consistent" when the node groups are contiguous nodes of the group's ranks, else what
+    this rank sees (the ranks compare it before the first collective on the node groups)."""
+    world, rank, L = t.world, t.rank, t.local_size
+    group, intra, inter = (dist.get_process_group_ranks(cast(Any, g)) for g in (t.group, t.intra, t.inter))
+    expect_intra, expect_inter = node_layout(group, L, rank) if world % L == 0 else (None, None)
+    if expect_intra is None or intra != expect_intra or inter != expect_inter:
+        return (f"rank {rank}: intra group {intra}, inter group {inter}; expected contiguous nodes of "
+                f"{L} ranks (intra {expect_intra}, inter {expect_inter})")
+    return "consistent"
+
+
+def _trainable_of(named):
+    """The (name, parameter) pairs that train: at least one, one dtype and one device."""
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if not trainable:
+        raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
+    dtypes = sorted({str(p.dtype) for _, p in trainable})
+    devices = sorted({str(p.device) for _, p in trainable})
+    if len(dtypes) > 1 or len(devices) > 1:
+        raise TypeError(f"all trainable parameters must share one dtype and device; got dtypes "
+                        f"{dtypes} on devices {devices}")
+    return trainable
 
 
 def _check_optimizer(optimizer, elementwise: bool) -> None:
@@ -189,14 +214,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             op=op, seed=seed)
         named = named_parameters_of(optimizer, named_parameters)
         self._face_init("ShardedOptimizer", process_group, named, warn_single=False, dtypes=_DTYPES)
-        self._trainable = [(n, p) for n, p in named if p.requires_grad]
-        if not self._trainable:
-            raise ValueError("the optimizer has no trainable parameters (requires_grad=True)")
-        dtypes = sorted({str(p.dtype) for _, p in self._trainable})
-        devices = sorted({str(p.device) for _, p in self._trainable})
-        if len(dtypes) > 1 or len(devices) > 1:
-            raise TypeError(f"all trainable parameters must share one dtype and device; got dtypes "
-                            f"{dtypes} on devices {devices}")
+        self._trainable = _trainable_of(named)
         self._param_dtype = self._trainable[0][1].dtype
         self._master_dtype = torch.float64 if self._param_dtype == torch.float64 else torch.float32
         device = self._trainable[0][1].device
@@ -226,26 +244,10 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._names = [n for n, _ in self._trainable]
         self._broadcast_parameters()
 
-        # Master shard, its gradient, and the pieces the wrapped optimizer now works on.
-        self._master = torch.zeros(self.plan.master_numel, dtype=self._master_dtype, device=device)
-        self._master_grad = torch.zeros_like(self._master)
-        self._pieces: List[torch.Tensor] = []
-        with torch.no_grad():
-            for piece in self.plan.pieces:
-                view = self._master[piece.master_offset:piece.master_offset + piece.numel]
-                view.copy_(self._params[piece.index].detach().reshape(-1)[piece.start:piece.stop])
-                view.grad = self._master_grad[piece.master_offset:piece.master_offset + piece.numel]
-                self._pieces.append(view)
+        self._build_master(device)
         self.optimizer = optimizer
         self._take_over(optimizer)
-
-        self._buckets = [torch.zeros(topo.world * b.shard_numel, dtype=self._master_dtype, device=device)
-                         for b in self.plan.buckets]
-        self._where: Dict[int, tuple] = {}
-        for bi, b in enumerate(self.plan.buckets):
-            for s in b.slots:
-                self._where[id(self._params[s.index])] = (bi, s)
-        self._reset_buckets()
+        self._build_buckets(topo, device)
         self._reducer = GradientReducer(self.config, topo)
         self._stats: Dict[str, Any] = {}
         self._bytes = ByteLedger()
@@ -256,6 +258,29 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._life.attach(self._params, solo=True)
 
     # -- construction helpers ---------------------------------------------------------------
+    def _build_master(self, device) -> None:
+        """This rank's master shard, its gradient, and the pieces the wrapped optimizer now
+        works on (views of the shard, filled from the parameters)."""
+        self._master = torch.zeros(self.plan.master_numel, dtype=self._master_dtype, device=device)
+        self._master_grad = torch.zeros_like(self._master)
+        self._pieces: List[torch.Tensor] = []
+        with torch.no_grad():
+            for piece in self.plan.pieces:
+                view = self._master[piece.master_offset:piece.master_offset + piece.numel]
+                view.copy_(self._params[piece.index].detach().reshape(-1)[piece.start:piece.stop])
+                view.grad = self._master_grad[piece.master_offset:piece.master_offset + piece.numel]
+                self._pieces.append(view)
+
+    def _build_buckets(self, topo, device) -> None:
+        """The flat gradient buckets of the plan, and where each parameter sits in them."""
+        self._buckets = [torch.zeros(topo.world * b.shard_numel, dtype=self._master_dtype, device=device)
+                         for b in self.plan.buckets]
+        self._where: Dict[int, tuple] = {}
+        for bi, b in enumerate(self.plan.buckets):
+            for s in b.slots:
+                self._where[id(self._params[s.index])] = (bi, s)
+        self._reset_buckets()
+
     def _describe(self, optimizer, topo, layout) -> dict:
         groups = [{k: repr(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         return {"ranks per node": topo.local_size,
@@ -650,17 +675,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         world = self.topo.world
         if isinstance(to_rank, bool) or not isinstance(to_rank, int) or not 0 <= to_rank < world:
             raise ValueError(f"to_rank={to_rank!r} must be a rank of the group, in [0, {world})")
-        mine: Dict[str, list] = defaultdict(list)
-        for piece, tensor in zip(self.plan.pieces, self._pieces):
-            p = self._params[piece.index]
-            st = {k: piece_state(piece.name, k, v, piece.numel)
-                  for k, v in self.optimizer.state.get(tensor, {}).items()}
-            mine[piece.name].append((piece.start, piece.stop, tensor.detach().cpu().clone(),
-                                     p.detach().reshape(-1)[piece.start:piece.stop].cpu().clone(),
-                                     {k: (kind, v.cpu() if isinstance(v, torch.Tensor) else v)
-                                      for k, (kind, v) in st.items()}))
-        mine = dict(mine)
-        gathered = gather_objects(mine, self.topo.group, to_rank)
+        gathered = gather_objects(self._my_pieces(), self.topo.group, to_rank)
         if gathered is None:          # not the destination rank
             return None
         shapes = {n: tuple(p.shape) for n, p in self._trainable}
@@ -674,6 +689,33 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         return {"format": FORMAT, "step": self._step_count, "settings": self.config.describe(),
                 "optimizer": type(self.optimizer).__name__, "params": params, "param_groups": groups}
 
+    def _my_pieces(self) -> Dict[str, list]:
+        """This rank's part of a consolidated checkpoint: per parameter, each owned piece's
+        (start, stop, master, replica, optimizer state), on the CPU."""
+        mine: Dict[str, list] = defaultdict(list)
+        for piece, tensor in zip(self.plan.pieces, self._pieces):
+            p = self._params[piece.index]
+            st = {k: piece_state(piece.name, k, v, piece.numel)
+                  for k, v in self.optimizer.state.get(tensor, {}).items()}
+            mine[piece.name].append((piece.start, piece.stop, tensor.detach().cpu().clone(),
+                                     p.detach().reshape(-1)[piece.start:piece.stop].cpu().clone(),
+                                     {k: (kind, v.cpu() if isinstance(v, torch.Tensor) else v)
+                                      for k, (kind, v) in st.items()}))
+        return dict(mine)
+
+    def _check_consolidated_params(self, params: dict) -> None:
+        """A consolidated checkpoint holds this model's parameters, by name and shape."""
+        names = [n for n, _ in self._trainable]
+        if sorted(params) != sorted(names):
+            missing = sorted(set(names) - set(params))[:5]
+            extra = sorted(set(params) - set(names))[:5]
+            raise ValueError(f"checkpoint parameters differ from this model's: missing {missing}, "
+                             f"unexpected {extra}")
+        for n, p in self._trainable:
+            if tuple(params[n]["master"].shape) != tuple(p.shape):
+                raise ValueError(f"parameter {n!r}: checkpoint shape {tuple(params[n]['master'].shape)}, "
+                                 f"model shape {tuple(p.shape)}")
+
     def load_consolidated_state_dict(self, state_dict: dict, load_replicas: bool = True) -> None:
         """Load a :meth:`consolidated_state_dict` (from any world size). Every rank calls it with
         the same dict; each keeps its own pieces. ``load_replicas`` also sets the parameters.
@@ -686,16 +728,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             raise ValueError(f"not a consolidated ShardedOptimizer checkpoint (format "
                              f"{state_dict.get('format')!r}, expected {FORMAT!r})")
         params = state_dict["params"]
-        names = [n for n, _ in self._trainable]
-        if sorted(params) != sorted(names):
-            missing = sorted(set(names) - set(params))[:5]
-            extra = sorted(set(params) - set(names))[:5]
-            raise ValueError(f"checkpoint parameters differ from this model's: missing {missing}, "
-                             f"unexpected {extra}")
-        for n, p in self._trainable:
-            if tuple(params[n]["master"].shape) != tuple(p.shape):
-                raise ValueError(f"parameter {n!r}: checkpoint shape {tuple(params[n]['master'].shape)}, "
-                                 f"model shape {tuple(p.shape)}")
+        self._check_consolidated_params(params)
         if len(state_dict["param_groups"]) != len(self.optimizer.param_groups):
             raise ValueError(f"checkpoint has {len(state_dict['param_groups'])} param groups, the "
                              f"optimizer {len(self.optimizer.param_groups)}")
@@ -737,8 +770,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
             opt.save_dcp("ckpt/step100")
         """
-        from ..checkpointing import save
-        save(self, path, extra=extra)
+        save_sharded(self, path, extra)
 
     def load_dcp(self, path, *, extra=None, load_replicas: bool = True) -> None:
         """Load a :meth:`save_dcp` checkpoint of any world size; see
@@ -748,5 +780,4 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
             opt.load_dcp("ckpt/step100")
         """
-        from ..checkpointing import load
-        load(self, path, extra=extra, load_replicas=load_replicas)
+        load_sharded(self, path, extra, load_replicas)
