@@ -73,7 +73,7 @@ class DDPHook:
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(6, width), torch.nn.Tanh(), torch.nn.Linear(width, 3))
         self.model = torch.nn.parallel.DistributedDataParallel(net)
-        self.state, hook = bitscom.ddp_comm_hook(compression=compression)
+        self.state, hook = bitscom.ddp_comm_hook(compression)
         self.model.register_comm_hook(self.state, hook)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
 
