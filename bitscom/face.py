@@ -56,7 +56,7 @@ from .agreement import check_agreement, require_member
 from .comm import resolve_group
 
 __all__ = ["Face", "require_group", "check_trainable", "ddp_owner", "live_objects", "describe_parameters", "raise_problem", "load_all_or_nothing", "release_all", "dense_bytes",
-           "report", "group_alive"]
+           "report", "group_alive", "renamed"]
 
 _live: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -174,6 +174,24 @@ def require_group(process_group, face: str, *, warn_single: bool = False):
                          f"{face} on member ranks only")
     require_member(group, face)
     return group
+
+
+def renamed(value, old_value, *, new: str, old: str, where: str):
+    """``value``, or ``old_value`` passed under the deprecated name ``old`` (with a
+    DeprecationWarning): one name per concept on every face (``process_group=``,
+    ``compression=``), the old spellings kept where they shipped.
+
+    Example::
+
+        process_group = renamed(process_group, group, new="process_group", old="group", where="DiLoCo")
+    """
+    if old_value is None:
+        return value
+    if value is not None:
+        raise TypeError(f"{where}: pass {new}= only ({old}= is its deprecated name)")
+    warnings.warn(f"{where}({old}=...) is deprecated; pass {new}=... (the name every bitscom face "
+                  "uses)", DeprecationWarning, stacklevel=3)
+    return old_value
 
 
 def group_alive(group) -> bool:

@@ -15,12 +15,12 @@ class BitscomCommHook(L.Callback):
     registers DDPStrategy(ddp_comm_hook=...) on CUDA, and building the hook needs the process
     group that Trainer.fit() starts, so the callback does it once fit has wrapped the model."""
 
-    def __init__(self, compressor):
-        self.compressor, self.state = compressor, None
+    def __init__(self, compression):
+        self.compression, self.state = compression, None
 
     def on_fit_start(self, trainer, pl_module):
         bitscom.init()                                    # adopts Lightning's process group
-        self.state, hook = bitscom.ddp_comm_hook(self.compressor)
+        self.state, hook = bitscom.ddp_comm_hook(self.compression)
         trainer.strategy.model.register_comm_hook(self.state, hook)   # the DDP wrapper
 
     def on_fit_end(self, trainer, pl_module):
