@@ -257,7 +257,8 @@ def _hook(state, bucket):       # no annotations: DDP checks them and these woul
     return state._on_bucket(bucket)
 
 
-def ddp_comm_hook(compression="none", process_group=None, named_parameters=None, *, compressor=None):
+def ddp_comm_hook(compression="none", process_group=None, named_parameters=None, *,
+                  compressor=None) -> tuple:
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
 
     Every rank must call it (it checks that all ranks chose the same compressor settings, and

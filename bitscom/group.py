@@ -185,9 +185,11 @@ class LowBitGroup(Face):
                 st.load_state_dict(s)
                 self._states[k] = st
 
-        load_all_or_nothing(lambda: (self._calls, self._states), load,
-                            lambda saved: setattr(self, "_calls", saved[0]) or setattr(self, "_states", saved[1]))
+        load_all_or_nothing(lambda: (self._calls, self._states), load, self._restore)
         self._resumed = True
+
+    def _restore(self, saved: tuple) -> None:
+        self._calls, self._states = saved
 
     # -- the face -------------------------------------------------------------------------------
     def _before_call(self) -> None:
@@ -200,7 +202,7 @@ class LowBitGroup(Face):
             self._agree_resumed({"calls": self._calls, "state steps": steps}, "LowBitGroup checkpoint")
 
     def _release_groups(self) -> None:
-        self._channel = None
+        self._channel = runtime.channel(None)          # private and empty: holds no group
         self.intra_group = self.inter_group = None
 
     def close(self) -> None:
