@@ -105,7 +105,6 @@ class DDPCommState(Face):
         self._totals = [0, 0]                     # bytes sent, dense bytes since construction
         self._iterations = 0
         self._resumed = False
-        self._closed = False
 
     def close(self) -> None:
         """Forget the buckets in flight; the hook fails loudly if DDP calls it afterwards (the
@@ -115,7 +114,6 @@ class DDPCommState(Face):
 
             state.close()
         """
-        self._closed = True
         self._face_close()
         self._reducer.abort()
 
@@ -142,9 +140,7 @@ class DDPCommState(Face):
     def _on_bucket(self, bucket) -> torch.futures.Future:
         future: torch.futures.Future = torch.futures.Future()
         try:
-            if self._closed:
-                raise RuntimeError("bitscom DDP hook state was closed; register a new hook")
-            self._check_live()
+            self._check_live()                          # closed, or its world gone
             if self._resumed and not self._pending:      # first bucket after a load
                 self._resumed = False
                 self._agree_resumed({"iterations": self._iterations}, "DDP comm hook checkpoint")
