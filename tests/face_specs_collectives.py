@@ -69,7 +69,9 @@ class _Summed:
 class DDPHook:
     """A small DDP model whose buckets go through ``bitscom.ddp_comm_hook``."""
 
-    def __init__(self, width: int = 8, compression: Any = "lowbit"):
+    def __init__(self, width: int = 8, compression: Any = None):
+        if compression is None:         # error feedback: per-rank state in the checkpoint
+            compression = bitscom.compressors.LowBit(bitwidth=4, error_feedback=True)
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(6, width), torch.nn.Tanh(), torch.nn.Linear(width, 3))
         self.model = torch.nn.parallel.DistributedDataParallel(net)
