@@ -62,6 +62,10 @@ class _Summed:
     def result(self) -> torch.Tensor:
         return self.acc.clone()
 
+    def stats(self):
+        """``comm_stats()``, or None for a face that counts no bytes."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -90,6 +94,9 @@ class DDPHook:
     def result(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
 
+    def stats(self) -> dict:
+        return self.state.comm_stats()
+
     def state_dict(self) -> dict:
         return self.state.state_dict()
 
@@ -110,6 +117,9 @@ class Group(_Summed):
     def reduce(self, t: torch.Tensor) -> torch.Tensor:
         self.lb.all_reduce(t, op=dist.ReduceOp.AVG, key="t")
         return t
+
+    def stats(self) -> dict:
+        return self.lb.comm_stats()
 
     def state_dict(self) -> dict:
         return self.lb.state_dict()
@@ -153,6 +163,9 @@ class Backend(_Summed):
     def reduce(self, t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.pg)
         return t
+
+    def stats(self) -> dict:
+        return self.pg.comm_stats()
 
 
 SPECS = [

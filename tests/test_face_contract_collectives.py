@@ -11,6 +11,8 @@ A face joins by one line in ``face_specs_collectives.SPECS``. What each must do 
 * another rank's checkpoint, or a stale one on one rank (faces with state): the same clear
   error on every rank at the next call, or an exact resume;
 * NaN on one rank is visible on every rank; results bitwise identical on every rank;
+* ``comm_stats()`` (where a face counts bytes) has the keys of every face: the last step's
+  ``bytes_sent`` / ``dense_bytes``, ``total_*`` since construction, ``compression_ratio``;
 * 20 build/use/close cycles leak no process groups, threads or file descriptors.
 
 The DDP-wrapped refusal does not apply: the DDP hook is how bitscom serves DDP models.
@@ -135,6 +137,32 @@ def test_results_identical_and_nan_visible_on_every_rank(pools, name):
         (clean0, finite0), (clean1, finite1) = pools.run(2, _nan_and_identity, name)
     assert torch.equal(clean0, clean1), "ranks hold different results"
     assert not finite0 and not finite1, "a NaN on rank 1 did not reach every rank"
+
+
+# -- bytes ----------------------------------------------------------------------------------------------
+
+KEYS = {"bytes_sent", "dense_bytes", "total_bytes_sent", "total_dense_bytes", "compression_ratio"}
+
+
+def _stats(rank, world, name):
+    face = BY_NAME[name].build()
+    face.step(rank, 0)
+    first = face.stats()
+    face.step(rank, 1)
+    second = face.stats()
+    face.close()
+    return first, second
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_comm_stats_has_the_keys_of_every_face(pools, name):
+    for first, second in pools.run(2, _stats, name):
+        if second is None:
+            pytest.skip(f"{name} counts no bytes")
+        assert KEYS <= set(second), second
+        assert second["bytes_sent"] > 0 and second["dense_bytes"] > 0, second
+        assert second["total_bytes_sent"] >= first["total_bytes_sent"] + second["bytes_sent"], (first, second)
+        assert second["total_dense_bytes"] >= first["total_dense_bytes"] + second["dense_bytes"], (first, second)
 
 
 # -- leaks -------------------------------------------------------------------------------------------
