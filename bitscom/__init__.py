@@ -45,3 +45,18 @@ __all__ = [
     "fsdp", "checkpointing", "diloco", "DiLoCo", "cost", "OneBitAdam", "ZeroOneAdam",
     "nccl_built", "gloo_built", "mpi_built", "cuda_built",
 ]
+
+_OLD_PATHS = ("collectives", "quantization", "error_feedback", "hvd_ops")
+
+
+def __getattr__(name: str):
+    """The older module paths (``bitscom.collectives``, ``bitscom.quantization``, …) stay
+    reachable as attributes after ``import bitscom``, imported on first use: no library module
+    imports them (an import-linter contract), so nothing else would load them. Example::
+
+        bitscom.collectives.LowBitConfig(bitwidth=4)
+    """
+    if name in _OLD_PATHS:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -52,6 +52,7 @@ from .lowbit import LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rou
 from .channel import Channel
 from .comm import Comm, Rounds, is_sum_or_avg
 from .call_header import Call, agree_rounds
+from .face import dense_bytes, group_alive, report
 
 __all__ = ["register_lowbit_backend", "LowBitProcessGroup", "registered_config", "BACKEND_NAME",
            "FutureWork", "InnerTransport", "StateSlots", "MAX_STATES"]
@@ -347,6 +348,31 @@ class LowBitProcessGroup(dist.ProcessGroup):
         self._slots = StateSlots(MAX_STATES, warn=config.error_feedback or config.stage2_error_feedback)
         self._channels: dict[str, Channel] = {}     # per device kind, made on first use
         self._lock = threading.Lock()
+        self._registered = False                    # seen among torch's live groups
+        self._last = (0, 0)                         # (sent, dense) of the last compressed call
+        self.dense_bytes = 0
+
+    def _check_live(self) -> None:
+        """A clear error once torch dropped this group (``bitscom.shutdown()``,
+        ``dist.destroy_process_group()``): the inner gloo connections would otherwise go on
+        working in a world that is gone, each rank reducing over a group nobody else uses."""
+        if group_alive(self):
+            self._registered = True
+        elif self._registered or not dist.is_initialized():
+            raise RuntimeError("this lowbit process group belongs to a world that has since been shut down "
+                               "(bitscom.shutdown() or dist.destroy_process_group()); make a new group "
+                               "after bitscom.init()")
+
+    def comm_stats(self) -> dict:
+        """This rank's bytes of compressed collectives: the last one (``bytes_sent`` /
+        ``dense_bytes``: its fp32 elements) and since the group was made (``total_*``); the
+        keys every face reports.
+
+        Example::
+
+            dist.all_reduce(t, group=pg); pg.comm_stats()["compression_ratio"]
+        """
+        return report(*self._last, total_sent=self.bytes_sent, total_dense=self.dense_bytes)
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -380,6 +406,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
         return "cuda" if "cuda" in self._inner else "cpu"
 
     def _for(self, *tensors):
+        self._check_live()
         return self._inner[self._kind(*tensors)]
 
     # -- the collectives with a header --------------------------------------------------------
@@ -401,8 +428,10 @@ class LowBitProcessGroup(dist.ProcessGroup):
     def _launch(self, call: Call, tensors: list, key, body, result, counted: bool):
         """Issue the header now (in call order); the driver runs ``body`` after it. Returns a
         Work the driver completes; ``counted``: add the bytes to :attr:`bytes_sent`."""
+        self._check_live()
         kind = self._kind(tensors)
         channel = self._channel(kind)
+        numel = sum(t.numel() for t in tensors)
         comm = channel.comm()
         device = tensors[0].device
         future: torch.futures.Future = torch.futures.Future()
@@ -410,6 +439,8 @@ class LowBitProcessGroup(dist.ProcessGroup):
         def finished(rounds: Rounds) -> None:
             if counted:
                 self.bytes_sent += rounds.bytes_sent
+                self.dense_bytes += dense_bytes(numel)
+                self._last = (rounds.bytes_sent, dense_bytes(numel))
             if rounds.error is not None:
                 future.set_exception(rounds.error)
             else:
@@ -576,9 +607,11 @@ class LowBitProcessGroup(dist.ProcessGroup):
         return self._for(tensors).recv_anysource(tensors, tag)
 
     def barrier(self, opts=None):
+        self._check_live()
         return self._inner["cpu"].barrier(opts or dist.BarrierOptions())
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        self._check_live()
         return self._inner["cpu"].monitored_barrier(timeout, wait_all_ranks)
 
 

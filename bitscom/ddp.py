@@ -14,21 +14,27 @@ Per-bucket compressor state (error residuals, P/Q memory, generators) is keyed b
 bucket index. DDP rebuilds its buckets after the first iteration (in the order gradients
 became ready); a bucket index whose parameters change gets a fresh state then. The state
 is checkpointable with :meth:`DDPCommState.state_dict` / :meth:`DDPCommState.load_state_dict`.
+
+The state is a :class:`~bitscom.face.Face`: settings are validated on every rank and then
+agreed, the hook raises a clear error after ``bitscom.shutdown()`` (instead of reducing over a
+dead group), checkpoints carry the envelope (another rank's error-feedback state or a stale
+iteration count on one rank is the same error on every rank at the next bucket), and
+``comm_stats()`` has the keys of every face.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import runtime
-from .comm import resolve_group
-from .agreement import check_agreement, require_member
 from .compressors import Compressor, resolve as resolve_compressor
 from .compressors.base import BucketLayout, TensorSlot
-from .engine import Reducer, comm_stats
+from .engine import Reducer
+from .face import Face, dense_bytes, load_all_or_nothing, report
 from .lowbit.config import canonical_fingerprint
 from .params import checked_pairs
 
@@ -63,11 +69,12 @@ def _layout(bucket, index: int, names: Optional[Dict[int, str]] = None) -> Bucke
     return BucketLayout(index, tuple(slots), flat.dtype, flat.device)
 
 
-class DDPCommState:
+class DDPCommState(Face):
     """What the hook keeps between calls: compressor, groups, per-bucket state, in-flight work.
 
-    Build it with :func:`ddp_comm_hook`. ``comm_stats()`` reports the bytes of the last
-    iteration. Example::
+    Build it with :func:`ddp_comm_hook` (every rank, at the same point: it agrees on the
+    settings). ``comm_stats()`` has every face's keys (:func:`bitscom.face.report`):
+    ``bytes_sent`` since construction, ``step_bytes_sent`` the last iteration. Example::
 
         state, hook = bitscom.ddp_comm_hook(bitscom.compressors.get("topk", ratio=0.01))
         ddp_model.register_comm_hook(state, hook)
@@ -76,18 +83,28 @@ class DDPCommState:
         state.load_state_dict(torch.load(path)["comm"])
     """
 
-    def __init__(self, compressor: Compressor, process_group, channel,
-                 names: Optional[Dict[int, str]] = None):
+    def __init__(self, compressor: Optional[Compressor], process_group,
+                 names: Optional[Dict[int, str]] = None, error: Optional[BaseException] = None):
+        self._face_init("ddp_comm_hook", process_group, warn_single=False)
+        agreed: dict = {}
+        if error is None and compressor is not None:
+            agreed["compressor"] = compressor.fingerprint()
+            if names is not None:
+                agreed["parameter names"] = sorted(names.values())
+        self._face_agree(agreed, error, what="DDP comm hook")
+        assert compressor is not None
         self.compressor = compressor
-        self.process_group = process_group
         self._names = names                       # id(parameter) -> name, or None
         # The core Reducer with layouts and states filled in lazily, per DDP bucket index.
+        channel = runtime.channel(self.process_group, later=self._size > 1)
         self._reducer = Reducer(compressor, [], channel)
         self._keys: List[Optional[tuple]] = []
         self._loaded: Dict[int, tuple] = {}       # index -> (shapes, state dict) awaiting a bucket
         self._pending: List[Tuple[torch.futures.Future, torch.Tensor]] = []
         self._stats = {"bytes_sent": 0, "dense_bytes": 0, "buckets": 0}
-        self._closed = False
+        self._totals = [0, 0]                     # bytes sent, dense bytes since construction
+        self._iterations = 0
+        self._resumed = False
 
     def close(self) -> None:
         """Forget the buckets in flight; the hook fails loudly if DDP calls it afterwards (the
@@ -97,7 +114,10 @@ class DDPCommState:
 
             state.close()
         """
-        self._closed = True
+        self._face_close()
+        self._reducer.abort()
+
+    def _release_groups(self) -> None:
         self._reducer.abort()
 
     # -- per-bucket state ----------------------------------------------------------------
@@ -120,8 +140,10 @@ class DDPCommState:
     def _on_bucket(self, bucket) -> torch.futures.Future:
         future: torch.futures.Future = torch.futures.Future()
         try:
-            if self._closed:
-                raise RuntimeError("bitscom DDP hook state was closed; register a new hook")
+            self._check_live()                          # closed, or its world gone
+            if self._resumed and not self._pending:      # first bucket after a load
+                self._resumed = False
+                self._agree_resumed({"iterations": self._iterations}, "DDP comm hook checkpoint")
             index = self._prepare(bucket)
             flat = bucket.buffer()
             if index == 0 and self._pending:
@@ -142,8 +164,11 @@ class DDPCommState:
         sent = self._reducer.wait_all()
         pending, self._pending = self._pending, []
         self._stats = {"bytes_sent": sent,
-                       "dense_bytes": sum(flat.numel() * 4 for _, flat in pending),
+                       "dense_bytes": sum(dense_bytes(flat.numel()) for _, flat in pending),
                        "buckets": len(pending)}
+        self._totals[0] += sent
+        self._totals[1] += self._stats["dense_bytes"]
+        self._iterations += 1
         for future, flat in pending:
             future.set_result(flat)
 
@@ -161,8 +186,15 @@ class DDPCommState:
         return list(self._reducer.states)
 
     def comm_stats(self) -> dict:
-        """Bytes of the last iteration: ``bytes_sent`` by this rank and ``dense_bytes`` (fp32)."""
-        return comm_stats(**self._stats)
+        """Bytes this rank sent: ``bytes_sent`` / ``dense_bytes`` (fp32) since construction and
+        ``step_bytes_sent`` / ``step_dense_bytes`` for the last iteration, as on every face.
+
+        Example::
+
+            state.comm_stats()["compression_ratio"]
+        """
+        return report(self._stats["bytes_sent"], self._stats["dense_bytes"], total_sent=self._totals[0],
+                      total_dense=self._totals[1], buckets=self._stats["buckets"])
 
     def state_dict(self) -> dict:
         """Per-bucket compressor state with each bucket's gradient shapes, and the settings."""
@@ -172,7 +204,8 @@ class DDPCommState:
                 buckets[i] = (_shapes(layout), state.state_dict())
         for i, saved in self._loaded.items():       # loaded but not used yet: keep it
             buckets.setdefault(i, saved)
-        return {"compressor": self.compressor.fingerprint(), "buckets": buckets}
+        return {"compressor": self.compressor.fingerprint(), "buckets": buckets,
+                "envelope": self._envelope(self._iterations)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore :meth:`state_dict`'s output.
@@ -186,6 +219,15 @@ class DDPCommState:
                              f"{self.compressor.fingerprint()}")
         if self._pending:
             raise RuntimeError("load_state_dict() called during backward; call it between iterations")
+        envelope = state_dict.get("envelope", {})
+        per_rank = any(saved for _, saved in state_dict["buckets"].values())
+        self._resumed = True                # the ranks compare what they resumed at the next bucket
+        if not self._check_envelope(envelope, per_rank_state=per_rank):
+            return
+        load_all_or_nothing(self._snapshot, lambda: self._load(state_dict), self._restore)
+        self._iterations = int(envelope.get("steps", self._iterations))
+
+    def _load(self, state_dict: dict) -> None:
         self._loaded = {}
         for i, (shapes, saved) in state_dict["buckets"].items():
             i = int(i)
@@ -194,6 +236,13 @@ class DDPCommState:
                 self._reducer.states[i].load_state_dict(saved)
             else:
                 self._loaded[i] = (tuple(shapes), saved)
+
+    def _snapshot(self) -> tuple:
+        return self.state_dict()["buckets"], dict(self._loaded)
+
+    def _restore(self, saved: tuple) -> None:
+        self._load({"buckets": saved[0]})
+        self._loaded.update(saved[1])
 
 
 def _shapes(layout: BucketLayout) -> tuple:
@@ -204,7 +253,8 @@ def _hook(state, bucket):       # no annotations: DDP checks them and these woul
     return state._on_bucket(bucket)
 
 
-def ddp_comm_hook(compressor="none", process_group=None, named_parameters=None):
+def ddp_comm_hook(compression="none", process_group=None, named_parameters=None, *,
+                  compressor=None) -> tuple:
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
 
     Every rank must call it (it checks that all ranks chose the same compressor settings, and
@@ -212,9 +262,10 @@ def ddp_comm_hook(compressor="none", process_group=None, named_parameters=None):
     :func:`bitscom.init`).
 
     Args:
-        compressor: a bitscom compressor (``bitscom.Compression.fp16``,
+        compression: a bitscom compressor (``bitscom.Compression.fp16``,
             ``bitscom.compressors.PowerSGD(rank=2)``), a registry name, or a Horovod-style
             codec class (``compress``/``decompress``; see :mod:`bitscom.compression`).
+            ``compressor=`` is its deprecated name (every face calls it ``compression=``).
         process_group: the DDP model's process group (default: the world group).
         named_parameters: ``model.named_parameters()`` of the DDP model: names the slots of
             DDP's buckets after their parameters. Needed by compressors that match names
@@ -231,28 +282,38 @@ def ddp_comm_hook(compressor="none", process_group=None, named_parameters=None):
         comp = bitscom.compressors.Exclude("topk", patterns=("*.bias", "*norm*"))
         state, hook = bitscom.ddp_comm_hook(comp, named_parameters=net.named_parameters())
     """
-    compressor = resolve_compressor(compressor, "compressor")
-    if compressor.applies_momentum:
-        raise ValueError(f"compressor={compressor.fingerprint()} applies SGD momentum before "
+    if compressor is not None:
+        warnings.warn("ddp_comm_hook(compressor=...) is deprecated; pass compression=... (the name "
+                      "every bitscom face uses)", DeprecationWarning, stacklevel=2)
+        compression = compressor
+    error: Optional[BaseException] = None
+    comp: Optional[Compressor] = None
+    names = None
+    try:                    # validated on every rank, raised on every rank by the agreement
+        comp = _checked_compression(compression, named_parameters)
+        if named_parameters is not None:
+            names = {id(p): n for n, p in checked_pairs(named_parameters)}
+    except (TypeError, ValueError) as err:
+        error = err
+    if not (dist.is_available() and dist.is_initialized()):
+        if error is not None:
+            raise error
+        raise RuntimeError("ddp_comm_hook needs torch.distributed: call bitscom.init() (or "
+                           "torch.distributed.init_process_group) before building the hook")
+    state = DDPCommState(comp, process_group, names, error)
+    return state, _hook
+
+
+def _checked_compression(compression, named_parameters) -> Compressor:
+    """The compressor ``compression`` names, if a DDP hook can run it."""
+    comp = resolve_compressor(compression, "compression")
+    if comp.applies_momentum:
+        raise ValueError(f"compression={comp.fingerprint()} applies SGD momentum before "
                          "compressing and needs an optimizer without momentum, which a DDP hook "
                          "cannot check; use bitscom.DistributedOptimizer with "
                          "torch.optim.SGD(..., momentum=0)")
-    names = None
-    if named_parameters is not None:
-        names = {id(p): n for n, p in checked_pairs(named_parameters)}
-    if compressor.uses_names and names is None:
-        raise ValueError(f"compressor={compressor!r} matches parameter names and DDP's buckets "
+    if comp.uses_names and named_parameters is None:
+        raise ValueError(f"compression={comp!r} matches parameter names and DDP's buckets "
                          "carry none: pass named_parameters=model.named_parameters() to "
                          "ddp_comm_hook")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("ddp_comm_hook needs torch.distributed: call bitscom.init() (or "
-                           "torch.distributed.init_process_group) before building the hook")
-    process_group = resolve_group(process_group)
-    require_member(process_group, "ddp_comm_hook")
-    many = dist.get_world_size(process_group) > 1
-    if many:
-        agreed = {"compressor": compressor.fingerprint()}
-        if names is not None:
-            agreed["parameter names"] = sorted(names.values())
-        check_agreement(agreed, process_group, "DDP comm hook")
-    return DDPCommState(compressor, process_group, runtime.channel(process_group, later=many), names), _hook
+    return comp

@@ -20,46 +20,7 @@ from .comm import Rounds
 from .compressors.base import BucketLayout, Compressor, State
 from .lowbit.config import canonical_fingerprint
 
-__all__ = ["Reducer", "comm_stats"]
-
-
-def comm_stats(bytes_sent: int, dense_bytes: int, **extra) -> dict:
-    """The byte report every face returns from ``comm_stats()``: ``bytes_sent`` (payload this
-    rank handed to the network), ``dense_bytes`` (what fp32 gradients would have cost) and
-    ``compression_ratio`` (their quotient; NaN before anything was sent), plus ``extra``.
-
-    Example::
-
-        comm_stats(1000, 32000, buckets=3)["compression_ratio"]   # 32.0
-    """
-    stats = dict(extra, bytes_sent=bytes_sent, dense_bytes=dense_bytes)
-    stats["compression_ratio"] = dense_bytes / bytes_sent if bytes_sent else float("nan")
-    return stats
-
-
-class ByteTotals:
-    """Whole-run byte counters for a face whose ``bytes_sent`` is per step.
-
-    Every face's ``comm_stats()`` has ``total_bytes_sent`` / ``total_dense_bytes`` with one
-    meaning (since construction, this rank); ``bytes_sent`` / ``dense_bytes`` are the last
-    step for DistributedOptimizer and ShardedOptimizer and the whole run for the faces that
-    communicate only every few steps (DiLoCo, OneBitAdam, ZeroOneAdam, FSDP2's handle).
-
-    Example::
-
-        totals = ByteTotals(); totals.add(100, 400); totals.as_dict()["total_bytes_sent"]  # 100
-    """
-
-    def __init__(self) -> None:
-        self.sent = 0
-        self.dense = 0
-
-    def add(self, sent: int, dense: int) -> None:
-        self.sent += int(sent)
-        self.dense += int(dense)
-
-    def as_dict(self) -> dict:
-        return {"total_bytes_sent": self.sent, "total_dense_bytes": self.dense}
+__all__ = ["Reducer"]
 
 
 class Reducer:

@@ -56,7 +56,7 @@ from .agreement import check_agreement, require_member
 from .comm import resolve_group
 
 __all__ = ["Face", "require_group", "check_trainable", "ddp_owner", "live_objects", "describe_parameters", "raise_problem", "load_all_or_nothing", "release_all", "dense_bytes",
-           "report", "ByteLedger"]
+           "report", "ByteLedger", "group_alive", "renamed"]
 
 _live: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -176,12 +176,17 @@ def require_group(process_group, face: str, *, warn_single: bool = False):
 
         group = require_group(None, "ShardedOptimizer")
     """
+    if process_group is not None and not group_alive(process_group):
+        raise RuntimeError(
+            f"{face} was given a process_group of a world that has since been shut down "
+            "(bitscom.shutdown() or dist.destroy_process_group()); its connections are gone. Make "
+            "the group again after bitscom.init()")
     group = resolve_group(process_group)
     if group is None:
         info = runtime.discover()
         if info.size > 1:
             raise RuntimeError(
-                f"{face} was used before bitscom.init(): the launcher ({info.launcher}) started "
+                f"{face} was used before bitscom.init() (or after bitscom.shutdown()): the launcher ({info.launcher}) started "
                 f"{info.size} processes but torch.distributed is not initialized, so it would run "
                 "each rank on its own and the replicas would diverge. Call bitscom.init() (or "
                 "torch.distributed.init_process_group) first.")
@@ -197,6 +202,39 @@ def require_group(process_group, face: str, *, warn_single: bool = False):
                          f"{face} on member ranks only")
     require_member(group, face)
     return group
+
+
+def renamed(value, old_value, *, new: str, old: str, where: str):
+    """``value``, or ``old_value`` passed under the deprecated name ``old`` (with a
+    DeprecationWarning): one name per concept on every face (``process_group=``,
+    ``compression=``), the old spellings kept where they shipped.
+
+    Example::
+
+        process_group = renamed(process_group, group, new="process_group", old="group", where="DiLoCo")
+    """
+    if old_value is None:
+        return value
+    if value is not None:
+        raise TypeError(f"{where}: pass {new}= only ({old}= is its deprecated name)")
+    warnings.warn(f"{where}({old}=...) is deprecated; pass {new}=... (the name every bitscom face "
+                  "uses)", DeprecationWarning, stacklevel=3)
+    return old_value
+
+
+def group_alive(group) -> bool:
+    """Whether ``group`` is one of torch's live process groups: ``destroy_process_group()``
+    (which ``bitscom.shutdown()`` runs) unregisters every group of the world, but a Python
+    reference keeps the object, and a custom backend (``lowbit``) would go on sending over its
+    inner connections in a world that is gone.
+
+    Example::
+
+        assert group_alive(dist.group.WORLD)
+    """
+    if not isinstance(group, dist.ProcessGroup):     # e.g. NON_GROUP_MEMBER: membership decides
+        return True
+    return dist.is_initialized() and group in dist.distributed_c10d._world.pg_map
 
 
 def check_trainable(named: Sequence[Tuple[str, torch.Tensor]], face: str,

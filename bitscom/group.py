@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from . import runtime
-from .agreement import check_agreement
 from .lowbit import LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds, reduce_scatter_rounds
-from .comm import Comm, Rounds, is_sum_or_avg, resolve_group
+from .comm import Comm, Rounds, is_sum_or_avg
 from .call_header import Call, agree_rounds
+from .face import Face, dense_bytes, load_all_or_nothing, report
 from .lowbit import FULL_PRECISION, Quantized, dequantize, quantize
 
 __all__ = ["LowBitGroup", "LowBitWork"]
@@ -77,8 +77,12 @@ def _chain(*gens):
     return result
 
 
-class LowBitGroup:
+class LowBitGroup(Face):
     """Low-bit all_reduce / reduce_scatter / all_gather over a process group.
+
+    A :class:`~bitscom.face.Face`: settings agreed on every rank at construction, a clear
+    error on every call after ``bitscom.shutdown()`` (instead of using a dead group),
+    ``state_dict()`` in the checkpoint envelope, ``comm_stats()`` and ``close()``.
 
     Args:
         bitwidth: first-stage width (1, 2, 4, 8, 12, 16; 32 = float32). The seed's first argument.
@@ -108,19 +112,25 @@ class LowBitGroup:
                  local_group=None, **settings):
         if bitwidth is not None:
             settings["bitwidth"] = bitwidth
-        self.config = LowBitConfig.build(config, **settings)
-        self.process_group = resolve_group(process_group)
-        if local_group is not None and intra_group is not None and local_group is not intra_group:
-            raise ValueError("pass intra_group or its seed name local_group, not both")
+        self._face_init("LowBitGroup", process_group, warn_single=False)
+        error: Optional[BaseException] = None
+        try:
+            self.config = LowBitConfig.build(config, **settings)
+            if local_group is not None and intra_group is not None and local_group is not intra_group:
+                raise ValueError("pass intra_group or its seed name local_group, not both")
+        except (TypeError, ValueError) as err:
+            error = err
+        # Ranks with different settings would exchange bytes of different formats: fail here,
+        # on every rank, with what differs (a bad value on one rank: its error everywhere).
+        self._face_agree({} if error else {"settings": repr(self.config)}, error, what="LowBitGroup settings")
         self.intra_group = intra_group if intra_group is not None else local_group
         self.inter_group = inter_group
         self._states: Dict[Any, LowBitState] = {}
         self._calls = 0
+        self._resumed = False
+        self._open: list = []                   # (work, dense bytes) not yet counted
+        self._last = self._total = (0, 0)       # (sent, dense): last finished call, all calls
         self._channel = runtime.channel(self.process_group, later=True)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
-            # Ranks with different settings would exchange bytes of different formats: fail
-            # here, on every rank, with what differs.
-            check_agreement({"settings": repr(self.config)}, self.process_group, "LowBitGroup settings")
 
     @property
     def bitwidth(self) -> int:
@@ -154,21 +164,81 @@ class LowBitGroup:
         return self._states[full], full
 
     def state_dict(self) -> dict:
-        """Per-key error-feedback state and the call counter (keys as given)."""
-        return {"calls": self._calls, "states": {k: s.state_dict() for k, s in self._states.items()}}
+        """Per-key error-feedback state and the call counter (keys as given), in the checkpoint
+        envelope (who saved it, after how many calls)."""
+        return {"calls": self._calls, "states": {k: s.state_dict() for k, s in self._states.items()},
+                "envelope": self._envelope(self._calls)}
 
     def load_state_dict(self, state: dict) -> None:
-        self._calls = int(state["calls"])
-        self._states = {}
-        for k, s in state["states"].items():
-            st = LowBitState()
-            st.load_state_dict(s)
-            self._states[k] = st
+        """Restore :meth:`state_dict`. Another rank's error-feedback state, or counters that
+        differ between ranks (a stale file on one rank), are the same RuntimeError on every
+        rank at the next call; a failed load leaves the group as it was."""
+        if not self._check_envelope(state.get("envelope", {}), per_rank_state=bool(state["states"])):
+            self._resumed = True
+            return
+
+        def load():
+            self._calls = int(state["calls"])
+            self._states = {}
+            for k, s in state["states"].items():
+                st = LowBitState()
+                st.load_state_dict(s)
+                self._states[k] = st
+
+        load_all_or_nothing(lambda: (self._calls, self._states), load, self._restore)
+        self._resumed = True
+
+    def _restore(self, saved: tuple) -> None:
+        self._calls, self._states = saved
+
+    # -- the face -------------------------------------------------------------------------------
+    def _before_call(self) -> None:
+        """Every call: a clear error if the world is gone or the group closed; after a load, the
+        ranks compare what they resumed (so a foreign or stale checkpoint fails everywhere)."""
+        self._check_live()
+        if self._resumed:
+            self._resumed = False
+            steps = sorted(s.step for s in self._states.values())
+            self._agree_resumed({"calls": self._calls, "state steps": steps}, "LowBitGroup checkpoint")
+
+    def _release_groups(self) -> None:
+        self._channel = runtime.channel(None)          # private and empty: holds no group
+        self.intra_group = self.inter_group = None
+
+    def close(self) -> None:
+        """Forget the group's channel and state; calls afterwards raise.
+
+        Example::
+
+            lb.close()
+        """
+        self._face_close()
+        self._release_groups()
+
+    def comm_stats(self) -> dict:
+        """Bytes of the last finished call (``bytes_sent`` / ``dense_bytes``: fp32 elements
+        reduced) and since construction (``total_*``), on this rank.
+
+        Example::
+
+            lb.all_reduce(t); lb.comm_stats()["compression_ratio"]
+        """
+        still = []
+        for work, dense in self._open:
+            if not work.done:
+                still.append((work, dense))
+            elif work.error is None:
+                self._last = (work.bytes_sent, dense)
+                self._total = (self._total[0] + work.bytes_sent, self._total[1] + dense)
+        self._open = still
+        return report(*self._last, total_sent=self._total[0], total_dense=self._total[1])
 
     # -- helpers ------------------------------------------------------------------------------
-    def _start(self, rounds, comms, async_op: bool):
+    def _start(self, rounds, comms, async_op: bool, numel: int = 0):
         work = LowBitWork(rounds, comms, self._channel)
         self._channel.submit(work)
+        if numel:
+            self._open.append((work, dense_bytes(numel)))
         return _handed(work, async_op)
 
     def _checked(self, call: Call, device, rounds):
@@ -208,6 +278,7 @@ class LowBitGroup:
         """
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        self._before_call()
         call = Call.of("all_reduce", op, tensor.dtype, tensor.numel())
         if not tensor.is_floating_point() or not is_sum_or_avg(op):
             error = None
@@ -238,7 +309,7 @@ class LowBitGroup:
             rounds = all_reduce_rounds(tensor, None, cfg, st, average=average, key=full_key,
                                        intra=comms[0], inter=comms[1])
         rounds, check = self._checked(call, tensor.device, rounds)
-        return self._start(rounds, [check] + comms, async_op)
+        return self._start(rounds, [check] + comms, async_op, tensor.numel())
 
     def reduce_scatter(self, output: torch.Tensor, input, op=dist.ReduceOp.SUM,
                        async_op: bool = False, key=None):
@@ -249,6 +320,7 @@ class LowBitGroup:
 
             lb.reduce_scatter(out, torch.cat(shards), op=dist.ReduceOp.SUM)
         """
+        self._before_call()
         if isinstance(input, (list, tuple)):
             input = torch.cat([t.reshape(-1) for t in input])
         call = Call.of("reduce_scatter", op, input.dtype, output.numel())
@@ -261,7 +333,7 @@ class LowBitGroup:
         rounds = reduce_scatter_rounds(output, input, comm, self.config, st, average=average,
                                        key=full_key)
         rounds, check = self._checked(call, output.device, rounds)
-        return self._start(rounds, [check, comm], async_op)
+        return self._start(rounds, [check, comm], async_op, input.numel())
 
     def all_gather(self, output, input: torch.Tensor, async_op: bool = False, key=None):
         """``output`` (P·k elements, or the seed's list of P tensors of k elements) receives
@@ -271,6 +343,7 @@ class LowBitGroup:
 
             lb.all_gather(out, shard)
         """
+        self._before_call()
         if isinstance(output, (list, tuple)):
             outs = list(output)
             flat = torch.empty(len(outs) * input.numel(), dtype=input.dtype, device=input.device)
@@ -290,7 +363,7 @@ class LowBitGroup:
         comm = self._channel.comm()
         rounds = all_gather_rounds(output, input, comm, self.config, st, key=full_key)
         rounds, check = self._checked(call, input.device, rounds)
-        return self._start(rounds, [check, comm], async_op)
+        return self._start(rounds, [check, comm], async_op, output.numel())
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Exact broadcast from global rank ``src`` (the seed's API; nothing to compress).
@@ -299,6 +372,7 @@ class LowBitGroup:
 
             lb.broadcast(t, src=0)
         """
+        self._before_call()
         root = dist.get_group_rank(self.process_group, src) if self.process_group is not None else src
         call = Call.of("broadcast", dist.ReduceOp.SUM, tensor.dtype, tensor.numel())
         return self._exact(call, tensor.device, lambda comm: comm.broadcast(tensor, root), async_op)

@@ -199,7 +199,7 @@ def test_checkpoint_waits_for_rebuilt_buckets(pools):
 def test_bad_compressor_is_rejected():
     with pytest.raises(ValueError, match="unknown compressor 'nope'"):
         bitscom.ddp_comm_hook("nope")
-    with pytest.raises(TypeError, match="compressor must be"):
+    with pytest.raises(TypeError, match="compression must be"):
         bitscom.ddp_comm_hook(42)
 
 

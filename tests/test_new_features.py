@@ -502,7 +502,7 @@ def _ddp_exclude(rank, world):
         stats = state.comm_stats()
         layouts = state._reducer.layouts[:stats["buckets"]]
         assert {s.name for lay in layouts for s in lay.slots} == {n for n, _ in net.named_parameters()}
-        assert stats["bytes_sent"] == sum(sent_bytes(comp, lay, world) for lay in layouts)
+        assert stats["step_bytes_sent"] == sum(sent_bytes(comp, lay, world) for lay in layouts)
         opt.step()
         assert _same_on_all_ranks(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
     state.close()

@@ -34,7 +34,7 @@ from ..buckets import FlatBucket
 from ..compressors import resolve as resolve_compressor
 from ..compressors.lowbit import LowBit
 from ..engine import Reducer
-from ..face import Face, check_trainable, dense_bytes, report
+from ..face import Face, check_trainable, dense_bytes, renamed, report
 from ..lifecycle import StepFace
 from ..params import named_parameters_of
 from .config import DiLoCoConfig
@@ -89,7 +89,8 @@ class DiLoCo(Face, torch.optim.Optimizer):
             ``outer_lr=1, outer_momentum=0, nesterov=False`` is periodic model averaging).
         fragments: F > 1 = Streaming DiLoCo: F contiguous fragments synchronized at steps
             staggered by H/F (each sync sends 1/F of the model).
-        group: the process group (default: the world group).
+        process_group: the process group (default: the world group); ``group=`` is its
+            deprecated name.
         fusion_threshold_mb: bucket size cap of the pseudo-gradient reduction (as in
             ``DistributedOptimizer``).
         warmup_steps: W steps of S-SGD first (post-local SGD): the gradient is reduced
@@ -123,7 +124,9 @@ class DiLoCo(Face, torch.optim.Optimizer):
     def __init__(self, inner_optimizer, named_parameters=None, *, sync_every: int = 16,
                  compression: Any = DEFAULT_COMPRESSION, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
-                 group=None, fusion_threshold_mb: float = 25, warmup_steps: int = 0):
+                 process_group=None, fusion_threshold_mb: float = 25, warmup_steps: int = 0,
+                 group=None):
+        group = renamed(process_group, group, new="process_group", old="group", where="DiLoCo")
         self._face_init("DiLoCo", group)
         group = self._group = self.process_group
         # Settings are validated on every rank, then compared: a bad value on one rank only

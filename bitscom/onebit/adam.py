@@ -6,6 +6,7 @@ from typing import Any, Dict
 
 import torch
 
+from ..face import renamed
 from .base import OneBitBase
 from .config import OneBitConfig
 
@@ -54,7 +55,8 @@ class OneBitAdam(OneBitBase):
         freeze_step: exact warm-up steps (>= 1). They cost a full fp32 all-reduce each; too
             few and ``v`` is frozen before it settled (DeepSpeed suggests ~15-25% of training
             on BERT; docs/onebit.md).
-        group: process group (default: the world group).
+        process_group: process group (default: the world group); ``group=`` is its
+            deprecated name.
         block_size: elements per 1-bit scale; ``stage2_bits``: width of the server stage.
         bias_correction: Adam's bias correction (default True; False = DeepSpeed's).
 
@@ -75,8 +77,9 @@ class OneBitAdam(OneBitBase):
     _NAME = "OneBitAdam"
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, freeze_step: int = 100, *, group=None,
-                 block_size: int = 2048, stage2_bits: int = 1, bias_correction: bool = True):
+                 weight_decay: float = 0.0, freeze_step: int = 100, *, process_group=None,
+                 block_size: int = 2048, stage2_bits: int = 1, bias_correction: bool = True, group=None):
+        group = renamed(process_group, group, new="process_group", old="group", where="OneBitAdam")
         super().__init__(params, lr, weight_decay, group,
                          dict(betas=betas, eps=eps, freeze_step=freeze_step,
                               block_size=block_size, stage2_bits=stage2_bits,

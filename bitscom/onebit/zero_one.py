@@ -6,6 +6,7 @@ from typing import Any, Dict
 
 import torch
 
+from ..face import renamed
 from .base import OneBitBase
 from .config import ZeroOneConfig
 
@@ -47,7 +48,7 @@ class ZeroOneAdam(OneBitBase):
     small; the paper's runs freeze after ~10^5 steps. docs/onebit.md gives the numbers.
 
     Args:
-        params, lr, betas, eps, weight_decay, group, block_size, stage2_bits: as
+        params, lr, betas, eps, weight_decay, process_group, block_size, stage2_bits: as
             :class:`~bitscom.onebit.OneBitAdam`.
         var_freeze_step: last step that may update the variance (usually the end of the lr
             warm-up; DeepSpeed: "does not require tuning").
@@ -71,8 +72,9 @@ class ZeroOneAdam(OneBitBase):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, var_freeze_step: int = 100, var_update_scaler: int = 16,
-                 local_step_scaler: int = 32678, local_step_clipper: int = 16, *, group=None,
-                 block_size: int = 2048, stage2_bits: int = 1, bias_correction: bool = True):
+                 local_step_scaler: int = 32678, local_step_clipper: int = 16, *, process_group=None,
+                 block_size: int = 2048, stage2_bits: int = 1, bias_correction: bool = True, group=None):
+        group = renamed(process_group, group, new="process_group", old="group", where="ZeroOneAdam")
         super().__init__(params, lr, weight_decay, group,
                          dict(betas=betas, eps=eps, var_freeze_step=var_freeze_step,
                               var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,

@@ -36,11 +36,11 @@ for x, y in loader:                          # each rank gets its own batches
     accelerator.backward(nn.functional.mse_loss(model(x), y))
     opt.step()
 
-stats = state.comm_stats()                   # the last iteration's bytes, this rank
+stats = state.comm_stats()                   # step_*: the last iteration's, this rank
 digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
                                  for p in model.parameters())).hexdigest()
 print(f"RESULT rank={accelerator.process_index} loss={before:.4f}->{full_loss():.4f} "
-      f"sent={stats['bytes_sent']} fp32={stats['dense_bytes']} "
+      f"sent={stats['step_bytes_sent']} fp32={stats['step_dense_bytes']} "
       f"ratio={stats['compression_ratio']:.2f} params={digest}", flush=True)
 state.close()
 accelerator.end_training()

@@ -39,7 +39,7 @@ stats = opt.comm_stats()                     # the last step's bytes, this rank
 digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
                                  for p in model.parameters())).hexdigest()
 print(f"RESULT rank={accelerator.process_index} loss={before:.4f}->{full_loss():.4f} "
-      f"sent={stats['bytes_sent']} fp32={stats['dense_bytes']} "
+      f"sent={stats['step_bytes_sent']} fp32={stats['step_dense_bytes']} "
       f"ratio={stats['compression_ratio']:.2f} params={digest}", flush=True)
 opt.close()
 

@@ -15,16 +15,16 @@ class BitscomCommHook(L.Callback):
     registers DDPStrategy(ddp_comm_hook=...) on CUDA, and building the hook needs the process
     group that Trainer.fit() starts, so the callback does it once fit has wrapped the model."""
 
-    def __init__(self, compressor):
-        self.compressor, self.state = compressor, None
+    def __init__(self, compression):
+        self.compression, self.state = compression, None
 
     def on_fit_start(self, trainer, pl_module):
         bitscom.init()                                    # adopts Lightning's process group
-        self.state, hook = bitscom.ddp_comm_hook(self.compressor)
+        self.state, hook = bitscom.ddp_comm_hook(self.compression)
         trainer.strategy.model.register_comm_hook(self.state, hook)   # the DDP wrapper
 
     def on_fit_end(self, trainer, pl_module):
-        self.stats = self.state.comm_stats()              # the last iteration's bytes, this rank
+        self.stats = self.state.comm_stats()              # step_*: the last iteration's, this rank
         self.state.close()
 
 
@@ -56,6 +56,6 @@ if __name__ == "__main__":
     digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
                                      for p in model.parameters())).hexdigest()
     print(f"RESULT rank={trainer.global_rank} loss={before:.4f}->{full_loss():.4f} "
-          f"sent={hook.stats['bytes_sent']} "
-          f"fp32={hook.stats['dense_bytes']} ratio={hook.stats['compression_ratio']:.2f} "
+          f"sent={hook.stats['step_bytes_sent']} "
+          f"fp32={hook.stats['step_dense_bytes']} ratio={hook.stats['compression_ratio']:.2f} "
           f"params={digest}", flush=True)
