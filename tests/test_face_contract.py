@@ -19,9 +19,7 @@ stack under every face"; issue 32):
 from __future__ import annotations
 
 import datetime
-import gc
 import os
-import threading
 import warnings
 
 import pytest
@@ -29,19 +27,13 @@ import torch
 import torch.distributed as dist
 
 import bitscom
+from contract_tools import outcome as _outcome, resource_counts as _counts
 from distpool import WorkerPool
 from face_specs import SPECS, build, flat_parameters, train_step
 
 NAMES = [s.name for s in SPECS]
 BY_NAME = {s.name: s for s in SPECS}
 
-
-def _outcome(fn):
-    """("ok", value) or (exception type name, message)."""
-    try:
-        return ("ok", fn())
-    except Exception as err:  # noqa: BLE001 — the contract compares what each rank raised
-        return (type(err).__name__, str(err))
 
 
 def _train(spec, model, opt, rank, steps, start=0):
@@ -177,10 +169,6 @@ def test_replicas_identical_and_nan_visible_on_every_rank(pools, name):
 
 # -- leaks ----------------------------------------------------------------------------------------
 
-def _counts():
-    gc.collect()
-    groups = len(dist.distributed_c10d._world.pg_map)
-    return groups, threading.active_count(), len(os.listdir("/proc/self/fd"))
 
 
 def _cycles(rank, world, name, n):

@@ -21,10 +21,7 @@ The DDP-wrapped refusal does not apply: the DDP hook is how bitscom serves DDP m
 from __future__ import annotations
 
 import datetime
-import gc
-import os
 import re
-import threading
 import time
 import warnings
 
@@ -33,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import bitscom
+from contract_tools import outcome as _outcome, resource_counts as _counts
 from distpool import WorkerPool
 from face_specs_collectives import NUMEL, SPECS
 
@@ -40,13 +38,6 @@ NAMES = [s.name for s in SPECS]
 BY_NAME = {s.name: s for s in SPECS}
 STATEFUL = [s.name for s in SPECS if s.has_state]
 
-
-def _outcome(fn):
-    """("ok", value) or (exception type name, message)."""
-    try:
-        return ("ok", fn())
-    except Exception as err:  # noqa: BLE001 — the contract compares what each rank raised
-        return (type(err).__name__, str(err))
 
 
 # -- mismatches: the same clear error on every rank, within 10 s --------------------------------
@@ -171,10 +162,6 @@ def test_comm_stats_has_the_keys_of_every_face(pools, name):
 
 # -- leaks -------------------------------------------------------------------------------------------
 
-def _counts():
-    gc.collect()
-    groups = len(dist.distributed_c10d._world.pg_map)
-    return groups, threading.active_count(), len(os.listdir("/proc/self/fd"))
 
 
 def _cycles(rank, world, name, n):

@@ -15,17 +15,12 @@ from torch import nn
 
 import bitscom
 import bitscom.fsdp
+from contract_tools import outcome as _outcome
 from distpool import WorkerPool
 
 pytest.importorskip("torch.distributed.fsdp")
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
-
-def _outcome(fn):
-    try:
-        return ("ok", fn())
-    except Exception as err:  # noqa: BLE001 — the contract compares what each rank raised
-        return (type(err).__name__, str(err))
 
 
 def _sharded(world, hidden=30):

@@ -1,0 +1,23 @@
+"""Small pieces every face-contract suite uses (tests/test_face_contract*.py)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import torch.distributed as dist
+
+
+def outcome(fn):
+    """("ok", value) or (exception type name, message): what each rank did, to compare."""
+    try:
+        return ("ok", fn())
+    except Exception as err:  # noqa: BLE001 — the contract compares what each rank raised
+        return (type(err).__name__, str(err))
+
+
+def resource_counts():
+    """(process groups, threads, file descriptors) of this process, after a collection."""
+    gc.collect()
+    return len(dist.distributed_c10d._world.pg_map), threading.active_count(), len(os.listdir("/proc/self/fd"))
