@@ -14,3 +14,13 @@ def pools():
     p = Pools()
     yield p
     p.close()
+
+
+@pytest.fixture(scope="module")
+def own_pool():
+    """A private 2-rank pool for a module whose tests shut the world down and start it again
+    (the face-contract suites)."""
+    from distpool import WorkerPool
+    p = WorkerPool(2)
+    yield p
+    p.close()

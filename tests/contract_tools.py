@@ -21,3 +21,9 @@ def resource_counts():
     """(process groups, threads, file descriptors) of this process, after a collection."""
     gc.collect()
     return len(dist.distributed_c10d._world.pg_map), threading.active_count(), len(os.listdir("/proc/self/fd"))
+
+
+def assert_no_growth(results) -> None:
+    """Each rank's (counts after cycle 2, counts after the last cycle) must be equal."""
+    for first, last in results:
+        assert last == first, f"(groups, threads, fds) after cycle 2 {first}, after the last {last}"

@@ -27,13 +27,12 @@ import torch
 import torch.distributed as dist
 
 import bitscom
+from contract_tools import assert_no_growth
 from contract_tools import outcome as _outcome, resource_counts as _counts
-from distpool import WorkerPool
 from face_specs import SPECS, build, flat_parameters, train_step
 
 NAMES = [s.name for s in SPECS]
 BY_NAME = {s.name: s for s in SPECS}
-
 
 
 def _train(spec, model, opt, rank, steps, start=0):
@@ -170,7 +169,6 @@ def test_replicas_identical_and_nan_visible_on_every_rank(pools, name):
 # -- leaks ----------------------------------------------------------------------------------------
 
 
-
 def _cycles(rank, world, name, n):
     spec = BY_NAME[name]
     seen = []
@@ -185,18 +183,10 @@ def _cycles(rank, world, name, n):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_twenty_cycles_leak_no_groups_threads_or_fds(pools, name):
-    for first, last in pools.run(2, _cycles, name, 20):
-        assert last == first, f"(groups, threads, fds) after cycle 2 {first}, after cycle 20 {last}"
+    assert_no_growth(pools.run(2, _cycles, name, 20))
 
 
 # -- the world goes away ---------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def own_pool():
-    """A private pool: these tests shut the world down and start it again."""
-    p = WorkerPool(2)
-    yield p
-    p.close()
 
 
 def _after_shutdown(rank, world, name, reinit):

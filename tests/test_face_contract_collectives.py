@@ -30,14 +30,13 @@ import torch
 import torch.distributed as dist
 
 import bitscom
+from contract_tools import assert_no_growth
 from contract_tools import outcome as _outcome, resource_counts as _counts
-from distpool import WorkerPool
 from face_specs_collectives import NUMEL, SPECS
 
 NAMES = [s.name for s in SPECS]
 BY_NAME = {s.name: s for s in SPECS}
 STATEFUL = [s.name for s in SPECS if s.has_state]
-
 
 
 # -- mismatches: the same clear error on every rank, within 10 s --------------------------------
@@ -163,7 +162,6 @@ def test_comm_stats_has_the_keys_of_every_face(pools, name):
 # -- leaks -------------------------------------------------------------------------------------------
 
 
-
 def _cycles(rank, world, name, n):
     seen = []
     for _ in range(n):
@@ -177,18 +175,10 @@ def _cycles(rank, world, name, n):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_twenty_cycles_leak_no_groups_threads_or_fds(pools, name):
-    for first, last in pools.run(2, _cycles, name, 20):
-        assert last == first, f"(groups, threads, fds) after cycle 2 {first}, after cycle 20 {last}"
+    assert_no_growth(pools.run(2, _cycles, name, 20))
 
 
 # -- the world goes away -------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def own_pool():
-    """A private pool: these tests shut the world down and start it again."""
-    p = WorkerPool(2)
-    yield p
-    p.close()
 
 
 def _after_shutdown(rank, world, name, reinit):

@@ -16,11 +16,9 @@ from torch import nn
 import bitscom
 import bitscom.fsdp
 from contract_tools import outcome as _outcome
-from distpool import WorkerPool
 
 pytest.importorskip("torch.distributed.fsdp")
 from torch.distributed.fsdp import fully_shard  # noqa: E402
-
 
 
 def _sharded(world, hidden=30):
@@ -101,13 +99,6 @@ def test_results_identical_and_bytes_reported(pools):
     assert torch.equal(p0, p1)
     for s in (s0, s1):
         assert s["bytes_sent"] == s["total_bytes_sent"] > 0 and s["compression_ratio"] > 1, s
-
-
-@pytest.fixture(scope="module")
-def own_pool():
-    p = WorkerPool(2)
-    yield p
-    p.close()
 
 
 def _after_shutdown(rank, world):
