@@ -52,7 +52,7 @@ from .lowbit import LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rou
 from .channel import Channel
 from .comm import Comm, Rounds, is_sum_or_avg
 from .call_header import Call, agree_rounds
-from .face import dense_bytes, group_alive, report
+from .face import ByteLedger, dense_bytes, group_alive
 
 __all__ = ["register_lowbit_backend", "LowBitProcessGroup", "registered_config", "BACKEND_NAME",
            "FutureWork", "InnerTransport", "StateSlots", "MAX_STATES"]
@@ -331,7 +331,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
         super().__init__(rank, size)  # type: ignore[call-arg]  # torch's stub omits the (rank, size) overload
         _check_flat(config)
         self.config = config
-        self.bytes_sent = 0
+        self._bytes = ByteLedger()                  # a step: one compressed call
         self._rank, self._size = rank, size
         _check_same_config(dist.PrefixStore("lowbit-config/", store), rank, size, config)
         # Two inner backends per device: first rounds are issued by the caller in call order;
@@ -349,8 +349,6 @@ class LowBitProcessGroup(dist.ProcessGroup):
         self._channels: dict[str, Channel] = {}     # per device kind, made on first use
         self._lock = threading.Lock()
         self._registered = False                    # seen among torch's live groups
-        self._last = (0, 0)                         # (sent, dense) of the last compressed call
-        self.dense_bytes = 0
 
     def _check_live(self) -> None:
         """A clear error once torch dropped this group (``bitscom.shutdown()``,
@@ -372,7 +370,12 @@ class LowBitProcessGroup(dist.ProcessGroup):
 
             dist.all_reduce(t, group=pg); pg.comm_stats()["compression_ratio"]
         """
-        return report(*self._last, total_sent=self.bytes_sent, total_dense=self.dense_bytes)
+        return self._bytes.report()
+
+    @property
+    def bytes_sent(self) -> int:
+        """This rank's compressed-collective bytes since the group was made."""
+        return self._bytes.total_sent
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -438,9 +441,8 @@ class LowBitProcessGroup(dist.ProcessGroup):
 
         def finished(rounds: Rounds) -> None:
             if counted:
-                self.bytes_sent += rounds.bytes_sent
-                self.dense_bytes += dense_bytes(numel)
-                self._last = (rounds.bytes_sent, dense_bytes(numel))
+                self._bytes.add(rounds.bytes_sent, dense_bytes(numel))
+                self._bytes.end_step()
             if rounds.error is not None:
                 future.set_exception(rounds.error)
             else:

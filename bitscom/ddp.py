@@ -34,7 +34,7 @@ from . import runtime
 from .compressors import Compressor, resolve as resolve_compressor
 from .compressors.base import BucketLayout, TensorSlot
 from .engine import Reducer
-from .face import Face, dense_bytes, load_all_or_nothing, report
+from .face import ByteLedger, Face, dense_bytes, load_all_or_nothing
 from .lowbit.config import canonical_fingerprint
 from .params import checked_pairs
 
@@ -101,8 +101,8 @@ class DDPCommState(Face):
         self._keys: List[Optional[tuple]] = []
         self._loaded: Dict[int, tuple] = {}       # index -> (shapes, state dict) awaiting a bucket
         self._pending: List[Tuple[torch.futures.Future, torch.Tensor]] = []
-        self._stats = {"bytes_sent": 0, "dense_bytes": 0, "buckets": 0}
-        self._totals = [0, 0]                     # bytes sent, dense bytes since construction
+        self._bytes = ByteLedger()
+        self._buckets = 0                         # DDP buckets of the last iteration
         self._iterations = 0
         self._resumed = False
 
@@ -163,11 +163,9 @@ class DDPCommState(Face):
     def _finish(self) -> None:
         sent = self._reducer.wait_all()
         pending, self._pending = self._pending, []
-        self._stats = {"bytes_sent": sent,
-                       "dense_bytes": sum(dense_bytes(flat.numel()) for _, flat in pending),
-                       "buckets": len(pending)}
-        self._totals[0] += sent
-        self._totals[1] += self._stats["dense_bytes"]
+        self._bytes.add(sent, sum(dense_bytes(flat.numel()) for _, flat in pending))
+        self._bytes.end_step()
+        self._buckets = len(pending)
         self._iterations += 1
         for future, flat in pending:
             future.set_result(flat)
@@ -193,8 +191,7 @@ class DDPCommState(Face):
 
             state.comm_stats()["compression_ratio"]
         """
-        return report(self._stats["bytes_sent"], self._stats["dense_bytes"], total_sent=self._totals[0],
-                      total_dense=self._totals[1], buckets=self._stats["buckets"])
+        return self._bytes.report(buckets=self._buckets)
 
     def state_dict(self) -> dict:
         """Per-bucket compressor state with each bucket's gradient shapes, and the settings."""

@@ -335,7 +335,6 @@ class Face:
 
     _face_name = "face"
     _face_closed = False
-    _face_released = False
     _face_problem: Optional[str] = None
 
     # -- construction --------------------------------------------------------------------------
@@ -407,7 +406,7 @@ class Face:
         """A clear error if this face was closed or its world is gone (decided locally)."""
         if self._face_closed:
             raise RuntimeError(f"this {self._face_name} was closed; build a new one")
-        if self._size > 1 and (self._face_released or runtime.world_token() != self._world):
+        if self._size > 1 and runtime.world_token() != self._world:   # gone, or a new world
             raise RuntimeError(
                 f"this {self._face_name} was built in a process group that has since been shut down "
                 "(bitscom.shutdown() or dist.destroy_process_group()"
@@ -416,8 +415,8 @@ class Face:
                 "after bitscom.init()")
 
     def _release_world(self) -> None:
-        """The world is gone: drop the groups (see :func:`release_all`); uses then raise."""
-        self._face_released = True
+        """The world is gone: drop the groups (see :func:`release_all`); uses then raise
+        (:meth:`_check_live` sees the world token change)."""
         self.process_group = None
         self._release_groups()
 

@@ -25,7 +25,7 @@ from . import runtime
 from .lowbit import LowBitConfig, LowBitState, all_gather_rounds, all_reduce_rounds, reduce_scatter_rounds
 from .comm import Comm, Rounds, is_sum_or_avg
 from .call_header import Call, agree_rounds
-from .face import Face, dense_bytes, load_all_or_nothing, report
+from .face import ByteLedger, Face, dense_bytes, load_all_or_nothing
 from .lowbit import FULL_PRECISION, Quantized, dequantize, quantize
 
 __all__ = ["LowBitGroup", "LowBitWork"]
@@ -129,7 +129,7 @@ class LowBitGroup(Face):
         self._calls = 0
         self._resumed = False
         self._open: list = []                   # (work, dense bytes) not yet counted
-        self._last = self._total = (0, 0)       # (sent, dense): last finished call, all calls
+        self._bytes = ByteLedger()              # a step: one finished call
         self._channel = runtime.channel(self.process_group, later=True)
 
     @property
@@ -228,10 +228,10 @@ class LowBitGroup(Face):
             if not work.done:
                 still.append((work, dense))
             elif work.error is None:
-                self._last = (work.bytes_sent, dense)
-                self._total = (self._total[0] + work.bytes_sent, self._total[1] + dense)
+                self._bytes.add(work.bytes_sent, dense)
+                self._bytes.end_step()
         self._open = still
-        return report(*self._last, total_sent=self._total[0], total_dense=self._total[1])
+        return self._bytes.report()
 
     # -- helpers ------------------------------------------------------------------------------
     def _start(self, rounds, comms, async_op: bool, numel: int = 0):

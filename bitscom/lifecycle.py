@@ -21,10 +21,10 @@ The face implements three methods, called by :class:`StepLifecycle`:
 
 Example::
 
-    class MyFace(torch.optim.Optimizer):
+    class MyFace(StepFace, torch.optim.Optimizer):
         def __init__(self, optimizer, named, process_group=None):
-            group = require_group(process_group, "MyFace")
-            self._life = StepLifecycle(self, "MyFace", named, group, passes=1)
+            self._face_init("MyFace", process_group, named)
+            self._life = StepLifecycle(self, "MyFace", self.process_group, passes=1)
             self._life.agree()                      # every rank, at construction
             self._life.attach([p for _, p in named])
 """
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,16 +61,10 @@ def _end_of_backward(ref) -> None:
         life.on_backward_end()
 
 
-def _release(handles, groups) -> None:
-    """Remove the hooks and destroy the groups a face owns (close() or garbage collection)."""
+def _release(handles) -> None:
+    """Remove the hooks (close() or garbage collection); groups belong to runtime's channels."""
     for handle in handles:
         handle.remove()
-    for group in groups:
-        if dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group(group)
-            except (RuntimeError, ValueError):   # already gone with the default group
-                pass
 
 
 class StepLifecycle:
@@ -84,20 +78,18 @@ class StepLifecycle:
 
     Example::
 
-        life = StepLifecycle(face, "DistributedOptimizer", named, group, passes=2)
+        life = StepLifecycle(face, "DistributedOptimizer", group, passes=2)
         life.agree()
         life.attach(params)
         ...
         life.close()
     """
 
-    def __init__(self, face, name: str, named: Sequence[Tuple[str, torch.Tensor]], group,
-                 passes: int, owned_groups: Sequence[Any] = ()):
+    def __init__(self, face, name: str, group, passes: int):
         self._face = weakref.ref(face)
         self.name = name
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
-        self.named = list(named)
         self.passes = passes
         self.passes_done = 0
         self.callback_queued = False
@@ -109,8 +101,7 @@ class StepLifecycle:
         self.agreed = False
         self.check_state = False     # after a load: agree on step counters / compressor state
         self._handles: List[Any] = []
-        self._groups: List[Any] = list(owned_groups)
-        self._finalizer = weakref.finalize(face, _release, self._handles, self._groups)
+        self._finalizer = weakref.finalize(face, _release, self._handles)
         self._finalizer.atexit = False
 
     # -- setup ---------------------------------------------------------------------------------
@@ -126,10 +117,6 @@ class StepLifecycle:
                 lambda param, this=this: _hook(this, param)))
         if self.size > 1:
             uneven.register(self._face())
-
-    def own(self, group) -> None:
-        """Destroy ``group`` with the face (``close()`` or garbage collection)."""
-        self._groups.append(group)
 
     def description(self, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """What the ranks compare: the face's kind first, its own description, and after a
@@ -216,8 +203,6 @@ class StepLifecycle:
 
     def check_open(self) -> None:
         """A clear error if the face was closed or its world is gone (see :class:`bitscom.face.Face`)."""
-        if self.closed and self.size > 1:
-            raise RuntimeError(f"this {self.name} was closed; build a new one")
         face = self._face()
         if face is not None:
             face._check_live()
@@ -226,7 +211,6 @@ class StepLifecycle:
         """The world is gone: forget its groups (they were destroyed with it) and the join
         registration; nothing here may keep the old world's store alive."""
         self.group = None
-        self._groups.clear()
         self.notice = None
         face = self._face()
         if face is not None:

@@ -202,8 +202,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         # built the same plan.
         self._uid = zlib.crc32(repr(self._description()).encode()) & 0x3FFFFFFF
         self._bytes = ByteLedger()
-        self._life = StepLifecycle(self, "DistributedOptimizer", named, process_group,
-                                   backward_passes_per_step)
+        self._life = StepLifecycle(self, "DistributedOptimizer", process_group, backward_passes_per_step)
         self._life.agree()                      # every rank, before any other collective
         self._refuse_ddp(self._ddp)
         self._reducer = Reducer(compression, self._layouts, runtime.channel(process_group, later=self._size > 1))

@@ -6,7 +6,7 @@ an exact, per-rank ``state_dict``."""
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         self._lowbit = LowBitState()
         self._counters = {"step": 0, "exact_steps": 0, "compressed_steps": 0, "skipped_steps": 0,
                           "bytes_sent": 0}
+        self._last_step: Tuple[int, int] = (0, 0)     # (bytes sent, dense bytes) of the last step
         self._agreed = True
 
     # -- construction ------------------------------------------------------------------------
@@ -267,8 +268,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         c = dict(self._counters)
         sent = c.pop("bytes_sent")
         dense = (c["step"] + c["skipped_steps"]) * self._dense_per_step()
-        step_sent, step_dense = getattr(self, "_last_step", (0, 0))
-        return report(step_sent, step_dense, sent, dense, **c)
+        return report(*self._last_step, sent, dense, **c)
 
     def _extra_state(self) -> Dict[str, Any]:
         return {}

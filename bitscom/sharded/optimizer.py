@@ -231,7 +231,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                                 torch.empty((), dtype=self._master_dtype).element_size())
         self._ddp = self._ddp_wrapped([p for _, p in self._trainable])
         self._static = self._describe(optimizer, topo, layout)
-        self._life = StepLifecycle(self, "ShardedOptimizer", named, topo.group, backward_passes_per_step)
+        self._life = StepLifecycle(self, "ShardedOptimizer", topo.group, backward_passes_per_step)
         self._life.agree()                      # every rank, before any other collective
         if layout != "consistent":
             raise RuntimeError(layout)
