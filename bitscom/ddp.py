@@ -104,7 +104,6 @@ class DDPCommState(Face):
         self._bytes = ByteLedger()
         self._buckets = 0                         # DDP buckets of the last iteration
         self._iterations = 0
-        self._resumed = False
 
     def close(self) -> None:
         """Forget the buckets in flight; the hook fails loudly if DDP calls it afterwards (the
@@ -141,9 +140,8 @@ class DDPCommState(Face):
         future: torch.futures.Future = torch.futures.Future()
         try:
             self._check_live()                          # closed, or its world gone
-            if self._resumed and not self._pending:      # first bucket after a load
-                self._resumed = False
-                self._agree_resumed({"iterations": self._iterations}, "DDP comm hook checkpoint")
+            if not self._pending:                        # first bucket of an iteration
+                self._agree_if_resumed(lambda: {"iterations": self._iterations}, "DDP comm hook checkpoint")
             index = self._prepare(bucket)
             flat = bucket.buffer()
             if index == 0 and self._pending:
@@ -218,7 +216,7 @@ class DDPCommState(Face):
             raise RuntimeError("load_state_dict() called during backward; call it between iterations")
         envelope = state_dict.get("envelope", {})
         per_rank = any(saved for _, saved in state_dict["buckets"].values())
-        self._resumed = True                # the ranks compare what they resumed at the next bucket
+        self._mark_loaded()                 # the ranks compare what they resumed at the next bucket
         if not self._check_envelope(envelope, per_rank_state=per_rank):
             return
         load_all_or_nothing(self._snapshot, lambda: self._load(state_dict), self._restore)

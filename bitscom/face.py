@@ -335,6 +335,7 @@ class Face:
 
     _face_name = "face"
     _face_closed = False
+    _face_resumed = False     # a checkpoint was loaded: the ranks compare before the next collective
     _face_problem: Optional[str] = None
 
     # -- construction --------------------------------------------------------------------------
@@ -457,6 +458,17 @@ class Face:
         same RuntimeError, naming the problem, on every rank."""
         problem, self._face_problem = self._face_problem, None
         return {"checkpoint problem": problem}
+
+    def _mark_loaded(self) -> None:
+        """A checkpoint was loaded (or refused for later): :meth:`_agree_if_resumed` compares."""
+        self._face_resumed = True
+
+    def _agree_if_resumed(self, describe: Callable[[], Dict[str, Any]], what: str) -> None:
+        """At a face's next collective point (the same on every rank): after a load, the ranks
+        compare ``describe()`` and any deferred problem (:meth:`_agree_resumed`)."""
+        if self._face_resumed:
+            self._face_resumed = False
+            self._agree_resumed(describe(), what)
 
     def _agree_resumed(self, description: Dict[str, Any], what: str) -> None:
         """After a load, before the next collective: the ranks compare what they resumed

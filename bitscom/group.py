@@ -127,7 +127,6 @@ class LowBitGroup(Face):
         self.inter_group = inter_group
         self._states: Dict[Any, LowBitState] = {}
         self._calls = 0
-        self._resumed = False
         self._open: list = []                   # (work, dense bytes) not yet counted
         self._bytes = ByteLedger()              # a step: one finished call
         self._channel = runtime.channel(self.process_group, later=True)
@@ -174,7 +173,7 @@ class LowBitGroup(Face):
         differ between ranks (a stale file on one rank), are the same RuntimeError on every
         rank at the next call; a failed load leaves the group as it was."""
         if not self._check_envelope(state.get("envelope", {}), per_rank_state=bool(state["states"])):
-            self._resumed = True
+            self._mark_loaded()
             return
 
         def load():
@@ -186,7 +185,7 @@ class LowBitGroup(Face):
                 self._states[k] = st
 
         load_all_or_nothing(lambda: (self._calls, self._states), load, self._restore)
-        self._resumed = True
+        self._mark_loaded()
 
     def _restore(self, saved: tuple) -> None:
         self._calls, self._states = saved
@@ -196,10 +195,9 @@ class LowBitGroup(Face):
         """Every call: a clear error if the world is gone or the group closed; after a load, the
         ranks compare what they resumed (so a foreign or stale checkpoint fails everywhere)."""
         self._check_live()
-        if self._resumed:
-            self._resumed = False
-            steps = sorted(s.step for s in self._states.values())
-            self._agree_resumed({"calls": self._calls, "state steps": steps}, "LowBitGroup checkpoint")
+        self._agree_if_resumed(lambda: {"calls": self._calls,
+                                        "state steps": sorted(s.step for s in self._states.values())},
+                               "LowBitGroup checkpoint")
 
     def _release_groups(self) -> None:
         self._channel = runtime.channel(None)          # private and empty: holds no group

@@ -203,7 +203,6 @@ class DiLoCo(Face, torch.optim.Optimizer):
                           "warmup_syncs": 0}
         self._dense_per_step = dense_bytes(sum(l.numel for l in self._layouts))
         self._last_step = (0, 0)
-        self._agreed = True
 
     # -- the step --------------------------------------------------------------------------
     def _inner_step(self, closure):
@@ -244,8 +243,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
     def _step(self, closure):
         self._check_live()
         self._check_requires_grad()
-        if not self._agreed:
-            self._agree_resumed()
+        self._agree_if_resumed(self._resume_description, "DiLoCo resumed state")
         if self.config.in_warmup(self._counters["inner_steps"] + 1):
             return self._warmup_step(closure)
         loss = self._inner_step(closure)
@@ -289,8 +287,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
             opt.sync()                       # the final model = θ_global, identical everywhere
         """
         self._check_live()
-        if not self._agreed:
-            self._agree_resumed()
+        self._agree_if_resumed(self._resume_description, "DiLoCo resumed state")
         if not self.config.in_warmup(self._counters["inner_steps"]):   # else θ_global is current
             self._sync(list(range(self.config.fragments)))
 
@@ -372,14 +369,12 @@ class DiLoCo(Face, torch.optim.Optimizer):
                           "every rank (lower the inner lr, clip, or use GradScaler)", RuntimeWarning,
                           stacklevel=3)
 
-    def _agree_resumed(self) -> None:  # type: ignore[override]
-        """After a load, before the next collective: every rank resumed the same step."""
-        self._agreed = True
+    def _resume_description(self) -> dict:
+        """After a load, what every rank must have resumed alike: the step counters and the
+        compressor states' shapes."""
         steps = {k: self._counters[k] for k in ("inner_steps", "syncs", "fragment_syncs")}
-        Face._agree_resumed(self, {
-            "steps": steps, "compressor state": [describe_state(s) for s in self._reducer.states],
-            "warm-up compressor state": [describe_state(s) for s in self._warmup_reducer.states]},
-            what="DiLoCo resumed state")
+        return {"steps": steps, "compressor state": [describe_state(s) for s in self._reducer.states],
+                "warm-up compressor state": [describe_state(s) for s in self._warmup_reducer.states]}
 
     def _release_groups(self) -> None:
         self._group = None
@@ -462,8 +457,8 @@ class DiLoCo(Face, torch.optim.Optimizer):
                              f"{self.config!r}")
         states = [extra["reducer"]["states"], extra.get("warmup_reducer", {}).get("states", [])]
         if not self._check_envelope(extra, per_rank_state=has_tensor(states)):
-            self._agreed = False              # the next step raises the problem on every rank
+            self._mark_loaded()               # the next step raises the problem on every rank
             return
         inner = {k: v for k, v in state_dict.items() if k != "diloco"}
         load_checked(self, inner, extra)
-        self._agreed = False
+        self._mark_loaded()

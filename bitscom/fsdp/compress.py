@@ -94,7 +94,6 @@ class FSDPCompression(Face):
                  process_group=None):
         self.config, self.states, self.counter = config, states, counter
         self._face_init("bitscom.fsdp.compress", process_group, warn_single=False)
-        self._resumed = False
         self._reduce_scatters: List[LowBitReduceScatter] = []
 
     def _before(self) -> None:
@@ -102,11 +101,9 @@ class FSDPCompression(Face):
         the same reduce-scatter count with states of the same shapes (the first reduce-scatter
         after a load is collective on every rank, so the check cannot hang)."""
         self._check_live()
-        if self._resumed:
-            self._resumed = False
-            self._agree_resumed({"reduce-scatters": self.counter.calls,
-                                 "states": {k: describe_state(s) for k, s in sorted(self.states.items())}},
-                                what="bitscom.fsdp resumed state")
+        self._agree_if_resumed(lambda: {"reduce-scatters": self.counter.calls,
+                                        "states": {k: describe_state(s) for k, s in sorted(self.states.items())}},
+                               "bitscom.fsdp resumed state")
 
     def _load_states(self, saved: dict) -> None:
         for name, s in self.states.items():
@@ -148,7 +145,7 @@ class FSDPCompression(Face):
         saved = state["states"]
         if set(saved) != set(self.states):
             raise ValueError(f"checkpoint has FSDP modules {sorted(saved)}, this model {sorted(self.states)}")
-        self._resumed = True                  # the next reduce-scatter compares the ranks
+        self._mark_loaded()                   # the next reduce-scatter compares the ranks
         if not self._check_envelope(state, per_rank_state=True):
             return
         load_all_or_nothing(lambda: {n: s.state_dict() for n, s in self.states.items()},

@@ -69,7 +69,6 @@ class OneBitBase(Face, torch.optim.Optimizer):
         self._counters = {"step": 0, "exact_steps": 0, "compressed_steps": 0, "skipped_steps": 0,
                           "bytes_sent": 0}
         self._last_step: Tuple[int, int] = (0, 0)     # (bytes sent, dense bytes) of the last step
-        self._agreed = True
 
     # -- construction ------------------------------------------------------------------------
     def _make_config(self, settings: Dict[str, Any]):
@@ -220,8 +219,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._agreed:
-            self._agree_resumed()
+        self._agree_if_resumed(self._resume_description, f"{self._NAME} resumed state")
         before = self._counters["bytes_sent"]
         if self._skip_for_overflow():
             self._counters["skipped_steps"] += 1
@@ -252,8 +250,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
             opt.sync()
         """
         self._check_live()
-        if not self._agreed:
-            self._agree_resumed()
+        self._agree_if_resumed(self._resume_description, f"{self._NAME} resumed state")
 
     # -- reporting, checkpoints --------------------------------------------------------------
     def comm_stats(self) -> dict:
@@ -311,7 +308,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
                              f"optimizer {self.config!r}; each rank loads its own checkpoint, made with "
                              "the same settings and world size")
         if not self._check_envelope(extra, per_rank_state=True):
-            self._agreed = False              # the next step raises the problem on every rank
+            self._mark_loaded()               # the next step raises the problem on every rank
             return
         if extra["exp_avg"].numel() != self._numel:
             raise ValueError(f"{self._NAME} state dict has {extra['exp_avg'].numel()} elements, this "
@@ -328,14 +325,12 @@ class OneBitBase(Face, torch.optim.Optimizer):
         self._lowbit.load_state_dict(extra["lowbit"])
         self._counters = dict(extra["counters"])
         self._load_extra(extra["extra"])
-        self._agreed = False
+        self._mark_loaded()
 
-    def _agree_resumed(self) -> None:  # type: ignore[override]
-        self._agreed = True
-        Face._agree_resumed(self, {
-            "counters": {k: v for k, v in self._counters.items() if k != "bytes_sent"},
-            "extra": {k: v for k, v in self._extra_state().items() if not isinstance(v, torch.Tensor)}},
-            what=f"{self._NAME} resumed state")
+    def _resume_description(self) -> dict:
+        """After a load, what every rank must have resumed alike: the counters and settings."""
+        return {"counters": {k: v for k, v in self._counters.items() if k != "bytes_sent"},
+                "extra": {k: v for k, v in self._extra_state().items() if not isinstance(v, torch.Tensor)}}
 
     def _release_groups(self) -> None:
         self._group = None
