@@ -59,6 +59,7 @@ class Channel:
         self._queue: List[Rounds] = []
         self.bytes_sent = 0
         self._submitted = 0
+        self._retired: List[object] = []   # see _finished
         self._lock = threading.Lock()
         self._jobs: Optional[queue.Queue] = None
         if driver:
@@ -107,6 +108,7 @@ class Channel:
         set on failure), inside ``stream`` when given.
         """
         rounds._seq, self._submitted = self._submitted, self._submitted + 1
+        self._retired = []
         try:
             rounds.start()
         except BaseException:
@@ -181,6 +183,12 @@ class Channel:
         if not w._counted:
             w._counted = True
             self.bytes_sent += w.bytes_sent
+            # The channel, not torch's worker thread, drops a finished work's last handle, and
+            # only at the next submit: a gloo work whose last reference dies on its worker
+            # thread is destroyed there, which needs the GIL (torch keeps the caller's
+            # contextvars in it), and when that happens as the interpreter exits right after
+            # the last step the process aborts ("terminate called without an active exception").
+            self._retired.append(w.retain())
 
 
 def _step(w: Rounds, block: bool) -> None:

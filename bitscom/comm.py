@@ -295,6 +295,7 @@ class Rounds:
         self.keep_going = keep_going    # its errors leave the group in step (a call header's)
         self._seq = -1                  # its place on a Channel, and whether the channel counted it
         self._counted = False
+        self._last_work: Any = None     # its final round's handle (see retain)
 
     @property
     def released(self) -> bool:
@@ -316,7 +317,7 @@ class Rounds:
             self.work = next(self._rounds)
             self.issued += 1
         except StopIteration as stop:
-            self.work, self.done, self.result = None, True, stop.value
+            self._last_work, self.work, self.done, self.result = self.work, None, True, stop.value
         except BaseException:
             self.work, self.done = None, True
             raise
@@ -345,6 +346,11 @@ class Rounds:
 
     def is_completed(self) -> bool:
         return self.done
+
+    def retain(self) -> Any:
+        """The finished work's last round handle, for a :class:`~bitscom.channel.Channel` to
+        keep until its next submit (see ``Channel._finished``)."""
+        return self._last_work
 
     @property
     def bytes_sent(self) -> int:

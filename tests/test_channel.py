@@ -179,3 +179,34 @@ def test_shutdown_drops_the_channels_of_its_world():
             assert stale is not None and "destroyed" in stale
     finally:
         pool.close()
+
+
+class _Handle:
+    """A finished round's handle, weakly referenceable (torch's works are not)."""
+
+    def wait(self):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _one_round(handle):
+    yield handle
+
+
+def test_channel_keeps_a_finished_works_last_handle_until_its_next_submit():
+    # A gloo work whose last reference dies on torch's worker thread is destroyed there and
+    # needs the GIL; when that happens while the interpreter exits, right after the last step,
+    # the process aborts. So the channel, on the main thread, drops the last handle, and only
+    # at its next submit (the previous step's works are long finished on the worker by then).
+    import weakref
+    from bitscom.channel import Channel
+    ch = Channel(None)
+    handle = _Handle()
+    alive = weakref.ref(handle)
+    ch.wait(ch.submit(Rounds(_one_round(handle))))
+    del handle
+    assert alive() is not None, "the channel dropped the finished work's last handle at once"
+    ch.wait(ch.submit(Rounds(_one_round(_Handle()))))
+    assert alive() is None, "the channel kept a handle past its next submit"
