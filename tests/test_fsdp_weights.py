@@ -299,6 +299,36 @@ def test_resume_is_bitwise(pools):
         assert first != resumed
 
 
+def _stale(rank, world, case):
+    """Rank 1 loads another step's state, or a replica that differs in one byte: the first
+    collective after the load (an all-gather) is the same error on both ranks, not a silent
+    divergence."""
+    model = _shard(_model(), world, False)
+    handle = bitscom.fsdp.compress(model, gradients=EXACT_GRADS, weights=QWD)
+    _train(model, rank, 2)
+    early = handle.state_dict()
+    _train(model, rank, 2, start=2)
+    state = handle.state_dict()
+    if rank == 1 and case == "step":
+        state = early
+    if rank == 1 and case == "replica":
+        state["weights"]["states"]["2"]["reference"][7] ^= 1
+    handle.load_state_dict(state)
+    try:
+        _train(model, rank, 1, start=4)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("case, words", [("step", "reduce-scatters: rank 0 vs rank 1: 12 vs 6"),
+                                         ("replica", "weights")])
+def test_stale_weight_state_on_one_rank_is_one_error(pools, case, words):
+    msgs = pools.run(2, _stale, case, timeout=120)
+    assert msgs[0] is not None and msgs[0] == msgs[1], msgs
+    assert "bitscom.fsdp resumed state" in msgs[0] and words in msgs[0], msgs[0]
+
+
 def _differ(rank, world):
     model = _shard(_model(), world)
     try:
