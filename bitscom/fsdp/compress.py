@@ -4,8 +4,9 @@ Every ``fully_shard``-ed submodule of the model owns one parameter group and red
 its gradients once per backward; :func:`compress` installs one
 :class:`~bitscom.fsdp.reduce_scatter.LowBitReduceScatter` per such module (its own
 :class:`~bitscom.lowbit.LowBitState`, keyed by the module's name) through
-``FSDPModule.set_custom_reduce_scatter``. The returned :class:`FSDPCompression` reports bytes and
-checkpoints the states.
+``FSDPModule.set_custom_reduce_scatter``; with ``weights=`` also one
+:class:`~bitscom.fsdp.weights.LowBitAllGather` per module (``set_custom_all_gather``). The
+returned :class:`FSDPCompression` reports bytes and checkpoints the states.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class FSDPCompression(Face):
         config: the gradient settings.
         states: ``{module name: LowBitState}``, one per ``fully_shard``-ed module with parameters.
         counter: the bytes so far (:meth:`comm_stats`).
+        weights: the parameter all-gathers' :class:`~bitscom.fsdp.weights.WeightGathers`
+            (settings, per-module replicas, bytes), or ``None`` without ``weights=``.
 
     Example::
 
@@ -134,7 +137,9 @@ class FSDPCompression(Face):
         """``bytes_sent`` / ``dense_bytes`` / ``compression_ratio`` of the gradient
         reduce-scatters so far (dense = FSDP's float32 reduce-scatter of the same inputs), plus
         ``reduce_scatters`` (how many were run) and, for ``hierarchy="two_level"``,
-        ``inter_node_bytes`` (the part of ``bytes_sent`` that crossed the slow inter-node level)."""
+        ``inter_node_bytes`` (the part of ``bytes_sent`` that crossed the slow inter-node level).
+        With ``weights=``: ``all_gather_bytes_sent`` / ``all_gather_dense_bytes`` (FSDP's own
+        all-gather in its dtype) / ``all_gather_compression_ratio`` / ``all_gathers``."""
         c = self.counter
         extra = {"inter_node_bytes": c.inter_bytes} if self.config.hierarchy == "two_level" else {}
         extra.update(self.weights.stats() if self.weights else {})
@@ -149,7 +154,8 @@ class FSDPCompression(Face):
 
     def state_dict(self) -> dict:
         """Step counters and error-feedback residuals, per module (this rank's; every rank saves
-        its own, like an optimizer's sharded state)."""
+        its own, like an optimizer's sharded state); with ``weights=`` also each module's gather
+        count and replica (``"weights"``), so a resume continues bitwise."""
         return {"config": repr(self.config), "states": {k: s.state_dict() for k, s in self.states.items()},
                 "calls": self.counter.calls, **self._envelope(self.counter.calls),
                 **({"weights": self.weights.state_dict()} if self.weights else {})}

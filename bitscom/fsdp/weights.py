@@ -90,8 +90,13 @@ def segments(fsdp_params, cfg: WeightConfig) -> List[Segment]:
     """
     out, offset, codec = [], 0, cfg.codec()
     for fp in fsdp_params:
-        dtype = fp.param_dtype or fp.orig_dtype
-        n = fp.padded_sharded_param_size.numel()
+        try:
+            dtype = fp.param_dtype or fp.orig_dtype
+            n = fp.padded_sharded_param_size.numel()
+        except AttributeError as err:    # FSDP2 internals of another torch
+            raise RuntimeError(f"bitscom.fsdp weights reads FSDPParam.param_dtype / orig_dtype / "
+                               f"padded_sharded_param_size, which torch {torch.__version__} does not have "
+                               f"({err}); use torch 2.13 (tested) or pass weights=None") from err
         small = n < cfg.min_numel or codec.row_bytes(n) >= n * _itemsize(dtype)
         out.append(Segment(offset, n, dtype, dtype.is_floating_point and not small))
         offset += n * _itemsize(dtype)
