@@ -194,7 +194,7 @@ class LowBitAllGather:
         world, rank = group.size(), group.rank()
         out = output_tensor.view(torch.uint8)
         mine = input_tensor.view(torch.uint8)
-        segs = self._layout(mine.numel(), out.numel(), world)
+        segs = self._layout(mine.numel(), out.numel(), world, out.device)
         codec = self._codec()
         sizes = row_layout(segs, codec)
         row = torch.empty(sum(sizes), dtype=torch.uint8, device=out.device)
@@ -205,15 +205,18 @@ class LowBitAllGather:
         channel.wait(channel.submit(Rounds(_gather(comm, rows, row), [comm])))
         for j in range(world):
             self._decode(segs, sizes, codec, rows[j * row.numel():(j + 1) * row.numel()], out, j, mine.numel())
-        if self.cfg.difference:
-            self.state.reference = out.clone()
+        if self.cfg.difference:          # the replica every rank now computes with
+            if self.state.reference is None:
+                self.state.reference = out.clone()
+            else:
+                self.state.reference.copy_(out)
         self.state.gathers += 1
         self.counter.bytes_sent += comm.bytes_sent
         self.counter.dense_bytes += mine.numel()
         self.counter.calls += 1
         return None
 
-    def _layout(self, slot_bytes: int, out_bytes: int, world: int) -> List[Segment]:
+    def _layout(self, slot_bytes: int, out_bytes: int, world: int, device: torch.device) -> List[Segment]:
         segs = segments(self.fsdp_params(), self.cfg)
         total = sum(s.nbytes for s in segs)
         if total != slot_bytes or out_bytes != world * slot_bytes:
@@ -223,6 +226,8 @@ class LowBitAllGather:
                 "parameters sharded on FSDP's mesh (not reshard_after_forward=<int> nor tensor subclasses "
                 "with their own fsdp_pre_all_gather)")
         ref = self.state.reference
+        if ref is not None and ref.device != device:     # loaded from a checkpoint (CPU)
+            self.state.reference = ref = ref.to(device)
         if ref is not None and ref.numel() != out_bytes:
             raise ValueError(f"bitscom.fsdp weights: module {self.key!r} kept a {ref.numel()}-byte copy of its "
                              f"parameters but FSDP now gathers {out_bytes} bytes; the model or its "
