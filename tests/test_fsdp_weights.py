@@ -271,6 +271,24 @@ def test_bf16_mixed_precision_gathers_bf16(pools):
         assert r["stats"]["all_gather_dense_bytes"] == dense and r["stats"]["all_gather_bytes_sent"] == sent
 
 
+def _nonfinite(rank, world, cfg):
+    """A NaN in rank 0's shard and an Inf in rank 1's reach every rank's unsharded weight (the
+    codec turns a block with an Inf into NaNs: non-finite either way, never a finite value)."""
+    model = _shard(_model(), world, False)
+    bitscom.fsdp.compress(model, gradients=EXACT_GRADS, weights=cfg)
+    _train(model, rank, 1)                                     # difference: past the exact first gather
+    with torch.no_grad():
+        model[2].weight.to_local()[0, 0] = float("nan") if rank == 0 else float("inf")
+    w = _used(model, 1, rank)[2]
+    return not bool(w[0, 0].isfinite()), not bool(w[32, 0].isfinite()), bool(w[8:32].isfinite().all())   # other blocks stay finite
+
+
+@pytest.mark.parametrize("cfg", [Q8, QWD], ids=["blockwise", "difference"])
+def test_nonfinite_weights_propagate(pools, cfg):
+    for from_rank0, from_rank1, other_rows in pools.run(2, _nonfinite, cfg, timeout=120):
+        assert from_rank0 and from_rank1 and other_rows
+
+
 def _resume(rank, world, load_state):
     """Train 4 steps, checkpoint (shards + handle), train 4 more; a new model that loads the
     checkpoint and trains the same 4 steps must end bitwise where the first did."""
