@@ -207,8 +207,9 @@ def test_difference_weights_4bit_close_to_exact(pools):
 
 
 def _exact_fallback(rank, world):
-    """Nothing quantized (min_numel above every shard): bitwise stock FSDP2 training; an integer
-    parameter in the group (FSDP then gathers uint8) comes through exactly."""
+    """Nothing quantized (min_numel above every shard): training bitwise equal to FSDP2's own
+    all-gather (both with the same exact gradient path); an integer parameter in the group (FSDP
+    then gathers uint8) comes through exactly."""
     out = {}
     for name, weights in (("stock", None), ("fallback", WeightConfig(min_numel=10**9))):
         model = _shard(_model(), world)
@@ -236,7 +237,7 @@ def _exact_fallback(rank, world):
 def test_exact_fallback_for_small_and_integer_tensors(pools):
     results = pools.run(2, _exact_fallback, timeout=240)
     for r in results:
-        assert r["stock"] == r["fallback"]                     # lossless: bitwise stock FSDP2
+        assert r["stock"] == r["fallback"]                     # lossless: bitwise FSDP2's own all-gather
         assert r["ids"] and r["bias"] and 0 < r["weight_err"] < 0.01
         w, b, ids = 32 * 64, 32, 50                             # per-rank shard elements
         assert r["bytes"] == 2 * (_wire(w, 8, 128) + 4 * b + 8 * ids)   # forward + backward gather
