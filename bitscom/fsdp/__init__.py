@@ -15,6 +15,7 @@ Where the code lives::
     reduce_scatter.py  LowBitReduceScatter: FSDP's ReduceScatter protocol for one module
     weight_settings.py WeightConfig: the settings of the parameter all-gather
     weights.py         LowBitAllGather: FSDP's AllGather protocol for one module; WeightGathers
+    weight_state.py    WeightState (gather count, the replica of "difference"), GatherCount
     compress.py        compress(), FSDPCompression (bytes, checkpoint), comm_stats()
 
 Example::
