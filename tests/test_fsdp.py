@@ -224,7 +224,7 @@ def test_bad_settings_are_clear():
         bitscom.fsdp.gradient_config(LowBitConfig(chunk_size=1024))
     with pytest.raises(ValueError, match="stage2_error_feedback"):
         bitscom.fsdp.gradient_config(LowBitConfig(stage2_error_feedback=True))
-    with pytest.raises(NotImplementedError, match="weights"):
+    with pytest.raises(TypeError, match="weights must be a bitscom.fsdp.WeightConfig"):
         bitscom.fsdp.compress(nn.Linear(2, 2), weights=LowBitConfig(bitwidth=8))
     with pytest.raises(ValueError, match="both intra_group and inter_group"):
         bitscom.fsdp.compress(nn.Linear(2, 2), gradients=LowBitConfig(hierarchy="two_level"),

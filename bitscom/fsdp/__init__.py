@@ -5,13 +5,17 @@ gradients in float32 (or its reduce dtype). :func:`compress` replaces that colle
 ``FSDPModule.set_custom_reduce_scatter`` (torch 2.11+), by bitscom's low-bit reduce-scatter:
 the flat one (:func:`bitscom.lowbit.reduce_scatter_rounds`, optional residual error feedback
 per module) or SDP4Bit's two-level one (:func:`bitscom.lowbit.levelwise_reduce_scatter_rounds`).
-Parameters are all-gathered by FSDP as usual (``weights=`` is not implemented). See
-``docs/fsdp.md``.
+With ``weights=`` (:class:`WeightConfig`) the parameter all-gather is low bit too, through
+``FSDPModule.set_custom_all_gather``: ZeRO++'s blockwise 8-bit qwZ or SDP4Bit's 4-bit weight
+differences (:class:`~bitscom.fsdp.weights.LowBitAllGather`). See ``docs/fsdp.md``.
 
 Where the code lives::
 
     settings.py        which LowBitConfig settings apply; the torch-hook check
     reduce_scatter.py  LowBitReduceScatter: FSDP's ReduceScatter protocol for one module
+    weight_settings.py WeightConfig: the settings of the parameter all-gather
+    weights.py         LowBitAllGather: FSDP's AllGather protocol for one module; WeightGathers
+    weight_state.py    WeightState (gather count, the replica of "difference"), GatherCount
     compress.py        compress(), FSDPCompression (bytes, checkpoint), comm_stats()
 
 Example::
@@ -29,6 +33,9 @@ Example::
 from .compress import FSDPCompression, comm_stats, compress, handle
 from .reduce_scatter import ByteCount, LowBitReduceScatter, reduce_scale
 from .settings import gradient_config, require_hook
+from .weight_settings import WeightConfig, weight_config
+from .weights import LowBitAllGather, WeightGathers
 
 __all__ = ["compress", "comm_stats", "handle", "FSDPCompression", "LowBitReduceScatter", "ByteCount",
-           "reduce_scale", "gradient_config", "require_hook"]
+           "reduce_scale", "gradient_config", "require_hook", "WeightConfig", "weight_config", "LowBitAllGather",
+           "WeightGathers"]

@@ -4,8 +4,9 @@ Every ``fully_shard``-ed submodule of the model owns one parameter group and red
 its gradients once per backward; :func:`compress` installs one
 :class:`~bitscom.fsdp.reduce_scatter.LowBitReduceScatter` per such module (its own
 :class:`~bitscom.lowbit.LowBitState`, keyed by the module's name) through
-``FSDPModule.set_custom_reduce_scatter``. The returned :class:`FSDPCompression` reports bytes and
-checkpoints the states.
+``FSDPModule.set_custom_reduce_scatter``; with ``weights=`` also one
+:class:`~bitscom.fsdp.weights.LowBitAllGather` per module (``set_custom_all_gather``). The
+returned :class:`FSDPCompression` reports bytes and checkpoints the states.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from ..lowbit.config import LowBitConfig
 from ..lowbit.state import LowBitState
 from .reduce_scatter import ByteCount, LowBitReduceScatter
 from .settings import gradient_config, require_hook
+from .weight_settings import weight_config
+from .weights import WeightGathers
 
 __all__ = ["FSDPCompression", "compress", "comm_stats", "handle"]
 
@@ -45,6 +48,11 @@ def _param_groups(module):
         one = getattr(state, "_fsdp_param_group", None)
         groups = [] if one is None else [one]
     return list(groups)
+
+
+def _fsdp_params(module):
+    """The module's ``FSDPParam`` list, asked at each all-gather (FSDP builds it lazily)."""
+    return lambda: _param_groups(module)[0].fsdp_params
 
 
 def _divide_factor(module):
@@ -81,6 +89,8 @@ class FSDPCompression(Face):
         config: the gradient settings.
         states: ``{module name: LowBitState}``, one per ``fully_shard``-ed module with parameters.
         counter: the bytes so far (:meth:`comm_stats`).
+        weights: the parameter all-gathers' :class:`~bitscom.fsdp.weights.WeightGathers`
+            (settings, per-module replicas, bytes), or ``None`` without ``weights=``.
 
     Example::
 
@@ -91,8 +101,8 @@ class FSDPCompression(Face):
     """
 
     def __init__(self, config: LowBitConfig, states: Dict[str, LowBitState], counter: ByteCount,
-                 process_group=None):
-        self.config, self.states, self.counter = config, states, counter
+                 process_group=None, weights: Optional[WeightGathers] = None):
+        self.config, self.states, self.counter, self.weights = config, states, counter, weights
         self._face_init("bitscom.fsdp.compress", process_group, warn_single=False)
         self._reduce_scatters: List[LowBitReduceScatter] = []
 
@@ -102,12 +112,22 @@ class FSDPCompression(Face):
         after a load is collective on every rank, so the check cannot hang)."""
         self._check_live()
         self._agree_if_resumed(lambda: {"reduce-scatters": self.counter.calls,
-                                        "states": {k: describe_state(s) for k, s in sorted(self.states.items())}},
+                                        "states": {k: describe_state(s) for k, s in sorted(self.states.items())},
+                                        "weights": self.weights.describe() if self.weights else None},
                                "bitscom.fsdp resumed state")
 
     def _load_states(self, saved: dict) -> None:
         for name, s in self.states.items():
             s.load_state_dict(saved[name])
+
+    def _save_all(self) -> dict:
+        return {"states": {n: s.state_dict() for n, s in self.states.items()},
+                "weights": self.weights.state_dict() if self.weights else None}
+
+    def _load_all(self, state: dict) -> None:
+        self._load_states(state["states"])
+        if self.weights:
+            self.weights.load_state_dict(state["weights"])
 
     def _release_groups(self) -> None:
         for rs in getattr(self, "_reduce_scatters", ()):
@@ -117,21 +137,28 @@ class FSDPCompression(Face):
         """``bytes_sent`` / ``dense_bytes`` / ``compression_ratio`` of the gradient
         reduce-scatters so far (dense = FSDP's float32 reduce-scatter of the same inputs), plus
         ``reduce_scatters`` (how many were run) and, for ``hierarchy="two_level"``,
-        ``inter_node_bytes`` (the part of ``bytes_sent`` that crossed the slow inter-node level)."""
+        ``inter_node_bytes`` (the part of ``bytes_sent`` that crossed the slow inter-node level).
+        With ``weights=``: ``all_gather_bytes_sent`` / ``all_gather_dense_bytes`` (FSDP's own
+        all-gather in its dtype) / ``all_gather_compression_ratio`` / ``all_gathers``."""
         c = self.counter
         extra = {"inter_node_bytes": c.inter_bytes} if self.config.hierarchy == "two_level" else {}
+        extra.update(self.weights.stats() if self.weights else {})
         return report(c.bytes_sent, c.dense_bytes, c.bytes_sent, c.dense_bytes, reduce_scatters=c.calls, **extra)
 
     def reset_stats(self) -> None:
         """Start counting bytes from zero again (e.g. after warm-up)."""
         c = self.counter
         c.bytes_sent = c.dense_bytes = c.calls = c.inter_bytes = 0
+        if self.weights:
+            self.weights.reset_stats()
 
     def state_dict(self) -> dict:
         """Step counters and error-feedback residuals, per module (this rank's; every rank saves
-        its own, like an optimizer's sharded state)."""
+        its own, like an optimizer's sharded state); with ``weights=`` also each module's gather
+        count and replica (``"weights"``), so a resume continues bitwise."""
         return {"config": repr(self.config), "states": {k: s.state_dict() for k, s in self.states.items()},
-                "calls": self.counter.calls, **self._envelope(self.counter.calls)}
+                "calls": self.counter.calls, **self._envelope(self.counter.calls),
+                **({"weights": self.weights.state_dict()} if self.weights else {})}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore this rank's own :meth:`state_dict`; the modules and settings must be the same.
@@ -145,11 +172,12 @@ class FSDPCompression(Face):
         saved = state["states"]
         if set(saved) != set(self.states):
             raise ValueError(f"checkpoint has FSDP modules {sorted(saved)}, this model {sorted(self.states)}")
-        self._mark_loaded()                   # the next reduce-scatter compares the ranks
+        if self.weights:
+            self.weights.check(state.get("weights"))
+        self._mark_loaded()                   # the next collective compares the ranks
         if not self._check_envelope(state, per_rank_state=True):
             return
-        load_all_or_nothing(lambda: {n: s.state_dict() for n, s in self.states.items()},
-                            lambda: self._load_states(saved), self._load_states)
+        load_all_or_nothing(self._save_all, lambda: self._load_all(state), self._load_all)
         self.counter.calls = int(state.get("calls", self.counter.calls))
 
 
@@ -168,7 +196,11 @@ def compress(module: torch.nn.Module, gradients=None, weights=None, process_grou
         module: the root module (an ``FSDPModule``); every ``FSDPModule`` under it is compressed.
         gradients: a :class:`~bitscom.lowbit.LowBitConfig` or an int bit width (default
             ``LowBitConfig()``: 4 bits, blocks of 128). ``bitwidth=32`` is an exact float32 path.
-        weights: low-bit parameter all-gather (ZeRO++ qwZ): not implemented; must be ``None``.
+        weights: the parameter all-gather in low bit (``FSDPModule.set_custom_all_gather``): a
+            :class:`~bitscom.fsdp.WeightConfig` or an int bit width; ``WeightConfig()`` is
+            ZeRO++'s blockwise 8-bit qwZ, ``WeightConfig(mode="difference")`` SDP4Bit's 4-bit
+            weight differences. Every rank, the owner of a shard included, computes with the
+            dequantized parameters. ``None`` (default): FSDP's own all-gather.
         process_group: where the collectives run (default: FSDP's shard group); it must have
             the same ranks in the same order as FSDP's group (checked on the first backward).
         intra_group, inter_group: the node groups of ``hierarchy="two_level"`` (default:
@@ -183,14 +215,13 @@ def compress(module: torch.nn.Module, gradients=None, weights=None, process_grou
         loss.backward(); opt.step()
         bitscom.fsdp.comm_stats(model)   # {'bytes_sent': ..., 'dense_bytes': ..., 'compression_ratio': ...}
     """
-    if weights is not None:
-        raise NotImplementedError("bitscom.fsdp.compress(weights=...): low-bit parameter all-gather is "
-                                  "not implemented yet; pass weights=None (parameters are all-gathered "
-                                  "by FSDP as usual)")
     cfg = gradient_config(LowBitConfig() if gradients is None else gradients)
+    wcfg = None if weights is None else weight_config(weights)
     levels = _levels(cfg, intra_group, inter_group)
     FSDPModule = _fsdp_module_class()
     require_hook(FSDPModule, "set_custom_reduce_scatter")
+    if wcfg is not None:
+        require_hook(FSDPModule, "set_custom_all_gather")
     if not isinstance(module, FSDPModule):
         raise TypeError(f"module must be an FSDP2 module (call torch.distributed.fsdp.fully_shard on it "
                         f"first), got {type(module).__name__}")
@@ -199,11 +230,13 @@ def compress(module: torch.nn.Module, gradients=None, weights=None, process_grou
                            "it returned (or bitscom.fsdp.handle(model))")
     names = [name for name, sub in module.named_modules() if isinstance(sub, FSDPModule) and _param_groups(sub)]
     states: Dict[str, LowBitState] = {name: LowBitState() for name in names}
-    compression = FSDPCompression(cfg, states, ByteCount(), process_group)
+    gathers = None if wcfg is None else WeightGathers(wcfg, names)
+    compression = FSDPCompression(cfg, states, ByteCount(), process_group, gathers)
     # Ranks with other settings (bit width, error feedback, hierarchy), other sharded modules or
     # other parameter shapes would exchange bytes of different formats or sizes: a gloo abort,
     # or silently mixed bytes (error feedback on one rank only). The same error on every rank.
     fields = {f"gradients.{f.name}": repr(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    fields["weights"] = repr(wcfg)
     compression._face_agree({**fields, "sharded modules": names,
                              "parameters": describe_parameters(list(module.named_parameters()))},
                             what="bitscom.fsdp.compress settings")
@@ -214,6 +247,8 @@ def compress(module: torch.nn.Module, gradients=None, weights=None, process_grou
                                  _divide_factor(sub), before=compression._before)
         compression._reduce_scatters.append(rs)
         sub.set_custom_reduce_scatter(rs)
+        if gathers is not None:
+            gathers.install(name, sub, _fsdp_params(sub), compression._before)
     setattr(module, _ATTR, compression)
     return compression
 

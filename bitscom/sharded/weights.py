@@ -19,7 +19,7 @@ from typing import List, Sequence
 import torch
 
 from ..comm import Comm, drive
-from ..lowbit.codec import Codec
+from ..lowbit.weight_delta import add_delta, delta_codec, encode_delta
 from ..lowbit.seeds import mix_seed
 from .config import ShardedConfig
 from .gradients import Topology
@@ -38,7 +38,7 @@ def weight_wire_bytes(cfg: ShardedConfig, topo: Topology, shard_numel: int, para
     if topo.world == 1:
         return 0
     if cfg.quantized_weights:
-        return Codec(cfg.weight_quantization_bits, cfg.wq_group_size, stochastic=True).row_bytes(shard_numel)
+        return delta_codec(cfg.weight_quantization_bits, cfg.wq_group_size).row_bytes(shard_numel)
     return shard_numel * torch.empty((), dtype=param_dtype).element_size()
 
 
@@ -66,10 +66,9 @@ def _encode(cfg: ShardedConfig, topo: Topology, plan: ShardPlan, master: torch.T
     b = plan.buckets[i]
     mine = master[b.master_offset:b.master_offset + b.shard_numel]
     if cfg.quantized_weights and topo.world > 1:
-        codec = Codec(cfg.weight_quantization_bits, cfg.wq_group_size, stochastic=True)
-        diff = mine.to(torch.float32) - replica_shard(plan, i, params)
+        codec = delta_codec(cfg.weight_quantization_bits, cfg.wq_group_size)
         row = torch.empty(codec.row_bytes(b.shard_numel), dtype=torch.uint8, device=master.device)
-        codec.encode(diff, row, mix_seed(cfg.seed, step, topo.rank, i, 0, 3))
+        encode_delta(codec, mine, replica_shard(plan, i, params), row, mix_seed(cfg.seed, step, topo.rank, i, 0, 3))
         return row
     return mine.to(params[0].dtype).contiguous()
 
@@ -78,15 +77,14 @@ def _apply(cfg: ShardedConfig, world: int, b, R: int, out: torch.Tensor, params:
     """Bring bucket ``b``'s parameters up to date from the gathered rows ``out``."""
     with torch.no_grad():
         if cfg.quantized_weights and world > 1:
-            codec = Codec(cfg.weight_quantization_bits, cfg.wq_group_size, stochastic=True)
+            codec = delta_codec(cfg.weight_quantization_bits, cfg.wq_group_size)
             rows = out.view(world, R)
             full = torch.empty(world * b.shard_numel, dtype=torch.float32, device=out.device)
             for j in range(world):
                 codec.decode(rows[j], b.shard_numel, full[j * b.shard_numel:(j + 1) * b.shard_numel])
             for s in b.slots:
                 p = params[s.index]
-                wide = torch.promote_types(p.dtype, torch.float32)
-                new = p.detach().reshape(-1).to(wide) + full[s.offset:s.end]
+                new = add_delta(p.detach().reshape(-1), full[s.offset:s.end])
                 p.detach().copy_(new.view(p.shape))
         else:
             for s in b.slots:

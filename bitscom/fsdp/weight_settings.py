@@ -1,0 +1,103 @@
+"""What ``bitscom.fsdp.compress(weights=...)`` accepts: the settings of the parameter all-gather.
+
+Two schemes (:attr:`WeightConfig.mode`):
+
+* ``"blockwise"`` (default; ZeRO++'s qwZ): every rank quantizes its parameter shard blockwise
+  (``bitwidth`` 8, one bfloat16 scale per ``block_size`` 128 elements, round to nearest) and the
+  all-gather carries those bytes; every rank, the shard's owner included, computes with the
+  dequantized values. Stateless and deterministic: the same shard gives the same bytes, so
+  FSDP's backward re-gather (``reshard_after_forward=True``) reproduces the forward's weights.
+* ``"difference"`` (SDP4Bit's qWD): the owner sends ``Q(shard - replica)`` at ``bitwidth`` 4
+  with one scale per ``block_size`` 2048 and stochastic rounding, against the copy of the
+  unsharded parameters every rank kept from the previous gather; every rank adds the same
+  decoded difference. The first gather sends the parameters exactly (there is no copy yet).
+
+Shards of fewer than ``min_numel`` elements per rank (biases, norms) and non-floating
+parameters travel exactly, in their own dtype.
+
+Example::
+
+    WeightConfig()                                  # 8-bit blockwise (qwZ)
+    WeightConfig(mode="difference")                 # 4-bit differences, groups of 2048 (SDP4Bit)
+    weight_config(8)                                # the same as WeightConfig(bitwidth=8)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..lowbit.codec import Codec
+from ..lowbit.format import SUPPORTED_BITS
+from ..lowbit.weight_delta import delta_codec
+from ..validate import choice, number
+
+__all__ = ["WeightConfig", "weight_config", "WEIGHT_MODES"]
+
+WEIGHT_MODES = ("blockwise", "difference")
+_DEFAULTS = {"blockwise": (8, 128), "difference": (4, 2048)}   # (bitwidth, block_size) per mode
+
+
+@dataclass(frozen=True)
+class WeightConfig:
+    """Settings of the low-bit FSDP2 parameter all-gather (see the module docstring).
+
+    Attributes:
+        mode: ``"blockwise"`` (qwZ, default) or ``"difference"`` (SDP4Bit qWD).
+        bitwidth: bits per element, one of (1, 2, 4, 8, 12, 16); default 8 (blockwise) or
+            4 (difference).
+        block_size: elements per bfloat16 scale, a power of two in [32, 65536]; default 128
+            (blockwise) or 2048 (difference, SDP4Bit's ``wq_group_size``).
+        min_numel: a parameter whose per-rank shard has fewer elements is sent exactly.
+        seed: the stochastic-rounding seed of ``"difference"``.
+
+    Example::
+
+        bitscom.fsdp.compress(model, weights=WeightConfig(mode="difference"))
+    """
+
+    mode: str = "blockwise"
+    bitwidth: Optional[int] = None
+    block_size: Optional[int] = None
+    min_numel: int = 1024
+    seed: int = 0
+
+    def __post_init__(self):
+        choice("WeightConfig mode", self.mode, WEIGHT_MODES)
+        bits, block = _DEFAULTS[self.mode]
+        object.__setattr__(self, "bitwidth", bits if self.bitwidth is None else self.bitwidth)
+        object.__setattr__(self, "block_size", block if self.block_size is None else self.block_size)
+        choice("WeightConfig bitwidth", self.bitwidth, SUPPORTED_BITS)
+        number("WeightConfig block_size", self.block_size, minimum=32, maximum=65536, integer=True)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"WeightConfig block_size must be a power of two, got {self.block_size!r}")
+        number("WeightConfig min_numel", self.min_numel, minimum=0, integer=True)
+        number("WeightConfig seed", self.seed, minimum=0, integer=True)
+
+    @property
+    def difference(self) -> bool:
+        """Whether the all-gather sends differences against the kept copy (SDP4Bit qWD)."""
+        return self.mode == "difference"
+
+    def codec(self) -> Codec:
+        """The byte format of a quantized shard: round to nearest (blockwise), or SDP4Bit's
+        stochastic-rounding difference codec (:func:`bitscom.lowbit.weight_delta.delta_codec`)."""
+        bits, block = self.bitwidth, self.block_size
+        assert bits is not None and block is not None      # resolved in __post_init__
+        return delta_codec(bits, block) if self.difference else Codec(bits, block)
+
+
+def weight_config(weights) -> WeightConfig:
+    """``weights`` itself, or ``WeightConfig(bitwidth=weights)`` (blockwise) for an int; any
+    other type is a ``TypeError``.
+
+    Example::
+
+        weight_config(8) == WeightConfig()    # True
+    """
+    if isinstance(weights, int) and not isinstance(weights, bool):
+        return WeightConfig(bitwidth=weights)
+    if not isinstance(weights, WeightConfig):
+        raise TypeError(f"weights must be a bitscom.fsdp.WeightConfig or an int bit width, got "
+                        f"{type(weights).__name__}")
+    return weights
