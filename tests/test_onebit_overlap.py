@@ -5,6 +5,10 @@ checkpoints loading, and gradient edits between backward and step refused on eve
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -293,3 +297,14 @@ def test_one_process_overlap_is_plain_adamw_path():
             opt.zero_grad()
         runs.append(S.flat(model))
     assert torch.equal(runs[0], runs[1])
+
+
+def test_the_timing_script_prints_its_table():
+    """scripts/onebit_overlap_bench.py end to end on a tiny model (its numbers are not checked:
+    timing never is)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(root, "scripts", "onebit_overlap_bench.py"), "--width", "32",
+                        "--layers", "2", "--steps", "1", "--blocks", "1", "--bucket-mb", "0.001"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": root})
+    assert p.returncode == 0, p.stderr
+    assert "| overlap | median step (ms)" in p.stdout and "| True |" in p.stdout

@@ -59,6 +59,12 @@ class OneBitAdam(OneBitBase):
             deprecated name.
         block_size: elements per 1-bit scale; ``stage2_bits``: width of the server stage.
         bias_correction: Adam's bias correction (default True; False = DeepSpeed's).
+        overlap: start each bucket's momentum update and 1-bit all-reduce from the gradient
+            hooks, during backward (compressed steps; bitwise the same results). Then
+            ``p.grad`` must reach step() as backward left it: clipping, edits and GradScaler
+            are refused with an error on every rank. Default False (docs/onebit.md).
+        bucket_mb: with ``overlap``, the largest bucket (MiB of momentum; whole blocks).
+        backward_passes_per_step: with ``overlap``, backward passes accumulated per step.
 
     Use it alone with LOCAL gradients (no DistributedOptimizer, no DDP): it owns its
     communication. Every rank must call ``step()`` every iteration.
@@ -72,6 +78,8 @@ class OneBitAdam(OneBitBase):
             opt.step()
             opt.zero_grad()
         opt.comm_stats()["compression_ratio"]
+
+        opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=100, overlap=True)
     """
 
     _NAME = "OneBitAdam"

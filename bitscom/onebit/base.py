@@ -315,8 +315,9 @@ class OneBitBase(Face, torch.optim.Optimizer):
         code = int(flag.item())
         if code & 2:
             raise RuntimeError(f"{self._NAME}(overlap=True) cannot step with GradScaler: its scale and "
-                               "inf check arrive at step(), after this step's momentum was computed from "
-                               "the scaled gradient and sent. Build it with overlap=False to use AMP")
+                               "inf check arrive at step(), after this step's 1-bit all-reduce already left "
+                               "from the gradient hooks with the scaled gradient (a step skipped for "
+                               "overflow could not take it back). Build it with overlap=False to use AMP")
         if code:
             where = (f"parameter(s) {changed[:5]} on this rank" if changed else "another rank")
             raise RuntimeError(f"{self._NAME}(overlap=True): p.grad changed between backward() and step() "
@@ -435,6 +436,10 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
             torch.save(opt.state_dict(), f"opt.{rank}.pt")
         """
+        if self._buckets is not None and self._buckets.flights:
+            raise RuntimeError(f"{self._NAME}: state_dict() after backward() and before step() while "
+                               "this step's 1-bit all-reduce is in flight (overlap=True); call it between "
+                               "steps")
         out = super().state_dict()
         for g in out["param_groups"]:
             g.pop("exp_avg_mask", None)   # the user's masks stay the user's (as DeepSpeed)

@@ -56,6 +56,9 @@ class ZeroOneAdam(OneBitBase):
         local_step_scaler, local_step_clipper: the local-step interval doubles every
             ``local_step_scaler`` frozen steps, up to ``local_step_clipper`` (H).
         bias_correction: Adam's bias correction (``k`` = exact variance updates so far).
+        overlap, bucket_mb, backward_passes_per_step: as :class:`~bitscom.onebit.OneBitAdam`;
+            here the 1-bit gradient steps of the variance phase overlap backward (exact steps,
+            local steps and synchronizations run in step()).
 
     Example::
 
