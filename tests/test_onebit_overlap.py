@@ -110,6 +110,25 @@ def test_overlap_reproduces_the_recorded_runs_bitwise(pools, world, name):
         assert torch.equal(g["exp_avg"], w["exp_avg"])
         # the same bytes, plus the 4-byte agreement that p.grad was not edited, per overlapped step
         assert g["bytes_sent"] == w["bytes_sent"] + 4 * _overlapped_steps(name)
+        if w["checkpoint"] is not None:      # the checkpoint the new code writes: the old one's
+            _same_state(g["checkpoint"]["state_dict"], w["checkpoint"]["state_dict"], "state_dict")
+
+
+def _same_state(a, b, where):
+    """Nested state dicts equal, tensors bitwise (the byte counter aside: +4 per overlapped step)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(map(str, a)) == sorted(map(str, b)), where
+        for k in a:
+            if k != "bytes_sent":
+                _same_state(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_state(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, (where, a, b)
 
 
 @pytest.mark.parametrize("world", [2, 4])
