@@ -327,3 +327,17 @@ def test_the_timing_script_prints_its_table():
                        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": root})
     assert p.returncode == 0, p.stderr
     assert "| overlap | median step (ms)" in p.stdout and "| True |" in p.stdout
+
+
+def test_changed_compares_bits_so_nan_gradients_pass_through():
+    """A NaN gradient is not an 'edit' (NaN must propagate visibly, not become this error);
+    None reads as zeros; a scaled gradient is an edit."""
+    from bitscom.onebit.overlap import OverlapBuckets
+    b = OverlapBuckets([3, 2], numel=5, world=2, block_size=32, max_elements=32, device="cpu")
+    g0, g1 = torch.tensor([1.0, float("nan"), -0.0]), None
+    b.fill(0, g0)
+    b.fill(1, g1)
+    assert b.changed([g0, g1]) == []
+    assert b.changed([g0 * 0.5, g1]) == [0]
+    assert b.changed([g0, torch.ones(2)]) == [1]
+    assert b.changed([torch.tensor([1.0, float("nan"), 0.0]), g1]) == [0]    # -0.0 became +0.0
