@@ -105,9 +105,10 @@ class StepLifecycle:
         self._finalizer.atexit = False
 
     # -- setup ---------------------------------------------------------------------------------
-    def attach(self, params: Sequence[torch.Tensor], solo: bool = False) -> None:
+    def attach(self, params: Sequence[torch.Tensor], solo: bool = False, joinable: bool = True) -> None:
         """Register the post-accumulate-grad hooks (held weakly: a face that is closed or
-        collected stops reducing) and make the face shadowable by :func:`bitscom.join`.
+        collected stops reducing) and make the face shadowable by :func:`bitscom.join`
+        (unless ``joinable=False``: a face that cannot take part in a step without data).
         ``solo``: hook even in a single process (a face whose gradients live elsewhere)."""
         if self.size == 1 and not solo:
             return
@@ -115,7 +116,7 @@ class StepLifecycle:
         for p in params:
             self._handles.append(p.register_post_accumulate_grad_hook(
                 lambda param, this=this: _hook(this, param)))
-        if self.size > 1:
+        if self.size > 1 and joinable:
             uneven.register(self._face())
 
     def description(self, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:

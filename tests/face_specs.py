@@ -56,12 +56,24 @@ def _zero_one(model, var_freeze_step=1):
                                local_step_clipper=1)
 
 
+def _onebit_overlap(model, overlap=True):
+    return bitscom.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=1, overlap=overlap, block_size=32,
+                              bucket_mb=64 * 4 / 2 ** 20)
+
+
+def _zero_one_overlap(model, overlap=True):
+    return bitscom.ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=8, var_update_scaler=1,
+                               local_step_clipper=1, overlap=overlap, block_size=32, bucket_mb=64 * 4 / 2 ** 20)
+
+
 SPECS = [
     Spec("DistributedOptimizer", _distributed, {"compression": "fp16"}),
     Spec("ShardedOptimizer", _sharded, {"quantized_gradients": True}),
     Spec("DiLoCo", _diloco, {"sync_every": 3}, steps_to_communicate=2),
     Spec("OneBitAdam", _onebit, {"freeze_step": 2}),
     Spec("ZeroOneAdam", _zero_one, {"var_freeze_step": 2}),
+    Spec("OneBitAdam-overlap", _onebit_overlap, {"overlap": False}, steps_to_communicate=2),
+    Spec("ZeroOneAdam-overlap", _zero_one_overlap, {"overlap": False}, steps_to_communicate=2),
 ]
 
 

@@ -59,6 +59,12 @@ class OneBitAdam(OneBitBase):
             deprecated name.
         block_size: elements per 1-bit scale; ``stage2_bits``: width of the server stage.
         bias_correction: Adam's bias correction (default True; False = DeepSpeed's).
+        overlap: start each bucket's momentum update and 1-bit all-reduce from the gradient
+            hooks, during backward (compressed steps; bitwise the same results). Then
+            ``p.grad`` must reach step() as backward left it: clipping, edits and GradScaler
+            are refused with an error on every rank. Default False (docs/onebit.md).
+        bucket_mb: with ``overlap``, the largest bucket (MiB of momentum; whole blocks).
+        backward_passes_per_step: with ``overlap``, backward passes accumulated per step.
 
     Use it alone with LOCAL gradients (no DistributedOptimizer, no DDP): it owns its
     communication. Every rank must call ``step()`` every iteration.
@@ -72,18 +78,23 @@ class OneBitAdam(OneBitBase):
             opt.step()
             opt.zero_grad()
         opt.comm_stats()["compression_ratio"]
+
+        opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=100, overlap=True)
     """
 
     _NAME = "OneBitAdam"
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, freeze_step: int = 100, *, process_group=None,
-                 block_size: int = 2048, stage2_bits: int = 1, bias_correction: bool = True, group=None):
+                 block_size: int = 2048, stage2_bits: int = 1, bias_correction: bool = True, group=None,
+                 overlap: bool = False, bucket_mb: float = 25.0, backward_passes_per_step: int = 1):
         group = renamed(process_group, group, new="process_group", old="group", where="OneBitAdam")
         super().__init__(params, lr, weight_decay, group,
                          dict(betas=betas, eps=eps, freeze_step=freeze_step,
                               block_size=block_size, stage2_bits=stage2_bits,
-                              bias_correction=bias_correction))
+                              bias_correction=bias_correction),
+                         dict(overlap=overlap, bucket_mb=bucket_mb,
+                              backward_passes_per_step=backward_passes_per_step))
 
     def _make_config(self, settings: Dict[str, Any]) -> OneBitConfig:
         return OneBitConfig(**settings)
@@ -92,6 +103,18 @@ class OneBitAdam(OneBitBase):
     def variance_frozen(self) -> bool:
         """True once ``freeze_step`` steps were taken (later steps send the 1-bit momentum)."""
         return self._counters["step"] >= self.config.freeze_step
+
+    def _overlap_kind(self, t: int) -> str:
+        return "none" if t <= self.config.freeze_step else "momentum"
+
+    def _overlap_target(self, kind: str, start: int, stop: int) -> torch.Tensor:
+        """The bucket's momentum update, ``m = b1 m + (1-b1) g`` on ``[start, stop)`` (the same
+        elementwise operations as on the whole buffer in :meth:`_update`)."""
+        assert self._buckets is not None
+        b1 = self.config.betas[0]
+        if stop > start:
+            self.exp_avg[start:stop].mul_(b1).add_(self._buckets.grad[start:stop], alpha=1 - b1)
+        return self.exp_avg
 
     def _update(self, grad: torch.Tensor, t: int) -> None:
         cfg = self.config
@@ -103,7 +126,8 @@ class OneBitAdam(OneBitBase):
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
             self._counters["exact_steps"] += 1
         else:
-            m.mul_(b1).add_(grad, alpha=1 - b1)
+            if self._sent is None:        # else: done bucket by bucket from the hooks
+                m.mul_(b1).add_(grad, alpha=1 - b1)
             self._onebit_average(m)
             self._mask(m)
             self._counters["compressed_steps"] += 1

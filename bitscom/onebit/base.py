@@ -14,9 +14,11 @@ import torch.distributed as dist
 from .. import runtime
 from ..comm import Rounds
 from ..face import Face, check_trainable, dense_bytes, report
-from ..lifecycle import StepFace
+from ..lifecycle import StepFace, StepLifecycle
 from ..lowbit import LowBitState, all_reduce_rounds
-from .config import check_common
+from ..lowbit.ranged import range_rounds
+from .config import OverlapConfig, check_common
+from .overlap import OverlapBuckets
 
 __all__ = ["OneBitBase"]
 
@@ -36,7 +38,8 @@ class OneBitBase(Face, torch.optim.Optimizer):
                             "the warm-up, the 1-bit momentum after it); wrapping would all-reduce every "
                             "gradient a second time. Use it alone, with LOCAL gradients in p.grad")
 
-    def __init__(self, params, lr: float, weight_decay: float, group, settings: Dict[str, Any]):
+    def __init__(self, params, lr: float, weight_decay: float, group, settings: Dict[str, Any],
+                 overlap: Optional[Dict[str, Any]] = None):
         name = self._NAME
         self._face_init(name, group)
         pg = self._group = self.process_group
@@ -46,6 +49,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         try:
             betas = check_common(name, lr, settings.get("betas"), settings.get("eps"), weight_decay)
             self.config = self._make_config(dict(settings, betas=betas))
+            self.overlap_config = OverlapConfig(**(overlap or {}))
             torch.optim.Optimizer.__init__(self, params, dict(lr=lr, weight_decay=weight_decay))
             self._plan()
         except (TypeError, ValueError) as err:
@@ -54,7 +58,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         ddp = None
         if error is None:
             ddp = self._ddp_wrapped(self._params)
-            description.update({"settings": repr(self.config),
+            description.update({"settings": repr(self.config), "overlap": repr(self.overlap_config),
                                 "groups": [(g["lr"], g["weight_decay"]) for g in self.param_groups],
                                 "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._params],
                                 "wrapped in DistributedDataParallel": ddp is not None})
@@ -64,11 +68,30 @@ class OneBitBase(Face, torch.optim.Optimizer):
             from ..broadcast import broadcast_parameters
             broadcast_parameters(list(self._params), root_rank=dist.get_global_rank(pg, 0),
                                  process_group=pg)
-        self._channel = runtime.channel(pg)
         self._lowbit = LowBitState()
         self._counters = {"step": 0, "exact_steps": 0, "compressed_steps": 0, "skipped_steps": 0,
                           "bytes_sent": 0}
         self._last_step: Tuple[int, int] = (0, 0)     # (bytes sent, dense bytes) of the last step
+        self._sent: Optional[str] = None      # this step's 1-bit all-reduce already ran from the hooks
+        self._buckets: Optional[OverlapBuckets] = None
+        self._life: Optional[StepLifecycle] = None
+        overlapped = self.overlap_config.overlap and self._size > 1
+        # Overlapped buckets finish at different moments per rank: their later rounds need the
+        # channel's later group (see bitscom.channel), made here, on every rank at once.
+        self._channel = runtime.channel(pg, later=overlapped)
+        if overlapped:
+            self._attach_overlap(pg)
+
+    def _attach_overlap(self, pg) -> None:
+        """The overlapped path (``overlap=True``): buckets of whole 1-bit blocks and one
+        post-accumulate-grad hook per trainable parameter (bitscom's one StepLifecycle)."""
+        oc = self.overlap_config
+        block = self.config.block_size
+        self._buckets = OverlapBuckets([p.numel() for p in self._params], self._numel, self._size, block,
+                                       oc.max_elements(block), self.exp_avg.device)
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._life = StepLifecycle(self, self._NAME, pg, oc.backward_passes_per_step)
+        self._life.attach([p for p in self._params if p.requires_grad], joinable=False)
 
     # -- construction ------------------------------------------------------------------------
     def _make_config(self, settings: Dict[str, Any]):
@@ -162,8 +185,9 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
     def _onebit_average(self, flat: torch.Tensor) -> torch.Tensor:
         """DeepSpeed's compressed_allreduce: bitscom's two-stage 1-bit all-reduce with worker and
-        server error feedback; the result is bitwise identical on every rank."""
-        if self._size > 1:
+        server error feedback; the result is bitwise identical on every rank. A no-op when this
+        step's buckets were already reduced from the gradient hooks (``overlap=True``)."""
+        if self._size > 1 and self._sent is None:
             self._run(lambda comm: all_reduce_rounds(flat, comm, self.config.codec, self._lowbit))
         return flat
 
@@ -204,10 +228,130 @@ class OneBitBase(Face, torch.optim.Optimizer):
             self._run(lambda comm: iter([comm.all_reduce(flag, dist.ReduceOp.MAX)]))
         return bool(flag.item() != 0.0)
 
+    # -- the overlapped path (overlap=True): hooks, buckets ----------------------------------
+    def _overlap_kind(self, t: int) -> str:
+        """What step ``t`` reduces from the gradient hooks: ``"momentum"`` (1-bit Adam's),
+        ``"gradient"`` (0/1 Adam's 1-bit gradient) or ``"none"`` (the step communicates in
+        step() as without overlap: exact steps, local steps)."""
+        return "none"
+
+    def _overlap_target(self, kind: str, start: int, stop: int) -> torch.Tensor:
+        """Prepare elements ``[start, stop)`` of this step's 1-bit all-reduce from the bucket's
+        gradients; return the flat tensor reduced in place (default: a copy of the gradient,
+        which step() then passes to :meth:`_update` as the gradient)."""
+        assert self._buckets is not None
+        work = self._buckets.reduced()
+        work[start:stop].copy_(self._buckets.grad[start:stop])
+        return work
+
+    def _description(self) -> Dict[str, Any]:      # StepLifecycle's; agreed at construction
+        return {"settings": repr(self.config), "overlap": repr(self.overlap_config)}
+
+    def _on_gradient(self, p: torch.Tensor, last_pass: bool) -> None:
+        """StepLifecycle's hook call: on the pass that completes the step, copy the gradient
+        into its bucket and launch every bucket that became ready, in bucket order."""
+        b = self._buckets
+        assert b is not None
+        if not last_pass:
+            return
+        if p.grad is not None and p.grad.is_sparse:
+            raise RuntimeError(f"{self._NAME} does not support sparse gradients (parameter of shape "
+                               f"{tuple(p.shape)})")
+        if b.kind is None:
+            self._begin_overlap(b)
+        if b.kind == "none":
+            return
+        b.fill(self._index[id(p)], p.grad)
+        self._launch_ready(b)
+        self._channel.poll()
+
+    def _begin_overlap(self, b: OverlapBuckets) -> None:
+        """The step's first gradient: the resume agreement (before any collective of the step),
+        then what this step sends from the hooks; a 1-bit step takes its low-bit step number."""
+        self._agree_if_resumed(self._resume_description, f"{self._NAME} resumed state")
+        b.kind = self._overlap_kind(self._counters["step"] + 1)
+        if b.kind != "none":
+            b.lowbit_step = self._lowbit.step
+            self._lowbit.step += 1
+            self._lowbit.bind(self._numel)
+
+    def _launch_ready(self, b: OverlapBuckets) -> None:
+        codec = self.config.codec
+        for start, stop, owner in b.ready():
+            target = self._overlap_target(b.kind or "none", start, min(stop, self._numel))
+            comm = self._channel.comm()
+            rounds = Rounds(range_rounds(target, start, stop, owner, comm, codec, self._lowbit, b.lowbit_step),
+                            [comm])
+            b.flights.append(self._channel.submit(rounds))
+
+    def _finish(self) -> None:
+        """End of the completing backward pass: parameters without a gradient (frozen, unused)
+        count as zeros, so every bucket launches."""
+        b, life = self._buckets, self._life
+        assert b is not None and life is not None
+        if b.kind is None:
+            self._begin_overlap(b)
+        if b.kind != "none":
+            for i in b.missing():
+                b.fill(i, self._params[i].grad)
+            self._launch_ready(b)
+        life.completed = True
+
+    def _collect_overlapped(self, b: OverlapBuckets) -> None:
+        """step() of a step whose buckets left from the hooks: finish them, then check on every
+        rank together that the gradient is still what was sent (and no GradScaler)."""
+        assert self._life is not None
+        if not self._life.completed:
+            self._finish()                    # fewer backward passes than configured
+        try:
+            for w in b.flights:
+                self._channel.wait(w)
+        finally:
+            self._counters["bytes_sent"] += sum(w.bytes_sent for w in b.flights)
+        changed = b.changed([p.grad for p in self._params])
+        scaler = getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None
+        flag = torch.tensor([float(bool(changed)) + 2.0 * scaler], dtype=torch.float32, device=self.exp_avg.device)
+        self._run(lambda comm: iter([comm.all_reduce(flag, dist.ReduceOp.MAX)]))
+        code = int(flag.item())
+        if code & 2:
+            raise RuntimeError(f"{self._NAME}(overlap=True) cannot step with GradScaler: its scale and "
+                               "inf check arrive at step(), after this step's 1-bit all-reduce already left "
+                               "from the gradient hooks with the scaled gradient (a step skipped for "
+                               "overflow could not take it back). Build it with overlap=False to use AMP")
+        if code:
+            where = (f"parameter(s) {changed[:5]} on this rank" if changed else "another rank")
+            raise RuntimeError(f"{self._NAME}(overlap=True): p.grad changed between backward() and step() "
+                               f"({where}; e.g. clip_grad_norm_, GradScaler.unscale_ or an edit), but this "
+                               "step's 1-bit all-reduce already left from the gradient hooks with the "
+                               "gradient backward produced. Build it with overlap=False to step on "
+                               "modified gradients (they are this rank's LOCAL gradients either way)")
+
+    def _reset_overlap(self) -> None:
+        if self._buckets is not None and self._life is not None:
+            self._buckets.reset()
+            self._life.reset_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero ``p.grad`` (torch's); with ``overlap=True`` refused while a step's 1-bit
+        all-reduce is in flight (after backward, before step()): it cannot be called back.
+
+        Example::
+
+            opt.zero_grad()
+        """
+        b = self._buckets
+        if b is not None and b.kind not in (None, "none") and (b.flights or b.next):
+            raise RuntimeError(f"{self._NAME}(overlap=True): zero_grad() after backward() and before "
+                               "step(): this step's 1-bit all-reduce already left from the gradient hooks; "
+                               "call step() first")
+        self._reset_overlap()
+        super().zero_grad(set_to_none=set_to_none)
+
     # -- the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        """One step on every rank (call it every iteration on every rank).
+        """One step on every rank (call it every iteration on every rank). With
+        ``overlap=True`` the step's buckets usually left during backward; this finishes them.
 
         Example::
 
@@ -221,12 +365,22 @@ class OneBitBase(Face, torch.optim.Optimizer):
                 loss = closure()
         self._agree_if_resumed(self._resume_description, f"{self._NAME} resumed state")
         before = self._counters["bytes_sent"]
-        if self._skip_for_overflow():
-            self._counters["skipped_steps"] += 1
-        else:
-            grad = self._local_gradient()
-            self._counters["step"] += 1
-            self._update(grad, self._counters["step"])
+        b = self._buckets
+        try:
+            if b is not None and b.kind not in (None, "none"):
+                self._collect_overlapped(b)
+                self._sent = b.kind
+                self._counters["step"] += 1
+                self._update(b.reduced() if b.kind == "gradient" else b.grad, self._counters["step"])
+            elif self._skip_for_overflow():
+                self._counters["skipped_steps"] += 1
+            else:
+                grad = self._local_gradient()
+                self._counters["step"] += 1
+                self._update(grad, self._counters["step"])
+        finally:
+            self._sent = None
+            self._reset_overlap()
         self._last_step = (self._counters["bytes_sent"] - before, self._dense_per_step())
         return loss
 
@@ -282,6 +436,10 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
             torch.save(opt.state_dict(), f"opt.{rank}.pt")
         """
+        if self._buckets is not None and self._buckets.flights:
+            raise RuntimeError(f"{self._NAME}: state_dict() after backward() and before step() while "
+                               "this step's 1-bit all-reduce is in flight (overlap=True); call it between "
+                               "steps")
         out = super().state_dict()
         for g in out["param_groups"]:
             g.pop("exp_avg_mask", None)   # the user's masks stay the user's (as DeepSpeed)
@@ -300,6 +458,9 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
             opt.load_state_dict(torch.load(f"opt.{rank}.pt"))
         """
+        if self._buckets is not None and self._buckets.kind is not None:
+            raise RuntimeError(f"{self._NAME}: load_state_dict() in the middle of a step (after "
+                               "backward, before step()); call it between steps")
         extra = state_dict.get("onebit") if isinstance(state_dict, dict) else None
         if not isinstance(extra, dict) or extra.get("optimizer") != self._NAME:
             raise ValueError(f"not a {self._NAME} state dict (no matching 'onebit' entry)")
@@ -335,6 +496,10 @@ class OneBitBase(Face, torch.optim.Optimizer):
     def _release_groups(self) -> None:
         self._group = None
         self._channel = runtime.channel(None)
+        if self._life is not None:
+            self._life.release()
+        if self._buckets is not None:
+            self._buckets.flights = []
 
     def close(self) -> None:
         """Refuse further steps (the optimizer holds no hooks; its groups are the caller's).
@@ -343,4 +508,6 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
             opt.close()
         """
+        if self._life is not None:
+            self._life.close()
         self._face_close()

@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .. import validate
 from ..lowbit import LowBitConfig
 
-__all__ = ["OneBitConfig", "ZeroOneConfig", "momentum_codec"]
+__all__ = ["OneBitConfig", "ZeroOneConfig", "OverlapConfig", "momentum_codec"]
 
 
 def _number(owner: str, name: str, value, low: float, high=None, *, open_high=True) -> None:
@@ -141,3 +142,35 @@ def _check_codec(owner: str, block_size, stage2_bits) -> None:
         momentum_codec(block_size, stage2_bits)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{owner} block_size={block_size!r}: {err}") from None
+
+
+@dataclass(frozen=True)
+class OverlapConfig:
+    """How :class:`~bitscom.onebit.OneBitAdam` / :class:`~bitscom.onebit.ZeroOneAdam` overlap
+    their 1-bit all-reduce with backward. Kept apart from the algorithm's settings: it changes
+    when bytes move, never which bits arrive, so a checkpoint loads with either choice.
+
+    Attributes:
+        overlap: start each bucket's 1-bit all-reduce (and 1-bit Adam's momentum update) from
+            the gradient hooks as soon as backward has produced the bucket's gradients; step()
+            finishes what remains. Bitwise the same results as ``False``, but the gradient
+            must reach step() as backward left it: clipping or editing ``p.grad`` in between,
+            and GradScaler, are refused with an error (docs/onebit.md). Default False.
+        bucket_mb: largest bucket (MiB of fp32 momentum). Smaller buckets start sending
+            earlier; larger ones cost fewer collectives (three per bucket).
+        backward_passes_per_step: with ``overlap``, gradient accumulation: the buckets are
+            sent on the last of this many backward passes (the hooks cannot know otherwise).
+    """
+
+    overlap: bool = False
+    bucket_mb: float = 25.0
+    backward_passes_per_step: int = 1
+
+    def __post_init__(self):
+        validate.flag("overlap", self.overlap)
+        validate.number("bucket_mb", self.bucket_mb, minimum=0.0, inclusive=(False, True), finite=True)
+        validate.number("backward_passes_per_step", self.backward_passes_per_step, minimum=1, integer=True)
+
+    def max_elements(self, block_size: int) -> int:
+        """Elements per bucket: whole 1-bit blocks, at least one."""
+        return max(block_size, int(self.bucket_mb * 2 ** 20) // 4 // block_size * block_size)

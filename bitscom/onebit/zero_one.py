@@ -56,6 +56,9 @@ class ZeroOneAdam(OneBitBase):
         local_step_scaler, local_step_clipper: the local-step interval doubles every
             ``local_step_scaler`` frozen steps, up to ``local_step_clipper`` (H).
         bias_correction: Adam's bias correction (``k`` = exact variance updates so far).
+        overlap, bucket_mb, backward_passes_per_step: as :class:`~bitscom.onebit.OneBitAdam`;
+            here the 1-bit gradient steps of the variance phase overlap backward (exact steps,
+            local steps and synchronizations run in step()).
 
     Example::
 
@@ -73,13 +76,16 @@ class ZeroOneAdam(OneBitBase):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, var_freeze_step: int = 100, var_update_scaler: int = 16,
                  local_step_scaler: int = 32678, local_step_clipper: int = 16, *, process_group=None,
-                 block_size: int = 2048, stage2_bits: int = 1, bias_correction: bool = True, group=None):
+                 block_size: int = 2048, stage2_bits: int = 1, bias_correction: bool = True, group=None,
+                 overlap: bool = False, bucket_mb: float = 25.0, backward_passes_per_step: int = 1):
         group = renamed(process_group, group, new="process_group", old="group", where="ZeroOneAdam")
         super().__init__(params, lr, weight_decay, group,
                          dict(betas=betas, eps=eps, var_freeze_step=var_freeze_step,
                               var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
                               local_step_clipper=local_step_clipper, block_size=block_size,
-                              stage2_bits=stage2_bits, bias_correction=bias_correction))
+                              stage2_bits=stage2_bits, bias_correction=bias_correction),
+                         dict(overlap=overlap, bucket_mb=bucket_mb,
+                              backward_passes_per_step=backward_passes_per_step))
         self._sched: Dict[str, Any] = {"var_interval": 1, "var_counter": 0, "local_step_interval": 1,
                        "local_step_counter": 0, "errors_reset": False,
                        "lrs": [0.0] * len(self.param_groups)}
@@ -108,6 +114,14 @@ class ZeroOneAdam(OneBitBase):
         self.anchor.copy_(extra.pop("anchor"))
         extra["lrs"] = list(extra["lrs"])
         self._sched = extra
+
+    def _overlap_kind(self, t: int) -> str:
+        """The 1-bit gradient steps of the variance phase go from the hooks; exact steps and
+        the frozen phase's local steps and synchronizations run in step() (a synchronization
+        reduces ``u``, which needs the step's parameter update first)."""
+        if t <= self.config.var_freeze_step and t % self._sched["var_interval"] != 0:
+            return "gradient"
+        return "none"
 
     def _update(self, grad: torch.Tensor, t: int) -> None:
         if t <= self.config.var_freeze_step:

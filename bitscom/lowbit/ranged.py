@@ -1,0 +1,112 @@
+"""The flat two-stage low-bit all-reduce, one block-aligned range at a time (:func:`range_rounds`).
+
+Why. :func:`~bitscom.lowbit.all_reduce_rounds` reduces a whole tensor at once, so it can start
+only when all of it is known. An optimizer that fills its flat buffer during backward (1-bit
+Adam's momentum, bucket by bucket) wants to send each part as soon as it is ready, *and* to get
+the very bits the whole-tensor call gives (same quantization blocks, same shard owner summing
+the same rows in the same order, same seeds, same residual slices, so a checkpoint of either
+resumes in the other). Every step of the whole-tensor algorithm is local to one ``block_size``
+block once the layout is fixed (pad to ``N = P * m``, shard ``j = [j*m, (j+1)*m)`` owned by
+rank ``j``), so a range of whole blocks inside one shard can run alone:
+
+1. every rank adds its worker residual to its elements of the range, quantizes them (the
+   global element index keys the seed) and sends the bytes to the owner (``all_to_all_v``
+   with one non-empty split);
+2. the owner decodes the P rows, sums them in rank order, scales by ``1/P``, requantizes with
+   its server residual (its slice of the shard's) and broadcasts the bytes;
+3. every rank decodes the broadcast into the range.
+
+The bytes counted are the whole-tensor call's, summed over the ranges (the all-to-all's
+input is this rank's part; the broadcast counts on the owner only, as an all-gather counts one
+row per rank). Flat hierarchy, error-feedback mode ``"residual"`` or ``"none"``, no Hadamard:
+what 1-bit Adam uses (:func:`check_ranged` says so otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, List, Tuple
+
+import torch
+
+from .config import LowBitConfig
+from .error_feedback import ErrorFeedback
+from .rounds import encode_with_feedback, world_rank
+from .seeds import key_id, stage_seed
+from .state import LowBitState
+
+__all__ = ["owner_ranges", "range_rounds", "check_ranged"]
+
+
+def check_ranged(cfg: LowBitConfig) -> None:
+    """A ValueError unless ``cfg`` is one :func:`range_rounds` reproduces bitwise."""
+    if cfg.hierarchy != "none" or cfg.hadamard or cfg.error_feedback_mode not in ("none", "residual") \
+            or cfg.simulate_quantization or cfg.chunk_size is not None:
+        raise ValueError(f"range_rounds reproduces the flat all-reduce only (hierarchy 'none', no "
+                         f"Hadamard, no chunks, error feedback 'none' or 'residual'); got {cfg!r}")
+
+
+def owner_ranges(numel: int, world: int, block_size: int, max_elements: int) -> List[Tuple[int, int, int]]:
+    """``(start, stop, owner)`` pieces that tile the padded ``[0, N)`` of a flat all-reduce of
+    ``numel`` elements over ``world`` ranks: whole blocks, inside one owner's shard, at most
+    ``max(block_size, max_elements)`` long; last piece first (a flat buffer filled by backward
+    in reverse parameter order completes from its end).
+
+    Example::
+
+        owner_ranges(1000, 2, 32, 128)[0]      # (960, 1024, 1)
+    """
+    unit = world * block_size
+    N = max(unit, -(-numel // unit) * unit)
+    m = N // world
+    step = max(block_size, max_elements // block_size * block_size)
+    pieces = [(s, min((j + 1) * m, s + step), j) for j in range(world) for s in range(j * m, (j + 1) * m, step)]
+    return pieces[::-1]
+
+
+def range_rounds(flat: torch.Tensor, start: int, stop: int, owner: int, comm, cfg: LowBitConfig,
+                 state: LowBitState, step: int) -> Iterator:
+    """Round generator: replace ``flat[start:stop]`` (padding beyond ``flat`` ignored) by the
+    low-bit average over ranks, bitwise what ``all_reduce_rounds(flat, comm, cfg, state)`` gives
+    there. ``(start, stop, owner)`` is one of :func:`owner_ranges`; ``step`` is the
+    whole-tensor call's ``state.step`` (the caller advances it once per all-reduce; call
+    ``state.bind(flat.numel())`` once too).
+
+    Example::
+
+        step = state.step; state.step += 1; state.bind(flat.numel())
+        for s, t, j in owner_ranges(flat.numel(), P, cfg.block_size, 1 << 20):
+            drive(range_rounds(flat, s, t, j, comm, cfg, state, step))
+    """
+    n, P, dev = flat.numel(), comm.size, flat.device
+    unit = P * cfg.block_size
+    N = max(unit, -(-n // unit) * unit)
+    m, length, hi = N // P, stop - start, min(stop, n)
+    c1, c2 = cfg.codec(cfg.bitwidth), cfg.codec(cfg.resolved_stage2_bitwidth)
+    r1, r2 = c1.row_bytes(length), c2.row_bytes(length)
+    rank, kid = world_rank(comm), key_id(0)
+    x = torch.zeros(length, dtype=torch.float32, device=dev)
+    if hi > start:
+        x[:hi - start].copy_(flat[start:hi])
+    if cfg.residual:
+        x = state.residual.ensure(N, dev)[start:stop].add_(x)     # x + e, in the residual
+    send = torch.empty(r1, dtype=torch.uint8, device=dev)
+    c1.encode(x, send, stage_seed(cfg.seed, kid, step, rank, 0), start)
+    if cfg.residual:                                               # e = x + e - D(C(x + e))
+        x.sub_(c1.decode(send, length))
+        torch.nan_to_num_(x, nan=0.0, posinf=0.0, neginf=0.0)
+    mine = comm.rank == owner
+    recv = torch.empty(P * r1 if mine else 0, dtype=torch.uint8, device=dev)
+    yield comm.all_to_all_v(recv, send, [r1 if mine else 0] * P, [r1 if j == owner else 0 for j in range(P)])
+    row = torch.empty(r2, dtype=torch.uint8, device=dev)
+    if mine:
+        shard = torch.empty(length, dtype=torch.float32, device=dev)
+        c1.decode_sum(recv.view(P, r1), length, shard)
+        shard.mul_(1.0 / P)
+        ef = None
+        if cfg.stage2_error_feedback:
+            e2 = state.stage2_residual.ensure(m, dev)
+            ef = ErrorFeedback.over(e2[start - owner * m:stop - owner * m])
+        encode_with_feedback(shard, c2, row, stage_seed(cfg.seed, kid, step, rank, 1), start, ef)
+    yield comm.broadcast(row, owner)
+    if hi > start:
+        c2.decode_prefix(row, length, flat[start:hi])
