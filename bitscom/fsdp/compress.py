@@ -298,7 +298,7 @@ def _install(sub, name: str, compression: "FSDPCompression", levels, process_gro
 
 def _shard_group(module):
     """FSDP's shard group of ``module`` (its parameters' 1-D mesh)."""
-    for p in module.parameters(recurse=False):
+    for p in module.parameters():
         mesh = getattr(p, "device_mesh", None)
         if mesh is not None:
             return mesh.get_group()
