@@ -93,6 +93,18 @@ def _inter_bytes_per_step(model, shards, replicas, cfg):
     return total
 
 
+def _accumulating(model, rank, steps=3):
+    """Two micro-batches per step, the replicate all-reduce only after the second."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    for step in range(steps):
+        for micro in range(2):
+            model.set_requires_all_reduce(micro == 1)
+            _loss(model, 2 * step + micro, rank).backward()
+        opt.step()
+        opt.zero_grad()
+    return _digest(model)
+
+
 def _parity(rank, world, shape):
     steps = 20
     native = _shard(_model(), _mesh(shape))            # stock FSDP2 native HSDP on the 2-D mesh
@@ -102,11 +114,14 @@ def _parity(rank, world, shape):
     _train(lossless, rank, steps)
     model, handle = _hsdp(shape)                       # default: exact reduce-scatter, 4-bit + EF across
     _train(model, rank, steps)
+    acc_model, acc_handle = _hsdp(shape, replicate=32)
+    accumulated = (_accumulating(_shard(_model(), _mesh(shape)), rank), _accumulating(acc_model, rank),
+                   acc_handle.comm_stats()["all_reduces"])
     refused = _outcome(lambda: bitscom.fsdp.compress(_shard(_model(), _mesh(shape)),
                                                      replicate_group=_mesh(shape).get_group("replicate")))
     return {"exact_digest": exact_digest, "lossless_digest": _digest(lossless), "digest": _digest(model),
             "exact": exact_loss, "compressed": _held_out(model), "initial": _held_out(_model()),
-            "stats": handle.comm_stats(), "stats32": handle32.comm_stats(), "refused": refused,
+            "stats": handle.comm_stats(), "stats32": handle32.comm_stats(), "refused": refused, "accumulated": accumulated,
             "expected_inter": steps * _inter_bytes_per_step(model, shape[1], shape[0], handle.replicate),
             "steps": sorted({s.step for s in handle.replicate_states.values()})}
 
@@ -114,12 +129,15 @@ def _parity(rank, world, shape):
 @pytest.mark.parametrize("world,shape", [(2, (2, 1)), (4, (2, 2))], ids=["2x1", "2x2"])
 def test_hsdp_replicate_all_reduce(pools, world, shape):
     """float32 on the replicate hop = native HSDP bitwise (two replicas: x0 + x1 is one rounding
-    in either order, and *0.5 / AVG's /2 are exact), 4-bit + EF within 2% of the initial loss
+    in either order, and *0.5 / AVG's /2 are exact), also with gradient accumulation through
+    set_requires_all_reduce(False), 4-bit + EF within 2% of the initial loss
     of exact, replicas bitwise identical, inter-node bytes = the all-reduce's wire formula."""
     results = pools.run(world, _parity, shape, timeout=240)
     assert len({r["digest"] for r in results}) == 1             # every rank: the same parameters
     for r in results:
         assert r["lossless_digest"] == r["exact_digest"], "float32 replicate hop != native HSDP"
+        assert r["accumulated"][0] == r["accumulated"][1], "set_requires_all_reduce(False) != native HSDP"
+        assert r["accumulated"][2] == 3 * 2                      # once per step and module, not per micro-batch
         assert r["compressed"] < 0.5 * r["initial"]
         assert abs(r["compressed"] - r["exact"]) <= 0.02 * r["initial"], r
         s = r["stats"]

@@ -58,6 +58,14 @@ def _divide_factor(module):
     return factor
 
 
+def _requires_all_reduce(module):
+    """The module's ``set_requires_all_reduce`` flag (FSDP keeps it on the parameter group)."""
+    def flag() -> bool:
+        groups = _param_groups(module)
+        return bool(getattr(groups[0], "all_reduce_grads", True)) if groups else True
+    return flag
+
+
 def _levels(cfg: LowBitConfig, intra_group, inter_group):
     if (intra_group is None) != (inter_group is None):
         raise ValueError("pass both intra_group and inter_group, or neither")
@@ -291,7 +299,8 @@ def _install(sub, name: str, compression: "FSDPCompression", levels, process_gro
         ar = ReplicateAllReduce(rcfg, name, compression.replicate_states[name], compression.hsdp,
                                 replicate_group, _shard_group(sub), _divide_factor(sub),
                                 count_reduce_scatter=cfg is None,
-                                before=None if cfg is not None else compression._before)
+                                before=None if cfg is not None else compression._before,
+                                requires_all_reduce=_requires_all_reduce(sub))
         compression._all_reduces.append(ar)
         sub.set_all_reduce_hook(ar)
 

@@ -18,6 +18,11 @@ How it plugs into FSDP2 (read from torch's ``_fully_shard`` source, 2.13):
   :class:`ReplicateAllReduce` implements: ``reduce_output`` becomes the low-bit average over
   the replicate group, bitwise identical on every replica.
 
+Gradient accumulation matches native HSDP too: after ``set_requires_all_reduce(False)`` (which
+on a 1-D mesh FSDP itself ignores) the hook keeps the shard in a pending sum and hands FSDP
+zeros; the next backward with all-reduce on adds the pending sum and all-reduces once, as
+native HSDP does with its ``partial_reduce_output``.
+
 Averaging matches native HSDP: FSDP over the shard group divides by the shard size (``AVG``,
 or its pre/post factors for fp16 or ``set_force_sum_reduction_for_comms``), so the hook divides
 the replica sum by the replica count; after ``set_gradient_divide_factor(f)`` FSDP already
@@ -122,6 +127,7 @@ class ReplicateAllReduce:
         group: the replicate process group.
         shard_group: FSDP's shard group (checked against ``group`` on first use).
         divide_factor: callable returning the module's ``set_gradient_divide_factor`` (or None).
+        requires_all_reduce: callable returning the module's ``set_requires_all_reduce`` flag.
         count_reduce_scatter: the reduce-scatter is FSDP's own exact one: count its bytes here.
         before: called first (the handle's liveness and resume checks).
 
@@ -133,10 +139,13 @@ class ReplicateAllReduce:
 
     def __init__(self, cfg: LowBitConfig, key: str, state: LowBitState, counter: HSDPBytes, group,
                  shard_group, divide_factor: Optional[Callable[[], Optional[float]]] = None,
-                 count_reduce_scatter: bool = True, before: Optional[Callable[[], None]] = None):
+                 count_reduce_scatter: bool = True, before: Optional[Callable[[], None]] = None,
+                 requires_all_reduce: Optional[Callable[[], bool]] = None):
         self.cfg, self.key, self.state, self.counter = cfg, key, state, counter
         self.group, self.shard_group, self.divide_factor = group, shard_group, divide_factor
         self.count_reduce_scatter, self.before = count_reduce_scatter, before
+        self.requires_all_reduce = requires_all_reduce
+        self.pending: Optional[torch.Tensor] = None   # accumulated shards awaiting one all-reduce
         self._checked = False
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
@@ -150,6 +159,30 @@ class ReplicateAllReduce:
         if not self._checked:
             check_replicate_group(self.group, self.shard_group)
             self._checked = True
+        if self.count_reduce_scatter:              # FSDP's own reduce-scatter of P shards
+            shards = dist.get_world_size(self.shard_group)
+            self.counter.intra_sent += reduce_output.element_size() * reduce_output.numel() * shards
+            self.counter.intra_dense += 4 * reduce_output.numel() * shards
+        if self._accumulate(reduce_output):
+            return
+        self._all_reduce(reduce_output)
+
+    def _accumulate(self, reduce_output: torch.Tensor) -> bool:
+        """Gradient accumulation without all-reduce: keep the shard, give FSDP zeros. Otherwise
+        add what was kept (then ``reduce_output`` is all-reduced); returns whether to stop."""
+        if self.requires_all_reduce is not None and not self.requires_all_reduce():
+            if self.pending is None:
+                self.pending = reduce_output.detach().clone()
+            else:
+                self.pending += reduce_output
+            reduce_output.zero_()
+            return True
+        if self.pending is not None:
+            reduce_output += self.pending
+            self.pending = None
+        return False
+
+    def _all_reduce(self, reduce_output: torch.Tensor) -> None:
         n = reduce_output.numel()
         flat = reduce_output.view(-1) if reduce_output.dtype == torch.float32 and reduce_output.is_contiguous() \
             else reduce_output.detach().reshape(-1).to(torch.float32)
@@ -164,7 +197,3 @@ class ReplicateAllReduce:
         c.inter_sent += comm.bytes_sent
         c.inter_dense += 4 * n
         c.all_reduces += 1
-        if self.count_reduce_scatter:              # FSDP's own reduce-scatter of P shards
-            shards = dist.get_world_size(self.shard_group)
-            c.intra_sent += reduce_output.element_size() * n * shards
-            c.intra_dense += 4 * n * shards
