@@ -70,12 +70,7 @@ class FSDPCheckpointState:
         self.reset_compressor_state = bool(reset_compressor_state)
 
     def _layout(self) -> str:
-        h = self.compression
-        replicas = 1 if not h._all_reduces or h._all_reduces[0].group is None else \
-            dist.get_world_size(h._all_reduces[0].group)
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        return (f"world={world} replicate={replicas} modules={sorted(set(h.states) | set(h.replicate_states))} "
-                f"settings={h._config_text()}")
+        return self.compression.checkpoint_layout()
 
     def _key(self) -> str:
         return f"rank{dist.get_rank() if dist.is_initialized() else 0}"

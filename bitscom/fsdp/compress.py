@@ -178,6 +178,20 @@ class FSDPCompression(Face):
         return {"config": self._config_text(), **self._current(), "calls": self.counter.calls,
                 "all_reduces": self.hsdp.all_reduces, **self._envelope(self._steps())}
 
+    def checkpoint_layout(self) -> str:
+        """What a checkpoint of this handle's per-rank state is only valid for: the world, the
+        replica count, the sharded modules and the settings (the same text on every rank).
+
+        Example::
+
+            handle.checkpoint_layout()   # "world=4 replicate=2 modules=['0', '2'] settings=..."
+        """
+        group = self._all_reduces[0].group if self._all_reduces else None
+        replicas = dist.get_world_size(group) if group is not None else 1
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return (f"world={world} replicate={replicas} modules={sorted(set(self.states) | set(self.replicate_states))} "
+                f"settings={self._config_text()}")
+
     def _config_text(self) -> str:
         return repr(self.config) + ("" if self.replicate is None else f"; replicate={self.replicate!r}")
 
