@@ -17,7 +17,8 @@ ranks (the same error on every rank at the next reduction). On another mesh the 
 residuals do not reshard (they belong to one rank's shard of one replica): the load raises a
 ValueError naming ``reset_compressor_state=True``, which restarts bitscom's state from zero and
 loads the model and optimizer (which DCP does reshard). A run with more ranks than the saving
-one fails inside ``dcp.load`` already ("Missing key ... bitscom_fsdp.rank<r>"): the same option
+one fails inside ``dcp.load`` already, on every rank ("Missing key in checkpoint state_dict:
+bitscom.rank<r>" when the entry is called "bitscom"): the same option
 is the remedy.
 
 Trust: loading unpickles the per-rank entries, as DCP does for any non-tensor value; load
