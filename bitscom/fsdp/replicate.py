@@ -57,7 +57,12 @@ __all__ = ["HSDPBytes", "ReplicateAllReduce", "replicate_config", "check_replica
 @dataclass
 class HSDPBytes:
     """Bytes of the two HSDP hops, this rank, since construction: sent and what float32 would
-    have sent (the reduce-scatter's input, the all-reduce's input, 4 bytes an element)."""
+    have sent (the reduce-scatter's input, the all-reduce's input, 4 bytes an element).
+
+    Example::
+
+        bitscom.fsdp.handle(model).hsdp.inter_sent     # bytes of the replicate all-reduces
+    """
 
     intra_sent: int = 0
     intra_dense: int = 0
@@ -106,7 +111,12 @@ def native_hsdp(module: torch.nn.Module) -> bool:
 
 def check_replicate_group(replicate_group, shard_group) -> None:
     """The replicate group must meet FSDP's shard group in this rank only (one rank per shard
-    index and replica): otherwise the 'replicas' would average different shards."""
+    index and replica): otherwise the 'replicas' would average different shards.
+
+    Example::
+
+        check_replicate_group(mesh.get_group("replicate"), mesh.get_group("shard"))
+    """
     mine = dist.get_rank()
     replicas = dist.get_process_group_ranks(replicate_group)
     shards = dist.get_process_group_ranks(shard_group)
