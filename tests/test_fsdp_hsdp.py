@@ -119,7 +119,12 @@ def _parity(rank, world, shape):
                    acc_handle.comm_stats()["all_reduces"])
     refused = _outcome(lambda: bitscom.fsdp.compress(_shard(_model(), _mesh(shape)),
                                                      replicate_group=_mesh(shape).get_group("replicate")))
-    return {"exact_digest": exact_digest, "lossless_digest": _digest(lossless), "digest": _digest(model),
+    wrong = None
+    if shape[1] > 1:          # the shard group passed as the replicate group: caught at the first backward
+        bad = _shard(_model(), _mesh(shape)["shard"])
+        bitscom.fsdp.compress(bad, replicate_group=_mesh(shape).get_group("shard"))
+        wrong = _outcome(lambda: _loss(bad, 0, rank).backward())
+    return {"exact_digest": exact_digest, "wrong_group": wrong, "lossless_digest": _digest(lossless), "digest": _digest(model),
             "exact": exact_loss, "compressed": _held_out(model), "initial": _held_out(_model()),
             "stats": handle.comm_stats(), "stats32": handle32.comm_stats(), "refused": refused, "accumulated": accumulated,
             "expected_inter": steps * _inter_bytes_per_step(model, shape[1], shape[0], handle.replicate),
@@ -149,6 +154,9 @@ def test_hsdp_replicate_all_reduce(pools, world, shape):
         assert r["steps"] == [20]
         kind, msg = r["refused"]
         assert kind == "ValueError" and "mesh['shard']" in msg and "2-D mesh" in msg, r["refused"]
+        if shape[1] > 1:
+            kind, msg = r["wrong_group"]
+            assert kind == "ValueError" and "must share this rank only" in msg, r["wrong_group"]
 
 
 # -- checkpoints through torch's own flow ------------------------------------------------------
