@@ -88,9 +88,13 @@ class FSDPCompression(Face):
     """What :func:`compress` installed on one model: byte counts and the per-module states.
 
     Attributes:
-        config: the gradient settings.
-        states: ``{module name: LowBitState}``, one per ``fully_shard``-ed module with parameters.
+        config: the gradient (reduce-scatter) settings; ``None`` under HSDP with FSDP's exact one.
+        states: ``{module name: LowBitState}``, one per ``fully_shard``-ed module with parameters
+            (empty under HSDP with FSDP's exact reduce-scatter).
         counter: the bytes so far (:meth:`comm_stats`).
+        replicate: HSDP's replicate all-reduce settings (``None`` without HSDP).
+        replicate_states: ``{module name: LowBitState}`` of the replicate all-reduces.
+        hsdp: the bytes of both HSDP hops (:class:`~bitscom.fsdp.replicate.HSDPBytes`).
 
     Example::
 
@@ -146,7 +150,11 @@ class FSDPCompression(Face):
         """``bytes_sent`` / ``dense_bytes`` / ``compression_ratio`` of the gradient
         reduce-scatters so far (dense = FSDP's float32 reduce-scatter of the same inputs), plus
         ``reduce_scatters`` (how many were run) and, for ``hierarchy="two_level"``,
-        ``inter_node_bytes`` (the part of ``bytes_sent`` that crossed the slow inter-node level)."""
+        ``inter_node_bytes`` (the part of ``bytes_sent`` that crossed the slow inter-node level).
+        Under HSDP (``replicate_group=``): ``intra_node_bytes`` / ``intra_node_dense_bytes`` (the
+        reduce-scatter; FSDP's exact one counts as its float32 input), ``inter_node_bytes`` /
+        ``inter_node_dense_bytes`` / ``inter_node_ratio`` (the replicate all-reduce),
+        ``all_reduces``, and ``bytes_sent`` / ``dense_bytes`` = the sums of both hops."""
         c = self.counter
         if self.replicate is not None or self.config is None:
             return self._hsdp_stats()
