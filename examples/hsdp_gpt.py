@@ -57,7 +57,9 @@ class GPT(nn.Module):
         h = self.tok(x) + self.pos[:n]
         for block in self.blocks:
             h = block(h, src_mask=self.mask[:n, :n].to(h.dtype), is_causal=True)
-        return self.head(self.norm(h))
+        # logits of every position as (batch * seq, vocab): a 2-D head output is not a view,
+        # which FSDP2 warns about for a root module's output
+        return self.head(self.norm(h).reshape(-1, h.shape[-1]))
 
 
 def batch(step: int, rank: int, size: int = 8, seq: int = 32):
