@@ -12,9 +12,10 @@ returned :class:`FSDPCompression` reports bytes and checkpoints the states.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from .. import runtime
 from ..agreement import describe_state
@@ -22,6 +23,7 @@ from ..face import Face, describe_parameters, load_all_or_nothing, report
 from ..lowbit.config import LowBitConfig
 from ..lowbit.state import LowBitState
 from .reduce_scatter import ByteCount, LowBitReduceScatter
+from .replicate import HSDPBytes, ReplicateAllReduce, native_hsdp, replicate_config
 from .settings import gradient_config, require_hook
 from .weight_settings import weight_config
 from .weights import WeightGathers
@@ -64,6 +66,14 @@ def _divide_factor(module):
     return factor
 
 
+def _requires_all_reduce(module):
+    """The module's ``set_requires_all_reduce`` flag (FSDP keeps it on the parameter group)."""
+    def flag() -> bool:
+        groups = _param_groups(module)
+        return bool(getattr(groups[0], "all_reduce_grads", True)) if groups else True
+    return flag
+
+
 def _levels(cfg: LowBitConfig, intra_group, inter_group):
     if (intra_group is None) != (inter_group is None):
         raise ValueError("pass both intra_group and inter_group, or neither")
@@ -86,9 +96,13 @@ class FSDPCompression(Face):
     """What :func:`compress` installed on one model: byte counts and the per-module states.
 
     Attributes:
-        config: the gradient settings.
-        states: ``{module name: LowBitState}``, one per ``fully_shard``-ed module with parameters.
+        config: the gradient (reduce-scatter) settings; ``None`` under HSDP with FSDP's exact one.
+        states: ``{module name: LowBitState}``, one per ``fully_shard``-ed module with parameters
+            (empty under HSDP with FSDP's exact reduce-scatter).
         counter: the bytes so far (:meth:`comm_stats`).
+        replicate: HSDP's replicate all-reduce settings (``None`` without HSDP).
+        replicate_states: ``{module name: LowBitState}`` of the replicate all-reduces.
+        hsdp: the bytes of both HSDP hops (:class:`~bitscom.fsdp.replicate.HSDPBytes`).
         weights: the parameter all-gathers' :class:`~bitscom.fsdp.weights.WeightGathers`
             (settings, per-module replicas, bytes), or ``None`` without ``weights=``.
 
@@ -100,55 +114,90 @@ class FSDPCompression(Face):
         torch.save(handle.state_dict(), "fsdp_lowbit.pt")
     """
 
-    def __init__(self, config: LowBitConfig, states: Dict[str, LowBitState], counter: ByteCount,
-                 process_group=None, weights: Optional[WeightGathers] = None):
+    def __init__(self, config: Optional[LowBitConfig], states: Dict[str, LowBitState], counter: ByteCount,
+                 process_group=None, *, replicate: Optional[LowBitConfig] = None,
+                 replicate_states: Optional[Dict[str, LowBitState]] = None,
+                 weights: Optional[WeightGathers] = None):
         self.config, self.states, self.counter, self.weights = config, states, counter, weights
+        self.replicate = replicate                      # HSDP: the replicate all-reduce settings
+        self.replicate_states: Dict[str, LowBitState] = replicate_states or {}
+        self.hsdp = HSDPBytes()
         self._face_init("bitscom.fsdp.compress", process_group, warn_single=False)
         self._reduce_scatters: List[LowBitReduceScatter] = []
+        self._all_reduces: List[ReplicateAllReduce] = []
 
     def _before(self) -> None:
         """Before each reduce-scatter: the world is alive, and after a load every rank resumed
         the same reduce-scatter count with states of the same shapes (the first reduce-scatter
         after a load is collective on every rank, so the check cannot hang)."""
         self._check_live()
-        self._agree_if_resumed(lambda: {"reduce-scatters": self.counter.calls,
+        self._agree_if_resumed(lambda: {"reduce-scatters": self.counter.calls, "all-reduces": self.hsdp.all_reduces,
                                         "states": {k: describe_state(s) for k, s in sorted(self.states.items())},
+                                        "replicate states": {k: describe_state(s) for k, s in
+                                                             sorted(self.replicate_states.items())},
                                         "weights": self.weights.describe() if self.weights else None},
                                "bitscom.fsdp resumed state")
 
+    def _steps(self) -> int:
+        """Backward passes reduced so far (the checkpoint envelope's step)."""
+        return self.counter.calls if self.config is not None else self.hsdp.all_reduces
+
     def _load_states(self, saved: dict) -> None:
         for name, s in self.states.items():
-            s.load_state_dict(saved[name])
-
-    def _save_all(self) -> dict:
-        return {"states": {n: s.state_dict() for n, s in self.states.items()},
-                "weights": self.weights.state_dict() if self.weights else None}
-
-    def _load_all(self, state: dict) -> None:
-        self._load_states(state["states"])
+            s.load_state_dict(saved["states"][name])
+        for name, s in self.replicate_states.items():
+            s.load_state_dict(saved["replicate"][name])
         if self.weights:
-            self.weights.load_state_dict(state["weights"])
+            self.weights.load_state_dict(saved["weights"])
+
+    def _current(self) -> dict:
+        return {"states": {n: s.state_dict() for n, s in self.states.items()},
+                "replicate": {n: s.state_dict() for n, s in self.replicate_states.items()},
+                **({"weights": self.weights.state_dict()} if self.weights else {})}
 
     def _release_groups(self) -> None:
         for rs in getattr(self, "_reduce_scatters", ()):
             rs.process_group = rs.levels = None
+        for ar in getattr(self, "_all_reduces", ()):
+            ar.group = ar.shard_group = None
 
     def comm_stats(self) -> dict:
         """``bytes_sent`` / ``dense_bytes`` / ``compression_ratio`` of the gradient
         reduce-scatters so far (dense = FSDP's float32 reduce-scatter of the same inputs), plus
         ``reduce_scatters`` (how many were run) and, for ``hierarchy="two_level"``,
         ``inter_node_bytes`` (the part of ``bytes_sent`` that crossed the slow inter-node level).
+        Under HSDP (``replicate_group=``): ``intra_node_bytes`` / ``intra_node_dense_bytes`` (the
+        reduce-scatter; FSDP's exact one counts as its float32 input), ``inter_node_bytes`` /
+        ``inter_node_dense_bytes`` / ``inter_node_ratio`` (the replicate all-reduce),
+        ``all_reduces``, and ``bytes_sent`` / ``dense_bytes`` = the sums of both hops.
         With ``weights=``: ``all_gather_bytes_sent`` / ``all_gather_dense_bytes`` (FSDP's own
         all-gather in its dtype) / ``all_gather_compression_ratio`` / ``all_gathers``."""
         c = self.counter
+        gathers = self.weights.stats() if self.weights else {}
+        if self.replicate is not None or self.config is None:
+            return {**self._hsdp_stats(), **gathers}
         extra = {"inter_node_bytes": c.inter_bytes} if self.config.hierarchy == "two_level" else {}
-        extra.update(self.weights.stats() if self.weights else {})
-        return report(c.bytes_sent, c.dense_bytes, c.bytes_sent, c.dense_bytes, reduce_scatters=c.calls, **extra)
+        return report(c.bytes_sent, c.dense_bytes, c.bytes_sent, c.dense_bytes, reduce_scatters=c.calls,
+                      **extra, **gathers)
+
+    def _hsdp_stats(self) -> dict:
+        """HSDP: the intra-node reduce-scatter and the inter-node (replicate) all-reduce apart,
+        each with its float32 baseline; ``bytes_sent`` / ``dense_bytes`` are their sums."""
+        c, h = self.counter, self.hsdp
+        intra, intra_dense = (c.bytes_sent, c.dense_bytes) if self.config is not None else (h.intra_sent, h.intra_dense)
+        sent, dense = intra + h.inter_sent, intra_dense + h.inter_dense
+        return report(sent, dense, sent, dense, intra_node_bytes=intra, intra_node_dense_bytes=intra_dense,
+                      inter_node_bytes=h.inter_sent, inter_node_dense_bytes=h.inter_dense,
+                      inter_node_ratio=h.inter_dense / h.inter_sent if h.inter_sent else float("nan"),
+                      reduce_scatters=c.calls if self.config is not None else h.all_reduces,
+                      all_reduces=h.all_reduces)
 
     def reset_stats(self) -> None:
         """Start counting bytes from zero again (e.g. after warm-up)."""
         c = self.counter
         c.bytes_sent = c.dense_bytes = c.calls = c.inter_bytes = 0
+        h = self.hsdp
+        h.intra_sent = h.intra_dense = h.inter_sent = h.inter_dense = 0
         if self.weights:
             self.weights.reset_stats()
 
@@ -156,9 +205,25 @@ class FSDPCompression(Face):
         """Step counters and error-feedback residuals, per module (this rank's; every rank saves
         its own, like an optimizer's sharded state); with ``weights=`` also each module's gather
         count and replica (``"weights"``), so a resume continues bitwise."""
-        return {"config": repr(self.config), "states": {k: s.state_dict() for k, s in self.states.items()},
-                "calls": self.counter.calls, **self._envelope(self.counter.calls),
-                **({"weights": self.weights.state_dict()} if self.weights else {})}
+        return {"config": self._config_text(), **self._current(), "calls": self.counter.calls,
+                "all_reduces": self.hsdp.all_reduces, **self._envelope(self._steps())}
+
+    def checkpoint_layout(self) -> str:
+        """What a checkpoint of this handle's per-rank state is only valid for: the world, the
+        replica count, the sharded modules and the settings (the same text on every rank).
+
+        Example::
+
+            handle.checkpoint_layout()   # "world=4 replicate=2 modules=['0', '2'] settings=..."
+        """
+        group = self._all_reduces[0].group if self._all_reduces else None
+        replicas = dist.get_world_size(group) if group is not None else 1
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return (f"world={world} replicate={replicas} modules={sorted(set(self.states) | set(self.replicate_states))} "
+                f"settings={self._config_text()}")
+
+    def _config_text(self) -> str:
+        return repr(self.config) + ("" if self.replicate is None else f"; replicate={self.replicate!r}")
 
     def load_state_dict(self, state: dict) -> None:
         """Restore this rank's own :meth:`state_dict`; the modules and settings must be the same.
@@ -166,24 +231,27 @@ class FSDPCompression(Face):
         the next reduce-scatter (loading it would resume, but not reproduce the run)."""
         if not isinstance(state, dict) or "states" not in state:
             raise ValueError("not a bitscom.fsdp handle state dict (no 'states' entry)")
-        if state.get("config") != repr(self.config):
+        if state.get("config") != self._config_text():
             raise ValueError(f"checkpoint was written with {state.get('config')}, this model is "
-                             f"compressed with {self.config!r}")
-        saved = state["states"]
-        if set(saved) != set(self.states):
-            raise ValueError(f"checkpoint has FSDP modules {sorted(saved)}, this model {sorted(self.states)}")
+                             f"compressed with {self._config_text()}")
+        saved = {"states": state["states"], "replicate": state.get("replicate", {}), "weights": state.get("weights")}
+        for part, mine in (("states", self.states), ("replicate", self.replicate_states)):
+            if set(saved[part]) != set(mine):
+                raise ValueError(f"checkpoint has FSDP modules {sorted(saved[part])}, this model {sorted(mine)}")
         if self.weights:
-            self.weights.check(state.get("weights"))
-        self._mark_loaded()                   # the next collective compares the ranks
+            self.weights.check(saved["weights"])
+        self._mark_loaded()                   # the next reduce-scatter compares the ranks
         if not self._check_envelope(state, per_rank_state=True):
             return
-        load_all_or_nothing(self._save_all, lambda: self._load_all(state), self._load_all)
+        load_all_or_nothing(self._current, lambda: self._load_states(saved), self._load_states)
         self.counter.calls = int(state.get("calls", self.counter.calls))
+        self.hsdp.all_reduces = int(state.get("all_reduces", self.hsdp.all_reduces))
 
 
 def compress(module: torch.nn.Module, gradients=None, weights=None, process_group=None, *,
-             intra_group=None, inter_group=None) -> FSDPCompression:
-    """Send the gradient reduce-scatters of a ``fully_shard``-ed (FSDP2) model in low bit.
+             intra_group=None, inter_group=None, replicate=None, replicate_group=None) -> FSDPCompression:
+    """Send the gradient reduce-scatters of a ``fully_shard``-ed (FSDP2) model in low bit, and
+    under HSDP the replicate (inter-node) all-reduce.
 
     Call it on every rank (it checks that all ranks pass the same settings and sharded the same
     modules, and raises the same error on every rank otherwise), after ``fully_shard`` (every
@@ -192,10 +260,18 @@ def compress(module: torch.nn.Module, gradients=None, weights=None, process_grou
     float32), ``"two_level"`` = SDP4Bit's intra-node then inter-node level-wise one. FSDP's
     averaging (``AVG``, ``set_gradient_divide_factor``, fp16 pre/post division) is honoured.
 
+    HSDP (``replicate_group=``): the model is ``fully_shard``-ed over the shard dimension of a
+    2-D (replicate x shard) mesh, and every module's reduce-scattered shard is then averaged
+    across ``replicate_group`` by bitscom's low-bit all-reduce (``replicate``: 4 bits with error
+    feedback by default) through ``FSDPModule.set_all_reduce_hook``. The intra-node
+    reduce-scatter stays FSDP's exact one unless ``gradients`` is given. See
+    :mod:`bitscom.fsdp.replicate` for why the model must be sharded on ``mesh["shard"]``.
+
     Args:
         module: the root module (an ``FSDPModule``); every ``FSDPModule`` under it is compressed.
-        gradients: a :class:`~bitscom.lowbit.LowBitConfig` or an int bit width (default
-            ``LowBitConfig()``: 4 bits, blocks of 128). ``bitwidth=32`` is an exact float32 path.
+        gradients: the reduce-scatter: a :class:`~bitscom.lowbit.LowBitConfig` or an int bit
+            width (default ``LowBitConfig()``: 4 bits, blocks of 128; with ``replicate_group``
+            the default is FSDP's own exact reduce-scatter). ``bitwidth=32`` is an exact float32 path.
         weights: the parameter all-gather in low bit (``FSDPModule.set_custom_all_gather``): a
             :class:`~bitscom.fsdp.WeightConfig` or an int bit width; ``WeightConfig()`` is
             ZeRO++'s blockwise 8-bit qwZ, ``WeightConfig(mode="difference")`` SDP4Bit's 4-bit
@@ -205,6 +281,9 @@ def compress(module: torch.nn.Module, gradients=None, weights=None, process_grou
             the same ranks in the same order as FSDP's group (checked on the first backward).
         intra_group, inter_group: the node groups of ``hierarchy="two_level"`` (default:
             :func:`bitscom.intra_group` / :func:`bitscom.inter_group`).
+        replicate: HSDP's replicate all-reduce settings (a ``LowBitConfig``, an int bit width,
+            or ``None``: 4 bits + error feedback); only with ``replicate_group``.
+        replicate_group: HSDP's replicate group (``mesh.get_group("replicate")``).
 
     Example::
 
@@ -215,12 +294,81 @@ def compress(module: torch.nn.Module, gradients=None, weights=None, process_grou
         loss.backward(); opt.step()
         bitscom.fsdp.comm_stats(model)   # {'bytes_sent': ..., 'dense_bytes': ..., 'compression_ratio': ...}
     """
-    cfg = gradient_config(LowBitConfig() if gradients is None else gradients)
+    hsdp = replicate_group is not None
+    cfg, rcfg = _settings(gradients, replicate, hsdp)
     wcfg = None if weights is None else weight_config(weights)
-    levels = _levels(cfg, intra_group, inter_group)
+    levels = _levels(cfg, intra_group, inter_group) if cfg is not None else None
+    names = _check_module(module, hsdp, wcfg is not None)
+    states: Dict[str, LowBitState] = {name: LowBitState() for name in names} if cfg is not None else {}
+    compression = FSDPCompression(cfg, states, ByteCount(), process_group, replicate=rcfg,
+                                  replicate_states={name: LowBitState() for name in names} if hsdp else None,
+                                  weights=None if wcfg is None else WeightGathers(wcfg, names))
+    # Ranks with other settings (bit width, error feedback, hierarchy), other sharded modules or
+    # other parameter shapes would exchange bytes of different formats or sizes: a gloo abort,
+    # or silently mixed bytes (error feedback on one rank only). The same error on every rank.
+    compression._face_agree({**_fields(cfg, rcfg, replicate_group), "weights": repr(wcfg), "sharded modules": names,
+                             "parameters": describe_parameters(list(module.named_parameters()))},
+                            what="bitscom.fsdp.compress settings")
+    for name, sub in module.named_modules():
+        if name in names:
+            _install(sub, name, compression, levels, process_group, replicate_group)
+    setattr(module, _ATTR, compression)
+    return compression
+
+
+def _settings(gradients, replicate, hsdp: bool):
+    """(reduce-scatter config or None for FSDP's exact one, replicate config or None)."""
+    if replicate is not None and not hsdp:
+        raise ValueError("replicate= sets HSDP's replicate all-reduce; pass replicate_group= too "
+                         "(mesh.get_group('replicate'))")
+    cfg = None if hsdp and gradients is None else gradient_config(LowBitConfig() if gradients is None else gradients)
+    return cfg, (replicate_config(replicate) if hsdp else None)
+
+
+def _fields(cfg, rcfg, replicate_group) -> dict:
+    """The settings every rank must share, by name."""
+    fields: Dict[str, Any] = {} if cfg is None else \
+        {f"gradients.{f.name}": repr(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if rcfg is not None:
+        fields.update({f"replicate.{f.name}": repr(getattr(rcfg, f.name)) for f in dataclasses.fields(rcfg)})
+        fields["replicate ranks"] = dist.get_world_size(replicate_group)
+    return fields
+
+
+def _install(sub, name: str, compression: "FSDPCompression", levels, process_group, replicate_group) -> None:
+    """Hook one sharded module: bitscom's reduce-scatter and/or the HSDP replicate all-reduce."""
+    cfg, rcfg = compression.config, compression.replicate
+    if cfg is not None:
+        rs = LowBitReduceScatter(cfg, name, compression.states[name], compression.counter, process_group,
+                                 levels, _divide_factor(sub), before=compression._before)
+        compression._reduce_scatters.append(rs)
+        sub.set_custom_reduce_scatter(rs)
+    if rcfg is not None:
+        ar = ReplicateAllReduce(rcfg, name, compression.replicate_states[name], compression.hsdp,
+                                replicate_group, _shard_group(sub), _divide_factor(sub),
+                                count_reduce_scatter=cfg is None,
+                                before=None if cfg is not None else compression._before,
+                                requires_all_reduce=_requires_all_reduce(sub))
+        compression._all_reduces.append(ar)
+        sub.set_all_reduce_hook(ar)
+    if compression.weights is not None:
+        compression.weights.install(name, sub, _fsdp_params(sub), compression._before)
+
+
+def _shard_group(module):
+    """FSDP's shard group of ``module`` (its parameters' 1-D mesh)."""
+    for p in module.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            return mesh.get_group()
+    raise ValueError(f"{type(module).__name__} has no sharded (DTensor) parameters")
+
+
+def _check_module(module, hsdp: bool, weights: bool) -> list:
+    """The names of the sharded modules with parameters; clear errors for what cannot work."""
     FSDPModule = _fsdp_module_class()
-    require_hook(FSDPModule, "set_custom_reduce_scatter")
-    if wcfg is not None:
+    require_hook(FSDPModule, "set_all_reduce_hook" if hsdp else "set_custom_reduce_scatter")
+    if weights:
         require_hook(FSDPModule, "set_custom_all_gather")
     if not isinstance(module, FSDPModule):
         raise TypeError(f"module must be an FSDP2 module (call torch.distributed.fsdp.fully_shard on it "
@@ -228,29 +376,14 @@ def compress(module: torch.nn.Module, gradients=None, weights=None, process_grou
     if getattr(module, _ATTR, None) is not None:
         raise RuntimeError("this model is already compressed by bitscom.fsdp.compress; use the handle "
                            "it returned (or bitscom.fsdp.handle(model))")
-    names = [name for name, sub in module.named_modules() if isinstance(sub, FSDPModule) and _param_groups(sub)]
-    states: Dict[str, LowBitState] = {name: LowBitState() for name in names}
-    gathers = None if wcfg is None else WeightGathers(wcfg, names)
-    compression = FSDPCompression(cfg, states, ByteCount(), process_group, gathers)
-    # Ranks with other settings (bit width, error feedback, hierarchy), other sharded modules or
-    # other parameter shapes would exchange bytes of different formats or sizes: a gloo abort,
-    # or silently mixed bytes (error feedback on one rank only). The same error on every rank.
-    fields = {f"gradients.{f.name}": repr(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-    fields["weights"] = repr(wcfg)
-    compression._face_agree({**fields, "sharded modules": names,
-                             "parameters": describe_parameters(list(module.named_parameters()))},
-                            what="bitscom.fsdp.compress settings")
-    for name, sub in module.named_modules():
-        if name not in names:
-            continue
-        rs = LowBitReduceScatter(cfg, name, states[name], compression.counter, process_group, levels,
-                                 _divide_factor(sub), before=compression._before)
-        compression._reduce_scatters.append(rs)
-        sub.set_custom_reduce_scatter(rs)
-        if gathers is not None:
-            gathers.install(name, sub, _fsdp_params(sub), compression._before)
-    setattr(module, _ATTR, compression)
-    return compression
+    if hsdp and native_hsdp(module):
+        raise ValueError(
+            "replicate_group= needs the model fully_shard-ed over the shard dimension only "
+            "(fully_shard(m, mesh=mesh['shard'])): it was sharded on a 2-D mesh (native HSDP), where "
+            f"FSDP runs its own float32 replicate all-reduce and torch {torch.__version__} offers no "
+            "public hook that replaces it (set_requires_all_reduce(False) also skips writing the "
+            "gradient; set_all_reduce_hook runs after the native all-reduce)")
+    return [name for name, sub in module.named_modules() if isinstance(sub, FSDPModule) and _param_groups(sub)]
 
 
 def handle(module: torch.nn.Module) -> FSDPCompression:
