@@ -341,3 +341,40 @@ def test_single_process_overlap_runs():
     stats = opt.comm_stats()
     assert stats["syncs"] == 2 and stats["bytes_sent"] == 0    # launched at 4, 8; landed at 6, 10
     assert DiLoCoConfig(sync_every=4, fragments=2, delay=1).lands(5) == [0]
+
+
+def test_checkpoint_from_before_the_overlap_loads():
+    """A checkpoint written before ``delay``/``mix`` existed (its config repr lacks them, no
+    flights, no fresh flags) loads into ``delay=0`` and is refused by ``delay > 0``."""
+    opt = _single(sync_every=4, compression=None)
+    params = opt.param_groups[0]["params"]
+    for _ in range(4):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    sd = opt.state_dict()
+    old = sd["diloco"]
+    assert old.pop("flights") == [] and old.pop("fresh") == [True]
+    old["config"] = old["config"].replace(", delay=0, mix=0.0", "")
+    fresh = _single(sync_every=4, compression=None)
+    fresh.load_state_dict(sd)
+    assert fresh.comm_stats()["inner_steps"] == 4 and fresh._fresh == [True]
+    with pytest.raises(ValueError, match="checkpoint was saved with"):
+        _single(sync_every=4, compression=None, delay=1).load_state_dict(sd)
+
+
+def test_overlap_benchmark_script_runs_and_sends_the_same_bytes():
+    """scripts/diloco_overlap.py end to end on 2 tiny ranks: its table, and the overlap's
+    bytes equal the synchronous run's with the same fragments."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, os.path.join(root, "scripts", "diloco_overlap.py"), "--steps", "10",
+                          "--hidden", "16", "--sync-every", "4", "--fragments", "2", "--delay", "1",
+                          "--compression", "none"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["none"]]
+    assert [(r[1], r[2]) for r in rows] == [("1", "0"), ("2", "0"), ("2", "1")], out.stdout
+    assert rows[1][-1] == rows[2][-1], out.stdout

@@ -385,11 +385,14 @@ class DiLoCo(Face, torch.optim.Optimizer):
                 bucket, g = self._buckets[b], self._global[b]
                 for s, p, view in zip(bucket.layout.slots, bucket.params, bucket.views):
                     torch.sub(g[s.offset:s.end].view(s.shape), p, out=view)
-            self._flights[f] = Flight(f, step)
             if self._size > 1:
-                self._reducer.launch(f, [self._buckets[b].flat for b in self._members[f]])
-            else:
-                self._flights[f].arrived = True        # one process: Δ is its own average
+                try:
+                    self._reducer.launch(f, [self._buckets[b].flat for b in self._members[f]])
+                except BaseException:
+                    self._reducer.reducers[f].abort()
+                    raise
+            # one process: Δ is its own average, already there
+            self._flights[f] = Flight(f, step, arrived=self._size == 1)
 
     def _arrive(self, fragment: int) -> None:
         """Wait for ``fragment``'s reduction (its result lands in its flat buckets)."""
