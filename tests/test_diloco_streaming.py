@@ -378,3 +378,20 @@ def test_overlap_benchmark_script_runs_and_sends_the_same_bytes():
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["none"]]
     assert [(r[1], r[2]) for r in rows] == [("1", "0"), ("2", "0"), ("2", "1")], out.stdout
     assert rows[1][-1] == rows[2][-1], out.stdout
+
+
+def _lossless(rank, world):
+    kw = dict(sync_every=4, fragments=2, delay=2, mix=0.5)
+    exact = _train(rank, world, 13, "adamw", torch.float32, compression=None, **kw)
+    sparse = _train(rank, world, 13, "adamw", torch.float32, compression=get("topk", ratio=1.0), **kw)
+    return exact, sparse
+
+
+def test_lossless_compressed_overlap_equals_the_exact_one_bitwise(pools):
+    """Top-k keeping every entry is lossless (2 ranks: 0 + a + b = a + b): the overlap through
+    a compressor's rounds gives the exact path's parameters, bitwise, at every step."""
+    for r, (exact, sparse) in enumerate(pools.run(2, _lossless)):
+        for t, ((pe, ge), (ps, gs)) in enumerate(zip(exact[0], sparse[0])):
+            for a, b in zip(pe + ge, ps + gs):
+                assert torch.equal(a, b), f"rank {r} step {t + 1}"
+        assert exact[1]["fragment_syncs"] == sparse[1]["fragment_syncs"] > 0
