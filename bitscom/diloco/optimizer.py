@@ -263,12 +263,12 @@ class DiLoCo(Face, torch.optim.Optimizer):
         self._agree_if_resumed(self._resume_description, "DiLoCo resumed state")
         if self.config.in_warmup(self._counters["inner_steps"] + 1):
             return self._warmup_step(closure)
+        if self._flights:       # issue the next rounds of the reductions in flight, if they can go
+            self._reducer.poll()
         loss = self._inner_step(closure)
         self._counters["inner_steps"] += 1
         self._fresh = [False] * self.config.fragments
         step = self._counters["inner_steps"]
-        if self._flights:
-            self._reducer.poll()            # issue the next rounds of reductions in flight
         starts = self.config.due(step)
         if starts:
             self._launch(starts)
