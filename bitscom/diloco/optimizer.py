@@ -488,7 +488,8 @@ class DiLoCo(Face, torch.optim.Optimizer):
         return [list(m) for m in self._members]
 
     def close(self) -> None:
-        """Refuse further steps (DiLoCo holds no hooks or groups of its own).
+        """Refuse further steps (DiLoCo holds no hooks or groups of its own). Reductions still
+        in flight (``delay > 0``) are not waited for: call :meth:`sync` on every rank first.
 
         Example::
 
