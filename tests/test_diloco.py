@@ -212,6 +212,65 @@ def test_sync_averages_the_partial_interval(pools, F):
     assert res[0][3]["bytes_sent"] > 0
 
 
+def _sync_after_sync(rank, world, steps, F):
+    """sync() right after a scheduled synchronization (4-bit lowbit, the default)."""
+    model, opt = _build("adamw", sync_every=4, fragments=F)
+    for t in range(steps):
+        _loss(model, t, rank, world).backward()
+        opt.step()
+        opt.zero_grad()
+    before, params = opt.comm_stats(), [p.detach().clone() for p in model.parameters()]
+    glob = [g.clone() for g in opt.global_parameters]
+    opt.sync()
+    after = opt.comm_stats()
+    moved = [n for (n, p), q in zip(model.named_parameters(), params) if not torch.equal(p, q)]
+    glob_same = all(torch.equal(a, b) for a, b in zip(glob, opt.global_parameters))
+    return before, after, moved, glob_same, [p.detach().clone() for p in model.parameters()]
+
+
+def test_sync_right_after_a_synchronization_is_a_no_op(pools):
+    """Issue 35: after step 8 with H=4 every parameter is θ_global already; sync() used to
+    run a whole extra synchronization (an outer step on a zero pseudo-gradient, which the
+    outer momentum still moves, and its bytes)."""
+    for before, after, moved, glob_same, _ in pools.run(2, _sync_after_sync, 8, 1):
+        for k in ("bytes_sent", "syncs", "fragment_syncs"):
+            assert after[k] == before[k], (k, before[k], after[k])
+        assert not moved and glob_same
+
+
+def test_sync_after_a_fragment_synchronization_syncs_only_the_stale_fragment(pools):
+    """F=2, H=4: fragment 0 synchronized after step 8, fragment 1 after step 6; sync() after
+    step 8 synchronizes fragment 1 only (its bytes alone), fragment 0 stays as it was."""
+    res = pools.run(2, _sync_after_sync, 8, 2)
+    before, after, moved, _, _ = res[0]
+    assert after["fragment_syncs"] == before["fragment_syncs"] + 1
+    assert after["syncs"] == before["syncs"] + 1
+    frag1 = [s.name for s in _single(fragments=2).bucket_layouts[-1].slots]
+    assert moved and set(moved) <= set(frag1), moved
+    f1_sync = pools.run(2, _sync_after_sync, 6, 2)[0][0]["step_bytes_sent"]   # step 6: fragment 1
+    assert after["bytes_sent"] - before["bytes_sent"] == f1_sync > 0
+    for a, b in zip(res[0][4], res[1][4]):
+        assert torch.equal(a, b)
+
+
+def _sync_out_of_step(rank, world):
+    model, opt = _build("adamw", sync_every=4)
+    for t in range(8 + rank):                   # rank 1 runs one step more (not a sync step)
+        _loss(model, t, rank, world).backward()
+        opt.step()
+        opt.zero_grad()
+    with pytest.raises(RuntimeError, match=r"DiLoCo.sync\(\) point.*inner steps") as err:
+        opt.sync()
+    return str(err.value)
+
+
+def test_sync_after_different_steps_is_an_error_on_every_rank(pools):
+    """Rank 0 would have nothing to do and rank 1 a reduction to run: without the check rank 1
+    would wait forever; with it both raise the same error."""
+    msgs = pools.run(2, _sync_out_of_step)
+    assert msgs[0] == msgs[1] and "8" in msgs[0] and "9" in msgs[0], msgs
+
+
 def _direct(rank, world, steps, H, F, settings):
     """DiLoCo with lowbit next to the same algorithm written with the compressor driven
     directly (own compressor states): the parameters must agree bitwise at every step."""

@@ -15,6 +15,10 @@ Why each setting matters (measured sensitivity: ``docs/diloco.md``):
 * ``fragments`` (F): Streaming DiLoCo. The parameters are cut into F fragments synchronized
   at staggered steps, so each synchronization sends 1/F of the model and peak bandwidth falls
   by F at the same total bytes.
+* ``delay`` (τ) and ``mix`` (α): Streaming DiLoCo's overlap. A fragment's pseudo-gradient
+  reduction starts at its step and runs while the next τ inner steps compute; its outer update
+  lands τ steps later, and the local fragment becomes α·θ_local + (1 − α)·θ_global. τ = 0 is
+  synchronous DiLoCo; a larger τ hides more communication but applies an older update.
 """
 
 from __future__ import annotations
@@ -66,6 +70,12 @@ class DiLoCoConfig:
     warmup_steps: int = 0
     """W: steps at the start whose gradient is reduced every step (S-SGD through the
     compressor) before local steps begin (>= 0; 0 = DiLoCo from the first step)."""
+    delay: int = 0
+    """τ: inner steps a fragment's reduction overlaps before its outer update lands
+    (0 <= τ < sync_every; 0 = synchronous)."""
+    mix: float = 0.0
+    """α in [0, 1]: the share of the local fragment kept when a delayed update lands
+    (θ_local ← α·θ_local + (1 − α)·θ_global; 0 = replace it). Needs delay > 0."""
 
     def __post_init__(self):
         object.__setattr__(self, "sync_every", _int("sync_every", self.sync_every, 1))
@@ -81,6 +91,23 @@ class DiLoCoConfig:
         if self.nesterov and momentum == 0.0:
             raise ValueError("nesterov=True needs outer_momentum > 0 (torch's SGD rule); pass "
                              "nesterov=False for outer_momentum=0")
+        object.__setattr__(self, "delay", _int("delay", self.delay, 0))
+        if self.delay >= self.sync_every:
+            raise ValueError(f"delay must be < sync_every={self.sync_every} (a fragment's reduction "
+                             f"must land before its next one starts), got {self.delay}")
+        object.__setattr__(self, "mix", _real("mix", self.mix, 0.0, 1.0))
+        if self.mix > 0.0 and self.delay == 0:
+            raise ValueError(f"mix={self.mix:g} needs delay > 0: it keeps part of the local progress "
+                             "made while a reduction was in flight, and with delay=0 there is none "
+                             "(the local fragment is replaced, as in DiLoCo)")
+
+    def same_as(self, saved: str) -> bool:
+        """Whether ``saved`` (a checkpoint's ``repr`` of its config) describes these settings;
+        checkpoints from before ``delay`` / ``mix`` existed match when both are off."""
+        if saved == repr(self):
+            return True
+        legacy = repr(self).replace(f", delay={self.delay!r}, mix={self.mix!r}", "")
+        return self.delay == 0 and self.mix == 0.0 and saved == legacy
 
     def offsets(self) -> List[int]:
         """The step offset of each fragment: fragment i syncs at the steps t > W with
@@ -109,3 +136,13 @@ class DiLoCoConfig:
         local = step - self.warmup_steps
         return [i for i, off in enumerate(self.offsets())
                 if local >= 1 and (local - off) % self.sync_every == 0]
+
+    def lands(self, step: int) -> List[int]:
+        """The fragments whose reduction, started ``delay`` steps earlier, lands after inner
+        step ``step`` (their outer update is applied then); ``due(step)`` when ``delay=0``.
+
+        Example::
+
+            DiLoCoConfig(sync_every=4, fragments=2, delay=1).lands(5)    # [0]: started after 4
+        """
+        return self.due(step - self.delay)

@@ -17,18 +17,22 @@ of the parameters (one fragment = the whole model unless ``fragments > 1``):
    that fragment (the reducer's result is bitwise identical on every rank).
 
 The inner optimizer's state (Adam moments) is never reset or communicated, as in DiLoCo.
-Synchronization is synchronous: the reduction runs inside the ``step()`` that triggers it
-(Streaming DiLoCo's overlap of a fragment's reduction with the next inner steps is not done).
+
+With ``delay=τ > 0`` (Streaming DiLoCo's overlap) step 2's reduction is only *launched* after
+inner step t; the next τ inner steps run while it travels, and step 3 happens after inner step
+t + τ, where the local fragment becomes α·θ_local + (1 − α)·θ_global (``mix=α``; α = 0 replaces
+it). ``delay=0`` is the synchronous algorithm above, bitwise.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from .. import runtime
 from ..agreement import describe_state
 from ..buckets import FlatBucket
 from ..compressors import resolve as resolve_compressor
@@ -40,6 +44,7 @@ from ..params import named_parameters_of
 from .config import DiLoCoConfig
 from .fragments import plan_fragments
 from .state import has_tensor, load_checked
+from .streaming import Flight, FragmentReducers, saved_flights
 
 __all__ = ["DiLoCo", "DEFAULT_COMPRESSION"]
 
@@ -96,6 +101,13 @@ class DiLoCo(Face, torch.optim.Optimizer):
         warmup_steps: W steps of S-SGD first (post-local SGD): the gradient is reduced
             through ``compression`` every step before the inner step; local steps start after
             step W (default 0).
+        delay: τ, Streaming DiLoCo's overlap (0 <= τ < sync_every, default 0 = synchronous): a
+            fragment's pseudo-gradient reduction runs during the next τ inner steps and its
+            outer update lands after them. Hides up to τ steps of compute behind the
+            reduction; the update applied is τ steps old. Same bytes.
+        mix: α in [0, 1] (needs ``delay > 0``; default 0): when a delayed update lands, the
+            local fragment becomes α·θ_local + (1 − α)·θ_global, keeping a share α of what the
+            τ overlapped steps (and the interval before) learned locally; 0 replaces it.
 
     Example::
 
@@ -125,7 +137,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
                  compression: Any = DEFAULT_COMPRESSION, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
                  process_group=None, fusion_threshold_mb: float = 25, warmup_steps: int = 0,
-                 group=None):
+                 delay: int = 0, mix: float = 0.0, group=None):
         group = renamed(process_group, group, new="process_group", old="group", where="DiLoCo")
         self._face_init("DiLoCo", group)
         group = self._group = self.process_group
@@ -133,8 +145,9 @@ class DiLoCo(Face, torch.optim.Optimizer):
         # becomes the same error on every rank (never one rank raising while the others wait).
         error: Optional[Exception] = None
         try:
-            self._setup(inner_optimizer, named_parameters, sync_every, compression, outer_lr,
-                        outer_momentum, nesterov, fragments, fusion_threshold_mb, warmup_steps)
+            self._setup(inner_optimizer, named_parameters, sync_every, compression,
+                        DiLoCoConfig(sync_every, outer_lr, outer_momentum, nesterov, fragments,
+                                     warmup_steps, delay, mix), fusion_threshold_mb)
         except (TypeError, ValueError) as err:
             error = err
         self._face_agree({} if error is not None else self._description(), error,
@@ -143,11 +156,10 @@ class DiLoCo(Face, torch.optim.Optimizer):
         self._start()
 
     # -- construction --------------------------------------------------------------------
-    def _setup(self, inner, named_parameters, sync_every, compression, outer_lr, outer_momentum,
-               nesterov, fragments, fusion_threshold_mb, warmup_steps) -> None:
+    def _setup(self, inner, named_parameters, sync_every, compression, config,
+               fusion_threshold_mb) -> None:
         self.inner = _inner_checked(inner)
-        self.config = DiLoCoConfig(sync_every, outer_lr, outer_momentum, nesterov, fragments,
-                                   warmup_steps)
+        self.config = config
         self.compression = resolve_compressor("none" if compression is None else compression,
                                               "compression")
         if self.compression.applies_momentum:
@@ -194,7 +206,12 @@ class DiLoCo(Face, torch.optim.Optimizer):
         cfg = self.config
         self.outer_optimizer = torch.optim.SGD(self._global, lr=cfg.outer_lr,
                                                momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
-        self._reducer = Reducer(self.compression, self._layouts, self._group)
+        # one reducer per fragment (each waited for on its own when reductions overlap steps),
+        # on the group's one channel; overlapping needs its later group (see FragmentReducers)
+        channel = runtime.channel(self._group, later=cfg.delay > 0)
+        self._reducer = FragmentReducers(self.compression, self._layouts, self._members, channel)
+        self._flights: Dict[int, Flight] = {}
+        self._fresh = [True] * cfg.fragments     # θ_local = θ_global in this fragment
         # the warm-up reduces gradients: its own per-bucket state (error feedback of gradients
         # is not that of pseudo-gradients), same compressor, same group
         self._warmup_reducer = Reducer(self.compression, self._layouts, self._group)
@@ -246,11 +263,18 @@ class DiLoCo(Face, torch.optim.Optimizer):
         self._agree_if_resumed(self._resume_description, "DiLoCo resumed state")
         if self.config.in_warmup(self._counters["inner_steps"] + 1):
             return self._warmup_step(closure)
+        if self._flights:       # issue the next rounds of the reductions in flight, if they can go
+            self._reducer.poll()
         loss = self._inner_step(closure)
         self._counters["inner_steps"] += 1
-        due = self.config.due(self._counters["inner_steps"])
-        if due:
-            self._sync(due)
+        self._fresh = [False] * self.config.fragments
+        step = self._counters["inner_steps"]
+        starts = self.config.due(step)
+        if starts:
+            self._launch(starts)
+        lands = [f for f in self.config.lands(step) if f in self._flights]
+        if lands:
+            self._land(lands)
         return loss
 
     @torch.no_grad()
@@ -275,10 +299,19 @@ class DiLoCo(Face, torch.optim.Optimizer):
                     torch.mul(p.grad, inv.to(p.grad.device), out=view)
 
     def sync(self) -> None:
-        """Synchronize every fragment now (pseudo-gradient reduction + outer step), off the
-        schedule: call it on every rank after the last ``step()`` so the model you evaluate or
-        save includes the last, partial interval (up to H − 1 inner steps otherwise left out
-        of θ_global). Its bytes are counted; the schedule of later steps is unchanged.
+        """Bring θ_global up to date now, off the schedule, and make the model θ_global: call
+        it on every rank after the last ``step()`` so the model you evaluate or save includes
+        the last, partial interval (up to H − 1 inner steps otherwise left out of θ_global).
+
+        1. The ranks check that they call it after the same step (else the same RuntimeError
+           on every rank, never one rank waiting in a reduction the others skip).
+        2. Every reduction in flight (``delay > 0``) lands now: outer update, then the merge
+           with ``mix`` — or replacement, when no inner step ran since it started.
+        3. Every fragment that ran inner steps since its last synchronization is synchronized
+           (pseudo-gradient reduction + outer step) and replaced by θ_global.
+
+        Right after a synchronization of every fragment it sends nothing and changes nothing.
+        Its bytes are counted; the schedule of later steps is unchanged.
 
         Example::
 
@@ -288,8 +321,19 @@ class DiLoCo(Face, torch.optim.Optimizer):
         """
         self._check_live()
         self._agree_if_resumed(self._resume_description, "DiLoCo resumed state")
-        if not self.config.in_warmup(self._counters["inner_steps"]):   # else θ_global is current
-            self._sync(list(range(self.config.fragments)))
+        step = self._counters["inner_steps"]
+        self._face_agree({"inner steps": step, "reductions in flight": sorted(self._flights),
+                          "fragments behind θ_global": [not f for f in self._fresh]},
+                         what="DiLoCo.sync() point (every rank calls sync() after the same step)")
+        if self.config.in_warmup(step):          # θ_global is current
+            return
+        if self._flights:
+            landing = sorted(self._flights)
+            self._land(landing, replace=[f for f in landing if self._flights[f].start == step])
+        stale = [f for f, fresh in enumerate(self._fresh) if not fresh]
+        if stale:
+            self._launch(stale)
+            self._land(stale, replace=stale)
 
     def _warmup_step(self, closure):
         """Post-local-SGD warm-up: reduce this step's gradient through the compressor, then
@@ -331,49 +375,79 @@ class DiLoCo(Face, torch.optim.Optimizer):
         self._params_to_global()
         return loss
 
-    def _sync(self, due: List[int]) -> None:
-        """Reduce the pseudo-gradient of fragments ``due`` and apply the outer step."""
-        chosen = [b for f in due for b in self._members[f]]
-        with torch.no_grad():
-            for b in chosen:
+    @torch.no_grad()
+    def _launch(self, fragments: List[int]) -> None:
+        """Start the synchronization of ``fragments``: their pseudo-gradient Δ = θ_global −
+        θ_local into the flat buckets, and its reduction launched (not waited for)."""
+        step = self._counters["inner_steps"]
+        for f in fragments:
+            for b in self._members[f]:
                 bucket, g = self._buckets[b], self._global[b]
                 for s, p, view in zip(bucket.layout.slots, bucket.params, bucket.views):
                     torch.sub(g[s.offset:s.end].view(s.shape), p, out=view)
-            sent = 0
             if self._size > 1:
                 try:
-                    for b in chosen:
-                        self._reducer.launch(b, self._buckets[b].flat)
-                    sent = self._reducer.wait_all()
+                    self._reducer.launch(f, [self._buckets[b].flat for b in self._members[f]])
                 except BaseException:
-                    self._reducer.abort()
+                    self._reducer.reducers[f].abort()
                     raise
+            # one process: Δ is its own average, already there
+            self._flights[f] = Flight(f, step, arrived=self._size == 1)
+
+    def _arrive(self, fragment: int) -> None:
+        """Wait for ``fragment``'s reduction (its result lands in its flat buckets)."""
+        flight = self._flights[fragment]
+        if not flight.arrived:
+            flight.bytes_sent = self._reducer.wait(fragment)
+            flight.arrived = True
+
+    def _land(self, fragments: List[int], replace: Sequence[int] = ()) -> None:
+        """Finish the reductions of ``fragments`` and apply their outer step; each local
+        fragment then becomes α·θ_local + (1 − α)·θ_global (α = ``mix``), or θ_global for the
+        fragments in ``replace`` and when α = 0."""
+        for f in fragments:
+            self._arrive(f)
+        chosen = [b for f in fragments for b in self._members[f]]
+        sent = sum(self._flights.pop(f).bytes_sent for f in fragments)
+        with torch.no_grad():
             finite = all(bool(torch.isfinite(self._buckets[b].flat).all()) for b in chosen)
             picked = set(chosen)
             for b, g in enumerate(self._global):
                 g.grad = self._buckets[b].flat if b in picked else None
             self.outer_optimizer.step()
-            for b in chosen:
-                g, bucket = self._global[b], self._buckets[b]
-                g.grad = None
-                for s, p in zip(bucket.layout.slots, bucket.params):
-                    p.copy_(g[s.offset:s.end].view(s.shape))
+            for f in fragments:
+                self._merge(f, self.config.mix if f not in replace else 0.0)
         c = self._counters
         c["bytes_sent"] += sent
         c["syncs"] += 1
-        c["fragment_syncs"] += len(due)
+        c["fragment_syncs"] += len(fragments)
         if not finite:       # the same on every rank: the reduced values are identical
             c["nonfinite_syncs"] += 1
-            warnings.warn(f"DiLoCo: the averaged pseudo-gradient of fragment(s) {due} at inner step "
-                          f"{c['inner_steps']} holds NaN/Inf; the parameters are now non-finite on "
-                          "every rank (lower the inner lr, clip, or use GradScaler)", RuntimeWarning,
-                          stacklevel=3)
+            warnings.warn(f"DiLoCo: the averaged pseudo-gradient of fragment(s) {fragments} landing "
+                          f"at inner step {c['inner_steps']} holds NaN/Inf; the parameters are now "
+                          "non-finite on every rank (lower the inner lr, clip, or use GradScaler)",
+                          RuntimeWarning, stacklevel=4)
+
+    def _merge(self, fragment: int, alpha: float) -> None:
+        """θ_local ← α·θ_local + (1 − α)·θ_global in ``fragment`` (a copy when α = 0, so a
+        non-finite local value does not survive as 0·Inf)."""
+        for b in self._members[fragment]:
+            g, bucket = self._global[b], self._buckets[b]
+            g.grad = None
+            for s, p in zip(bucket.layout.slots, bucket.params):
+                new = g[s.offset:s.end].view(s.shape)
+                if alpha == 0.0:
+                    p.copy_(new)
+                else:
+                    p.mul_(alpha).add_(new, alpha=1.0 - alpha)
+        self._fresh[fragment] = alpha == 0.0
 
     def _resume_description(self) -> dict:
         """After a load, what every rank must have resumed alike: the step counters and the
         compressor states' shapes."""
         steps = {k: self._counters[k] for k in ("inner_steps", "syncs", "fragment_syncs")}
-        return {"steps": steps, "compressor state": [describe_state(s) for s in self._reducer.states],
+        return {"steps": steps, "reductions in flight": {f: fl.start for f, fl in sorted(self._flights.items())},
+                "compressor state": [describe_state(s) for s in self._reducer.states],
                 "warm-up compressor state": [describe_state(s) for s in self._warmup_reducer.states]}
 
     def _release_groups(self) -> None:
@@ -414,7 +488,8 @@ class DiLoCo(Face, torch.optim.Optimizer):
         return [list(m) for m in self._members]
 
     def close(self) -> None:
-        """Refuse further steps (DiLoCo holds no hooks or groups of its own).
+        """Refuse further steps (DiLoCo holds no hooks or groups of its own). Reductions still
+        in flight (``delay > 0``) are not waited for: call :meth:`sync` on every rank first.
 
         Example::
 
@@ -427,12 +502,22 @@ class DiLoCo(Face, torch.optim.Optimizer):
         the compressor state (this rank's error feedback) and the counters: resuming from it
         (mid-interval too) reproduces the uninterrupted run bitwise. Save it on every rank.
 
+        With ``delay > 0`` a reduction may be in flight: ``state_dict()`` waits for it (so call
+        it on every rank at the same step, as for any checkpoint) and stores its reduced
+        pseudo-gradient, which the resumed run applies at the step the uninterrupted run does.
+
         Example::
 
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"ckpt.{rank}.pt")
         """
+        for f in sorted(self._flights):
+            self._arrive(f)
+        flights = [{"fragment": f, "start": fl.start, "bytes_sent": fl.bytes_sent,
+                    "reduced": [self._buckets[b].flat.detach().clone() for b in self._members[f]]}
+                   for f, fl in sorted(self._flights.items())]
         out = self.inner.state_dict()
-        out["diloco"] = {"counters": dict(self._counters),
+        out["diloco"] = {"counters": dict(self._counters), "flights": flights,
+                         "fresh": list(self._fresh),
                          "global": [g.detach().clone() for g in self._global],
                          "outer": self.outer_optimizer.state_dict(),
                          "reducer": self._reducer.state_dict(),
@@ -452,7 +537,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
             raise ValueError("not a DiLoCo state dict (no 'diloco' entry); a plain optimizer's "
                              "state dict goes to opt.inner.load_state_dict()")
         extra = state_dict["diloco"]
-        if extra.get("config") != repr(self.config):
+        if not self.config.same_as(extra.get("config")):
             raise ValueError(f"checkpoint was saved with {extra.get('config')}, this DiLoCo has "
                              f"{self.config!r}")
         states = [extra["reducer"]["states"], extra.get("warmup_reducer", {}).get("states", [])]
@@ -460,5 +545,24 @@ class DiLoCo(Face, torch.optim.Optimizer):
             self._mark_loaded()               # the next step raises the problem on every rank
             return
         inner = {k: v for k, v in state_dict.items() if k != "diloco"}
+        flights = saved_flights(extra, self._members, [b.flat for b in self._buckets])
+        for f in sorted(self._flights):      # this object's own reductions finish (every rank's do)
+            self._arrive(f)
         load_checked(self, inner, extra)
+        self._flights = {}
+        with torch.no_grad():
+            for f, (flight, reduced) in flights.items():
+                for b, r in zip(self._members[f], reduced):
+                    self._buckets[b].flat.copy_(r)
+                self._flights[f] = flight
+        self._fresh = self._saved_fresh(extra)
         self._mark_loaded()
+
+    def _saved_fresh(self, extra: dict) -> List[bool]:
+        """Which fragments the checkpoint had equal to θ_global (derived from the schedule for
+        checkpoints from before it was saved)."""
+        if "fresh" in extra:
+            return [bool(x) for x in extra["fresh"]]
+        step, cfg = self._counters["inner_steps"], self.config
+        synced = set(cfg.due(step))
+        return [step == 0 or cfg.in_warmup(step) or f in synced for f in range(cfg.fragments)]

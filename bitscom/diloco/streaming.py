@@ -1,0 +1,128 @@
+"""Streaming DiLoCo's overlap: one reduction per fragment, in flight across inner steps.
+
+With ``delay=τ > 0`` a fragment's pseudo-gradient reduction is launched after the inner step
+that starts its synchronization and finished τ inner steps later, so several fragments can be
+in flight at once and each must be waited for on its own. :class:`FragmentReducers` keeps one
+:class:`~bitscom.engine.Reducer` per fragment, all on the face's one
+:class:`~bitscom.channel.Channel` (first rounds in program order, later rounds on its later
+group in submission order, so the ranks issue the same collectives whatever step they poll
+at); its compressor states, concatenated in bucket order, checkpoint exactly like one
+Reducer's did. :class:`Flight` is the record of one fragment's reduction between launch and
+landing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+from ..engine import Reducer
+
+__all__ = ["Flight", "FragmentReducers", "saved_flights"]
+
+
+@dataclass
+class Flight:
+    """One fragment's pseudo-gradient reduction between its start and its landing.
+
+    ``start``: the inner step after which it was launched (its pseudo-gradient is the
+    fragment's θ_global − θ_local then). ``arrived``: the reduced result is in the fragment's
+    flat buckets already (waited for early by ``state_dict()``, or restored from a checkpoint);
+    ``bytes_sent``: what it sent, counted when it lands.
+
+    Example::
+
+        Flight(fragment=1, start=6)
+    """
+
+    fragment: int
+    start: int
+    arrived: bool = False
+    bytes_sent: int = 0
+
+
+class FragmentReducers:
+    """A :class:`~bitscom.engine.Reducer` per fragment on one channel, checkpointed as one.
+
+    Example::
+
+        reducers = FragmentReducers(compressor, layouts, [[0], [1, 2]], channel)
+        reducers.launch(1, [flat1, flat2]); sent = reducers.wait(1)
+    """
+
+    def __init__(self, compressor, layouts: Sequence[Any], members: Sequence[Sequence[int]], channel):
+        self.compressor = compressor
+        self.members = [list(m) for m in members]
+        self.reducers = [Reducer(compressor, [layouts[b] for b in m], channel) for m in self.members]
+
+    @property
+    def states(self) -> List[Any]:
+        """Every bucket's compressor state, in global bucket order."""
+        return [s for r in self.reducers for s in r.states]
+
+    def launch(self, fragment: int, flats: Sequence[torch.Tensor]) -> None:
+        """Start the reduction of ``fragment``'s buckets (in place on ``flats``); returns at
+        once (each bucket's first round is issued)."""
+        for i, flat in enumerate(flats):
+            self.reducers[fragment].launch(i, flat)
+
+    def wait(self, fragment: int) -> int:
+        """Finish ``fragment``'s reduction (and, in channel order, whatever was submitted before
+        it); the bytes it sent. On failure its work is dropped and the error raised."""
+        reducer = self.reducers[fragment]
+        try:
+            return reducer.wait_all()
+        except BaseException:
+            reducer.abort()
+            raise
+
+    def poll(self) -> None:
+        """Advance every reduction whose current round completed (issue its next round)."""
+        self.reducers[0].poll()
+
+    def release(self) -> None:
+        for r in self.reducers:
+            r.release()
+
+    def state_dict(self) -> dict:
+        return {"states": [s.state_dict() for s in self.states],
+                "compressor": self.compressor.fingerprint()}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state["states"]
+        total = sum(len(m) for m in self.members)
+        if len(saved) != total:
+            raise ValueError(f"checkpoint holds compressor state for {len(saved)} buckets, "
+                             f"this plan has {total}")
+        start = 0
+        for r, m in zip(self.reducers, self.members):
+            r.load_state_dict(dict(state, states=saved[start:start + len(m)]))
+            start += len(m)
+
+
+def saved_flights(extra: dict, members: Sequence[Sequence[int]], flats: Sequence[torch.Tensor]
+                  ) -> Dict[int, tuple]:
+    """The reductions a checkpoint holds in flight (``extra["flights"]``), checked against this
+    plan: fragment -> (Flight, reduced flat buckets). Nothing is changed here.
+
+    Example::
+
+        flights = saved_flights(state_dict["diloco"], opt.fragment_buckets, flats)
+    """
+    out: Dict[int, tuple] = {}
+    for item in extra.get("flights", []):
+        f = item["fragment"]
+        if not 0 <= f < len(members) or f in out:
+            raise ValueError(f"checkpoint holds a reduction in flight for fragment {f}; this plan "
+                             f"has fragments 0..{len(members) - 1}")
+        reduced = list(item["reduced"])
+        want = [flats[b] for b in members[f]]
+        if len(reduced) != len(want) or any(r.shape != w.shape or r.dtype != w.dtype
+                                            for r, w in zip(reduced, want)):
+            raise ValueError(f"checkpoint's reduction in flight for fragment {f} has buckets "
+                             f"{[tuple(r.shape) for r in reduced]}, this plan has "
+                             f"{[tuple(w.shape) for w in want]}; was the model changed?")
+        out[f] = (Flight(f, int(item["start"]), True, int(item["bytes_sent"])), reduced)
+    return out
