@@ -46,6 +46,7 @@ COMPRESSORS = {            # column name -> (registry name, settings)
     "acpsgd": ("acpsgd", {"rank": 4}),
     "topk": ("topk", {"ratio": 0.01}),
     "signsgd": ("signsgd", {}),
+    "auto": ("auto", {}),                # per bucket, what compression="auto" picks (auto_cell)
 }
 # Codec seconds per gradient element on a V100-class GPU (~800 GB/s): a pass over fp32 data
 # costs ~5e-12 s/element; the figures count the passes each codec makes (cast: 2; low-bit
@@ -54,6 +55,12 @@ COMPRESSORS = {            # column name -> (registry name, settings)
 CODEC_S_PER_ELEM = {"ssgd": 0.0, "fp16": 1e-11, "lowbit": 4e-11, "powersgd": 5e-11, "acpsgd": 5e-11,
                     "topk": 1e-10, "signsgd": 3e-11}
 DECODE_S_PER_ELEM_PER_RANK = {"topk": 1e-11, "signsgd": 5e-12}
+# ``auto`` is not a column of COMPRESSORS: per bucket it takes the candidate with the smallest
+# codec + communication time, as ``compression="auto"`` does (bitscom.cost.auto.decide: ties go
+# to the earlier candidate, plain all-reduce first), from the candidates it allows the model's
+# optimizer (Adam-type for BERT/GPT: ADAM_SAFE; SGD for the CNNs: SGD_SAFE). Codec seconds per
+# element by registry name, as above.
+AUTO_CODEC_S_PER_ELEM = {"none": 0.0, "fp16": 1e-11, "bf16": 1e-11, "lowbit": 4e-11, "powersgd": 5e-11}
 # (samples/s per GPU, batch per GPU, source). Approximate public figures for mixed-precision
 # training on one V100 (the ACP-SGD paper's GPU generation); treat them as +-30%.
 THROUGHPUT = {
@@ -111,6 +118,32 @@ def bucket_shapes(named, threshold_mb: float = 25.0):
     return [[s.shape for s in lay.slots] for lay in plan_buckets(named, int(threshold_mb * 2**20))]
 
 
+def auto_candidates(model: str) -> tuple:
+    """What ``compression="auto"`` may choose from for ``model``'s usual optimizer."""
+    from bitscom.cost.auto import ADAM_SAFE, SGD_SAFE
+    return SGD_SAFE if model in ("resnet50", "resnet152", "vgg16") else ADAM_SAFE
+
+
+def auto_cell(buckets, candidates, world, gbit, latency_s):
+    """(bytes per rank, per-bucket seconds, codec seconds) of ``auto``: per bucket the candidate
+    with the smallest codec + communication time (first one on ties)."""
+    from bitscom.cost import Link, Topology, round_seconds, rounds_for
+    from bitscom.cost.auto import decide
+    topo = Topology(world, intra=Link.from_gbit(gbit, latency_s), inter=Link.from_gbit(gbit, latency_s))
+    nbytes, secs, codec = 0, [], 0.0
+    for shapes in buckets:
+        numel = sum(int(torch.Size(s).numel()) for s in shapes)
+        options = []
+        for comp in candidates:
+            rounds = rounds_for(comp, numel, world, shapes=[tuple(s) for s in shapes])
+            c = numel * AUTO_CODEC_S_PER_ELEM[comp.name]
+            options.append((sum(r.nbytes for r in rounds), sum(round_seconds(r, topo) for r in rounds), c))
+        b, t, c = options[decide([t + c for _, t, c in options])]
+        nbytes, codec = nbytes + b, codec + c
+        secs.append(t)
+    return nbytes, secs, codec
+
+
 def comm_and_codec(buckets, comp_col, world, gbit, latency_s):
     """(bytes per rank, per-bucket comm seconds, codec seconds) for one cell."""
     import bitscom.compressors as C
@@ -147,7 +180,8 @@ def predict(models_, worlds, gbits, comps, latency_s=25e-6, overrides=None):
             for gbit in gbits:
                 base = None
                 for c in ["ssgd"] + [c for c in comps if c != "ssgd"]:
-                    nbytes, secs, codec = comm_and_codec(buckets, c, world, gbit, latency_s)
+                    nbytes, secs, codec = (auto_cell(buckets, auto_candidates(name), world, gbit, latency_s)
+                                           if c == "auto" else comm_and_codec(buckets, c, world, gbit, latency_s))
                     step = step_seconds(compute_s, secs, codec)
                     base = step if c == "ssgd" else base
                     rows.append({"model": name, "params": params, "buckets": len(buckets), "world": world,
@@ -158,14 +192,25 @@ def predict(models_, worlds, gbits, comps, latency_s=25e-6, overrides=None):
     return rows
 
 
+FIGURE_MODELS = ("bert_base", "gpt_1.3b")
+FIGURE_GBITS = (1, 10, 100)
+LABELS = {"fp16": "fp16", "lowbit": "low-bit 4-bit", "powersgd": "PowerSGD rank 4",
+          "acpsgd": "ACP-SGD rank 4", "topk": "Top-k 1%", "signsgd": "Sign-SGD", "auto": "auto"}
+
+
 def plot(rows, path):
+    """The README's picture: speed-up over S-SGD vs ranks for BERT-base and GPT-1.3B at 1, 10
+    and 100 Gbit/s (whichever of them ``rows`` holds), a legend in every panel; every other
+    cell is in the CSV."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    models_ = list(dict.fromkeys(r["model"] for r in rows))
-    gbits = sorted({r["gbit"] for r in rows})
+    have_models = {r["model"] for r in rows}
+    models_ = [m for m in FIGURE_MODELS if m in have_models] or list(dict.fromkeys(r["model"] for r in rows))[:2]
+    have_gbits = {r["gbit"] for r in rows}
+    gbits = [g for g in FIGURE_GBITS if g in have_gbits] or sorted(have_gbits)[:3]
     comps = [c for c in dict.fromkeys(r["compressor"] for r in rows) if c != "ssgd"]
-    fig, axes = plt.subplots(len(models_), len(gbits), figsize=(3.6 * len(gbits), 2.6 * len(models_)),
+    fig, axes = plt.subplots(len(models_), len(gbits), figsize=(4.6 * len(gbits), 3.8 * len(models_)),
                              squeeze=False, sharex=True)
     for i, m in enumerate(models_):
         for j, g in enumerate(gbits):
@@ -173,20 +218,23 @@ def plot(rows, path):
             for c in comps:
                 pts = sorted((r["world"], float(r["speedup_vs_ssgd"])) for r in rows
                              if r["model"] == m and r["gbit"] == g and r["compressor"] == c)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=c)
-            ax.axhline(1.0, color="gray", lw=0.8)
+                style = dict(color="black", lw=2.4, marker="o") if c == "auto" else dict(marker=".", lw=1.3)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=LABELS.get(c, c), **style)
+            ax.axhline(1.0, color="gray", lw=0.8, ls="--")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_title(f"{m}, {g} Gbit/s", fontsize=8)
+            ax.set_title(f"{m.replace('_', '-')}, {g} Gbit/s", fontsize=11)
+            ax.grid(True, which="major", alpha=0.3)
+            ax.tick_params(labelsize=9)
             if j == 0:
-                ax.set_ylabel("speed-up vs S-SGD")
+                ax.set_ylabel("predicted speed-up over S-SGD", fontsize=10)
             if i == len(models_) - 1:
-                ax.set_xlabel("ranks")
-    axes[0][0].legend(fontsize=6)
-    fig.suptitle("bitscom cost model: predicted speed-up over S-SGD (no error bars: a model, not a measurement)",
-                 fontsize=9)
+                ax.set_xlabel("ranks", fontsize=10)
+            ax.legend(fontsize=7.5, loc="best", framealpha=0.85)
+    fig.suptitle("bitscom cost model: predicted speed-up over the fp32 all-reduce (a model, not a measurement; "
+                 "every model and link in scale_speedup.csv)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=55)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -74,3 +74,29 @@ def test_step_model_overlap():
     # compute 3 s: fwd 1, bwd 2; buckets 1+1 overlap the backward, the last (0.5) never does
     assert scale.step_seconds(3.0, [1.0, 1.0, 0.5], 0.25) == pytest.approx(1 + 2 + 0.5 + 0.25)
     assert scale.step_seconds(3.0, [4.0, 0.5], 0.0) == pytest.approx(1 + 4 + 0.5)
+
+
+def test_auto_never_costs_more_than_the_plain_all_reduce_or_a_candidate_column():
+    # ``auto`` takes, per bucket, the candidate with the least codec + communication time: its
+    # total can be no larger than that of any column it could have chosen everywhere (the plain
+    # all-reduce, fp16, 4-bit low-bit, whose codec constants are the same in both tables).
+    rows = scale.predict(["bert_base"], (8, 1024), (1, 100), ["ssgd", "fp16", "lowbit", "auto"])
+    for world in (8, 1024):
+        for gbit in (1, 100):
+            cell = {r["compressor"]: r for r in _cell(rows, world=world, gbit=gbit)}
+            auto = float(cell["auto"]["comm_s"]) + float(cell["auto"]["codec_s"])
+            for c in ("ssgd", "fp16", "lowbit"):
+                assert auto <= float(cell[c]["comm_s"]) + float(cell[c]["codec_s"]) * (1 + 1e-9), (world, gbit, c)
+            assert cell["auto"]["bytes_per_rank"] <= cell["ssgd"]["bytes_per_rank"]
+    # it does pick: at 1 Gbit/s on 8 ranks the all-reduce is ~8x slower than 4-bit
+    one = {r["compressor"]: r for r in _cell(rows, world=8, gbit=1)}
+    assert one["auto"]["bytes_per_rank"] < one["fp16"]["bytes_per_rank"]
+
+
+def test_figure_is_the_readable_six_panel_one(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+    rows = scale.predict(["bert_base", "gpt_1.3b"], (8, 64), (1, 10, 100), ["ssgd", "lowbit", "auto"])
+    scale.plot(rows, str(tmp_path / "f.png"))
+    h, w = matplotlib.image.imread(str(tmp_path / "f.png")).shape[:2]
+    assert w >= 1200 and h >= 700          # 2 x 3 panels at 110 dpi, titles readable
