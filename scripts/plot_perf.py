@@ -38,6 +38,14 @@ def _bw_key(bw):
     return float("inf") if bw in ("", "none") else cluster.parse_rate(bw)
 
 
+def _bw_text(bw):
+    """'1gbit' -> '1 Gbit/s' for axis labels; anything unparsed is shown as given."""
+    for unit, text in (("gbit", "Gbit/s"), ("mbit", "Mbit/s")):
+        if bw.endswith(unit) and bw[:-len(unit)].replace(".", "", 1).isdigit():
+            return f"{bw[:-len(unit)]} {text}"
+    return "unshaped" if bw in ("", "none") else bw
+
+
 def config_key(r):
     """Rows comparable to each other: everything but the compressor and its settings."""
     return (r["dnn"], r["bs"], r.get("seq_len", ""), r["nworkers"], r.get("ranks_per_node", ""),
@@ -53,6 +61,35 @@ def label(r):
     if o in ("topk", "ddp_topk"):
         return f"{o} {r['ratio']}"
     return o
+
+
+_NAMES = {"fp16": "fp16", "bf16": "bf16", "lowbit": "lowbit", "powersgd": "PowerSGD", "acpsgd": "ACP-SGD",
+          "topk": "Top-k", "signsgd": "Sign-SGD", "auto": 'compression="auto"', "dgc": "DGC",
+          "onebitadam": "OneBitAdam", "zeroone": "ZeroOneAdam", "diloco": "DiLoCo"}
+
+
+def display_name(r):
+    """The legend text a reader knows: torch's hooks named as torch's, bitscom's as the README does.
+
+    ``label()`` stays the key that matches rows across runs; this is only what a plot shows.
+    """
+    o = r["opt"]
+    if o == "ssgd":
+        return "DDP S-SGD (fp32)"
+    if o == "ddp_fp16":
+        return "torch DDP fp16 hook"
+    if o == "ddp_powersgd":
+        return f"torch PowerSGD hook, rank {r['rank']}"
+    via_hook = o.startswith("ddp_")
+    base = o[4:] if via_hook else o
+    text = "bitscom " + _NAMES.get(base, base)
+    if base in ("powersgd", "acpsgd") and r.get("rank"):
+        text += f" rank {r['rank']}"
+    elif base == "lowbit" and r.get("bits"):
+        text += f" {r['bits']}-bit"
+    elif base == "topk" and r.get("ratio"):
+        text += f" {_f(r['ratio']) * 100:g}%"
+    return text + (" (DDP hook)" if via_hook else "")
 
 
 def latest_ok(rows):
@@ -128,6 +165,7 @@ def plot_perf(rows, out):
         for ax, (key, grp) in zip(axes[0], sorted(groups.items())):
             bws = sorted({r["bandwidth"] for r in grp}, key=_bw_key)
             labels = sorted({label(r) for r in grp}, key=lambda s: (s != "ssgd", s))
+            shown = {label(r): display_name(r) for r in grp}
             width = 0.8 / max(1, len(labels))
             for j, lab in enumerate(labels):
                 xs, ys, es, ideal = [], [], [], []
@@ -148,15 +186,16 @@ def plot_perf(rows, out):
                 if not xs:
                     continue
                 if what == "step_time":
-                    ax.bar(xs, ys, width, yerr=[0 if math.isnan(e) else e for e in es], label=lab, capsize=2)
+                    ax.bar(xs, ys, width, yerr=[0 if math.isnan(e) else e for e in es], label=shown[lab], capsize=2)
                     ax.scatter(xs, ideal, marker="_", s=200, color="black", zorder=3,
                                label="ideal max(compute, bytes/bw)" if j == 0 else None)
                 else:
-                    ax.bar(xs, ys, width, yerr=es, label=lab, capsize=2)
+                    ax.bar(xs, ys, width, yerr=es, label=shown[lab], capsize=2)
             ax.set_xticks(range(len(bws)))
-            ax.set_xticklabels(bws)
+            ax.set_xticklabels([_bw_text(b) for b in bws])
             dnn, bs, seq, n, thr = key
-            ax.set_title(f"{dnn} bs{bs}{' L' + seq if seq else ''}, {n} ranks, threshold {thr} MB")
+            batch = f"batch {bs} x {seq} tokens" if seq else f"batch {bs}"
+            ax.set_title(f"{dnn}, {batch} per rank, {n} ranks, {_f(thr):g} MB buckets")
             ax.set_xlabel("link bandwidth (emulated)")
             if what == "step_time":
                 ax.set_ylabel("step time (ms)")
@@ -185,7 +224,7 @@ def plot_mnist(rows, out):
     for (opt, bw, n), rs in sorted(runs.items()):
         rs = sorted(rs, key=lambda r: int(r["epoch"]))
         t = [_f(r["elapsed_s"]) for r in rs]
-        lab = f"{opt} ({n} ranks{', ' + bw if bw and bw != 'none' else ''})"
+        lab = f"{display_name(rs[0])} ({n} ranks{', ' + bw if bw and bw != 'none' else ''})"
         a1.plot(t, [_f(r["train_loss"]) for r in rs], marker="o", label=lab)
         a2.plot(t, [100 * _f(r["test_acc"]) for r in rs], marker="o", label=lab)
     a1.set_xlabel("wall time (s)")

@@ -180,7 +180,30 @@ def run_group(name, settings, args, train, held, rank, world):
                   "params": sum(p.numel() for p in model.parameters())}
 
 
-def plot(rows, path):
+def loss_differences(rows, reference="Baseline", smooth=10):
+    """Each group's loss minus the exact run's, step by step: ``{name: (train, held_out)}``.
+
+    The groups' losses agree to 0.01-0.2%, so their raw curves draw on top of each other; the
+    difference to the exact sharded run is what a reader needs to see. ``train`` is a list of
+    (step, ``smooth``-step mean of the difference), ``held_out`` a list of (step, difference) at
+    the evaluated steps. Rows are ``[group, step, train loss, held-out loss or nan, ...]``.
+    """
+    by_name = {name: [r for r in rows if r[0] == name] for name in dict.fromkeys(r[0] for r in rows)}
+    if reference not in by_name:
+        raise ValueError(f"reference group {reference!r} is not in this run; groups: {list(by_name)}")
+    ref = {r[1]: r for r in by_name.pop(reference)}
+    out = {}
+    for name, mine in by_name.items():
+        pairs = [(m, ref[m[1]]) for m in mine if m[1] in ref]
+        diff = [m[2] - r[2] for m, r in pairs]
+        train = [(m[1], statistics.mean(diff[max(0, i - smooth + 1):i + 1])) for i, (m, _) in enumerate(pairs)]
+        held = [(m[1], m[3] - r[3]) for m, r in pairs if not (math.isnan(m[3]) or math.isnan(r[3]))]
+        out[name] = (train, held)
+    return out
+
+
+def plot(rows, path, reference="Baseline"):
+    """Two panels: training and held-out loss as differences to ``reference`` (see loss_differences)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -188,17 +211,19 @@ def plot(rows, path):
     except ImportError:
         print("matplotlib missing: no PNG")
         return
+    if reference not in {r[0] for r in rows}:
+        print(f"no {reference!r} group in this run: no PNG (the plot is relative to it)")
+        return
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in dict.fromkeys(r[0] for r in rows):
-        mine = [r for r in rows if r[0] == name]
-        k = 10
-        smooth = [statistics.mean(r[2] for r in mine[max(0, i - k + 1):i + 1]) for i in range(len(mine))]
-        a.plot([r[1] for r in mine], smooth, label=name)
-        ev = [r for r in mine if not math.isnan(r[3])]
-        b.plot([r[1] for r in ev], [r[3] for r in ev], marker="o", ms=3, label=name)
-    a.set(xlabel="step", ylabel="train loss (10-step mean)", title="training loss")
-    b.set(xlabel="step", ylabel="held-out loss", title="held-out loss (bytes of stdlib source)")
+    for name, (train, held) in loss_differences(rows, reference).items():
+        a.plot([t[0] for t in train], [t[1] for t in train], label=name)
+        b.plot([h[0] for h in held], [h[1] for h in held], marker="o", ms=3, label=name)
+    a.set(xlabel="step", ylabel=f"train loss − {reference} (10-step mean)",
+          title=f"training loss, difference to exact ({reference})")
+    b.set(xlabel="step", ylabel=f"held-out loss − {reference}",
+          title=f"held-out loss, difference to exact ({reference})")
     for ax in (a, b):
+        ax.axhline(0.0, color="black", lw=0.8)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
