@@ -2,7 +2,8 @@
 # One-shot GPU check of the low-bit kernels, for a session on a machine with an NVIDIA GPU:
 # installs CuPy (with NVRTC from the CUDA wheels) if missing, runs the GPU tests (CUDA bytes ==
 # torch bytes for RTN and SR, stream use, speed sanity), the quantize benchmark on the device,
-# every compressor's compute on ResNet-50 buckets, and a one-GPU NCCL training run (offline).
+# every compressor's compute on ResNet-50 buckets, a one-GPU NCCL training run (offline), and
+# the newer faces' paths (scripts/gpu_paths_check.py: 1-bit overlap, streaming DiLoCo, FSDP2 hooks).
 # Usage: bash scripts/gpu_check.sh [results-dir]     (from the repository root)
 set -euo pipefail
 out="${1:-results}"
@@ -34,3 +35,10 @@ echo "GPU target: quant and dequant %copy >= 60 at 2^26..2^28 elements (README, 
 # One GPU hosts one NCCL rank; a multi-rank CUDA run needs >= 2 GPUs.
 python -m torch.distributed.run --standalone --nproc_per_node 1 scripts/gpu_amp_check.py 2>&1 \
     | tail -n 3 | tee "$out/gpu_check_amp.txt"
+# The newer faces on the device (issue 34): OneBitAdam/ZeroOneAdam overlap bitwise == no overlap,
+# streaming DiLoCo (replicas identical, delayed rule, same bytes), FSDP2's reduce-scatter and
+# all-gather hooks (float32 wire bitwise == stock FSDP2; 4-bit grads + 8-bit weights train).
+# One rank per GPU: with one GPU the collectives are world-size-1, the kernels and hooks are real.
+ngpu=$(python -c "import torch; print(max(1, torch.cuda.device_count()))")
+python -m torch.distributed.run --standalone --nproc_per_node "$ngpu" scripts/gpu_paths_check.py --device cuda 2>&1 \
+    | grep -v "^W[0-9]" | tee "$out/gpu_check_paths.txt"

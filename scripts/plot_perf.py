@@ -221,7 +221,7 @@ def plot_mnist(rows, out):
     for r in rows:
         runs[(r["opt"], r.get("bandwidth", ""), r.get("nworkers", ""))].append(r)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for (opt, bw, n), rs in sorted(runs.items()):
+    for (_opt, bw, n), rs in sorted(runs.items()):
         rs = sorted(rs, key=lambda r: int(r["epoch"]))
         t = [_f(r["elapsed_s"]) for r in rs]
         lab = f"{display_name(rs[0])} ({n} ranks{', ' + bw if bw and bw != 'none' else ''})"
