@@ -161,7 +161,7 @@ def run_group(name, settings, args, train, held, rank, world):
             with torch.no_grad():
                 held_loss = loss_of(model, ex, ey).item()
         st = opt.comm_stats()
-        grad_b = st.get("gradient_bytes", st.get("bytes_sent", 0))
+        grad_b = st.get("gradient_bytes", st.get("step_bytes_sent", 0))   # per step, like the sharded groups
         weight_b = st.get("weight_bytes", 0)
         rows.append([name, step, loss.item(), held_loss, grad_b, weight_b, times[-1]])
     digest = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
