@@ -43,27 +43,37 @@ DEFAULTS = {"powersgd": {"rank": 4, "start_iter": 0}, "acpsgd": {"rank": 4},
 
 
 class MirrorComm(Comm):
-    """Collectives of ``world`` ranks that all hold this rank's data, computed locally."""
+    """Collectives of ``world`` ranks that all hold this rank's data, computed locally.
 
-    def __init__(self, world: int):
+    ``spent`` is the time (by ``clock``) of these stand-in transfers: a network does that work,
+    not the codec, so the codec-only column subtracts it.
+    """
+
+    def __init__(self, world: int, clock=time.perf_counter):
         super().__init__()
         self.size, self.rank = world, 0
+        self.clock, self.spent = clock, 0.0
+
+    def _timed(self, fn):
+        t = self.clock()
+        fn()
+        self.spent += self.clock() - t
 
     def all_reduce(self, tensor, op=None):
         self.count(tensor)
-        tensor.mul_(self.size)
+        self._timed(lambda: tensor.mul_(self.size))
 
     def all_gather(self, output, input):
         self.count(input)
-        output.view(self.size, -1).copy_(input.reshape(1, -1))
+        self._timed(lambda: output.view(self.size, -1).copy_(input.reshape(1, -1)))
 
     def all_to_all(self, output, input):
         self.count(input)
-        output.copy_(input)
+        self._timed(lambda: output.copy_(input))
 
     def reduce_scatter(self, output, input, op=None):
         self.count(input)
-        output.view(-1).copy_(input.view(self.size, -1)[0]).mul_(self.size)
+        self._timed(lambda: output.view(-1).copy_(input.view(self.size, -1)[0]).mul_(self.size))
 
     def broadcast(self, tensor, group_src=0):
         return None
@@ -124,7 +134,8 @@ def main() -> None:
 
     base, _ = timed(copy_all)
     rows = [{"dnn": args.dnn, "world": args.world, "opt": "copy (baseline)", "ms": base * 1e3,
-             "x_copy": 1.0, "params_M": numel / 1e6, "buckets": len(layouts), "clock": args.clock}]
+             "x_copy": 1.0, "params_M": numel / 1e6, "buckets": len(layouts), "clock": args.clock,
+             "codec_ms": 0.0, "codec_x_copy": 0.0}]
     for name in args.opts or names():
         name, _, extra = name.partition(":")     # e.g. topk:selection=sampled
         settings = dict(DEFAULTS.get(name, {}))
@@ -135,22 +146,31 @@ def main() -> None:
         name += f":{extra}" if extra else ""
         states = [comp.init_state(l) for l in layouts]
 
+        codec = []
+
         def step():
+            """One step: the bucket copy, then the reduction; records the codec-only seconds
+            (the reduction minus the stand-in transfers, which a network would do)."""
+            spent = 0.0
             for l, f, g, s in zip(layouts, flats, grads, states):
                 f.copy_(g)
-                comm = MirrorComm(args.world)
+                comm = MirrorComm(args.world, clock)
+                t = clock()
                 drive(comp.reduce(f, l, s, comm), comm)
+                spent += clock() - t - comm.spent
+            codec.append(spent)
 
         t, ratio = timed(step, copy_all)
+        c = statistics.median(codec[2:])       # the timed steps, not the two warm-ups
         rows.append({"dnn": args.dnn, "world": args.world, "opt": name, "ms": t * 1e3,
                      "x_copy": ratio, "params_M": numel / 1e6, "buckets": len(layouts),
-                     "clock": args.clock})
+                     "clock": args.clock, "codec_ms": c * 1e3, "codec_x_copy": c / base})
     print(f"{args.dnn}: {numel / 1e6:.1f} M parameters in {len(layouts)} buckets of "
           f"≤{args.threshold:g} MB, world {args.world} (mirrored), {args.threads} thread(s), "
           f"device {args.device}, {args.clock} clock, median of {args.repeat} (ratios: per pair)")
-    print(f"{'compressor':<18}{'ms/step':>10}{'× copy':>9}")
+    print(f"{'compressor':<18}{'ms/step':>10}{'× copy':>9}{'codec ms':>10}{'codec × copy':>14}")
     for r in rows:
-        print(f"{r['opt']:<18}{r['ms']:>10.1f}{r['x_copy']:>9.1f}")
+        print(f"{r['opt']:<18}{r['ms']:>10.1f}{r['x_copy']:>9.1f}{r['codec_ms']:>10.1f}{r['codec_x_copy']:>14.2f}")
     os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
     new = not os.path.exists(args.csv)
     with open(args.csv, "a", newline="") as fh:

@@ -177,7 +177,10 @@ void quant_block(const float* __restrict xb, int bs, uint64_t gidx, uint32_t k1,
 }
 
 // Decode one block: out[i] = v_i (ADD=false) or out[i] + v_i (ADD=true), v_i = level_i * s.
-template <int B, bool ADD>
+// STREAM (with ADD=false, out 32-byte aligned): non-temporal stores, for a final decode into a
+// bucket that is not read again soon: a normal store first reads the line it writes (the memory
+// traffic of a copy), a streaming one does not. Same values; the caller fences.
+template <int B, bool ADD, bool STREAM = false>
 inline void dequant_block(const uint8_t* __restrict in, uint16_t scale_bits, int bs, float* __restrict out) {
     using F = Fmt<B>;
     const float s = bitsf((uint32_t)scale_bits << 16);
@@ -189,7 +192,8 @@ inline void dequant_block(const uint8_t* __restrict in, uint16_t scale_bits, int
             const __m256i c = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(in + j))),
                                                _mm256_set1_epi32(F::QM));
             const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(c), vs);
-            _mm256_storeu_ps(out + j, ADD ? _mm256_add_ps(_mm256_loadu_ps(out + j), v) : v);
+            if (STREAM) _mm256_stream_ps(out + j, v);
+            else _mm256_storeu_ps(out + j, ADD ? _mm256_add_ps(_mm256_loadu_ps(out + j), v) : v);
         }
         return;
     }
@@ -208,7 +212,8 @@ inline void dequant_block(const uint8_t* __restrict in, uint16_t scale_bits, int
                            : _mm256_sub_epi32(c, _mm256_set1_epi32(F::QM));
                 const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(c), vs);
                 float* o = out + j + h;
-                _mm256_storeu_ps(o, ADD ? _mm256_add_ps(_mm256_loadu_ps(o), v) : v);
+                if (STREAM) _mm256_stream_ps(o, v);
+                else _mm256_storeu_ps(o, ADD ? _mm256_add_ps(_mm256_loadu_ps(o), v) : v);
             }
         }
         return;
@@ -294,6 +299,12 @@ void accumulate_block(const uint8_t* payloads, int64_t pstride, const uint16_t* 
         const uint8_t* in = payloads + p * pstride + k * bbytes;
         const uint16_t sb = scales[p * sstride + k];
         if (full) {
+#if defined(__AVX2__)
+            if (P == 1 && !accumulate && bs % 32 == 0 && B <= 8 && (reinterpret_cast<uintptr_t>(acc) & 31) == 0) {
+                dequant_block<B, false, true>(in, sb, bs, acc);   // a single row's final decode
+                continue;
+            }
+#endif
             if (p == 0 && !accumulate) dequant_block<B, false>(in, sb, bs, acc);
             else dequant_block<B, true>(in, sb, bs, acc);
         } else {
@@ -314,6 +325,9 @@ void dequant_acc_t(const uint8_t* payloads, int64_t pstride, const uint16_t* sca
         accumulate_block<B>(payloads, pstride, scales, sstride, P, k, bs, valid, out + k * bs, accumulate,
                             v.data());
     }
+#if defined(__AVX2__)
+    _mm_sfence();   // order the streaming stores before the caller reads ``out``
+#endif
 }
 
 template <int B, int OB, bool SR>
@@ -683,8 +697,9 @@ void lr_transpose(const float* q, int64_t m, int r, float* qt) {   // (m x r) ->
         for (int j = 0; j < r; ++j) qt[(int64_t)j * m + k] = q[k * r + j];
 }
 
-// row[k] = sum_j p[j] * qt[j][k] (sub = false) or row[k] -= that sum (sub = true).
-template <bool SUB>
+// row[k] = sum_j p[j] * qt[j][k] (sub = false) or row[k] -= that sum (sub = true). STREAM (row
+// 32-byte aligned, not SUB): non-temporal stores, as in dequant_block; the caller fences.
+template <bool SUB, bool STREAM = false>
 inline void lr_row_product(float* __restrict row, int64_t m, const float* __restrict p, int r,
                            const float* __restrict qt) {
     int64_t k = 0;
@@ -693,7 +708,8 @@ inline void lr_row_product(float* __restrict row, int64_t m, const float* __rest
         __m256 acc = _mm256_mul_ps(_mm256_set1_ps(p[0]), _mm256_loadu_ps(qt + k));
         for (int j = 1; j < r; ++j)
             acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(qt + (int64_t)j * m + k)));
-        _mm256_storeu_ps(row + k, SUB ? _mm256_sub_ps(_mm256_loadu_ps(row + k), acc) : acc);
+        if (STREAM) _mm256_stream_ps(row + k, acc);
+        else _mm256_storeu_ps(row + k, SUB ? _mm256_sub_ps(_mm256_loadu_ps(row + k), acc) : acc);
     }
 #endif
     for (; k < m; ++k) {
@@ -798,6 +814,13 @@ int bq_lr_product(float* out, int64_t n, int64_t m, const float* P, const float*
     if (r < 1 || r > LR_MAX_RANK || n < 1 || m < 1) return 2;
     std::vector<float> qt((size_t)r * (size_t)m);
     lr_transpose(Q, m, r, qt.data());
+#if defined(__AVX2__)
+    if (m % 8 == 0 && (reinterpret_cast<uintptr_t>(out) & 31) == 0) {   // every row aligned: stream
+        for (int64_t i = 0; i < n; ++i) lr_row_product<false, true>(out + i * m, m, P + i * r, r, qt.data());
+        _mm_sfence();
+        return 0;
+    }
+#endif
     for (int64_t i = 0; i < n; ++i) lr_row_product<false>(out + i * m, m, P + i * r, r, qt.data());
     return 0;
 }
