@@ -11,9 +11,15 @@ Example::
 
     python -m bitscom                      # one "name: value" line per question
     torchrun --nproc_per_node 2 -m bitscom # each rank reports what its launcher told it
+    python -m bitscom --help               # the usage
+
+A launcher variable that is no valid number (``WORLD_SIZE=abc``, ``RANK=-1``) is one line on
+stderr naming the variable and its value, and exit status 2: the ``ValueError`` that
+:func:`bitscom.init` raises for it, without the traceback.
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import shutil
@@ -147,13 +153,33 @@ def report() -> list:
     ]
 
 
-def main() -> int:
-    """Print :func:`report`, one ``question: answer`` line each.
+def _parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
+        prog="python -m bitscom", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Print what this machine gives bitscom, one 'question: answer' line each:\n"
+                    "bitscom, Python and torch, CUDA, CuPy, NCCL, gloo, MPI, the launcher and the\n"
+                    "low-bit kernel paths. It only looks: it never starts torch.distributed.",
+        epilog="examples:\n"
+               "  python -m bitscom\n"
+               "  torchrun --nproc_per_node 2 -m bitscom   # each rank: what its launcher told it\n\n"
+               "A launcher variable that is no valid number (WORLD_SIZE=abc) is one line on\n"
+               "stderr naming it, and exit status 2.")
+
+
+def main(argv=None) -> int:
+    """Print :func:`report`, one ``question: answer`` line each (``--help``: the usage).
+    A bad launcher variable is one line on stderr and status 2.
 
     Example::
 
         python -m bitscom
     """
+    _parser().parse_args(argv)
+    try:
+        discover()                   # the launcher's variables, checked before the report reads them
+    except ValueError as err:
+        print(f"python -m bitscom: error: {err}", file=sys.stderr)
+        return 2
     rows = report()
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from .build_info import __version__
 from .channel import Channel
+from .validate import number
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "world_group", "intra_group", "inter_group", "device",
@@ -54,10 +55,19 @@ class LaunchInfo:
     master_port: Optional[int] = None
 
 
-def _int(env, *names, default=None):
+def _int(env, *names, default=None, minimum=0):
+    """The first of ``names`` set in ``env`` as an int (Slurm's ``2(x3),1`` reads as 2), else
+    ``default``. A value that is no int >= ``minimum`` is a ValueError naming the variable
+    (``environment variable WORLD_SIZE must be an int >= 1, got 'abc'``), not int()'s
+    ``invalid literal`` that names neither the variable nor who set it."""
     for n in names:
         if n in env and env[n] != "":
-            return int(str(env[n]).split("(")[0].split(",")[0])
+            text = str(env[n]).split("(")[0].split(",")[0].strip()
+            try:
+                value = int(text)
+            except ValueError:            # no int: number() refuses the text, naming the variable
+                return number(f"environment variable {n}", env[n], minimum=minimum, integer=True)
+            return number(f"environment variable {n}", value, minimum=minimum, integer=True)
     return default
 
 
@@ -72,21 +82,21 @@ def discover(env: Optional[Mapping[str, str]] = None) -> LaunchInfo:
     addr = env.get("MASTER_ADDR")
     port = _int(env, "MASTER_PORT")
     if "RANK" in env and "WORLD_SIZE" in env:
-        size = _int(env, "WORLD_SIZE")
+        size = _int(env, "WORLD_SIZE", minimum=1)
         return LaunchInfo(_int(env, "RANK"), size, _int(env, "LOCAL_RANK", default=0),
-                          _int(env, "LOCAL_WORLD_SIZE", default=size), "torchrun", addr, port)
+                          _int(env, "LOCAL_WORLD_SIZE", default=size, minimum=1), "torchrun", addr, port)
     if "OMPI_COMM_WORLD_RANK" in env:
-        size = _int(env, "OMPI_COMM_WORLD_SIZE")
+        size = _int(env, "OMPI_COMM_WORLD_SIZE", minimum=1)
         return LaunchInfo(_int(env, "OMPI_COMM_WORLD_RANK"), size,
                           _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", default=0),
-                          _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", default=size), "mpi", addr, port)
+                          _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", default=size, minimum=1), "mpi", addr, port)
     if "PMI_RANK" in env and "PMI_SIZE" in env:
-        size = _int(env, "PMI_SIZE")
+        size = _int(env, "PMI_SIZE", minimum=1)
         return LaunchInfo(_int(env, "PMI_RANK"), size, _int(env, "MPI_LOCALRANKID", default=0),
-                          _int(env, "MPI_LOCALNRANKS", default=size), "mpi", addr, port)
+                          _int(env, "MPI_LOCALNRANKS", default=size, minimum=1), "mpi", addr, port)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        size = _int(env, "SLURM_NTASKS")
-        local = _int(env, "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", default=size)
+        size = _int(env, "SLURM_NTASKS", minimum=1)
+        local = _int(env, "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", default=size, minimum=1)
         if addr is None and "SLURM_NODELIST" in env:
             addr = _first_slurm_host(env["SLURM_NODELIST"])
         if port is None:

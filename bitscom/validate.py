@@ -1,13 +1,15 @@
-"""Checks of numbers, flags and choices in settings, written once: every error names the
-setting, the value and what is allowed (DESIGN.md, Reliability), in one wording. ``True`` is
-never a number here (though ``isinstance(True, int)``) and NaN never passes a bound."""
+"""Checks of numbers, sequences of numbers, flags, choices and types in settings, written once:
+every error names the setting, the value and what is allowed (DESIGN.md, Reliability), in one
+wording. ``True`` is never a number here (though ``isinstance(True, int)``) and NaN never passes
+a bound."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from typing import Any, Optional, Sequence, Tuple, Union
 
-__all__ = ["number", "flag", "choice"]
+__all__ = ["number", "numbers", "flag", "choice", "instance"]
 
 
 def _bounds(minimum, maximum, inclusive: Tuple[bool, bool]) -> str:
@@ -24,6 +26,10 @@ def _within(v: float, minimum: Optional[float], maximum: Optional[float], closed
     return low and (maximum is None or (v <= maximum if closed[1] else v < maximum))
 
 
+def _closed(inclusive: Union[bool, Tuple[bool, bool]]) -> Tuple[bool, bool]:
+    return (inclusive, inclusive) if isinstance(inclusive, bool) else (inclusive[0], inclusive[1])
+
+
 def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: Optional[float] = None,
            inclusive: Union[bool, Tuple[bool, bool]] = True, integer: bool = False,
            finite: bool = False) -> Any:
@@ -34,7 +40,7 @@ def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: O
 
         number("TopK ratio", ratio, minimum=0, maximum=1, inclusive=(False, True))
     """
-    closed = (inclusive, inclusive) if isinstance(inclusive, bool) else (inclusive[0], inclusive[1])
+    closed = _closed(inclusive)
     kind = "an int" if integer else ("a finite number" if finite else "a number")
     ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
     if ok:
@@ -43,6 +49,32 @@ def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: O
     if not ok:
         raise ValueError(f"{name} must be {kind}{_bounds(minimum, maximum, closed)}, got {value!r}")
     return value
+
+
+def numbers(name: str, values: Any, *, nonempty: bool = False, minimum: Optional[float] = None,
+            maximum: Optional[float] = None, inclusive: Union[bool, Tuple[bool, bool]] = True,
+            integer: bool = False, finite: bool = False) -> tuple:
+    """``values`` as a tuple if it is a sequence (any iterable but a string, bytes or a mapping;
+    not empty with ``nonempty``) whose every item passes :func:`number` with these bounds.
+    Else a TypeError (not a sequence: ``'25'`` would read as ``('2', '5')``), a ValueError (empty)
+    or the first bad item's ValueError, named ``name[i]``:
+    ``candidates[0] must be a finite number > 0, got '25'``.
+
+    Example::
+
+        numbers("candidates", candidates, nonempty=True, minimum=0, inclusive=False, finite=True)
+    """
+    kinds = "ints" if integer else ("finite numbers" if finite else "numbers")
+    what = f"{'non-empty ' if nonempty else ''}sequence of {kinds}{_bounds(minimum, maximum, _closed(inclusive))}"
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a {what}, got {values!r}")
+    items = tuple(values)
+    if nonempty and not items:
+        raise ValueError(f"{name} must be a {what}, got {values!r}")
+    for i, v in enumerate(items):
+        number(f"{name}[{i}]", v, minimum=minimum, maximum=maximum, inclusive=inclusive,
+               integer=integer, finite=finite)
+    return items
 
 
 def flag(name: str, value: Any) -> bool:
@@ -62,4 +94,17 @@ def choice(name: str, value: Any, allowed: Sequence[Any]) -> Any:
     """
     if not any(value == a and type(value) is type(a) for a in allowed):
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+    return value
+
+
+def instance(name: str, value: Any, types: Union[type, Tuple[type, ...]], allowed: str) -> Any:
+    """``value`` if it is an instance of ``types`` (a bool only where ``bool`` is named, never as
+    an int), else a TypeError naming the value, its type and ``allowed``, what to pass instead:
+    ``gradients must be a LowBitConfig or an int bit width ..., got 3.5 (float)``. Example::
+
+        instance("topo", topo, Topology, "a bitscom.cost.Topology")
+    """
+    kinds = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise TypeError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
     return value

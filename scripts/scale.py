@@ -238,6 +238,33 @@ def plot(rows, path):
     plt.close(fig)
 
 
+def parse_compute_ms(entries, models) -> dict:
+    """``{model: ms}`` from ``--compute-ms`` entries ``model=ms``. A bad entry is a ValueError
+    naming it and what is allowed (the format, the model names, a finite ms > 0): ``garbage``
+    used to end in a traceback, ``nosuchmodel=5`` was silently ignored and ``resnet50=-1``
+    predicted with a negative compute time.
+
+    Example::
+
+        parse_compute_ms(["resnet50=40"], all_models())     # {'resnet50': 40.0}
+    """
+    from bitscom.validate import choice, number
+    out = {}
+    for entry in entries:
+        name, sep, text = entry.partition("=")
+        if not sep:
+            raise ValueError(f"--compute-ms entry {entry!r} is not MODEL=MS (e.g. resnet50=40); "
+                             f"MODEL is one of {', '.join(models)}")
+        choice(f"the model of --compute-ms entry {entry!r}", name, tuple(models))
+        try:
+            ms = float(text)
+        except ValueError:
+            ms = text                 # no number: number() refuses it, naming it
+        out[name] = number(f"the milliseconds of --compute-ms entry {entry!r}", ms, minimum=0,
+                           inclusive=False, finite=True)
+    return out
+
+
 def wait_for_cost(timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -254,16 +281,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "docs"))
     ap.add_argument("--quick", action="store_true", help="resnet50 + bert_base, 8/64/1024 ranks, 1 and 100 Gbit/s")
-    ap.add_argument("--models", nargs="*", default=None)
+    ap.add_argument("--models", nargs="*", default=None, choices=all_models(), metavar="MODEL",
+                    help=f"models to predict (default: all): {', '.join(all_models())}")
     ap.add_argument("--latency-us", type=float, default=25.0, help="per-message latency (alpha)")
-    ap.add_argument("--compute-ms", nargs="*", default=[], help="model=ms overrides of the compute time")
+    ap.add_argument("--compute-ms", nargs="*", default=[], metavar="MODEL=MS",
+                    help="measured compute per step in ms (> 0) replacing THROUGHPUT's, e.g. resnet50=40")
     ap.add_argument("--no-plot", action="store_true")
     a = ap.parse_args(argv)
     wait_for_cost(0)
-    overrides = {}
-    for kv in a.compute_ms:
-        k, _, v = kv.partition("=")
-        overrides[k] = float(v)
+    from bitscom.validate import number
+    try:
+        overrides = parse_compute_ms(a.compute_ms, all_models())
+        number("--latency-us", a.latency_us, minimum=0, finite=True)
+    except ValueError as err:
+        ap.error(str(err))
     models_ = a.models or (["resnet50", "bert_base"] if a.quick else all_models())
     worlds, gbits = ((8, 64, 1024), (1, 100)) if a.quick else (WORLDS, GBITS)
     rows = predict(models_, worlds, gbits, list(COMPRESSORS), a.latency_us * 1e-6, overrides)

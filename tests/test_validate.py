@@ -34,3 +34,21 @@ def test_good_values_pass_through_and_flags_and_choices_name_what_is_allowed():
         choice("c", 1, ("a", "b"))
     with pytest.raises(ValueError, match="got True"):
         choice("c", True, (1, 2))        # True == 1, but it is not the int 1
+
+
+def test_numbers_names_the_bad_item_and_instance_names_value_and_type():
+    from bitscom.validate import instance, numbers
+    assert numbers("c", [1, 2.5], nonempty=True, minimum=0, inclusive=False) == (1, 2.5)
+    with pytest.raises(ValueError) as err:
+        numbers("c", [1, "2"], minimum=0, inclusive=False)
+    assert str(err.value) == "c[1] must be a number > 0, got '2'"
+    with pytest.raises(ValueError) as err:
+        numbers("c", [], nonempty=True, minimum=0, finite=True)
+    assert str(err.value) == "c must be a non-empty sequence of finite numbers >= 0, got []"
+    with pytest.raises(TypeError) as err:
+        numbers("c", "25", integer=True)      # a string is no sequence of numbers
+    assert str(err.value) == "c must be a sequence of ints, got '25'"
+    assert instance("x", 3, int, "an int") == 3
+    with pytest.raises(TypeError) as err:
+        instance("x", True, int, "an int bit width")   # a bool is no int here
+    assert str(err.value) == "x must be an int bit width, got True (bool)"

@@ -15,20 +15,42 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from collections.abc import Iterable
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..comm import Comm, resolve_group
 from ..compressors.base import BucketLayout, Compressor
+from ..validate import choice, flag, instance, number, numbers
 from .formulas import messages, wire_bytes
 from .links import Link
-from .local import local_comm
+from .local import KINDS, check_world, local_comm
 from .rounds import warm_up_steps
 
 __all__ = ["probe_link", "fit_link", "calibrate_link", "time_codec", "parse_samples"]
 
 DEFAULT_SIZES = tuple(1 << k for k in range(12, 23, 2))   # 4 KiB … 4 MiB
+
+
+def _samples(samples) -> List[Tuple[float, float]]:
+    """``samples`` as float pairs, checked: at least one, each ``(nbytes, seconds)`` with an int
+    nbytes >= 0 and a finite seconds >= 0 (a NaN or negative time used to fit a NaN or
+    negative link, or one far off with no word why)."""
+    pts = list(instance("samples", samples, Iterable, "a list of (nbytes, seconds) pairs"))
+    if not pts:
+        raise ValueError(f"fit_link samples must hold at least one (nbytes, seconds) pair, got {samples!r}")
+    for i, pair in enumerate(pts):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError(f"samples[{i}] must be an (nbytes, seconds) pair, got {pair!r}")
+        number(f"samples[{i}] nbytes", pair[0], minimum=0, integer=True)
+        number(f"samples[{i}] seconds", pair[1], minimum=0, finite=True)
+    return [(float(n), float(t)) for n, t in pts]
+
+
+def _probe_settings(sizes, repeats) -> None:
+    numbers("sizes", sizes, nonempty=True, minimum=1, integer=True)
+    number("repeats", repeats, minimum=1, integer=True)
 
 
 def fit_link(samples: Iterable[Tuple[float, float]], world: int, kind: str = "all_reduce") -> Link:
@@ -40,9 +62,9 @@ def fit_link(samples: Iterable[Tuple[float, float]], world: int, kind: str = "al
 
         fit_link([(1000, 1.1e-3), (2000, 2.1e-3)], world=2)   # alpha 5e-5, beta 1e-6
     """
-    pts = [(float(n), float(t)) for n, t in samples]
-    if not pts:
-        raise ValueError("fit_link needs at least one (nbytes, seconds) sample")
+    pts = _samples(samples)
+    check_world(world)
+    choice("kind", kind, KINDS)
     if world < 2:
         return Link(0.0, 0.0)
     a = messages(kind, world)
@@ -97,6 +119,7 @@ def probe_link(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 
 
         samples = probe_link(group)
     """
+    _probe_settings(sizes, repeats)
     comm = Comm(resolve_group(group))
     out = []
     for nbytes in sizes:
@@ -121,6 +144,7 @@ def calibrate_link(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: in
         link = calibrate_link(group)
         topo = Topology.flat(dist.get_world_size(group), link)
     """
+    _probe_settings(sizes, repeats)
     group = resolve_group(group)
     comm = Comm(group)
     if comm.solo:
@@ -130,6 +154,17 @@ def calibrate_link(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: in
     values = torch.tensor([fit.alpha_s, fit.beta_s_per_byte], dtype=torch.float64)
     comm.broadcast(values, 0).wait()
     return Link(float(values[0]), float(values[1]))
+
+
+def _codec_settings(compressor, layout, world, repeats, warmup, with_copies) -> None:
+    """:func:`time_codec`'s arguments, each named when bad (``repeats=0`` used to end in
+    ``min() arg is an empty sequence``, ``world=0`` in a time for no group at all)."""
+    instance("compressor", compressor, Compressor, "a bitscom compressor (bitscom.compressors.get(name))")
+    instance("layout", layout, BucketLayout, "a BucketLayout (bitscom.cost.layout_of(numel))")
+    check_world(world)
+    number("repeats", repeats, minimum=1, integer=True)
+    number("warmup", warmup, minimum=0, integer=True)
+    flag("with_copies", with_copies)
 
 
 def time_codec(compressor: Compressor, layout: BucketLayout, world: int, grad: Optional[torch.Tensor] = None,
@@ -152,6 +187,7 @@ def time_codec(compressor: Compressor, layout: BucketLayout, world: int, grad: O
         time_codec(bitscom.compressors.get("lowbit"), layout_of(1 << 20), world=4)
     """
     from ..compressors.lowbit import LowBit
+    _codec_settings(compressor, layout, world, repeats, warmup, with_copies)
     if isinstance(compressor, LowBit) and compressor.config.hierarchy != "none":
         compressor = LowBit(dataclasses.replace(compressor.config, hierarchy="none", chunk_size=None))
     if grad is None:

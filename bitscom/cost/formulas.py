@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import math
 
+from ..validate import choice, instance, number
 from .links import Topology
-from .rounds import Round
+from .rounds import KINDS, Round
 
 __all__ = ["round_seconds", "wire_bytes", "messages"]
 
 
 def messages(kind: str, p: int) -> float:
-    """Sequential messages (latency terms) of one ``kind`` collective on ``p`` ranks."""
-    if p <= 1:
+    """Sequential messages (latency terms) of one ``kind`` collective on ``p`` ranks (an int >= 1)."""
+    choice("kind", kind, KINDS)
+    if number("p", p, minimum=1, integer=True) == 1:
         return 0.0
     if kind == "all_reduce":
         return 2.0 * (p - 1)
@@ -38,8 +40,11 @@ def messages(kind: str, p: int) -> float:
 
 def wire_bytes(kind: str, nbytes: int, p: int) -> float:
     """Bytes one rank puts on the wire (sequentially) for a collective whose Comm count is
-    ``nbytes``: what the link's bandwidth term is charged for."""
-    if p <= 1:
+    ``nbytes`` (an int >= 0) on ``p`` ranks (an int >= 1): what the link's bandwidth term is
+    charged for."""
+    choice("kind", kind, KINDS)
+    number("nbytes", nbytes, minimum=0, integer=True)
+    if number("p", p, minimum=1, integer=True) == 1:
         return 0.0
     if kind == "all_reduce":
         return 2.0 * (p - 1) / p * nbytes
@@ -60,5 +65,7 @@ def round_seconds(round: Round, topo: Topology) -> float:
         topo = Topology.flat(4, Link.from_gbit(1))
         round_seconds(Round("all_reduce", 4 << 20, "flat"), topo)   # ~0.05 s
     """
+    instance("round", round, Round, "a bitscom.cost.Round")
+    instance("topo", topo, Topology, "a bitscom.cost.Topology")
     p, link = topo.level(round.level)
     return link.seconds(wire_bytes(round.kind, round.nbytes, p), messages(round.kind, p))

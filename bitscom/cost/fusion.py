@@ -19,6 +19,7 @@ import torch
 
 from ..buckets import plan_buckets
 from ..comm import Comm, resolve_group
+from ..validate import instance, number, numbers
 from .calibrate import calibrate_link
 from .links import Link, Topology
 from .predict import bucket_seconds, predict_step, ready_times
@@ -34,12 +35,20 @@ def choose_fusion_threshold_mb(params: Sequence[Tuple[str, torch.Tensor]], topo:
                                backward_s: Optional[float] = None) -> float:
     """The candidate threshold (MiB) with the smallest predicted step for ``params``
     (name, tensor) in registration order on ``topo``. Deterministic: same inputs, same answer.
+    ``candidates``: a non-empty sequence of finite thresholds > 0 MiB; ``backward_s``: the
+    seconds of backward to overlap with (finite, >= 0; default: see the module).
 
     Example::
 
         mb = choose_fusion_threshold_mb(list(model.named_parameters()),
                                         Topology.flat(4, Link.from_gbit(10, latency_s=1e-4)))
     """
+    # '25' used to end in "Exceeds the limit (4300 digits)" ('25' * 2**20), [] in a bare
+    # AssertionError, inf in an OverflowError: refused here, naming the candidate.
+    candidates = numbers("candidates", candidates, nonempty=True, minimum=0, inclusive=False, finite=True)
+    instance("topo", topo, Topology, "a bitscom.cost.Topology")
+    if backward_s is not None:
+        number("backward_s", backward_s, minimum=0, finite=True)
     params = list(params)
     if not params or topo.world == 1:
         return float(max(candidates))
@@ -57,7 +66,7 @@ def choose_fusion_threshold_mb(params: Sequence[Tuple[str, torch.Tensor]], topo:
                             ready_s=ready_times(numels, backward_s)).step_s
         if best is None or step < best[0]:
             best = (step, float(mb))
-    assert best is not None, "no candidate thresholds"
+    assert best is not None          # candidates is not empty (checked above)
     return best[1]
 
 
@@ -70,6 +79,8 @@ def auto_fusion_threshold_mb(params: Sequence[Tuple[str, torch.Tensor]], group=N
 
         mb = auto_fusion_threshold_mb(list(model.named_parameters()), group)
     """
+    if link is not None:
+        instance("link", link, Link, "None (calibrate the group) or a bitscom.cost.Link")
     group = resolve_group(group)
     comm = Comm(group)
     if comm.solo:

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..validate import number
+from ..validate import instance, number
 
 __all__ = ["Link", "Topology"]
 
@@ -56,7 +56,9 @@ class Link:
         return math.inf if self.beta_s_per_byte == 0 else 8.0 / (self.beta_s_per_byte * 1e9)
 
     def seconds(self, nbytes: float, messages: float = 1.0) -> float:
-        """``messages`` latencies plus ``nbytes`` at this link's bandwidth."""
+        """``messages`` latencies plus ``nbytes`` at this link's bandwidth (both finite, >= 0)."""
+        number("Link.seconds nbytes", nbytes, minimum=0, finite=True)
+        number("Link.seconds messages", messages, minimum=0, finite=True)
         return messages * self.alpha_s + nbytes * self.beta_s_per_byte
 
 
@@ -91,15 +93,12 @@ class Topology:
 
     def __post_init__(self):
         for name in ("world", "local_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Topology {name} must be an int >= 1, got {value!r}")
+            number(f"Topology {name}", getattr(self, name), minimum=1, integer=True)
         if self.world % self.local_size:
             raise ValueError(f"Topology world={self.world} is not a multiple of "
                              f"local_size={self.local_size}")
         for name in ("intra", "inter") + (("world_link",) if self.world_link is not None else ()):
-            if not isinstance(getattr(self, name), Link):
-                raise TypeError(f"Topology {name} must be a Link, got {getattr(self, name)!r}")
+            instance(f"Topology {name}", getattr(self, name), Link, "a bitscom.cost.Link")
 
     @staticmethod
     def flat(world: int, link: Link) -> "Topology":

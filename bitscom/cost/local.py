@@ -13,10 +13,10 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..comm import Comm
-from ..validate import choice, number
+from ..validate import choice, instance, number
 from ..compressors.base import BucketLayout, Compressor
 
-__all__ = ["Round", "KINDS", "LEVELS", "LocalTransport", "local_comm", "recorded_rounds"]
+__all__ = ["Round", "KINDS", "LEVELS", "LocalTransport", "local_comm", "recorded_rounds", "check_world"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 LEVELS = ("flat", "intra", "inter")
@@ -42,6 +42,20 @@ class Round:
         number("Round nbytes", self.nbytes, minimum=0, integer=True)
 
 
+def check_world(world, local_size=1, names: Tuple[str, str] = ("world", "local_size")) -> None:
+    """ValueError unless ``world`` is an int >= 1 and ``local_size`` an int >= 1 dividing it: the
+    group sizes every function of the model takes, in one wording (world 0 or -1 used to give a
+    prediction of 0 seconds).
+
+    Example::
+
+        check_world(8, 4)       # passes; check_world(0): "world must be an int >= 1, got 0"
+    """
+    number(names[0], world, minimum=1, integer=True)
+    if number(names[1], local_size, minimum=1, integer=True) and world % local_size:
+        raise ValueError(f"{names[1]} must be an int >= 1 dividing {names[0]}={world}, got {local_size!r}")
+
+
 class _Done:
     """A finished work handle."""
 
@@ -65,6 +79,8 @@ class LocalTransport:
 
     def __init__(self, size: int, local_size: int = 1, level: str = "flat",
                  log: Optional[List[Round]] = None):
+        check_world(size, local_size, ("LocalTransport size", "LocalTransport local_size"))
+        choice("LocalTransport level", level, LEVELS)
         self._size, self._local = size, local_size
         self._level = level
         self.log: List[Round] = [] if log is None else log
@@ -127,6 +143,10 @@ def recorded_rounds(compressor: Compressor, layout: BucketLayout, world: int, st
 
         recorded_rounds(bitscom.compressors.get("fp16"), layout_of(100), 4)
     """
+    instance("compressor", compressor, Compressor, "a bitscom compressor (bitscom.compressors.get(name))")
+    instance("layout", layout, BucketLayout, "a BucketLayout (bitscom.cost.layout_of(numel))")
+    check_world(world, local_size)
+    number("steps", steps, minimum=1, integer=True)
     state = compressor.init_state(layout)
     gen = torch.Generator().manual_seed(0)
     out = []

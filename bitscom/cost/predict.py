@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+from ..validate import flag, number, numbers
 from .formulas import round_seconds
 from .links import Topology
 from .rounds import Round
@@ -63,12 +64,34 @@ def ready_times(numels: Sequence[int], backward_s: float) -> List[float]:
 
         ready_times([100, 300], 0.4)    # [0.1, 0.4]
     """
+    numels = numbers("numels", numels, minimum=0, integer=True)
+    _seconds("backward_s", backward_s)
     total = sum(numels)
     out, acc = [], 0
     for n in numels:
         acc += n
         out.append(backward_s * acc / total if total else 0.0)
     return out
+
+
+def _seconds(name: str, value) -> float:
+    """A time in seconds: finite and >= 0 (NaN or a negative time made a NaN or negative step)."""
+    return number(name, value, minimum=0, finite=True)
+
+
+def _timeline(k: int, backward_s, forward_s, optimizer_s, ready_s, codec_s, poll_s, codec_overlaps) -> tuple:
+    """:func:`predict_step`'s times, checked (each finite and >= 0, named when not; one ready
+    and codec entry per bucket): ``(ready, codec, polls or None)``."""
+    for name, value in (("backward_s", backward_s), ("forward_s", forward_s), ("optimizer_s", optimizer_s)):
+        _seconds(name, value)
+    flag("codec_overlaps", codec_overlaps)
+    ready = list(numbers("ready_s", ready_s, minimum=0, finite=True)) if ready_s is not None else [backward_s] * k
+    codec = list(numbers("codec_s", codec_s, minimum=0, finite=True)) if codec_s is not None else [0.0] * k
+    polls = None if poll_s is None else numbers("poll_s", poll_s, minimum=0, finite=True)
+    if len(ready) != k or len(codec) != k:
+        raise ValueError(f"ready_s and codec_s need one entry per bucket ({k}), got "
+                         f"{len(ready)} and {len(codec)}")
+    return ready, codec, polls
 
 
 def predict_step(bucket_rounds: Sequence[Sequence[Round]], topo: Topology, *, backward_s: float = 0.0,
@@ -94,11 +117,8 @@ def predict_step(bucket_rounds: Sequence[Sequence[Round]], topo: Topology, *, ba
         p.step_s
     """
     k = len(bucket_rounds)
-    ready = list(ready_s) if ready_s is not None else [backward_s] * k
-    codec = list(codec_s) if codec_s is not None else [0.0] * k
-    if len(ready) != k or len(codec) != k:
-        raise ValueError(f"ready_s and codec_s need one entry per bucket ({k}), got "
-                         f"{len(ready)} and {len(codec)}")
+    ready, codec, poll_s = _timeline(k, backward_s, forward_s, optimizer_s, ready_s, codec_s, poll_s,
+                                     codec_overlaps)
     taken = [0.0] * k                 # codec seconds taken from backward up to bucket i's codec
     if not codec_overlaps:
         for i in range(k):

@@ -19,8 +19,8 @@ import torch
 
 from ..compressors.base import BucketLayout, Compressor, TensorSlot
 from ..compressors.registry import resolve
-from ..validate import number
-from .local import KINDS, LEVELS, Round, recorded_rounds
+from ..validate import flag, instance, number, numbers
+from .local import KINDS, LEVELS, Round, check_world, recorded_rounds
 
 __all__ = ["Round", "KINDS", "LEVELS", "rounds_for", "rounds_of", "sent_bytes", "layout_of", "warm_up_steps"]
 
@@ -41,10 +41,12 @@ def layout_of(numel: int, dtype=torch.float32, shapes: Optional[Sequence[tuple]]
 
         layout_of(1024, shapes=[(16, 32), (512,)])
     """
+    number("numel", numel, minimum=0, integer=True)
     if shapes is None:
-        shapes = [_square(numel) if square else (numel,)]
+        shapes = [_square(numel) if flag("square", square) else (numel,)]
     slots, off = [], 0
-    for i, shape in enumerate(shapes):
+    for i, shape in enumerate(instance("shapes", shapes, (list, tuple), "a list of shapes (tuples of ints >= 0)")):
+        shape = numbers(f"shapes[{i}]", shape, minimum=0, integer=True)
         n = math.prod(shape)
         slots.append(TensorSlot(f"t{i}", off, n, tuple(shape)))
         off += n
@@ -97,9 +99,7 @@ def rounds_of(compressor, layout: BucketLayout, world: int, *, local_size: int =
         # [Round('all_gather', 400, 'flat')]
     """
     comp = resolve(compressor, "compressor")
-    number("world", world, minimum=1, integer=True)
-    if number("local_size", local_size, minimum=1, integer=True) and world % local_size:
-        raise ValueError(f"local_size must be an int >= 1 dividing world={world}, got {local_size!r}")
+    _check_step(layout, world, local_size, step, warm)
     if world == 1 or layout.numel == 0:
         return []
     start = warm_up_steps(comp)
@@ -120,6 +120,15 @@ def rounds_of(compressor, layout: BucketLayout, world: int, *, local_size: int =
             _CACHE.clear()
         _CACHE[key] = out
     return list(out)
+
+
+def _check_step(layout, world, local_size, step, warm) -> None:
+    """The arguments of :func:`rounds_of` besides the compressor, each named when bad."""
+    instance("layout", layout, BucketLayout, "a BucketLayout (bitscom.cost.layout_of(numel))")
+    check_world(world, local_size)
+    if step is not None:
+        number("step", step, minimum=0, integer=True)
+    flag("warm", warm)
 
 
 META_FROM = 1 << 20

@@ -50,6 +50,8 @@ from ..comm import Rounds
 from ..lowbit.all_reduce import all_reduce_rounds
 from ..lowbit.config import LowBitConfig
 from ..lowbit.state import LowBitState
+from ..validate import instance
+from .settings import LOWBIT_WIDTHS
 
 __all__ = ["HSDPBytes", "ReplicateAllReduce", "replicate_config", "check_replicate_group", "native_hsdp"]
 
@@ -85,9 +87,8 @@ def replicate_config(replicate) -> LowBitConfig:
         return LowBitConfig(bitwidth=4, error_feedback=True)
     if isinstance(replicate, int) and not isinstance(replicate, bool):
         replicate = LowBitConfig(bitwidth=replicate, error_feedback=replicate < 32)
-    if not isinstance(replicate, LowBitConfig):
-        raise TypeError(f"replicate must be a bitscom.lowbit.LowBitConfig, an int bit width or None, "
-                        f"got {type(replicate).__name__}")
+    instance("replicate", replicate, LowBitConfig, "a bitscom.lowbit.LowBitConfig, an int bit width or None "
+             f"(4 bits with error feedback); bit widths: {LOWBIT_WIDTHS}")
     if replicate.hierarchy != "none":
         raise ValueError(f"replicate: hierarchy={replicate.hierarchy!r} is not available for the HSDP "
                          "all-reduce (it runs over the one replicate group); use hierarchy='none'")

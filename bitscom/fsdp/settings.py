@@ -19,8 +19,13 @@ from __future__ import annotations
 import torch
 
 from ..lowbit.config import LowBitConfig
+from ..lowbit.format import FULL_PRECISION, SUPPORTED_BITS
+from ..validate import instance
 
-__all__ = ["gradient_config", "require_hook"]
+__all__ = ["gradient_config", "require_hook", "LOWBIT_WIDTHS"]
+
+LOWBIT_WIDTHS = f"{tuple(SUPPORTED_BITS) + (FULL_PRECISION,)} ({FULL_PRECISION}: exact float32)"
+"""The int bit widths ``gradients=`` and HSDP's ``replicate=`` accept, in their TypeError's words."""
 
 
 def gradient_config(gradients) -> LowBitConfig:
@@ -35,10 +40,8 @@ def gradient_config(gradients) -> LowBitConfig:
     """
     if isinstance(gradients, int) and not isinstance(gradients, bool):
         gradients = LowBitConfig(bitwidth=gradients)
-    if not isinstance(gradients, LowBitConfig):
-        raise TypeError(f"gradients must be a bitscom.lowbit.LowBitConfig or an int bit width, got "
-                        f"{type(gradients).__name__}")
-    cfg = gradients
+    cfg = instance("gradients", gradients, LowBitConfig,
+                   f"a bitscom.lowbit.LowBitConfig or an int bit width, one of {LOWBIT_WIDTHS}")
     if cfg.ef21:
         raise ValueError(f"error_feedback_mode={cfg.error_feedback_mode!r} is defined for all_reduce "
                          "only; the FSDP reduce-scatter allows 'residual' or 'none'")

@@ -30,7 +30,7 @@ from typing import Optional
 from ..lowbit.codec import Codec
 from ..lowbit.format import SUPPORTED_BITS
 from ..lowbit.weight_delta import delta_codec
-from ..validate import choice, number
+from ..validate import choice, instance, number
 
 __all__ = ["WeightConfig", "weight_config", "WEIGHT_MODES"]
 
@@ -97,7 +97,5 @@ def weight_config(weights) -> WeightConfig:
     """
     if isinstance(weights, int) and not isinstance(weights, bool):
         return WeightConfig(bitwidth=weights)
-    if not isinstance(weights, WeightConfig):
-        raise TypeError(f"weights must be a bitscom.fsdp.WeightConfig or an int bit width, got "
-                        f"{type(weights).__name__}")
-    return weights
+    return instance("weights", weights, WeightConfig,
+                    f"a bitscom.fsdp.WeightConfig or an int bit width, one of {tuple(SUPPORTED_BITS)}")
