@@ -41,6 +41,7 @@ from .face import ByteLedger, dense_bytes, live_objects
 from .lifecycle import StepFace, StepLifecycle
 from .buckets import FlatBucket, plan_buckets, plan_groups
 from .compressors import Compression, resolve as resolve_compressor
+from .densified import DensifiedGradients, hand_back_sparse
 from .engine import Reducer
 from .horovod.sparse import SparseGradients
 from .ops import Adasum, Average, ReduceOp, Sum
@@ -128,11 +129,14 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             and the cost model (:func:`bitscom.cost.auto_fusion_threshold_mb`; the same on
             every rank, which must all pass ``"auto"``).
         process_group: the group to reduce over (default: the world group).
-        sparse_as_dense: turn sparse gradients (``nn.Embedding(sparse=True)``) into dense ones
-            before reducing them. Without it (Horovod's default) they are reduced sparse, as
-            Horovod does: every rank's indices and values are all-gathered and summed into a
-            coalesced sparse ``p.grad`` (what ``SparseAdam`` needs), bitwise the same on every
-            rank; see :mod:`bitscom.horovod.sparse`.
+        sparse_as_dense: reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense ones,
+            through the (compressed) buckets, and hand the average back as
+            ``p.grad.to_sparse()``, as Horovod does, so ``SparseAdam`` steps: sparse on every
+            rank when it was sparse on any (one small layout round per step decides; see
+            :mod:`bitscom.densified`). Without it (Horovod's default) they are reduced sparse,
+            as Horovod does: every rank's indices and values are all-gathered and summed into a
+            coalesced sparse ``p.grad``, bitwise the same on every rank; see
+            :mod:`bitscom.horovod.sparse`.
         groups: Horovod's explicit fusion instead of ``fusion_threshold_mb``: a number of
             buckets, or a list of lists of parameters that travel together.
         num_groups: Horovod's older spelling of ``groups=<int>``.
@@ -197,6 +201,9 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._layouts, fusion_threshold_mb = self._plan(groups, fusion_threshold_mb, auto_fusion, compression)
         self.fusion_threshold_mb = None if groups is not None else float(fusion_threshold_mb)
         self._build_buckets()
+        # sparse_as_dense=True: one layout round per step, after the last bucket (none without one)
+        self._densified = DensifiedGradients([p for _, p in self._trainable], self._layouts[0].device) \
+            if (self.sparse_as_dense and self._size > 1 and self._layouts) else None
         self._scan_live_objects()
         # Names this optimizer to the other ranks (bitscom.join): the same on every rank that
         # built the same plan.
@@ -258,9 +265,9 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         """The lifecycle's per-gradient call: on the pass that completes the step, copy the
         gradient into its bucket and launch every bucket that became ready, in plan order."""
         grad = p.grad
-        if self.sparse_as_dense:
-            if grad is not None and grad.is_sparse:
-                grad = p.grad = grad.to_dense()
+        if self._densified is not None:
+            if last_pass:                # earlier passes accumulate sparse, as in Horovod
+                grad = self._densified.dense(p)     # handed back sparse in _finish
         elif self._sparse_grads is not None and self._sparse_grads.on_gradient(self, p, last_pass):
             grad = None                  # reduced sparse in _finish; its slot carries zeros
         if last_pass:
@@ -325,6 +332,8 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             "wrapped in DistributedDataParallel": self._ddp is not None,
             "sparse-gradient parameters": [] if self._sparse_grads is None else
             [n for n, _ in self._sparse_grads.params],
+            # True adds the layout round to every step: a rank without it would miss that round.
+            "sparse_as_dense": self.sparse_as_dense,
             # SGD on one rank and AdamW on another would train apart silently. Not param_groups:
             # Horovod's pattern builds with per-rank hyper-parameters (rank 0 resumed a
             # checkpoint) and then calls broadcast_optimizer_state.
@@ -336,10 +345,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._life.check_open()
         self._life.check_requires_grad()
         try:
-            for bucket in self._buckets[self._next_launch:]:
-                bucket.fill_missing()
-            self._launch_ready()
-            sent = self._reducer.wait_all()
+            sent, sparse_back = self._reduce_all()
             self._life.end()
         except BaseException:
             self._reducer.abort()
@@ -357,17 +363,37 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
                 bucket.flat.mul_(post)
             bucket.write_back()
             dense += dense_bytes(bucket.layout.numel)
+        hand_back_sparse(sparse_back)            # sparse_as_dense=True: agreed on every rank
         self._bytes.add(sent, dense)
         self._life.completed = True
         if self._sparse_grads is not None and self._sparse_grads.params:
             self._sparse_grads.finish(self)      # every rank, plan order: sparse p.grad
         self._bytes.end_step()
 
+    def _reduce_all(self):
+        """Fill the slots still empty, launch every bucket (then, with ``sparse_as_dense=True``,
+        the layout round) and wait: (bytes sent, the parameters to hand back sparse)."""
+        densified = self._densified
+        if densified is not None:
+            densified.dense_missing(self._buckets[self._next_launch:])
+        for bucket in self._buckets[self._next_launch:]:
+            bucket.fill_missing()
+        self._launch_ready()
+        if densified is None:
+            return self._reducer.wait_all(), []
+        densified.launch(self._reducer.channel)  # queued behind the last bucket, on every rank
+        sent = self._reducer.wait_all()
+        sparse_back, layout_sent = densified.wait(self._reducer.channel)
+        return sent + layout_sent, sparse_back
+
     def _reset_buckets(self) -> None:
         self._next_launch = 0
         self._life.reset_collectives()
         for bucket in self._buckets:
             bucket.reset()
+        densified = getattr(self, "_densified", None)
+        if densified is not None:                # this step's marks and layout round go too
+            densified.forget(self._reducer.channel)
 
     def _after_join(self, root_rank: int, group) -> None:
         """bitscom.join(): take the last joiner's parameters and state (joined ranks did not step).
@@ -384,7 +410,11 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             for b, bucket in enumerate(self._buckets):
                 bucket.flat.zero_()
                 self._reducer.launch(b, bucket.flat)
+            if self._densified is not None:      # the active ranks' layout round; no marks here
+                self._densified.launch(self._reducer.channel)
             self._reducer.wait_all()
+            if self._densified is not None:
+                self._densified.wait(self._reducer.channel)
         finally:
             self._reset_buckets()
 

@@ -2,7 +2,9 @@
 
 Ports of horovod/test/parallel/test_torch.py's ``test_async_sparse_allreduce`` (all-gathered
 indices and values equal the dense all-reduce) and ``test_sparse_embeddings`` (a sparse
-embedding trains with ``SparseAdam`` under ``DistributedOptimizer(sparse_as_dense=False)``),
+embedding trains with ``SparseAdam`` under ``DistributedOptimizer``, with either value of
+``sparse_as_dense``, as Horovod's loop runs it; sparse_as_dense=True in depth:
+test_hvd_sparse_as_dense.py),
 plus float64 references: the reduced sparse gradient is the average of every rank's dense
 gradient, coalesced and bitwise the same on every rank; mismatched calls fail on every rank.
 """
@@ -125,40 +127,50 @@ _INPUTS = {0: torch.LongTensor([[1, 2, 4, 5], [4, 3, 2, 9]]),
 
 
 def _sparse_embeddings(rank, world, steps):
-    """Horovod's test_sparse_embeddings, for a few steps."""
-    model = _Net()
-    opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.1)
-    opt = hvd.DistributedOptimizer(opt, sparse_as_dense=False)
-    grads = []
-    for _ in range(steps):
-        loss = model(_INPUTS[rank]).sum()
-        opt.zero_grad()
-        loss.backward()
-        grad = model.embedding.weight.grad
-        grads.append((grad.is_sparse, grad.is_coalesced(), grad.indices(), grad.values()))
-        opt.step()
-    opt.close()
-    return model.embedding.weight.detach().clone(), grads
+    """Horovod's test_sparse_embeddings (both values of sparse_as_dense, in one process, as
+    Horovod loops), for a few steps."""
+    out = {}
+    for sparse_as_dense in [False, True]:
+        model = _Net()
+        opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.1)
+        opt = hvd.DistributedOptimizer(opt, sparse_as_dense=sparse_as_dense)
+        grads = []
+        for _ in range(steps):
+            loss = model(_INPUTS[rank]).sum()
+            opt.zero_grad()
+            loss.backward()
+            grad = model.embedding.weight.grad
+            grads.append((grad.is_sparse, grad.is_coalesced(), grad.sparse_dim(), grad.indices(),
+                          grad.values()))
+            opt.step()
+        opt.close()
+        out[sparse_as_dense] = model.embedding.weight.detach().clone(), grads
+    return out
 
 
 def test_sparse_embeddings(pools):
+    """sparse_as_dense=False: reduced sparse, rows whole (sparse_dim 1); True: reduced dense and
+    handed back as Horovod's aggregated.to_sparse() (element-wise, sparse_dim 2). Both train
+    SparseAdam to the float64 reference and keep the replicas bitwise equal."""
     steps = 3
     got = pools.run(2, _sparse_embeddings, steps, timeout=60)
-    (w0, g0), (w1, g1) = got
-    assert torch.equal(w0, w1), "replicas differ after SparseAdam steps"
-    for a, b in zip(g0, g1):
-        assert a[0] and a[1], "p.grad must be a coalesced sparse tensor"
-        assert torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
-    # float64 reference: the average of each rank's dense gradient, then SparseAdam.
     ref = _Net().double()
     avg = sum(torch.autograd.grad(ref(_INPUTS[r]).sum(), ref.embedding.weight)[0].to_dense()
               for r in range(2)) / 2
-    assert torch.equal(torch.sparse_coo_tensor(g0[0][2], g0[0][3], (10, 3)).to_dense().double(), avg)
     adam = torch.optim.SparseAdam([ref.embedding.weight], lr=0.1)
-    for _ in range(steps):
+    for _ in range(steps):            # the loss is linear: the same average gradient each step
         ref.embedding.weight.grad = avg.to_sparse()
         adam.step()
-    torch.testing.assert_close(w0.double(), ref.embedding.weight.detach(), rtol=1e-6, atol=1e-6)
+    for sparse_as_dense in (False, True):
+        (w0, g0), (w1, g1) = got[0][sparse_as_dense], got[1][sparse_as_dense]
+        assert torch.equal(w0, w1), f"replicas differ after SparseAdam steps ({sparse_as_dense=})"
+        for a, b in zip(g0, g1):
+            assert a[0] and a[1], "p.grad must be a coalesced sparse tensor"
+            assert a[2] == (2 if sparse_as_dense else 1), (sparse_as_dense, a[2])
+            assert torch.equal(a[3], b[3]) and torch.equal(a[4], b[4])
+        grad = torch.sparse_coo_tensor(g0[0][3], g0[0][4], (10, 3)).to_dense().double()
+        assert torch.equal(grad, avg), sparse_as_dense
+        torch.testing.assert_close(w0.double(), ref.embedding.weight.detach(), rtol=1e-6, atol=1e-6)
 
 
 class _Bag(nn.Module):
