@@ -536,6 +536,7 @@ def main(argv=None) -> int:
     if rank == 0:
         _report(a, kind, name, wl, dev, size, times, compute_times, peak, sent_max, dense, rate, rate_source,
                 codec)
+    perf_codec.release()
     bitscom.shutdown()
     return 0
 

@@ -31,6 +31,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+_KEPT: list = []      # torch_hook_seconds' groups and hook states, alive until the process ends
 REPEATS = 4          # even: ACP-SGD alternates P and Q steps, so the mean covers both alike
 WARMUP = 2           # untimed runs first (allocations, first factor draws)
 
@@ -111,36 +112,51 @@ def _sync(dev: torch.device) -> None:
 def torch_hook_seconds(opt: str, net, powersgd_rank: int, repeats: int = REPEATS) -> float:
     """Mean seconds of one step of torch's ``ddp_fp16`` / ``ddp_powersgd`` hook over DDP's
     buckets, on a one-rank group of this rank (every rank must call it: it makes the groups).
-    PowerSGD runs its plain steps (``start_powerSGD_iter=2``) and first factor draw untimed."""
+    PowerSGD runs its plain steps (``start_powerSGD_iter=2``) and first factor draw untimed.
+
+    The groups and the hook's state stay referenced (``_KEPT``) until :func:`release`: the
+    hook's future callbacks run on the group's own thread and hold them, and destroying the
+    group right after the last ``wait()`` let a callback drop the last reference there, so the
+    group was freed on its own thread ("Resource deadlock avoided": one rank aborted, BERT-base
+    ``ddp_powersgd`` on the emulated cluster)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
     buckets = ddp_buckets(net)
     mine, groups = dist.new_subgroups(group_size=1)
-    try:
-        if opt == "ddp_fp16":
-            hook, state, warmup = default_hooks.fp16_compress_hook, mine, WARMUP
-        else:
-            state = ps.PowerSGDState(process_group=mine, matrix_approximation_rank=powersgd_rank,
-                                     start_powerSGD_iter=2, min_compression_rate=2,
-                                     use_error_feedback=True, warm_start=True)
-            hook, warmup = ps.powerSGD_hook, 2 + WARMUP
-        gen = torch.Generator().manual_seed(0)
-        grads = [torch.randn(b.buffer().numel(), generator=gen).to(b.buffer()) for b in buckets]
-        times = []
-        for i in range(warmup + repeats):
-            for b, g in zip(buckets, grads):
-                b.buffer().copy_(g)
-            _sync(grads[0].device)
-            t0 = time.perf_counter()
-            for fut in [hook(state, b) for b in buckets]:
-                fut.wait()
-            _sync(grads[0].device)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        return statistics.fmean(times)
-    finally:
+    if opt == "ddp_fp16":
+        hook, state, warmup = default_hooks.fp16_compress_hook, mine, WARMUP
+    else:
+        state = ps.PowerSGDState(process_group=mine, matrix_approximation_rank=powersgd_rank,
+                                 start_powerSGD_iter=2, min_compression_rate=2,
+                                 use_error_feedback=True, warm_start=True)
+        hook, warmup = ps.powerSGD_hook, 2 + WARMUP
+    _KEPT.append((groups, state))
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(b.buffer().numel(), generator=gen).to(b.buffer()) for b in buckets]
+    times = []
+    for i in range(warmup + repeats):
+        for b, g in zip(buckets, grads):
+            b.buffer().copy_(g)
+        _sync(grads[0].device)
+        t0 = time.perf_counter()
+        for fut in [hook(state, b) for b in buckets]:
+            fut.wait()
+        _sync(grads[0].device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.fmean(times)
+
+
+def release() -> None:
+    """Destroy :func:`torch_hook_seconds`' groups and drop them, on this (the main) thread,
+    well after their last callback ran: before ``bitscom.shutdown()``, since a gloo group that
+    outlives the world is torn down at interpreter exit, where its threads can abort the process."""
+    import gc
+    for groups, _state in _KEPT:
         for g in groups:
             dist.destroy_process_group(g)
+    _KEPT.clear()
+    gc.collect()
 
 
 # ---- the faces that own their communication ---------------------------------------------------------
