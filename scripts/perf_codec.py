@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-_KEPT: list = []      # torch_hook_seconds' groups and hook states, alive until the process ends
+_KEPT: list = []      # torch_hook_seconds' groups and hook states, until release()
 REPEATS = 4          # even: ACP-SGD alternates P and Q steps, so the mean covers both alike
 WARMUP = 2           # untimed runs first (allocations, first factor draws)
 
