@@ -18,6 +18,10 @@
 #   bits_list     "4 8" (swept for lowbit only)
 # Scalars: dnn (bert_base) bs (1) seq_len (32) nsteps (10) warmup (3) ranks_per_node (1)
 #   out (results/batch-<mode>-<date>)  timeout (900 s per run)  epochs (mnist mode, 8)
+# mode=headline's opts add "onebitadam diloco" (bitscom.OneBitAdam; bitscom.DiLoCo, sync_every 8,
+# 2 fragments, delay 2; scripts/perf_faces.py). Each run's batch.log lines: its step time, its
+# codec time per step, the bound max(compute + codec, wire) and step / bound; summary.md (printed
+# at the end) has them as columns.
 # Runs that fail or whose compressor is missing are logged and skipped; the sweep goes on.
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -33,7 +37,7 @@ if [ "$mode" = convergence ]; then   # training quality, not speed: its own driv
 fi
 case "$mode" in
   headline)
-    opts=${opts:-"ssgd ddp_fp16 ddp_powersgd fp16 lowbit powersgd acpsgd"}
+    opts=${opts:-"ssgd ddp_fp16 ddp_powersgd fp16 lowbit powersgd acpsgd onebitadam diloco"}
     bandwidths=${bandwidths:-"1gbit 10gbit"}; nworkers_list=${nworkers_list:-"2 4"}
     dnn=${dnn:-bert_base}; bs=${bs:-1}; seq_len=${seq_len:-32}; bits_list=${bits_list:-"4 8"}
     nsteps=${nsteps:-10}; warmup=${warmup:-3} ;;
@@ -70,7 +74,7 @@ run_one() {   # name, then env assignments for perf.sh / mnist.sh
     fi
     local rc=$?
     if [ $rc -eq 0 ]; then
-        n_ok=$((n_ok + 1)); grep -E "^\[perf\] iteration|^final test" "$log" | sed 's/^/    /' | tee -a "$out/batch.log"
+        n_ok=$((n_ok + 1)); grep -E "^\[perf\] (iteration|codec)|^final test" "$log" | sed 's/^/    /' | tee -a "$out/batch.log"
     else
         n_fail=$((n_fail + 1)); echo "    FAILED (rc=$rc): $(grep -E 'error|Error' "$log" | tail -1 | cut -c1-200)" | tee -a "$out/batch.log"
     fi

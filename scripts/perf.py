@@ -4,8 +4,9 @@
 Run on every rank by a launcher (scripts/perf.sh picks torchrun, mpirun, or the emulated
 cluster). Fake data, random init. After ``--warmup`` steps it times ``--nsteps`` steps (the
 slowest rank's time per step), then rank 0 prints the mean step time with a 95% confidence
-interval, throughput, bytes each rank hands to the network per step, peak memory, and the
-ideal step time max(compute, wire bytes / bandwidth), and appends one CSV row.
+interval, throughput, bytes each rank hands to the network per step, peak memory, the
+ideal step time max(compute, wire bytes / bandwidth), the codec time per step and the
+codec-inclusive bound max(compute + codec, wire), and appends one CSV row.
 
 ``--opt`` values:
 
@@ -16,6 +17,14 @@ ideal step time max(compute, wire bytes / bandwidth), and appends one CSV row.
 * ``<name>``        ``bitscom.DistributedOptimizer`` with compressor ``<name>`` from the registry:
   none, fp16, bf16, lowbit (``--bits``), powersgd / acpsgd (``--rank``), topk (``--ratio``),
   signsgd, ...
+* ``onebitadam``    ``bitscom.OneBitAdam`` (1-bit momentum, overlapped with backward)
+* ``diloco``        ``bitscom.DiLoCo`` over AdamW (``--sync-every``, Streaming: 2 fragments, delay 2)
+
+(the last two: scripts/perf_faces.py). Every row also has ``codec_s``, the compressor's
+encode/decode seconds per step with the network taken out (timed after the timed steps on
+every rank at once, see scripts/perf_codec.py; 0 for the uncompressed rows), ``bound_s`` =
+max(compute_time_s + codec_s, comm_time_ideal_s) and ``step_over_bound`` = iter_time_s /
+bound_s: 1.0 means the step is as fast as its compute, codec and wire allow.
 """
 from __future__ import annotations
 
@@ -38,6 +47,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import models  # noqa: E402
+import perf_codec  # noqa: E402
+import perf_faces  # noqa: E402
 
 TORCH_HOOKS = ("ssgd", "ddp_fp16", "ddp_powersgd")
 # bitscom registry name -> which command-line settings it takes
@@ -47,7 +58,8 @@ CSV_FIELDS = ["time", "dnn", "opt", "rank", "bits", "ratio", "bs", "seq_len", "n
               "ranks_per_node", "threshold_mb", "bandwidth", "nsteps", "warmup", "iter_time_s",
               "iter_ci95_s", "throughput", "bytes_sent", "dense_bytes", "compression_ratio",
               "compute_time_s", "compute_ci95_s", "link_gbit", "link_source", "comm_time_ideal_s", "ideal_time_s", "peak_mem_mb", "params",
-              "device", "backend", "host", "torch", "status", "note"]
+              "device", "backend", "host", "torch", "status", "note",
+              "codec_s", "bound_s", "step_over_bound", "settings"]      # new columns go last
 # two-sided 97.5% Student t quantiles for 1..30 degrees of freedom
 _T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
          2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
@@ -186,6 +198,8 @@ def parse_args(argv=None):
     ap.add_argument("--bandwidth", default=env("bandwidth", ""),
                     help="the link rate this run is under (recorded; used for the ideal time)")
     ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--sync-every", type=int, default=int(env("sync_every", 8)),
+                    help="diloco: inner steps per synchronization (timed steps round up to a multiple)")
     ap.add_argument("--csv", default=env("csv", os.path.join(os.path.dirname(HERE), "results", "perf.csv")))
     ap.add_argument("--note", default=env("note", ""), help="free text stored in the CSV row")
     ap.add_argument("--device", default=env("device", "auto"), choices=["auto", "cpu", "cuda"])
@@ -198,19 +212,25 @@ def parse_args(argv=None):
         ap.error(f"nsteps must be >= 1 and warmup >= 0, got {a.nsteps}, {a.warmup}")
     if a.bs < 1:
         ap.error(f"bs must be >= 1, got {a.bs}")
+    if a.sync_every < 1:
+        ap.error(f"sync-every must be >= 1, got {a.sync_every}")
     return a
 
 
 def opt_kind(opt: str, available) -> tuple:
-    """('torch', opt) | ('bitscom', name) | ('hook', name); SystemExit naming what exists."""
+    """('torch', opt) | ('bitscom', name) | ('hook', name) | ('face', opt); SystemExit naming
+    what exists."""
     if opt in TORCH_HOOKS:
         return "torch", opt
+    if opt in perf_faces.FACES:
+        return "face", opt
     name = opt[4:] if opt.startswith("ddp_") else opt
     if name in ("ssgd", "s-sgd", "allreduce"):
         name = "none"
     if name not in available:
         raise SystemExit(f"opt={opt!r}: compressor {name!r} is not available in this build of bitscom; "
-                         f"available: {', '.join(TORCH_HOOKS)}, and bitscom's {', '.join(available)} "
+                         f"available: {', '.join(TORCH_HOOKS + perf_faces.FACES)}, and bitscom's "
+                         f"{', '.join(available)} "
                          f"(as '<name>' for DistributedOptimizer or 'ddp_<name>' for the DDP hook)")
     return ("hook" if opt.startswith("ddp_") else "bitscom"), name
 
@@ -246,18 +266,20 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def _measure_compute(a, wl, model, params, batch, dev, rank, size):
+def _measure_compute(a, kind, wl, model, params, batch, dev, rank, size):
     """Compute alone (no hooks yet): what a step would cost with an infinitely fast network.
 
     Measured like the timed steps (same warm-up count, ranks released together by a barrier,
     the slowest rank per step), so the two are comparable: with one untimed step and no
     barrier, the compute steps ran cold (allocator, kernel caches) and out of step with the
-    other ranks, and could come out above the communicating step time.
+    other ranks, and could come out above the communicating step time. The local optimizer
+    is the row's arithmetic: AdamW for the Adam-family faces, SGD with momentum otherwise.
     """
     compute_times = []
     if a.compute_steps <= 0:
         return compute_times
-    local = torch.optim.SGD(params, lr=a.lr, momentum=0.9)
+    local = perf_faces.local_optimizer(params) if kind == "face" else \
+        torch.optim.SGD(params, lr=a.lr, momentum=0.9)
     for i in range(max(1, a.warmup) + a.compute_steps):
         if size > 1:
             dist.barrier()
@@ -276,11 +298,12 @@ def _measure_compute(a, wl, model, params, batch, dev, rank, size):
     return compute_times
 
 
-def _wrap_ddp(a, kind, name, model, params, dev, rank):
-    """DDP, with torch's own hooks or bitscom's comm hook: (module, optimizer, comm_stats)."""
+def _wrap_ddp(a, kind, name, model, params, dev, rank, size):
+    """DDP, with torch's own hooks or bitscom's comm hook: (module, optimizer, comm_stats, codec
+    timer or None: no codec)."""
     import bitscom
     from torch.nn.parallel import DistributedDataParallel as DDP
-    stats = None
+    stats, codec = None, None
     cap = a.threshold
     if a.opt == "ddp_powersgd" and dist.get_backend() == "gloo":
         # torch's powerSGD_hook chains its P/Q all-reduces in future callbacks; with gloo
@@ -292,6 +315,7 @@ def _wrap_ddp(a, kind, name, model, params, dev, rank):
     if a.opt == "ddp_fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        codec = lambda: perf_codec.torch_hook_seconds(a.opt, net, a.rank)  # noqa: E731
     elif a.opt == "ddp_powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
         state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=a.rank,
@@ -299,17 +323,22 @@ def _wrap_ddp(a, kind, name, model, params, dev, rank):
                                  use_error_feedback=True, warm_start=True)
         net.register_comm_hook(state, ps.powerSGD_hook)
         a.warmup = max(a.warmup, 2)      # its first iterations are plain all-reduce
+        codec = lambda: perf_codec.torch_hook_seconds(a.opt, net, a.rank)  # noqa: E731
     elif kind == "hook":
         comp = bitscom.compressors.get(name, **compressor_kwargs(name, a))
         a.warmup = past_probe(comp, a.warmup, rank)
         hook_state, hook = bitscom.ddp_comm_hook(comp)
         net.register_comm_hook(hook_state, hook)
         stats = hook_state.comm_stats
-    return net, torch.optim.SGD(params, lr=a.lr, momentum=0.9), stats
+        if name != "none":
+            codec = lambda: perf_codec.compressor_seconds(  # noqa: E731
+                [(perf_codec.chosen(comp, hook_state.bucket_states, l.index), l) for l in perf_codec.ddp_layouts(net)],
+                size)
+    return net, torch.optim.SGD(params, lr=a.lr, momentum=0.9), stats, codec
 
 
-def _wrap_bitscom(a, name, model, params, rank):
-    """bitscom.DistributedOptimizer: (module, optimizer, comm_stats)."""
+def _wrap_bitscom(a, name, model, params, rank, size):
+    """bitscom.DistributedOptimizer: (module, optimizer, comm_stats, codec timer or None)."""
     import bitscom
     comp = bitscom.compressors.get(name, **compressor_kwargs(name, a))
     a.warmup = past_probe(comp, a.warmup, rank)
@@ -321,11 +350,27 @@ def _wrap_bitscom(a, name, model, params, rank):
     opt = bitscom.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                        compression=comp, fusion_threshold_mb=a.threshold)
     bitscom.broadcast_parameters(model.state_dict(), root_rank=0)
-    return model, opt, opt.comm_stats
+
+    def codec():
+        states = opt.compressor_states
+        return perf_codec.compressor_seconds([(perf_codec.chosen(comp, states, l.index), l)
+                                              for l in opt.bucket_layouts], size)
+    return model, opt, opt.comm_stats, (codec if name != "none" else None)
 
 
-def _timed_steps(a, wl, net, opt, batch, dev, rank, size):
-    """Warm-up, then ``a.nsteps`` timed steps: this rank's step times in seconds."""
+def _window(stats):
+    """(bytes sent, dense bytes) so far on this rank (every face counts the whole run)."""
+    if stats is None:
+        return None
+    st = stats()
+    return st["bytes_sent"], st["dense_bytes"]
+
+
+def _timed_steps(a, wl, net, opt, batch, dev, rank, size, stats):
+    """Warm-up, then ``a.nsteps`` timed steps: this rank's step times in seconds, and the bytes
+    (sent, dense) per timed step, None without a count (torch's hooks). Bytes are the timed
+    window's over its steps: one meaning for the faces that send every step and for DiLoCo,
+    which sends once in ``sync_every`` steps (its last step alone would say 0 or a lot)."""
     def step():
         opt.zero_grad()
         wl.loss(net, batch).backward()
@@ -339,6 +384,7 @@ def _timed_steps(a, wl, net, opt, batch, dev, rank, size):
         torch.cuda.reset_peak_memory_stats()
     if size > 1:
         dist.barrier()
+    before = _window(stats)
     times = []
     for i in range(a.nsteps):
         _sync(dev)
@@ -347,21 +393,23 @@ def _timed_steps(a, wl, net, opt, batch, dev, rank, size):
         _sync(dev)
         times.append(time.perf_counter() - t0)
         progress(rank, "step", a.warmup + i, a.warmup, a.nsteps, times[-1])
-    return times
+    after = _window(stats)
+    per_step = None if before is None else tuple((y - x) / a.nsteps for x, y in zip(before, after))
+    return times, per_step
 
 
-def _gather(a, stats, params, times, compute_times, dev, rank, size):
+def _gather(a, stats, window, params, times, compute_times, dev, rank, size):
     """The slowest rank's time per step, bytes and memory: (times, compute times, peak MB, sent, dense)."""
     t = torch.tensor(times, dtype=torch.float64)
     if dev.type == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
-    if stats is not None:
-        st = stats()
-        sent, dense = st["step_bytes_sent"], st["step_dense_bytes"]
-        if rank == 0 and st.get("auto_plan") is not None:    # compression="auto": what it chose
-            print(f"[perf] auto plan per bucket: {' | '.join(st['auto_plan'])}", flush=True)
+    if window is not None:
+        sent, dense = window
+        plan = stats().get("auto_plan")
+        if rank == 0 and plan is not None:    # compression="auto": what it chose
+            print(f"[perf] auto plan per bucket: {' | '.join(map(str, plan))}", flush=True)
     else:
         sent, dense = analytic_bytes(a.opt, params, a.rank), sum(p.numel() for p in params) * 4
     extra = torch.tensor([peak, sent], dtype=torch.float64)
@@ -375,7 +423,20 @@ def _gather(a, stats, params, times, compute_times, dev, rank, size):
     return t.tolist(), ct.tolist(), peak, sent_max, dense
 
 
-def _report(a, kind, name, wl, dev, size, times, compute_times, peak, sent_max, dense, rate, rate_source):
+def settings_text(kind: str, name: str, a) -> str:
+    """The row's settings in words: the printed opt line and the CSV's ``settings`` column."""
+    if kind == "face":
+        return perf_faces.describe(name, a)
+    if kind == "torch":
+        return f"rank={a.rank}" if a.opt == "ddp_powersgd" else ""
+    return " ".join(f"{k}={v}" for k, v in compressor_kwargs(name, a).items())
+
+
+def _fmt(x: float, digits: int = 5) -> str:
+    return "" if math.isnan(x) else f"{x:.{digits}f}"
+
+
+def _report(a, kind, name, wl, dev, size, times, compute_times, peak, sent_max, dense, rate, rate_source, codec):
     """Rank 0: one CSV row and the summary lines."""
     import bitscom
     compute, compute_ci = mean_ci95(compute_times) if compute_times else (float("nan"), float("nan"))
@@ -383,6 +444,8 @@ def _report(a, kind, name, wl, dev, size, times, compute_times, peak, sent_max, 
     # ring all-reduce: each rank's link carries 2(n-1)/n of the payload in each direction
     comm_ideal = sent_max * 2 * (size - 1) / size / (rate / 8) if size > 1 else 0.0
     ideal = comm_ideal if math.isnan(compute) else max(compute, comm_ideal)
+    limit = perf_codec.bound(compute, codec, comm_ideal)
+    over = perf_codec.over(mean, limit)
     thr = a.bs * size / mean
     nodes = size // max(1, bitscom.local_size())
     row = _base_row(a, size) | {
@@ -396,11 +459,11 @@ def _report(a, kind, name, wl, dev, size, times, compute_times, peak, sent_max, 
         "comm_time_ideal_s": f"{comm_ideal:.5f}",
         "ideal_time_s": f"{ideal:.5f}" if not math.isnan(ideal) else "", "peak_mem_mb": f"{peak:.0f}",
         "params": wl.numel, "device": str(dev), "backend": dist.get_backend() if size > 1 else "",
-        "status": "ok"}
+        "status": "ok", "codec_s": _fmt(codec), "bound_s": _fmt(limit), "step_over_bound": _fmt(over, 3),
+        "settings": settings_text(kind, name, a)}
     write_row(a.csv, row)
     where = os.environ.get("BITSCOM_CLUSTER", "this machine")
-    settings = " ".join(f"{k}={v}" for k, v in compressor_kwargs(name, a).items()) if kind != "torch" else \
-        (f"rank={a.rank}" if a.opt == "ddp_powersgd" else "")
+    settings = settings_text(kind, name, a)
     print(f"[perf] {a.dnn} ({wl.numel / 1e6:.1f}M params, {wl.source}), bs {a.bs}/rank, "
           f"{size} rank(s) on {where}")
     print(f"[perf] opt={a.opt} {settings} threshold={a.threshold:g}MB bandwidth={a.bandwidth or 'unshaped'}")
@@ -413,6 +476,11 @@ def _report(a, kind, name, wl, dev, size, times, compute_times, peak, sent_max, 
     link_txt = f"{rate / 1e9:.3g} Gbit/s {rate_source}" if size > 1 else "one rank, no wire"
     print(f"[perf] {comp_txt}, ideal comm {comm_ideal * 1e3:.1f} ms ({link_txt}), "
           f"ideal step {ideal * 1e3:.1f} ms -> {a.csv}")
+    if math.isnan(codec):
+        print("[perf] codec not measured (its timing failed, above): no bound")
+    else:
+        print(f"[perf] codec {codec * 1e3:.1f} ms/step, bound max(compute + codec, wire) {limit * 1e3:.1f} ms, "
+              f"step/bound {over:.2f}")
     if not math.isnan(compute) and compute - compute_ci > mean + ci:
         print("[perf] note: compute-only steps measured slower than the communicating steps beyond "
               "their 95% CIs: the machine's load changed between the two phases; rerun", flush=True)
@@ -447,16 +515,28 @@ def main(argv=None) -> int:
     params = [p for p in model.parameters() if p.requires_grad]
     batch = wl.make_batch(dev)
 
-    compute_times = _measure_compute(a, wl, model, params, batch, dev, rank, size)
+    if kind == "face":
+        perf_faces.adjust_steps(a, name, rank)
+    compute_times = _measure_compute(a, kind, wl, model, params, batch, dev, rank, size)
     if kind in ("torch", "hook"):
-        net, opt, stats = _wrap_ddp(a, kind, name, model, params, dev, rank)
+        net, opt, stats, codec_timer = _wrap_ddp(a, kind, name, model, params, dev, rank, size)
+    elif kind == "face":
+        net, opt, stats, codec_timer = perf_faces.build(a, name, model, params, size)
     else:
-        net, opt, stats = _wrap_bitscom(a, name, model, params, rank)
-    times = _timed_steps(a, wl, net, opt, batch, dev, rank, size)
-    times, compute_times, peak, sent_max, dense = _gather(a, stats, params, times, compute_times, dev, rank, size)
+        net, opt, stats, codec_timer = _wrap_bitscom(a, name, model, params, rank, size)
+    times, window = _timed_steps(a, wl, net, opt, batch, dev, rank, size, stats)
+    if kind == "face":
+        opt.sync()           # DiLoCo: land the reductions in flight (after the byte window)
+    times, compute_times, peak, sent_max, dense = _gather(a, stats, window, params, times, compute_times, dev,
+                                                          rank, size)
+    if rank == 0 and codec_timer is not None:
+        print("[perf] timing the codec on every rank at once (network taken out)", flush=True)
+    codec = perf_codec.measure(a.opt, codec_timer, rank, size)
     rate, rate_source = link_rate(a.bandwidth, size)     # collective when probed: every rank
     if rank == 0:
-        _report(a, kind, name, wl, dev, size, times, compute_times, peak, sent_max, dense, rate, rate_source)
+        _report(a, kind, name, wl, dev, size, times, compute_times, peak, sent_max, dense, rate, rate_source,
+                codec)
+    perf_codec.release()
     bitscom.shutdown()
     return 0
 

@@ -7,7 +7,8 @@
 #
 # Knobs (default):
 #   opt (ssgd)        ssgd | ddp_fp16 | ddp_powersgd | ddp_<bitscom name> | <bitscom name>:
-#                     none fp16 bf16 lowbit powersgd acpsgd topk signsgd ...
+#                     none fp16 bf16 lowbit powersgd acpsgd topk signsgd ... | onebitadam | diloco
+#   sync_every (8)    diloco: inner steps per synchronization (Streaming: 2 fragments, delay 2)
 #   rank (4)          PowerSGD / ACP-SGD rank          bits (4)    lowbit bits per element
 #   ratio (0.01)      topk kept fraction               threshold (25) fusion / DDP bucket MB
 #   dnn (resnet50)    resnet50 resnet152 vgg16 bert_base bert_large gpt2 | tiny bert_tiny
@@ -30,13 +31,15 @@ ratio=${ratio:-0.01}; threshold=${threshold:-25}; nsteps=${nsteps:-10}; warmup=$
 seq_len=${seq_len:-128}; compute_steps=${compute_steps:-2}; device=${device:-auto}
 nworkers=${nworkers:-$(total_slots)}; bandwidth=${bandwidth:-}; ranks_per_node=${ranks_per_node:-1}
 csv=${csv:-$ROOT/results/perf.csv}; timeout=${timeout:-900}; cluster=${cluster:-0}
+sync_every=${sync_every:-8}
 [ "$bandwidth" = none ] && bandwidth=""
 
 case "$dnn" in bert*|gpt*) ensure_deps transformers ;; *) ensure_deps ;; esac
 
 args=(--opt "$opt" --dnn "$dnn" --bs "$bs" --rank "$rank" --bits "$bits" --ratio "$ratio"
       --threshold "$threshold" --nsteps "$nsteps" --warmup "$warmup" --seq-len "$seq_len"
-      --compute-steps "$compute_steps" --device "$device" --csv "$csv" --bandwidth "${bandwidth:-none}")
+      --compute-steps "$compute_steps" --device "$device" --csv "$csv" --bandwidth "${bandwidth:-none}"
+      --sync-every "$sync_every")
 
 # fail fast (exit 2, a CSV row with status=unavailable) when this build lacks the compressor
 "$PY" "$ROOT/scripts/perf.py" "${args[@]}" --check-only "$@"

@@ -126,8 +126,8 @@ def summary_table(rows) -> str:
     rows = latest_ok(rows)
     sp = speedups(rows)
     lines = ["| model | ranks | bandwidth | opt | step time (ms, 95% CI) | speed-up vs S-SGD "
-             "| MB/step/rank | compute (ms) | ideal (ms) | samples/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| MB/step/rank | compute (ms) | ideal (ms) | samples/s | codec (ms) | bound (ms) | step/bound |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = sorted(rows, key=lambda r: (r["dnn"], int(r["nworkers"]), _bw_key(r["bandwidth"]), label(r) != "ssgd",
                                        label(r)))
     for r in rows:
@@ -137,8 +137,22 @@ def summary_table(rows) -> str:
             f"| {r['bandwidth']} | {label(r)} | {_f(r['iter_time_s']) * 1e3:.0f} ± {_f(r['iter_ci95_s']) * 1e3:.0f} "
             f"| {'%.2fx' % s if s else '–'} | {int(r['bytes_sent']) / 1e6:.1f} "
             f"| {_f(r['compute_time_s']) * 1e3:.0f} | {_f(r['ideal_time_s']) * 1e3:.0f} "
-            f"| {_f(r['throughput']):.2f} |")
+            f"| {_f(r['throughput']):.2f} | {_ms(r.get('codec_s'))} | {_ms(r.get('bound_s'))} "
+            f"| {_or_dash(r.get('step_over_bound'), '.2f')} |")
     return "\n".join(lines) + "\n"
+
+
+def _or_dash(x, spec: str) -> str:
+    """``x`` formatted, or '–' where the row has none (a CSV from before perf.py's codec columns:
+    codec (ms) = codec_s, bound (ms) = max(compute + codec, wire), step/bound)."""
+    v = _f(x)
+    return "–" if math.isnan(v) else format(v, spec)
+
+
+def _ms(seconds) -> str:
+    """Seconds as ms: whole from 10 ms, one decimal below (a 2 ms codec is not '0' or '2')."""
+    v = _f(seconds) * 1e3
+    return _or_dash(v, ".0f" if v >= 10 or v == 0 else ".1f")
 
 
 def _groups(rows):

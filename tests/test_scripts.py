@@ -5,6 +5,7 @@ need the library core (bitscom.DistributedOptimizer) and skip when it is not imp
 """
 import csv
 import gzip
+import math
 import os
 import struct
 import subprocess
@@ -21,6 +22,8 @@ import cluster  # noqa: E402
 import mnist  # noqa: E402
 import models  # noqa: E402
 import perf  # noqa: E402
+import perf_codec  # noqa: E402
+import perf_faces  # noqa: E402
 import plot_perf  # noqa: E402
 
 try:
@@ -63,8 +66,70 @@ def test_perf_opt_kind():
     assert perf.opt_kind("ddp_powersgd", avail) == ("torch", "ddp_powersgd")
     assert perf.opt_kind("fp16", avail) == ("bitscom", "fp16")
     assert perf.opt_kind("ddp_topk", avail) == ("hook", "topk")
+    assert perf.opt_kind("onebitadam", avail) == ("face", "onebitadam")
+    assert perf.opt_kind("diloco", avail) == ("face", "diloco")
     with pytest.raises(SystemExit, match="acpsgd.*not available.*fp16"):
         perf.opt_kind("acpsgd", avail)
+
+
+def test_codec_bound_and_ratio():
+    assert perf_codec.bound(1.0, 0.25, 1.1) == 1.25          # compute + codec is the longer
+    assert perf_codec.bound(1.0, 0.25, 2.0) == 2.0           # the wire is
+    assert math.isnan(perf_codec.bound(float("nan"), 0.1, 2.0))     # compute not measured
+    assert math.isnan(perf_codec.bound(1.0, float("nan"), 2.0))     # codec timing failed
+    assert perf_codec.over(3.0, 1.5) == 2.0 and math.isnan(perf_codec.over(3.0, float("nan")))
+
+
+def test_codec_columns_appended_after_the_old_ones():
+    """Old CSVs stay readable: the columns perf.py wrote before keep their order, new ones last."""
+    old = ["time", "dnn", "opt", "rank", "bits", "ratio", "bs", "seq_len", "nworkers", "nodes",
+           "ranks_per_node", "threshold_mb", "bandwidth", "nsteps", "warmup", "iter_time_s", "iter_ci95_s",
+           "throughput", "bytes_sent", "dense_bytes", "compression_ratio", "compute_time_s", "compute_ci95_s",
+           "link_gbit", "link_source", "comm_time_ideal_s", "ideal_time_s", "peak_mem_mb", "params",
+           "device", "backend", "host", "torch", "status", "note"]
+    assert perf.CSV_FIELDS[:len(old)] == old
+    assert perf.CSV_FIELDS[len(old):] == ["codec_s", "bound_s", "step_over_bound", "settings"]
+
+
+def test_ddp_layouts_follow_the_gradients_shapes():
+    """A DDP bucket's layout: one slot per gradient (matrix compressors see matrices), DDP's
+    bucket index; a bucket that is not densely packed is one flat tensor (as bitscom's hook)."""
+    class Bucket:
+        def __init__(self, index, shapes, numel):
+            self._i, self._shapes, self._flat = index, shapes, torch.zeros(numel)
+
+        def index(self):
+            return self._i
+
+        def buffer(self):
+            return self._flat
+
+        def gradients(self):
+            return [torch.zeros(s) for s in self._shapes]
+
+    class Net:
+        class reducer:
+            @staticmethod
+            def _get_zeros_like_grad_buckets():
+                return [Bucket(0, [(4, 3), (5,)], 17), Bucket(1, [(2, 2)], 6)]
+
+    dense, padded = perf_codec.ddp_layouts(Net())
+    assert (dense.index, dense.numel, [s.shape for s in dense.slots]) == (0, 17, [(4, 3), (5,)])
+    assert [s.offset for s in dense.slots] == [0, 12]
+    assert (padded.index, padded.numel, [s.shape for s in padded.slots]) == (1, 6, [(6,)])
+
+
+def test_face_steps_cover_what_their_bytes_need():
+    a = perf.parse_args(["--opt", "diloco", "--nsteps", "3", "--warmup", "0"])
+    perf_faces.adjust_steps(a, "diloco", rank=1)
+    assert (a.nsteps, a.warmup) == (8, 2)            # a whole interval of H=8, past delay=2
+    a = perf.parse_args(["--opt", "diloco", "--nsteps", "16", "--warmup", "5", "--sync-every", "4"])
+    perf_faces.adjust_steps(a, "diloco", rank=1)
+    assert (a.nsteps, a.warmup) == (16, 5)
+    a = perf.parse_args(["--opt", "onebitadam", "--warmup", "0"])
+    perf_faces.adjust_steps(a, "onebitadam", rank=1)
+    assert a.warmup == perf_faces.FREEZE_STEP + 1    # the exact step and the first 1-bit one
+    assert perf_faces.diloco_settings(1) == {"sync_every": 1, "fragments": 1, "delay": 0}
 
 
 def test_mean_ci95():
@@ -132,6 +197,13 @@ def test_summary_speedup_over_ssgd(tmp_path):
     table = plot_perf.summary_table(rows)
     assert "| fp16 | 200 ± 1 | 2.00x" in table and "| acpsgd r4 | 100 ± 1 | 4.00x" in table
     assert "| fp16 | 100 ± 1 | 0.50x" in table and "lowbit" not in table
+    # the codec columns: '–' for rows without them (a CSV from before them)
+    assert table.splitlines()[0].endswith("| codec (ms) | bound (ms) | step/bound |")
+    assert all(line.endswith("| – | – | – |") for line in table.splitlines()[2:])
+    new = [_row("ssgd", 0.4, codec_s="0.00000", bound_s="0.30000", step_over_bound="1.333"),
+           _row("lowbit", 0.2, codec_s="0.00250", bound_s="0.01250", step_over_bound="16.000")]
+    lines = plot_perf.summary_table(new).splitlines()
+    assert lines[2].endswith("| 0 | 300 | 1.33 |") and lines[3].endswith("| 2.5 | 12 | 16.00 |")
     ok = plot_perf.latest_ok(rows)
     ci = plot_perf.speedup_ci(ok)
     # fp16 at 1gbit: 0.4/0.2 = 2x, relative CIs 0.001/0.4 and 0.001/0.2 in quadrature
@@ -234,15 +306,60 @@ def test_perf_quick_mode_csv(tmp_path):
         assert "[perf] iteration time" in p.stdout
         # a line per step (compute, warm-up, timed), and no nan anywhere in what it prints
         assert "[perf] compute timed 1/1" in p.stdout and "[perf] step timed 3/3" in p.stdout
-        assert "nan" not in p.stdout.lower()
+        assert "nan" not in p.stdout.lower() and "[perf] codec " in p.stdout
     rows = list(csv.DictReader(open(out)))
     assert all(float(r["ideal_time_s"]) >= float(r["compute_time_s"]) > 0 for r in rows)
+    _check_bound(rows)
+    assert float(rows[0]["codec_s"]) == 0 and float(rows[1]["codec_s"]) > 0     # fp32 has no codec
     assert all(r["link_source"] == "probed" and float(r["link_gbit"]) > 0 for r in rows)
     assert [r["opt"] for r in rows] == ["ssgd", "fp16"] and all(r["status"] == "ok" for r in rows)
     numel = models.build("tiny", 1).numel
     assert int(rows[0]["bytes_sent"]) == numel * 4                    # analytic, DDP fp32
     assert int(rows[1]["bytes_sent"]) == pytest.approx(numel * 2, rel=0.01)   # counted, fp16
     assert all(float(r["iter_time_s"]) > 0 and r["nworkers"] == "2" for r in rows)
+
+
+def _check_bound(rows):
+    """The codec-inclusive bound of every row, from its own columns (no timing thresholds)."""
+    for r in rows:
+        compute, codec, wire = (float(r[k]) for k in ("compute_time_s", "codec_s", "comm_time_ideal_s"))
+        bound, ratio = float(r["bound_s"]), float(r["step_over_bound"])
+        assert codec >= 0 and bound >= compute > 0
+        assert bound == pytest.approx(max(compute + codec, wire), abs=2e-5)     # 5 decimals in the CSV
+        assert math.isfinite(ratio) and ratio > 0
+        assert ratio == pytest.approx(float(r["iter_time_s"]) / bound, rel=2e-3, abs=2e-3)
+
+
+def _lowbit_bytes(numel, bits, block, world):
+    """Bytes one rank hands to the flat low-bit all-reduce (DESIGN.md's wire cost): all-to-all of
+    the whole buffer, all-gather of its 1/world shard; bits + a 16-bit scale per block each."""
+    per_element = (bits + 16 / block) / 8
+    return numel * per_element * (1 + 1 / world)
+
+
+@needs_core
+def test_perf_faces_and_torch_hook_codec(tmp_path):
+    """onebitadam and diloco rows run and count their bytes (the wire format's, per step: DiLoCo's
+    once in sync_every=8 steps); torch's PowerSGD hook gets a codec time too."""
+    out = tmp_path / "perf.csv"
+    for opt in ("onebitadam", "diloco", "ddp_powersgd"):
+        p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "perf.sh")], capture_output=True, text=True,
+                           env={**ENV, "opt": opt, "dnn": "tiny", "bs": "8", "nsteps": "3", "warmup": "1",
+                                "compute_steps": "1", "nworkers": "2", "csv": str(out)}, timeout=300)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        assert "nan" not in p.stdout.lower() and "[perf] codec " in p.stdout
+    rows = list(csv.DictReader(open(out)))
+    assert [r["opt"] for r in rows] == ["onebitadam", "diloco", "ddp_powersgd"]
+    assert all(r["status"] == "ok" and float(r["codec_s"]) > 0 for r in rows)
+    _check_bound(rows)
+    numel = models.build("tiny", 1).numel
+    onebit, diloco = rows[0], rows[1]
+    assert (diloco["nsteps"], diloco["warmup"]) == ("8", "2")        # one whole interval, past delay 2
+    assert "sync_every=8 fragments=2 delay=2" in diloco["settings"] and "overlap=1" in onebit["settings"]
+    assert all(int(r["dense_bytes"]) == numel * 4 for r in (onebit, diloco))
+    # 1 bit + a 16-bit scale per 2048 (both stages), + the 4-byte overlap check; padding < 1%
+    assert int(onebit["bytes_sent"]) == pytest.approx(_lowbit_bytes(numel, 1, 2048, 2) + 4, rel=0.01)
+    assert int(diloco["bytes_sent"]) == pytest.approx(_lowbit_bytes(numel, 4, 128, 2) / 8, rel=0.01)
 
 
 @needs_core
