@@ -46,6 +46,7 @@ Example::
 from __future__ import annotations
 
 import gc
+import io
 import re
 import warnings
 import weakref
@@ -58,7 +59,7 @@ from . import runtime
 from .agreement import PROBLEM, check_agreement, require_member
 from .comm import resolve_group
 
-__all__ = ["Face", "require_group", "check_trainable", "ddp_owner", "live_objects", "describe_parameters", "raise_problem", "load_all_or_nothing", "own_entry", "rank_key", "release_all", "dense_bytes",
+__all__ = ["Face", "require_group", "check_trainable", "ddp_owner", "live_objects", "describe_parameters", "raise_problem", "load_all_or_nothing", "own_entry", "rank_key", "pack_entry", "unpack_entry", "release_all", "dense_bytes",
            "report", "ByteLedger", "group_alive", "renamed"]
 
 _live: "weakref.WeakSet" = weakref.WeakSet()
@@ -335,23 +336,58 @@ def rank_key(rank: int) -> str:
     return f"rank{int(rank)}"
 
 
-def own_entry(saved: Dict[str, Any], rank: int) -> Dict[str, Any]:
+def own_entry(saved: Dict[str, Any], rank: int, map_location=None) -> Dict[str, Any]:
     """The envelope ``saved`` as rank ``rank`` reads it: the fields shared by every rank (face,
     world, steps) with this rank's own entry (``rank<r>``: its per-rank state and its rank)
     laid over them. Where ``saved`` holds no entry of this rank (another rank's file, or a
     store that kept only some ranks' keys), the lowest rank's entry, so the rank check
     (:meth:`Face._check_envelope`) names whose state it is. An envelope written before the
-    per-rank keys (its payload beside ``rank``) is returned as it is.
+    per-rank keys (its payload beside ``rank``) is returned as it is. ``map_location``: where
+    the entry's tensors go (default: the device they were saved from, as ``torch.load``).
 
     Example::
 
-        own_entry({"world": 2, "steps": 3, "rank1": {"rank": 1, "reducer": r1}}, 1)["reducer"]  # r1
+        own_entry(opt.state_dict()["bitscom"], bitscom.rank())["reducer"]
     """
     ranked = {int(m.group(1)): key for key in saved if isinstance(key, str) and (m := _RANK_KEY.match(key))}
     if not ranked:
         return saved
-    entry = saved[ranked.get(rank, ranked[min(ranked)])]
+    entry = unpack_entry(saved[ranked.get(rank, ranked[min(ranked)])], map_location)
     return {**{k: v for k, v in saved.items() if k not in ranked.values()}, **entry}
+
+
+def pack_entry(own: Dict[str, Any]) -> bytes:
+    """A rank's own state as one opaque value (``torch.save`` bytes).
+
+    Why opaque: a load template is usually a fresh face's ``state_dict()``, whose state is not
+    there yet (lazy residuals are ``None`` before the first step). A checkpointer that loads in
+    place by key (DCP) then finds tensors where the template has ``None`` and refuses; one
+    opaque entry per rank loads whatever it holds. Read back with ``torch.load(weights_only=True)``,
+    so a checkpoint loaded with that safety keeps it.
+
+    Example::
+
+        unpack_entry(pack_entry({"residual": torch.zeros(3)}))["residual"]
+    """
+    buffer = io.BytesIO()
+    torch.save(own, buffer)
+    return buffer.getvalue()
+
+
+def unpack_entry(entry: Any, map_location=None) -> Dict[str, Any]:
+    """The inverse of :func:`pack_entry` (DCP may hand back a ``BytesIO``; a dict passes).
+
+    Example::
+
+        unpack_entry(pack_entry({"steps": 3}))   # {"steps": 3}
+    """
+    if isinstance(entry, dict):
+        return entry
+    data = entry.getvalue() if isinstance(entry, io.BytesIO) else entry
+    if not isinstance(data, (bytes, bytearray)):
+        raise ValueError(f"a per-rank checkpoint entry must be the bytes state_dict() wrote, got "
+                         f"{type(entry).__name__}")
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
 
 class Face:
@@ -469,13 +505,14 @@ class Face:
         Accelerate's and torchtitan's do — keeps one copy of a key that every rank has, so
         per-rank state under a shared key would survive for one rank only, and the other ranks
         could not resume. Under ``rank<r>`` each rank's state is a key of its own, which each
-        rank's load template (its own ``state_dict()``) asks for. ``rank`` beside it is kept
+        rank's load template (its own ``state_dict()``) asks for; one opaque value
+        (:func:`pack_entry`), so a fresh face's template fits it. ``rank`` beside it is kept
         for readers of the older layout; :func:`own_entry` reads the entry, not it. Without
         ``own`` (a face whose per-rank state lives elsewhere) the envelope is the older one."""
         envelope: Dict[str, Any] = {"face": self._face_name, "rank": self._rank, "world": self._size,
                                     "steps": int(steps)}
         if own is not None:
-            envelope[rank_key(self._rank)] = dict(own, rank=self._rank)
+            envelope[rank_key(self._rank)] = pack_entry(dict(own, rank=self._rank))
         return envelope
 
     def _own_entry(self, saved: Dict[str, Any]) -> Dict[str, Any]:

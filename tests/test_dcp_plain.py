@@ -21,9 +21,9 @@ from helpers import global_batch, make_model, shard
 BEFORE, AFTER = 3, 3
 
 
-def _build(seed):
+def _build(seed, momentum=0.9):
     model = make_model(seed=seed)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
     return model, bitscom.DistributedOptimizer(
         opt, model.named_parameters(), fusion_threshold_mb=0.0005,          # several buckets
         compression=bitscom.compressors.LowBit(bitwidth=2, error_feedback=True))
@@ -44,17 +44,20 @@ def _residuals(opt):
     return torch.cat([st.state_dict()["residual"]["residual"] for st in opt.compressor_states])
 
 
-def _warm_template(rank, world):
-    """A fresh replica (another init) whose state exists: DCP loads into the template's tensors,
-    so the template needs them (as for torch's own momentum buffers, absent before a step)."""
-    model, opt = _build(seed=123)
-    _step(model, opt, 99, rank, world)
+def _template(rank, world, momentum=0.9, warm=True):
+    """Another replica (another init) to load into. DCP loads torch's optimizer state into the
+    template's tensors, so momentum buffers need one step first (``warm``: torch's rule, as
+    torch's get_optimizer_state_dict does with a zero step); bitscom's per-rank entry is one
+    opaque value and loads into a fresh optimizer's template too."""
+    model, opt = _build(seed=123, momentum=momentum)
+    if warm:
+        _step(model, opt, 99, rank, world)
     return model, opt
 
 
-def _resume_plainly(rank, world, path):
+def _resume_plainly(rank, world, path, momentum):
     import torch.distributed.checkpoint as dcp
-    model, opt = _build(seed=0)
+    model, opt = _build(seed=0, momentum=momentum)
     for s in range(BEFORE):
         _step(model, opt, s, rank, world)
     saved_residuals = _residuals(opt)
@@ -64,7 +67,7 @@ def _resume_plainly(rank, world, path):
     uninterrupted = _params(model)
     opt.close()
 
-    model2, opt2 = _warm_template(rank, world)
+    model2, opt2 = _template(rank, world, momentum, warm=bool(momentum))
     state = {"optim": opt2.state_dict(), "model": model2.state_dict()}
     dcp.load(state, checkpoint_id=path)
     opt2.load_state_dict(state["optim"])
@@ -77,15 +80,16 @@ def _resume_plainly(rank, world, path):
     return saved_residuals, loaded_residuals, uninterrupted, resumed, keys
 
 
-def test_plain_dcp_of_state_dict_resumes_bitwise(pools, tmp_path):
-    out = pools.run(2, _resume_plainly, str(tmp_path / "ckpt"))
+@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["fresh-template", "momentum-template-after-a-step"])
+def test_plain_dcp_of_state_dict_resumes_bitwise(pools, tmp_path, momentum):
+    out = pools.run(2, _resume_plainly, str(tmp_path / "ckpt"), momentum)
     (saved0, loaded0, run0, resumed0, keys), (saved1, loaded1, run1, resumed1, _) = out
     assert not torch.equal(saved0, saved1), "the residuals should differ per rank (else the test is moot)"
     assert torch.equal(loaded0, saved0) and torch.equal(loaded1, saved1), "a rank resumed another's residual"
     assert torch.equal(resumed0, run0) and torch.equal(resumed1, run1), "resume differs from the uninterrupted run"
     assert torch.equal(run0, run1)
     for r in (0, 1):                      # both ranks' compressor state is in the checkpoint
-        assert any(k.startswith(f"optim.bitscom.rank{r}.reducer.states.") for k in keys), keys
+        assert f"optim.bitscom.rank{r}" in keys, keys
 
 
 def _shared_layout(envelope, rank):
@@ -109,7 +113,7 @@ def _one_copy_for_all(rank, world, path, how):
         sd = opt.state_dict()
         sd["bitscom"] = _shared_layout(sd["bitscom"], rank)
         dcp.save({"optim": sd}, checkpoint_id=path)
-        model2, opt2 = _warm_template(rank, world)
+        model2, opt2 = _template(rank, world)
         template = opt2.state_dict()
         template["bitscom"] = _shared_layout(template["bitscom"], rank)
         state = {"optim": template}
@@ -156,7 +160,7 @@ def _save_only(rank, world, path):
 
 def _load_only(rank, world, path):
     import torch.distributed.checkpoint as dcp
-    model, opt = _warm_template(rank, world)
+    model, opt = _template(rank, world)
     try:
         dcp.load({"optim": opt.state_dict()}, checkpoint_id=path)
     finally:

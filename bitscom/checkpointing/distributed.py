@@ -38,7 +38,7 @@ def save_distributed(opt, path, extra=None) -> None:
     """Write ``opt``'s state (and ``extra``) as a DCP checkpoint; every rank calls it."""
     extra = check_extra(extra)
     sd = opt.state_dict()
-    own = own_entry(sd.pop("bitscom"), opt._rank)
+    own = own_entry(sd.pop("bitscom"), opt._rank, map_location="cpu")   # no second copy on the GPU
     shared: list = []
     skeleton = split_tensors(sd, shared)
     mine: list = []
