@@ -16,7 +16,11 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_agreement", "describe_state", "require_member"]
+__all__ = ["check_agreement", "describe_state", "require_member", "PROBLEM"]
+
+PROBLEM = "checkpoint problem"
+"""The description entry that carries a rank's refused checkpoint (see ``bitscom.face``): when
+any rank has one, it is the error every rank raises, ahead of the differences it caused."""
 
 
 def require_member(group, what: str) -> None:
@@ -79,6 +83,9 @@ def check_agreement(description: Dict[str, Any], group=None, what: str = "reduct
     size = dist.get_world_size(group)
     gathered: List[Any] = [None] * size
     dist.all_gather_object(gathered, description, group=group)
+    reported = [d.get(PROBLEM) for d in gathered if isinstance(d, dict) and d.get(PROBLEM)]
+    if reported:                 # the cause: a refused load also makes the resumed states differ
+        raise RuntimeError(reported[0])
     reference = gathered[0]
     problems = []
     for r, desc in enumerate(gathered[1:], start=1):

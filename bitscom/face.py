@@ -22,7 +22,9 @@ or skipped one. So the policy lives here, and a face inherits it:
    compared, so a bad value on one rank is the same error on every rank; the description names
    the face, the world size, parameter names/shapes/dtypes and the settings.
 5. **The checkpoint envelope** (:meth:`Face._envelope`, :meth:`Face._check_envelope`,
-   :func:`load_all_or_nothing`): who saved it (rank, world) and after how many steps. Another
+   :func:`own_entry`, :func:`load_all_or_nothing`): who saved it (rank, world) and after how
+   many steps, with a face's per-rank state under a key naming the rank (``rank<r>``), so a
+   checkpointer that keeps one copy of keys all ranks share (DCP) keeps every rank's. Another
    rank's per-rank state is refused; in a multi-rank run the refusal is *deferred* to the next
    step's agreement so that every rank raises it (a rank raising alone would leave the others
    waiting in their next collective). A failed load leaves the face as it was.
@@ -44,6 +46,8 @@ Example::
 from __future__ import annotations
 
 import gc
+import io
+import re
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
@@ -52,10 +56,10 @@ import torch
 import torch.distributed as dist
 
 from . import runtime
-from .agreement import check_agreement, require_member
+from .agreement import PROBLEM, check_agreement, require_member
 from .comm import resolve_group
 
-__all__ = ["Face", "require_group", "check_trainable", "ddp_owner", "live_objects", "describe_parameters", "raise_problem", "load_all_or_nothing", "release_all", "dense_bytes",
+__all__ = ["Face", "require_group", "check_trainable", "ddp_owner", "live_objects", "describe_parameters", "raise_problem", "load_all_or_nothing", "own_entry", "rank_key", "pack_entry", "unpack_entry", "release_all", "dense_bytes",
            "report", "ByteLedger", "group_alive", "renamed"]
 
 _live: "weakref.WeakSet" = weakref.WeakSet()
@@ -315,8 +319,75 @@ def raise_problem(description: Dict[str, Any]) -> None:
 
         raise_problem({"checkpoint problem": None})    # nothing to raise
     """
-    if description.get("checkpoint problem"):
-        raise RuntimeError(description["checkpoint problem"])
+    if description.get(PROBLEM):
+        raise RuntimeError(description[PROBLEM])
+
+
+_RANK_KEY = re.compile(r"^rank(\d+)$")
+
+
+def rank_key(rank: int) -> str:
+    """The envelope key of rank ``rank``'s own state: ``"rank<r>"``.
+
+    Example::
+
+        rank_key(1)   # "rank1"
+    """
+    return f"rank{int(rank)}"
+
+
+def own_entry(saved: Dict[str, Any], rank: int, map_location=None) -> Dict[str, Any]:
+    """The envelope ``saved`` as rank ``rank`` reads it: the fields shared by every rank (face,
+    world, steps) with this rank's own entry (``rank<r>``: its per-rank state and its rank)
+    laid over them. Where ``saved`` holds no entry of this rank (another rank's file, or a
+    store that kept only some ranks' keys), the lowest rank's entry, so the rank check
+    (:meth:`Face._check_envelope`) names whose state it is. An envelope written before the
+    per-rank keys (its payload beside ``rank``) is returned as it is. ``map_location``: where
+    the entry's tensors go (default: the device they were saved from, as ``torch.load``).
+
+    Example::
+
+        own_entry(opt.state_dict()["bitscom"], bitscom.rank())["reducer"]
+    """
+    ranked = {int(m.group(1)): key for key in saved if isinstance(key, str) and (m := _RANK_KEY.match(key))}
+    if not ranked:
+        return saved
+    entry = unpack_entry(saved[ranked.get(rank, ranked[min(ranked)])], map_location)
+    return {**{k: v for k, v in saved.items() if k not in ranked.values()}, **entry}
+
+
+def pack_entry(own: Dict[str, Any]) -> bytes:
+    """A rank's own state as one opaque value (``torch.save`` bytes).
+
+    Why opaque: a load template is usually a fresh face's ``state_dict()``, whose state is not
+    there yet (lazy residuals are ``None`` before the first step). A checkpointer that loads in
+    place by key (DCP) then finds tensors where the template has ``None`` and refuses; one
+    opaque entry per rank loads whatever it holds. Read back with ``torch.load(weights_only=True)``,
+    so a checkpoint loaded with that safety keeps it.
+
+    Example::
+
+        unpack_entry(pack_entry({"residual": torch.zeros(3)}))["residual"]
+    """
+    buffer = io.BytesIO()
+    torch.save(own, buffer)
+    return buffer.getvalue()
+
+
+def unpack_entry(entry: Any, map_location=None) -> Dict[str, Any]:
+    """The inverse of :func:`pack_entry` (DCP may hand back a ``BytesIO``; a dict passes).
+
+    Example::
+
+        unpack_entry(pack_entry({"steps": 3}))   # {"steps": 3}
+    """
+    if isinstance(entry, dict):
+        return entry
+    data = entry.getvalue() if isinstance(entry, io.BytesIO) else entry
+    if not isinstance(data, (bytes, bytearray)):
+        raise ValueError(f"a per-rank checkpoint entry must be the bytes state_dict() wrote, got "
+                         f"{type(entry).__name__}")
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
 
 class Face:
@@ -425,9 +496,28 @@ class Face:
         """Faces drop whatever else holds groups (their reducers, lifecycles); overridden."""
 
     # -- the checkpoint envelope ---------------------------------------------------------------
-    def _envelope(self, steps: int) -> Dict[str, Any]:
-        """Who saved a checkpoint and when: stored beside the face's state."""
-        return {"face": self._face_name, "rank": self._rank, "world": self._size, "steps": int(steps)}
+    def _envelope(self, steps: int, own: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """Who saved a checkpoint and when, with this rank's own state ``own`` (error-feedback
+        residuals, anything that differs between ranks) under :func:`rank_key`.
+
+        Why keyed by rank: a checkpointer that writes every rank's state dict into one store by
+        key path — ``torch.distributed.checkpoint.save({"optim": opt.state_dict()})``, as
+        Accelerate's and torchtitan's do — keeps one copy of a key that every rank has, so
+        per-rank state under a shared key would survive for one rank only, and the other ranks
+        could not resume. Under ``rank<r>`` each rank's state is a key of its own, which each
+        rank's load template (its own ``state_dict()``) asks for; one opaque value
+        (:func:`pack_entry`), so a fresh face's template fits it. ``rank`` beside it is kept
+        for readers of the older layout; :func:`own_entry` reads the entry, not it. Without
+        ``own`` (a face whose per-rank state lives elsewhere) the envelope is the older one."""
+        envelope: Dict[str, Any] = {"face": self._face_name, "rank": self._rank, "world": self._size,
+                                    "steps": int(steps)}
+        if own is not None:
+            envelope[rank_key(self._rank)] = pack_entry(dict(own, rank=self._rank))
+        return envelope
+
+    def _own_entry(self, saved: Dict[str, Any]) -> Dict[str, Any]:
+        """``saved`` (an envelope) as this rank reads it: see :func:`own_entry`."""
+        return own_entry(saved, self._rank)
 
     def _check_envelope(self, saved: Dict[str, Any], per_rank_state: bool) -> bool:
         """Whether ``saved`` (an envelope) may be loaded here. A different world size is a
@@ -442,11 +532,15 @@ class Face:
         rank = saved.get("rank")
         if rank is None or rank == self._rank or not per_rank_state:
             return True
+        dcp = ("bitscom.checkpointing.save(opt, path) / bitscom.checkpointing.load(opt, path) "
+               "(DCP with per-rank keys), or " if callable(getattr(self, "save_dcp", None)) else "")
         problem = (f"rank {self._rank} was given the checkpoint of rank {rank} of {world} (per-rank "
-                   "error-feedback memory), so resuming would not reproduce the run. Save "
-                   "opt.state_dict() on every rank (e.g. f'opt.{bitscom.rank()}.pt') and load each "
-                   "rank's own file, use bitscom.checkpointing.save/load (DCP, per-rank keys), or "
-                   "drop the compressor state to restart it from zero")
+                   "state such as error-feedback memory), so resuming would not reproduce the run. "
+                   "One rank's state was saved for every rank: torch.save on the main process only, "
+                   "or torch.distributed.checkpoint.save of a state dict whose per-rank state "
+                   "shares its keys across ranks (DCP keeps one copy of such a key). Use "
+                   f"{dcp}save opt.state_dict() on every rank (e.g. f'opt.{{bitscom.rank()}}.pt') and "
+                   "load each rank's own file, or drop the compressor state to restart it from zero")
         if self._size == 1:
             raise ValueError(problem)
         self._face_problem = problem
@@ -457,7 +551,7 @@ class Face:
         asked once per agreement). Ranks with and without a problem then disagree, which is the
         same RuntimeError, naming the problem, on every rank."""
         problem, self._face_problem = self._face_problem, None
-        return {"checkpoint problem": problem}
+        return {PROBLEM: problem}
 
     def _mark_loaded(self) -> None:
         """A checkpoint was loaded (or refused for later): :meth:`_agree_if_resumed` compares."""

@@ -568,12 +568,18 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         """torch's optimizer state dict (``state``, ``param_groups``) plus this rank's
         compressor state under ``"bitscom"``; a plain optimizer loads it too.
 
+        The compressor state sits under ``["bitscom"]["rank<r>"]``: torch's state is the same on
+        every rank, the compressor's (error-feedback residuals) is not, and a checkpointer that
+        saves every rank's dict into one store by key (``torch.distributed.checkpoint.save``)
+        keeps one copy of shared keys; so each rank's own keys hold its own, and a plain
+        ``dcp.save({"optim": opt.state_dict()})`` / ``dcp.load`` resumes exactly.
+
         Example::
 
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
         """
         out = super().state_dict()
-        out["bitscom"] = {"reducer": self._reducer.state_dict(), **self._envelope(self._life.steps)}
+        out["bitscom"] = self._envelope(self._life.steps, own={"reducer": self._reducer.state_dict()})
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -588,6 +594,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             opt.load_state_dict(torch.load(path)["opt"])
         """
         inner, extra = _split_state_dict(state_dict)
+        extra = self._own_entry(extra) if extra is not None else None
         if self._life.in_step or self._next_launch:
             raise RuntimeError("load_state_dict() was called in the middle of a step; call it "
                                "between steps")

@@ -142,6 +142,59 @@ def test_a_foreign_or_stale_checkpoint_is_one_error_on_every_rank_or_an_exact_re
                    for _, msg in steps), steps
 
 
+# Faces whose per-rank state is under per-rank keys (Face._envelope(own=...)): exact. The others
+# keep per-rank torch optimizer state under shared keys (ShardedOptimizer's shard, DiLoCo's
+# inner optimizer): the rank check, or DCP's own template check, on every rank.
+PLAIN_DCP_RESUMES = {"DistributedOptimizer", "OneBitAdam", "ZeroOneAdam", "OneBitAdam-overlap",
+                     "ZeroOneAdam-overlap"}
+
+
+def _load_plainly(dcp, state, path, opt):
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except dcp.api.CheckpointException as err:     # a BaseException: re-raised as what it wraps
+        raise RuntimeError(f"dcp.load: {err}") from None
+    opt.load_state_dict(state["optim"])
+
+
+def _plain_dcp(rank, world, name, path):
+    """A framework checkpointer: dcp.save of the face's state_dict() by every rank, then dcp.load
+    into another replica's (after one step, so torch's own state exists) and load_state_dict."""
+    import torch.distributed.checkpoint as dcp
+    spec = BY_NAME[name]
+    model, opt = build(spec, rank)
+    steps = spec.steps_to_communicate * 2
+    _train(spec, model, opt, rank, steps)
+    dcp.save({"optim": opt.state_dict(), "model": model.state_dict()}, checkpoint_id=path)
+    _train(spec, model, opt, rank, spec.steps_to_communicate, start=steps)
+    _finish(opt)
+    uninterrupted = flat_parameters(model)
+    opt.close()
+    model2, opt2 = build(spec, rank, seed=1)
+    _train(spec, model2, opt2, rank, 1, start=50)
+    state = {"optim": opt2.state_dict(), "model": model2.state_dict()}
+    loaded = _outcome(lambda: _load_plainly(dcp, state, path, opt2))
+    stepped = _outcome(lambda: (_train(spec, model2, opt2, rank, spec.steps_to_communicate, start=steps),
+                                _finish(opt2)))
+    opt2.close()
+    return loaded, stepped, torch.equal(uninterrupted, flat_parameters(model2))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_plain_dcp_of_state_dict_is_an_exact_resume_or_one_clear_error(pools, tmp_path, name):
+    """What Accelerate's / torchtitan's checkpointers do (docs/checkpoints.md): DCP keeps one copy
+    of a key every rank saves, so per-rank state under shared keys would reach one rank only.
+    Faces whose state sits under per-rank keys resume exactly; the others must fail alike on
+    every rank, never resume silently wrong."""
+    results = pools.run(2, _plain_dcp, name, str(tmp_path / "ckpt"))
+    if all(r[0][0] == "ok" and r[1][0] == "ok" for r in results):
+        assert all(r[2] for r in results), "resumed silently, but not to the uninterrupted run"
+    else:
+        assert name not in PLAIN_DCP_RESUMES, results
+        outcomes = [r[0] if r[0][0] != "ok" else r[1] for r in results]
+        assert outcomes[0] == outcomes[1] and outcomes[0][0] in ("RuntimeError", "ValueError"), outcomes
+
+
 # -- NaN, replicas -------------------------------------------------------------------------------
 
 def _nan_and_replicas(rank, world, name):

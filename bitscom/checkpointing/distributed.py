@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 
+from ..face import own_entry
 from .common import (blob, check_extra, digest, join_tensors, load_dict, read_entries, save_dict,
                      split_tensors, template, unblob)
 
@@ -37,7 +38,7 @@ def save_distributed(opt, path, extra=None) -> None:
     """Write ``opt``'s state (and ``extra``) as a DCP checkpoint; every rank calls it."""
     extra = check_extra(extra)
     sd = opt.state_dict()
-    own = sd.pop("bitscom")
+    own = own_entry(sd.pop("bitscom"), opt._rank, map_location="cpu")   # no second copy on the GPU
     shared: list = []
     skeleton = split_tensors(sd, shared)
     mine: list = []

@@ -443,10 +443,11 @@ class OneBitBase(Face, torch.optim.Optimizer):
         out = super().state_dict()
         for g in out["param_groups"]:
             g.pop("exp_avg_mask", None)   # the user's masks stay the user's (as DeepSpeed)
-        out["onebit"] = {"optimizer": self._NAME, **self._envelope(self._counters["step"]),
-                         "settings": repr(self.config), "counters": dict(self._counters),
-                         "exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone(),
-                         "lowbit": self._lowbit.state_dict(), "extra": self._extra_state()}
+        own = {"counters": dict(self._counters), "exp_avg": self.exp_avg.clone(),
+               "exp_avg_sq": self.exp_avg_sq.clone(), "lowbit": self._lowbit.state_dict(),
+               "extra": self._extra_state()}      # per rank (error feedback): under rank<r>
+        out["onebit"] = {"optimizer": self._NAME, "settings": repr(self.config),
+                         **self._envelope(self._counters["step"], own=own)}
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
@@ -464,6 +465,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         extra = state_dict.get("onebit") if isinstance(state_dict, dict) else None
         if not isinstance(extra, dict) or extra.get("optimizer") != self._NAME:
             raise ValueError(f"not a {self._NAME} state dict (no matching 'onebit' entry)")
+        extra = self._own_entry(extra)
         if extra.get("settings") != repr(self.config):
             raise ValueError(f"{self._NAME} state dict has settings={extra.get('settings')!r}, this "
                              f"optimizer {self.config!r}; each rank loads its own checkpoint, made with "

@@ -1,7 +1,8 @@
 """tests/integrations run when asked for by path (``pytest tests/integrations``, which
 scripts/test_integrations.sh does), not as part of the whole suite: they start 2-rank
 Accelerate and Lightning jobs that take ~40 s on a quiet 2-core machine (~2 min busy), mostly importing torch and
-Lightning in every rank. test_docs_recipes.py (no launch, no extra packages) always runs."""
+Lightning in every rank, and a local Ray instance with two 2-worker TorchTrainer runs (see
+docs/integrations.md for its time). test_docs_recipes.py (no launch, no extra packages) always runs."""
 
 import os
 import sys

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
@@ -65,9 +66,10 @@ def run_ranks(script: str, world: int = 2, timeout: float = 150) -> list:
     return outs
 
 
-def run_self_launching(script: str, timeout: float = 150) -> str:
-    """The output of ``python script`` (which starts its other ranks itself, in its session)."""
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, script)], cwd=HERE, env=base_env(),
+def run_self_launching(script: str, timeout: float = 150, env: Optional[dict] = None) -> str:
+    """The output of ``python script`` (which starts its other ranks itself, in its session);
+    ``env``: variables set on top of :func:`base_env`."""
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, script)], cwd=HERE, env=dict(base_env(), **(env or {})),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

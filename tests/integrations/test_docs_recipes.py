@@ -1,6 +1,6 @@
 """docs/integrations.md shows the recipes' exact code: each skipped block names the file in
 tests/integrations/ that it is, and must equal it byte for byte (the file is what the other
-tests here run). Needs neither Accelerate nor Lightning."""
+tests here run). Needs none of Accelerate, Lightning or Ray."""
 
 import os
 import re
@@ -9,7 +9,7 @@ import docs_runner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DOC = os.path.join("docs", "integrations.md")
-RECIPES = ("accelerate_ddp_hook.py", "accelerate_optimizer.py", "lightning_ddp_hook.py")
+RECIPES = ("accelerate_ddp_hook.py", "accelerate_optimizer.py", "lightning_ddp_hook.py", "ray_train.py")
 
 
 def test_doc_blocks_are_the_tested_recipes():
