@@ -179,23 +179,22 @@ class TopK(StartIter, Compressor[SteppedErrorFeedback]):
     def _select(self, x, k, layout, residual):
         """:meth:`compress`, plus whether ``residual[indices] -= values`` was done on the way
         (the native kernel fuses error feedback's sparse update; the torch path does not)."""
+        cuts = self._cuts(k, layout)
         native = _native_topk(x)
         if native is not None:                   # the exact set, sampled threshold, ~1 pass
-            if not (self.per_tensor and layout is not None and len(layout.slots) > 1):
-                return (*native(x, k, residual), True)
-            slots = [s for s in layout.slots if s.numel]
-            picks = [native(x[s.offset:s.end], self.k_for(s.numel),
-                            None if residual is None else residual[s.offset:s.end]) for s in slots]
-            return (torch.cat([v for v, _ in picks]),
-                    torch.cat([i + s.offset for (_, i), s in zip(picks, slots)]), True)
+            picks = [native(x[a:b], n, None if residual is None else residual[a:b]) for a, b, n in cuts]
+            return _joined([v for v, _ in picks]), _joined([i for _, i in picks], cuts), True
         pick = _sampled_topk if self.selection == "sampled" else _exact_topk
-        if not (self.per_tensor and layout is not None and len(layout.slots) > 1):
-            indices = pick(x.abs(), k)
-            return x[indices], indices, False
         mag = x.abs()
-        indices = torch.cat([pick(mag[s.offset:s.end], self.k_for(s.numel)) + s.offset
-                             for s in layout.slots if s.numel])
+        indices = _joined([pick(mag[a:b], n) for a, b, n in cuts], cuts)
         return x[indices], indices, False
+
+    def _cuts(self, k, layout) -> list:
+        """``(start, end, k)`` of each selection: the whole bucket, or with ``per_tensor`` each
+        non-empty tensor."""
+        if self.per_tensor and layout is not None and len(layout.slots) > 1:
+            return [(s.offset, s.end, self.k_for(s.numel)) for s in layout.slots if s.numel]
+        return [(0, None, k)]
 
     def compressed(self, flat, layout, state, comm: Comm):
         numel = flat.numel()                     # == layout.numel: callers pass the bucket's flat
@@ -219,6 +218,13 @@ class TopK(StartIter, Compressor[SteppedErrorFeedback]):
         nonfinite = _sum_into(flat, gathered.view(comm.size, -1), k, index_dtype, native)
         if nonfinite:
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
+
+
+def _joined(parts, cuts=None):
+    """The cuts' picks as one tensor; with ``cuts``, indices shifted to bucket positions."""
+    if cuts is not None:
+        parts = [p + a if a else p for p, (a, _, _) in zip(parts, cuts)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _keep_residual(state, native, indices, values) -> None:
