@@ -1,32 +1,21 @@
 """ACP-SGD: alternating compressed PowerSGD (Zhang et al., ICDCS 2023).
 
-PowerSGD needs two dependent all-reduces per step (P, then Q), which serializes
-communication and keeps it from overlapping backward like plain S-SGD does. ACP-SGD sends
-*one* factor per step and alternates, warm-starting each step from the factor reduced in
-the step before, so a bucket costs a single all-reduce and buckets overlap backward as in
-S-SGD (the paper uses 25 MB buckets, bitscom's default).
-
-One step of a bucket (steps counted from ``start_iter``; the 1st, 3rd, … are P steps):
+PowerSGD's two dependent all-reduces per step serialize communication; ACP-SGD sends *one*
+factor per step and alternates, warm-starting from the factor reduced the step before, so a
+bucket costs one all-reduce and overlaps backward as S-SGD does. One step of a bucket (the
+1st, 3rd, … after ``start_iter`` are P steps):
 
 1. With error feedback, M ← M + E.
-2. P step: orthogonalize Q (the reduced Q of the last step; drawn from the bucket's own
-   generator on the first step, identical on every rank) and compute the local P = M Q.
-   Q step: orthogonalize P (the reduced P of the last step) and compute the local Q = Mᵀ P.
-3. E ← M − P Qᵀ from the *local* factors, before the reduction, as the paper's algorithm.
-4. All-reduce one fused buffer: the step's factors of every compressed matrix of the bucket
-   plus, in its tail, the uncompressed tensors (1-D, or too small to shrink by
-   ``min_compression_rate``); divide by N.
-5. M ≈ P Qᵀ with the reduced factor: the average, identical on every rank. The reduced
-   factor is kept as the next step's warm start.
-
-On gradients of rank ≤ r the subspace is found after one P and one Q step, and from then on
-the reduction is exact (with error feedback, once the first step's residual is paid back).
+2. P step: orthogonalize the last reduced Q (drawn from the bucket's generator at first),
+   P = M Q; Q step: orthogonalize the last reduced P, Q = Mᵀ P.
+3. E ← M − P Qᵀ from the *local* factors, before the reduction, as the paper does.
+4. All-reduce one fused buffer (the factors, then the uncompressed tensors); divide by N.
+5. M ≈ P Qᵀ with the reduced factor, which is kept as the next step's warm start.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 
 from .base import BucketLayout, Comm
 from .lowrank import LowRankCompressor, LowRankPlan, LowRankState, forget_if_nonfinite, \
@@ -36,10 +25,8 @@ __all__ = ["ACPSGD", "ACPSGDState"]
 
 
 class ACPSGDState(LowRankState):
-    """Per-bucket ACP-SGD memory (see :class:`~bitscom.compressors.lowrank.LowRankState`):
-    ``p`` holds the P factors and ``q`` the Q factors, each followed by the uncompressed
-    tail, so each is its step's fused buffer, all-reduced in place; the reduced factor stays
-    there as the next step's warm start."""
+    """Per-bucket ACP-SGD memory: ``p`` and ``q`` each end with the uncompressed tail, so each is
+    its step's fused buffer, all-reduced in place (the reduced factor stays as the warm start)."""
 
     def __init__(self, layout: BucketLayout, plan: LowRankPlan, seed: int, error_feedback: bool):
         super().__init__(layout, plan, seed, error_feedback, q_tail=True)
@@ -47,10 +34,8 @@ class ACPSGDState(LowRankState):
 
 @dataclass(frozen=True)
 class ACPSGD(LowRankCompressor[ACPSGDState]):
-    """Rank-r ACP-SGD: one fused all-reduce per bucket per step, alternating P and Q.
-
-    Wire cost per bucket (× 4 bytes: factors travel in fp32), alternating:
-    P steps ``Σ n_i·r_i + uncompressed numel``, Q steps ``Σ m_i·r_i + uncompressed numel``.
+    """Rank-r ACP-SGD: one fused all-reduce per bucket per step, alternating P and Q (bytes:
+    docs/compressors.md).
 
     Example::
 
@@ -59,11 +44,10 @@ class ACPSGD(LowRankCompressor[ACPSGDState]):
     """
 
     rank: int = 8
-    """Approximation rank r: bytes and accuracy grow with r. Default 8: rank 4 (the paper's
-    choice for CNNs, 32 for BERT) lost 0.6 pp on the suite's CNN and 11 pp on its ResNet, rank
-    8 lost 0.2 and 3.2 pp at 7-30x fewer bytes (docs/convergence.md)."""
+    """Approximation rank r: bytes and accuracy grow with r (8 lost 3.2 pp on the suite's ResNet
+    where the paper's 4 lost 11: docs/convergence.md)."""
     start_iter: int = 0
-    """Plain all-reduce steps first (0 as in the paper); full bytes during them."""
+    """Plain all-reduce steps first (0 as in the paper)."""
 
     name = "acpsgd"
 
@@ -71,8 +55,8 @@ class ACPSGD(LowRankCompressor[ACPSGDState]):
         return ACPSGDState(layout, self.plan(layout), self.seed, self.error_feedback)
 
     def _project(self, g, x, p, q, send_p: bool, fresh: bool, ef: bool, grad) -> None:
-        """One matrix group's half step: orthogonalize the factor received last step (unless
-        it is fresh), project onto it, and with error feedback keep E = x − P Qᵀ."""
+        """One group's half step: orthogonalize last step's factor (unless fresh), project onto
+        it, and with error feedback keep E = x − P Qᵀ."""
         factor, out = (q, p) if send_p else (p, q)
         if not fresh:
             orthogonalize(factor, self.orthogonalization)

@@ -1,20 +1,11 @@
 """The compressor protocol: how a lossy (or lossless) reduction of one bucket is written.
 
-A compressor turns "this rank's flat gradient" into "the average over ranks". Compress /
-decompress alone cannot express PowerSGD (two dependent all-reduces), ACP-SGD (alternating
-factors) or two-stage low-bit all-reduce (all-to-all, then all-gather), so a compressor is
-written as a *generator of rounds*: it launches one or more asynchronous collectives through
-the :class:`Comm` it is handed, yields their work handle, and continues when the engine
-resumes it after that work completed. The engine can therefore start round one from a
-backward hook and chain later rounds without blocking backward.
-
-Three kinds of object take part, each with one job:
-
-* the compressor: frozen settings (a frozen dataclass), no mutable fields;
-* a :class:`State` per bucket (error residuals, P/Q memory, step counters, RNG seeds):
-  explicit, created by :meth:`Compressor.init_state`, checkpointable;
-* :class:`Comm`: the process group plus byte accounting, the only way a compressor talks
-  to other ranks.
+Compress/decompress alone cannot express PowerSGD (two dependent all-reduces), ACP-SGD
+(alternating factors) or two-stage low-bit all-reduce, so a compressor is a *generator of
+rounds*: it launches asynchronous collectives through the :class:`Comm` it is handed, yields
+their work, and continues when the engine resumes it after that work completed; round one can
+thus start from a backward hook without blocking backward. Settings are a frozen dataclass;
+per-bucket mutable data lives in an explicit, checkpointable :class:`State`.
 """
 
 from __future__ import annotations
@@ -34,12 +25,7 @@ __all__ = ["TensorSlot", "BucketLayout", "Comm", "State", "Compressor", "Wrapper
 
 def plain_average(flat: torch.Tensor, comm) -> Iterator[Any]:
     """Round generator: ``flat`` ← the average over ``comm``'s ranks by one plain all-reduce
-    in its own dtype — what a warm-up step (:mod:`.warmup`) and ``NoneCompressor`` do.
-
-    Example::
-
-        yield from plain_average(flat, comm)
-    """
+    in its own dtype (a warm-up step, ``NoneCompressor``)."""
     yield comm.all_reduce(flat)
     flat.div_(comm.size)
 
@@ -66,9 +52,8 @@ class TensorSlot:
 
 @dataclass(frozen=True)
 class BucketLayout:
-    """The identity and shape of one bucket: what per-bucket compressor state is built from.
-
-    ``index`` is the bucket's position in the plan and keys every per-bucket state.
+    """The identity and shape of one bucket (``index``: its position in the plan, which keys
+    every per-bucket state).
 
     Example::
 
@@ -100,11 +85,9 @@ class BucketLayout:
 class State:
     """Mutable per-bucket compressor state.
 
-    The default ``state_dict`` copies every public attribute (tensors cloned, a
-    ``torch.Generator`` saved as its state, a nested :class:`State` as its own state dict)
-    so subclasses that only hold tensors, numbers, generators and states need no code of
-    their own. Loading copies *into* the existing tensors, so views into them stay valid;
-    a saved tensor of another shape is an error, not a silent replacement.
+    ``state_dict`` saves every public attribute (tensors cloned, generators and nested states
+    as their states), so subclasses need no code of their own. Loading copies *into* the
+    existing tensors, so views into them stay valid; another shape is an error.
 
     Example::
 
@@ -151,8 +134,7 @@ class State:
 
 
 def _existing(key: str, current: Any, what: str) -> Any:
-    """``current`` (this state's attribute ``key``), which the checkpoint's ``what`` loads into;
-    a ValueError naming ``key`` when this state has none."""
+    """``current`` (attribute ``key``) to load the checkpoint's ``what`` into; ValueError if None."""
     if current is None:
         raise ValueError(f"state {key!r}: the checkpoint holds {what}, this bucket's state has none")
     return current
@@ -172,9 +154,8 @@ def _copy_checked(key: str, current: torch.Tensor, value: torch.Tensor) -> None:
 
 
 class Wrapper:
-    """What a compressor around an ``inner`` one (Exclude, MomentumCorrection, WarmUp) shares:
-    ``_inner``, the inner compressor as ``__post_init__`` resolved it, and its need for names.
-    A mixin, listed before :class:`Compressor`."""
+    """Mixin (listed before :class:`Compressor`) of a compressor around an ``inner`` one:
+    ``_inner`` as ``__post_init__`` resolved it, and its need for names."""
 
     inner: Any
 
@@ -188,23 +169,17 @@ class Wrapper:
         return self._inner.uses_names
 
 
-StateT = TypeVar("StateT")
-"""The type of a compressor's per-bucket state (what its :meth:`Compressor.init_state` returns
-and its :meth:`Compressor.reduce` takes)."""
+StateT = TypeVar("StateT")     # a compressor's per-bucket state type
 
 
 class Compressor(abc.ABC, Generic[StateT]):
     """Base class of every compressor: frozen settings + a round generator.
 
-    Subclasses are frozen dataclasses holding only hyper-parameters. Per-bucket mutable
-    data lives in the object :meth:`init_state` returns (its type is the class parameter:
-    ``class TopK(Compressor[SteppedErrorFeedback])``; a plain ``Compressor`` subclass takes
-    any state).
-
-    Contract of :meth:`reduce`: on entry ``flat`` holds this rank's gradient (any float
-    dtype); on normal exit it holds the *average* over the ranks of ``comm``, bitwise
-    identical on every rank. Each ``yield`` hands back the work of collectives just issued
-    through ``comm``; the generator is resumed only after that work completed.
+    Per-bucket state is what :meth:`init_state` returns (its type is the class parameter:
+    ``Compressor[SteppedErrorFeedback]``). Contract of :meth:`reduce`: on entry ``flat`` holds
+    this rank's gradient (any float dtype); on normal exit the *average* over ``comm``'s ranks,
+    bitwise identical on every rank. Each ``yield`` hands back the work of collectives just
+    issued through ``comm``; the generator is resumed only after that work completed.
 
     Example::
 
@@ -218,26 +193,19 @@ class Compressor(abc.ABC, Generic[StateT]):
 
     name = "base"
     applies_momentum = False
+    """True for :class:`MomentumCorrection`: only :class:`bitscom.DistributedOptimizer` runs it."""
     models_on_meta = True
-    """Whether the cost model (:func:`bitscom.cost.rounds_of`) may run large buckets of this
-    compressor on ``meta`` tensors, shapes only: far cheaper than real data where the local
-    run grows with ranks × bucket (an all-gather decoded rank by rank), slower where it is
-    many small operations per rank (LowBit's rows). A compressor that needs values (a
-    finiteness check) runs on real data anyway."""
-    """True for :class:`MomentumCorrection`: it applies SGD momentum before compressing, so
-    only :class:`bitscom.DistributedOptimizer` (which checks the optimizer has none) runs it."""
+    """Whether the cost model may run large buckets on ``meta`` tensors, shapes only: cheaper
+    where the local run grows with ranks × bucket, slower for many small operations (LowBit)."""
 
     @property
     def uses_names(self) -> bool:
-        """True for compressors that act on the slots' parameter names (:class:`Exclude`): the
-        faces refuse to run them where slots carry no parameter names. A read-only property
-        (:class:`MomentumCorrection` answers for its inner compressor); a subclass may set a
-        class attribute instead."""
+        """True for compressors that act on parameter names (:class:`Exclude`): the faces refuse
+        them where slots carry no names. A subclass may set a class attribute instead."""
         return False
 
     def init_state(self, layout: BucketLayout) -> StateT:
         """Per-bucket state. The default is stateless."""
-        # A plain State: what compressors that keep no state (and so do not override this) take.
         return cast(StateT, State())
 
     @abc.abstractmethod

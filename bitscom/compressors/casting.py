@@ -1,13 +1,6 @@
-"""Lossless and casting compressors: none (fp32 all-reduce), fp16 and bf16.
-
-These are Horovod's ``Compression.none`` / ``Compression.fp16`` and the bf16 variant.
-Casting halves the bytes on the wire. To keep fp16 from overflowing when N large gradients
-are summed, the cast tensor is divided by the world size *before* the all-reduce (as
-PyTorch's ``fp16_compress_hook`` does), so the sum on the wire is already the average.
-
-Each also offers Horovod's codec interface, ``compress(tensor) -> (tensor, ctx)`` and
-``decompress(tensor, ctx)``, so ``Compression.fp16.compress(t)`` behaves as in Horovod and
-``bitscom.allreduce(t, compression=Compression.fp16)`` works.
+"""Horovod's ``Compression.none`` / ``.fp16`` and a bf16 variant, with Horovod's codec interface
+too. The cast tensor is divided by the world size *before* the all-reduce (as torch's
+``fp16_compress_hook``), so the sum on the wire is already the average and cannot overflow.
 """
 
 from __future__ import annotations
@@ -60,14 +53,13 @@ class _CastCompressor(Compressor):
             flat.copy_(wire)
 
     def compress(self, tensor: torch.Tensor):
-        """Horovod's codec interface: floating tensors cast to the wire dtype; the context is
-        the original dtype. Integer tensors pass unchanged (casting would lose values)."""
+        """Floating tensors cast to the wire dtype (integers unchanged); the context is the dtype."""
         if tensor.is_floating_point():
             return tensor.to(self.wire_dtype), tensor.dtype
         return tensor, tensor.dtype
 
     def decompress(self, tensor: torch.Tensor, ctx):
-        """Horovod's codec interface: cast back to the dtype ``compress`` saw."""
+        """Cast back to the dtype ``compress`` saw."""
         if ctx is not None and ctx.is_floating_point and tensor.dtype != ctx:
             return tensor.to(ctx)
         return tensor
@@ -75,10 +67,8 @@ class _CastCompressor(Compressor):
 
 @dataclass(frozen=True)
 class FP16Compressor(_CastCompressor):
-    """Send gradients as IEEE fp16: 2 bytes per element, ~3 significant digits, range ±65504.
-
-    Values below ~6e-8 flush to zero and above 65504 (after dividing by the world size)
-    become Inf, which AMP's GradScaler then sees. Example::
+    """Send gradients as IEEE fp16: 2 bytes per element, ~3 significant digits, range ±65504
+    (beyond: Inf, which AMP's GradScaler sees). Example::
 
         opt = bitscom.DistributedOptimizer(opt, compression=bitscom.Compression.fp16)
     """
@@ -90,8 +80,6 @@ class FP16Compressor(_CastCompressor):
 @dataclass(frozen=True)
 class BF16Compressor(_CastCompressor):
     """Send gradients as bfloat16: 2 bytes per element, fp32's range, ~2 significant digits.
-
-    Never overflows or underflows where fp32 would not, at the price of 8 mantissa bits.
     Example::
 
         opt = bitscom.DistributedOptimizer(opt, compression=bitscom.Compression.bf16)

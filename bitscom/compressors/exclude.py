@@ -1,30 +1,8 @@
 """Leave some tensors of every bucket uncompressed: embeddings, norms, biases.
 
-Why: a compressor's error is not spread evenly over a model. Small tensors (biases, norm
-gains) cost almost nothing to send exactly, and some tensors react badly to biased
-compression under adaptive optimizers: Adam divides every coordinate by its own running
-RMS, so a coordinate that error feedback delivers in bursts (top-k, sign) or that a stale
-low-rank subspace misses gets a wrong step size, not just a delayed one. The low-rank
-compressors already send 1-D tensors exactly; :class:`Exclude` does it for any compressor
-and any name pattern, at a known price in bytes (reported by ``comm_stats()``, never hidden).
-
-Per bucket and step: the slots whose names match ``patterns`` (``fnmatch`` on the parameter
-names the optimizer gives, e.g. ``"*.bias"``, ``"*norm*"``, ``"tok_emb.*"``) are copied into
-one fp32 buffer and all-reduced exactly, *concurrently* with the inner compressor's rounds on
-the remaining slots (its own sub-layout and state, so error feedback and warm starts work as
-usual). A bucket with no match is the inner compressor alone; a bucket where everything
-matches is a plain all-reduce. Which slots match is a pure function of the layout, so every
-rank splits alike (and the agreement check compares the fingerprint, patterns included).
-
-Names: :class:`bitscom.DistributedOptimizer` names each slot after its parameter (the names
-of ``named_parameters``). DDP's buckets carry no names, so
-:func:`bitscom.ddp_comm_hook` needs ``named_parameters=`` to use :class:`Exclude` (it raises
-a ValueError without them rather than match nothing).
-
-Example::
-
-    comp = bitscom.compressors.Exclude(bitscom.compressors.TopK(), patterns=("*.bias", "*norm*"))
-    opt = bitscom.DistributedOptimizer(opt, model.named_parameters(), compression=comp)
+Why: they cost little to send exactly, and under Adam a coordinate that error feedback delivers
+in bursts gets a wrong step size, not just a late one. Matching slots are all-reduced as one
+exact fp32 buffer beside the inner compressor's rounds on the rest (docs/compressors.md).
 """
 
 from __future__ import annotations
@@ -43,9 +21,8 @@ __all__ = ["Exclude", "split_layout"]
 
 @functools.lru_cache(maxsize=1024)      # per step and bucket: name matching is not free
 def split_layout(layout: BucketLayout, patterns) -> Tuple[BucketLayout, Tuple[TensorSlot, ...]]:
-    """``(compressed sub-layout, excluded slots)`` of ``layout``: the sub-layout packs the
-    unmatched slots contiguously (same bucket index, new offsets); the excluded slots keep
-    their offsets in the original bucket."""
+    """``(compressed sub-layout, excluded slots)``: the sub-layout packs the unmatched slots
+    contiguously (same index); the excluded slots keep their offsets in ``layout``."""
     kept, excluded, offset = [], [], 0
     for s in layout.slots:
         if any(fnmatch.fnmatchcase(s.name, p) for p in patterns):
@@ -67,12 +44,8 @@ class ExcludeState(State):
 class Exclude(Wrapper, Compressor[ExcludeState]):
     """Send the slots whose names match ``patterns`` as exact fp32, the rest through ``inner``.
 
-    Args:
-        inner: the compressor for everything else (an instance or a registry name).
-        patterns: ``fnmatch`` patterns on parameter names, matched case-sensitively; a
-            non-empty tuple of strings.
-
-    Wire cost: the inner compressor's cost on the kept slots plus ``4 × excluded numel``.
+    ``inner``: an instance or a registry name; ``patterns``: a non-empty tuple of case-sensitive
+    ``fnmatch`` patterns on parameter names.
 
     Example::
 

@@ -1,23 +1,9 @@
 """Horovod-style codecs (``compress(t) -> (t, ctx)`` / ``decompress(t, ctx)``) as bitscom compressors.
 
-Why an adapter and not a second code path: a Horovod user's own ``Compressor`` subclass knows
-nothing of rounds or buckets; wrapped in :class:`HorovodAdapter` it becomes an ordinary
-one-round bitscom compressor, so the optimizer, the DDP hook and ``bitscom.allreduce`` drive
-it exactly like ``Compression.fp16``. What the wrapper does with one bucket:
-
-1. ``wire, ctx = codec.compress(flat)`` (ctx stays on this rank, as in Horovod);
-2. divide ``wire`` by the world size, so the sum on the wire is already the average (an fp16
-   wire cannot overflow where the fp32 average would not);
-3. all-reduce (sum) ``wire``;
-4. ``flat = codec.decompress(wire, ctx)``.
-
-The codec's base class (Horovod's ``hvd.compression.Compressor``) is :class:`HorovodCodec`,
-defined here and re-exported by the Horovod face (:mod:`bitscom.horovod.codec`); the adapter
-needs only the duck type (``compress``/``decompress``), and nothing here imports the face.
-
-The wire tensor must be floating point: the ranks' wire tensors are summed, and a codec whose
-wire values only make sense together with a per-rank ``ctx`` (e.g. int8 with a local scale)
-cannot be averaged on the wire; such codecs need a bitscom compressor (``LowBit``, ``TopK``).
+Why an adapter: wrapped, a user's codec is an ordinary one-round compressor every face drives
+like ``Compression.fp16``: ``wire, ctx = compress(flat)``, ``wire /= N``, all-reduce (sum),
+``flat = decompress(wire, ctx)``. The wire must be floating point: a codec whose wire values
+need a per-rank ``ctx`` (int8 with a local scale) cannot be summed.
 """
 
 from __future__ import annotations
@@ -33,13 +19,7 @@ __all__ = ["HorovodAdapter", "HorovodCodec", "is_codec"]
 
 
 def is_codec(obj: Any) -> bool:
-    """True for a Horovod-style codec (class or instance) that is not a bitscom compressor.
-
-    Example::
-
-        if is_codec(compression):
-            compression = HorovodAdapter(compression)
-    """
+    """True for a Horovod-style codec (class or instance) that is not a bitscom compressor."""
     if isinstance(obj, Compressor) or (isinstance(obj, type) and issubclass(obj, Compressor)):
         return False
     return (callable(getattr(obj, "compress", None))
@@ -53,7 +33,7 @@ def _codec_name(codec: Any) -> str:
 
 @dataclass(frozen=True)
 class HorovodAdapter(Compressor):
-    """A Horovod-style codec as a one-round bitscom compressor (see the module docstring).
+    """A Horovod-style codec as a one-round bitscom compressor.
 
     Example::
 
@@ -86,15 +66,12 @@ class HorovodAdapter(Compressor):
             flat.copy_(out.reshape(flat.shape))
 
     def fingerprint(self) -> str:
-        # The class's qualified name, never repr(): an instance's repr holds its address,
-        # which differs across ranks and would fail the agreement check.
+        # never repr(): an instance's repr holds its address, which differs across ranks
         return f"HorovodAdapter({_codec_name(self.codec)})"
 
 
 class HorovodCodec:
-    """Base class for a Horovod-style codec (``horovod.torch.compression.Compressor``),
-    published as ``bitscom.compression.Compressor`` (see :mod:`bitscom.horovod.codec`); here,
-    beside its adapter, so nothing here imports the Horovod face. Example::
+    """Base class of a Horovod-style codec, published as ``bitscom.compression.Compressor``. Example::
 
         class HalfCodec(bitscom.compression.Compressor):
             @staticmethod
@@ -117,8 +94,7 @@ class HorovodCodec:
 
 
 def __getattr__(name: str) -> Any:
-    # ``bitscom.compressors.hvd_adapter.HorovodCompressor`` was the codec base class's first
-    # name; new code uses bitscom.compression.Compressor.
+    # HorovodCompressor: the codec base class's deprecated first name.
     if name == "HorovodCompressor":
         import warnings
         warnings.warn("bitscom.compressors.hvd_adapter.HorovodCompressor moved: use "

@@ -1,10 +1,5 @@
-"""LowBit: blockwise low-bit two-stage all-reduce as a DistributedOptimizer compressor.
-
-A thin adapter: the algorithm lives in :mod:`bitscom.collectives` (shared with
-:class:`bitscom.LowBitGroup` and the ``lowbit`` backend) and the settings in one
-:class:`~bitscom.collectives.LowBitConfig`; this class holds that config, the hierarchy's
-groups, and one :class:`~bitscom.collectives.LowBitState` per bucket (error-feedback buffers
-and the step that keys stochastic-rounding seeds), checkpointed with the optimizer.
+"""LowBit: blockwise low-bit two-stage all-reduce as a compressor; a thin adapter over
+:mod:`bitscom.lowbit` (shared with :class:`bitscom.LowBitGroup` and the ``lowbit`` backend).
 """
 
 from __future__ import annotations
@@ -26,17 +21,9 @@ class LowBit(Compressor[LowBitState]):
     requantize -> all-gather), flat or hierarchical.
 
     Takes a :class:`~bitscom.collectives.LowBitConfig` (``config=``) or its settings as
-    keywords, by the same names (``bitwidth``, ``error_feedback``, ``error_feedback_mode``,
-    ``stage2_bitwidth``, ``block_size``, ``stochastic_rounding``, ``hadamard``,
-    ``stage2_error_feedback``, ``hierarchy``, ``intra_bitwidth``, ``local_quantize``,
-    ``chunk_size``, ``seed``, ``simulate_quantization``; see the config for each trade-off).
-    A hierarchical compressor also needs ``intra_group`` and ``inter_group`` (e.g.
-    ``bitscom.intra_group()``, ``bitscom.inter_group()``); use them for this optimizer only:
-    all of its collectives are issued from the engine's in-order later rounds, which keeps
-    their order identical on every rank.
-
-    Wire cost of the flat scheme, per rank and bucket of n elements: n·(bitwidth + 16/block_size)/8
-    bytes of all-to-all plus n/P·(stage2_bitwidth + 16/block_size)/8 of all-gather input.
+    keywords, by the same names (see the config for each trade-off). A hierarchical one also
+    needs ``intra_group`` and ``inter_group`` (``bitscom.intra_group()``, ...), for this
+    optimizer only: its collectives are issued in the engine's in-order later rounds.
 
     Example::
 
@@ -71,12 +58,9 @@ class LowBit(Compressor[LowBitState]):
         if cfg.hierarchy == "none":
             yield from all_reduce_rounds(flat, comm, cfg, state, average=True, key=layout.index)
             return
-        # The cost model's local run hands a transport that emulates the node groups (bitscom.cost.local).
-        levels = getattr(comm.transport, "levels", None)
+        levels = getattr(comm.transport, "levels", None)     # the cost model's LocalTransport
         intra, inter = levels() if levels is not None else (Comm(self.intra_group), Comm(self.inter_group))
-        # Issue nothing in the first round: every collective then runs as a later round, which the
-        # engine starts strictly in bucket order, so intra/inter groups see one order everywhere.
-        yield None
+        yield None      # nothing in round one: later rounds start in bucket order on every rank
         try:
             yield from all_reduce_rounds(flat, None, cfg, state, average=True, key=layout.index,
                                          intra=intra, inter=inter)

@@ -1,22 +1,9 @@
-"""Shared machinery of the low-rank compressors (PowerSGD, ACP-SGD).
+"""Shared machinery of the low-rank compressors (PowerSGD, ACP-SGD): each gradient of a bucket
+is a matrix M of shape (shape[0], -1), sent as factors P (n × r) and Q (m × r), M ≈ P Qᵀ.
 
-Both view each gradient of a bucket as a matrix M of shape (shape[0], -1), approximate it
-by factors P (n × r) and Q (m × r) with M ≈ P Qᵀ, and send factors instead of M. What they
-share lives here, once:
-
-* :class:`LowRankPlan` — which slots of a bucket are compressed (grouped by matrix shape so
-  same-shaped matrices go through one ``bmm``) and which travel uncompressed (1-D tensors
-  and matrices that would not shrink by ``min_compression_rate``), plus where each factor
-  sits in the fused P and Q buffers. A pure function of the layout, so identical on ranks.
-* :func:`orthogonalize` — Gram–Schmidt or QR on a batch of (n × r) factors, in place.
-* :func:`random_factors` — the initial Q, drawn from a state-owned CPU generator (the same
-  bytes on every rank and every device; the global RNG is never touched).
-* :func:`bucket_generator` — that generator, seeded from ``seed`` and the bucket index.
-* :class:`LowRankState` — the per-bucket memory both keep (step, factors, residual, generator).
-
-Factors and the uncompressed tail travel in fp32 whatever the gradient dtype: the error
-feedback residual is fp32 (see :mod:`.error_feedback`) and orthogonalizing half-precision
-factors underflows. Wire cost is therefore 4 bytes per factor element.
+The plan is a pure function of the layout and the initial factors come from a state-owned CPU
+generator, so both are identical on ranks. Factors travel in fp32 whatever the gradient dtype:
+the residual is fp32 and orthogonalizing half-precision factors underflows.
 """
 
 from __future__ import annotations
@@ -32,8 +19,8 @@ from .base import BucketLayout, Compressor, State
 from .warmup import StartIter
 from .error_feedback import ErrorFeedback
 
-__all__ = ["ORTHOGONALIZATIONS", "LowRankCompressor", "MatrixGroup", "LowRankPlan", "LowRankState", "orthogonalize", "project",
-           "random_factors", "bucket_generator", "check_low_rank_settings", "forget_if_nonfinite"]
+__all__ = ["ORTHOGONALIZATIONS", "LowRankCompressor", "MatrixGroup", "LowRankPlan", "LowRankState", "orthogonalize",
+           "project", "random_factors", "bucket_generator", "check_low_rank_settings", "forget_if_nonfinite"]
 
 ORTHOGONALIZATIONS = ("auto", "gram_schmidt", "qr")
 _HALF = (torch.float16, torch.bfloat16)
@@ -50,13 +37,11 @@ def check_low_rank_settings(settings) -> None:
 
 
 LowRankStateT = TypeVar("LowRankStateT", bound="LowRankState")
-"""The state type of a low-rank compressor (:class:`PowerSGDState`, :class:`ACPSGDState`)."""
 
 
 @dataclass(frozen=True)
 class LowRankCompressor(StartIter, Compressor[LowRankStateT]):
-    """Settings both low-rank compressors share (PowerSGD and ACP-SGD redeclare the defaults
-    of ``rank`` and ``start_iter``)."""
+    """Settings both low-rank compressors share (each redeclares ``rank`` and ``start_iter``)."""
 
     rank: int = 1
     """Approximation rank r: bytes grow linearly with r, and so does fidelity (try 1, 2, 4…)."""
@@ -76,8 +61,7 @@ class LowRankCompressor(StartIter, Compressor[LowRankStateT]):
     """Seed of the initial factors (with the bucket index); must match on ranks (checked)."""
 
     matrix_buckets = True
-    """The cost model's shape-less bucket is the most nearly square matrix (the best case of a
-    low-rank compressor; a 1-D tensor would travel uncompressed)."""
+    """The cost model's shape-less bucket is the most nearly square matrix (the best case)."""
 
     def __post_init__(self):
         check_low_rank_settings(self)
@@ -89,11 +73,8 @@ class LowRankCompressor(StartIter, Compressor[LowRankStateT]):
 
 @dataclass(frozen=True)
 class MatrixGroup:
-    """Same-shaped matrices of one bucket, processed as one (B, n, m) batch.
-
-    ``offsets`` are the slots' offsets in the flat bucket; ``p_offset``/``q_offset`` where
-    the group's (B, n, r) and (B, m, r) factors start in the fused factor buffers.
-    """
+    """Same-shaped matrices of one bucket, processed as one (B, n, m) batch: ``offsets`` in the
+    flat bucket; ``p_offset``/``q_offset`` where its factors start in the fused buffers."""
 
     n: int
     m: int
@@ -109,15 +90,11 @@ class MatrixGroup:
     @property
     def _stride(self) -> Optional[int]:
         """Distance between consecutive slots when evenly spaced (a zero-copy batch view)."""
-        if self.batch == 1:
-            return self.n * self.m
-        steps = {b - a for a, b in zip(self.offsets, self.offsets[1:])}
-        return steps.pop() if len(steps) == 1 else None
+        return self._runs[0][2] if len(self._runs) == 1 else None
 
     @cached_property
     def _runs(self) -> Tuple[Tuple[int, int, int], ...]:
-        """``(first, count, stride)``: the group cut into runs of evenly spaced slots, so every
-        run is one zero-copy (count, n, m) view (one run when the whole group is evenly spaced)."""
+        """``(first, count, stride)``: the group cut into runs of evenly spaced slots."""
         runs: List[Tuple[int, int, int]] = []
         i, size = 0, self.n * self.m
         while i < self.batch:
@@ -132,10 +109,8 @@ class MatrixGroup:
         return tuple(runs)
 
     def views(self, flat: torch.Tensor) -> List[Tuple[slice, torch.Tensor]]:
-        """Zero-copy (count, n, m) views of this group's matrices in ``flat``, one per run of
-        evenly spaced slots, each with the slice of the batch it covers: what the hot path
-        uses instead of :meth:`load`, whose stacked copy of an unevenly spaced group would
-        cost a pass over those matrices (and an allocation) every step."""
+        """Zero-copy (count, n, m) views of this group's matrices in ``flat``, one per run, each
+        with the slice of the batch it covers (no stacked copy as :meth:`load` makes)."""
         base = flat.storage_offset()
         return [(slice(i, i + count),
                  flat.as_strided((count, self.n, self.m), (stride, self.m, 1),
@@ -143,8 +118,7 @@ class MatrixGroup:
                 for i, count, stride in self._runs]
 
     def load(self, flat: torch.Tensor) -> torch.Tensor:
-        """The (B, n, m) batch of this group's matrices in ``flat``: a view when the slots
-        are evenly spaced (always for B = 1), else a stacked copy (see :meth:`store`)."""
+        """The (B, n, m) batch in ``flat``: a view when evenly spaced, else a stacked copy."""
         stride = self._stride
         if stride is not None:
             return flat.as_strided((self.batch, self.n, self.m), (stride, self.m, 1),
@@ -163,8 +137,7 @@ class MatrixGroup:
             flat[o:o + size].view(self.n, self.m).copy_(v)
 
     def _native(self, flat: torch.Tensor, *factors: torch.Tensor):
-        """The native kernels when they apply: a contiguous fp32 CPU bucket, contiguous fp32
-        factors, rank <= 64 and the library built; else None (the BLAS paths below)."""
+        """The native kernels when they apply (contiguous fp32 CPU bucket and factors, rank <= 64)."""
         if flat.device.type != "cpu" or flat.dtype != torch.float32 or not flat.is_contiguous():
             return None
         if any(f.dtype != torch.float32 or not f.is_contiguous() for f in factors):
@@ -179,8 +152,7 @@ class MatrixGroup:
         return [base + o * size for o in self.offsets]
 
     def native_applies(self, flat: torch.Tensor) -> bool:
-        """Whether :meth:`project_subtract` and :meth:`project` run the native kernels on
-        ``flat`` (what lets a caller hand them the gradient to fuse the compensate)."""
+        """Whether :meth:`project` runs the native kernels on ``flat`` (can fuse the compensate)."""
         return self._native(flat) is not None
 
     def _add(self, flat: torch.Tensor, grad: torch.Tensor) -> None:
@@ -190,11 +162,8 @@ class MatrixGroup:
 
     def project_subtract(self, flat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor,
                          transpose: bool, grad: Optional[torch.Tensor] = None) -> None:
-        """:meth:`project`, then ``flat[group] -= P Qᵀ`` with the factors just formed
-        (``transpose=False``: P = out, Q = factor; else P = factor, Q = out): error
-        feedback's update, in the same pass over each matrix on CPUs (native kernel). With
-        ``grad`` (a contiguous fp32 bucket like ``flat``), ``flat[group] += grad[group]`` first
-        (the compensate ``x = e + g``), in that pass too."""
+        """:meth:`project`, then ``flat[group] -= P Qᵀ`` with the factors just formed (error
+        feedback's update; the same pass per matrix on CPUs)."""
         native = self._native(flat, factor, out)
         if native is None or (grad is not None and self._native(grad) is None):
             if grad is not None:
@@ -209,13 +178,10 @@ class MatrixGroup:
 
     def project(self, flat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor,
                 transpose: bool, grad: Optional[torch.Tensor] = None) -> None:
-        """:func:`project` of this group's matrices in ``flat`` (``factor``/``out`` are the
-        group's (B, ·, r) factor views). On CPUs with fp32 buckets the native kernel, one pass
-        per matrix; else on CPUs run by run on zero-copy views: each matrix goes through the
-        same BLAS call as on a stacked copy (CPU ``bmm`` multiplies matrix by matrix), so the
-        factors are bitwise the same (tests/test_lowrank_fastpath.py). On GPUs one batched
-        call as before (cuBLAS may pick another kernel per batch count). With ``grad``,
-        ``flat[group] += grad[group]`` first (fused into the native pass)."""
+        """:func:`project` of this group's matrices in ``flat`` into ``out``; with ``grad``,
+        ``flat[group] += grad[group]`` first (the compensate, fused into the native pass).
+        CPU views go matrix by matrix through the same BLAS call as a stacked copy (bitwise the
+        same); GPUs keep one batched call (cuBLAS may pick another kernel per batch count)."""
         native = self._native(flat, factor, out)
         if grad is not None and (native is None or self._native(grad) is None):
             self._add(flat, grad)
@@ -232,15 +198,9 @@ class MatrixGroup:
             project(mat, factor[cut], out[cut], transpose)
 
     def set_product(self, flat: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
-        """``flat[group] = P Qᵀ``, written in place by ``bmm(out=...)`` into each run's view.
-
-        The views need not be contiguous (slots spaced by biases are not): each matrix is
-        row-major, which is all the BLAS call needs, so no temporary product and no second
-        copy pass (all of BERT-base's products on one thread: 2.39× → 2.11× the time of a
-        copy of the buckets, thread CPU time). A bucket of another dtype than the fp32
-        factors (bf16/fp16) still goes through a temporary and a casting copy; on GPUs the
-        batched call is kept as it was (same bits as before there too).
-        """
+        """``flat[group] = P Qᵀ``: the native kernel (no FMA, fixed order: the same bits on every
+        CPU), else ``bmm(out=...)`` into each run's row-major view (no temporary), else through
+        a temporary (another dtype than the fp32 factors, uneven GPU slots)."""
         native = self._native(flat, p, q)
         if native is not None:      # same bits on every CPU (no FMA, fixed order): native kernel
             for b, ptr in enumerate(self._addresses(flat)):
@@ -256,7 +216,7 @@ class MatrixGroup:
             self.store(flat, torch.bmm(p, q.transpose(1, 2)))
 
     def sub_product(self, flat: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
-        """``flat[group] -= P Qᵀ`` (the error-feedback update), fused when the slots are a view."""
+        """``flat[group] -= P Qᵀ`` (the error-feedback update)."""
         if self._stride is not None:
             self.load(flat).baddbmm_(p, q.transpose(1, 2), alpha=-1)
         else:
@@ -280,14 +240,7 @@ class LowRankPlan:
 
     A slot is compressed when it has at least 2 dimensions and
     ``(n + m) * r * min_compression_rate < n * m`` with ``r = min(n, m, rank)`` (PyTorch's
-    ``_should_compress``); everything else is averaged exactly, in the tail of the same
-    fused buffer as the factors. ``p_numel``/``q_numel`` are the fused factor sizes,
-    ``uncompressed_numel`` the tail's size.
-
-    Example::
-
-        plan = LowRankPlan(layout, rank=4, min_compression_rate=2, batch_same_shape=True)
-        plan.p_numel, plan.q_numel, plan.uncompressed_numel
+    ``_should_compress``); everything else is averaged exactly, in the fused buffer's tail.
     """
 
     def __init__(self, layout: BucketLayout, rank: int, min_compression_rate: float,
@@ -315,8 +268,7 @@ class LowRankPlan:
             q_off += len(offsets) * m * r
         self.groups: Tuple[MatrixGroup, ...] = tuple(groups)
         self.runs: Tuple[Tuple[int, int], ...] = tuple((o, k) for o, k in runs)
-        self.p_numel = p_off
-        self.q_numel = q_off
+        self.p_numel, self.q_numel = p_off, q_off
         self.uncompressed_numel = sum(k for _, k in self.runs)
         self.compressed_numel = sum(g.batch * g.n * g.m for g in self.groups)
         self.numel = layout.numel
@@ -335,11 +287,9 @@ class LowRankPlan:
         return tuple(out)
 
     def native_compensate(self, ef: ErrorFeedback, grad: torch.Tensor) -> Optional[torch.Tensor]:
-        """Error feedback's compensate split for the native kernels: when every group runs
-        them on ``grad``'s bucket, add ``grad`` into the residual everywhere *but* the
-        matrices (which the kernels add on their pass) and return the residual; else None
-        (the caller compensates the usual way). Together the same bits as
-        ``ef.compensate(grad)``."""
+        """When every group runs the native kernels on ``grad``: add ``grad`` into the residual
+        everywhere *but* the matrices (the kernels add those on their pass) and return the
+        residual; else None. Together the same bits as ``ef.compensate(grad)``."""
         if not ef.enabled or not self.groups or not all(g.native_applies(grad) for g in self.groups):
             return None
         x = ef.ensure(grad.numel(), grad.device)
@@ -368,13 +318,9 @@ class LowRankPlan:
 
 
 def project(mat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor, transpose: bool) -> None:
-    """``out = M @ factor`` (``transpose=False``: P = M Q) or ``out = Mᵀ @ factor`` (Q = Mᵀ P).
-
-    Computed as ``(factorᵀ Mᵀ)ᵀ`` and ``(factorᵀ M)ᵀ``: with a skinny factor the BLAS kernels
-    run 3–7× faster this way round on CPUs (measured on a BERT-base bucket, one thread:
-    M Q 35 ms vs 10 ms, Mᵀ P 99 ms vs 15 ms), because the big matrix is streamed along its
-    rows once instead of being read column-wise.
-    """
+    """``out = M @ factor`` (``transpose=False``: P = M Q) or ``out = Mᵀ @ factor`` (Q = Mᵀ P),
+    computed as ``(factorᵀ Mᵀ)ᵀ`` / ``(factorᵀ M)ᵀ``: 3–7× faster on CPU BLAS with a skinny
+    factor (the big matrix is streamed along its rows once)."""
     if transpose:
         out.copy_(torch.bmm(factor.transpose(1, 2), mat).transpose(1, 2))
     else:
@@ -382,11 +328,8 @@ def project(mat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor, transpos
 
 
 def _gram_schmidt(x: torch.Tensor) -> None:
-    """Modified Gram–Schmidt over the columns of each (n × r) matrix of ``x``, in place.
-
-    An all-zero column (an unused parameter's gradient) stays zero instead of becoming NaN:
-    the norm is clamped to the dtype's smallest normal number before dividing.
-    """
+    """Modified Gram–Schmidt over the columns of each (n × r) matrix of ``x``, in place; an
+    all-zero column (an unused parameter) stays zero instead of NaN (the norm is clamped)."""
     tiny = torch.finfo(x.dtype).tiny
     cols = x.shape[2]
     for i in range(cols):
@@ -399,10 +342,7 @@ def _gram_schmidt(x: torch.Tensor) -> None:
 
 def orthogonalize(x: torch.Tensor, method: str = "auto") -> None:
     """Orthonormalize the columns of each matrix in the (B, n, r) batch ``x``, in place.
-
-    ``auto`` picks Gram–Schmidt for r ≤ 2 or half precision (QR has no half kernels and is
-    slower for thin matrices) and QR otherwise. ``qr`` on half precision runs in fp32.
-    """
+    ``auto``: Gram–Schmidt for r ≤ 2 or half precision (QR has no half kernels), else QR."""
     if x.numel() == 0:
         return
     if method == "auto":
@@ -410,51 +350,38 @@ def orthogonalize(x: torch.Tensor, method: str = "auto") -> None:
     if method == "gram_schmidt":
         _gram_schmidt(x)
     elif method == "qr":
-        work = x.float() if x.dtype in _HALF else x
-        q, _ = torch.linalg.qr(work)
-        x.copy_(q)
+        x.copy_(torch.linalg.qr(x.float() if x.dtype in _HALF else x).Q)
     else:
         raise ValueError(f"orthogonalization must be one of {ORTHOGONALIZATIONS}, got {method!r}")
 
 
 def bucket_generator(seed: int, index: int) -> torch.Generator:
     """A CPU generator for bucket ``index``, seeded identically on every rank."""
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed((seed * 1_000_003 + index) % (2 ** 63))
-    return gen
+    return torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + index) % (2 ** 63))
 
 
 def random_factors(buf: torch.Tensor, groups: Sequence[MatrixGroup], which: str,
                    generator: torch.Generator, method: str) -> None:
     """Fill the ``which`` ("p" or "q") factors of ``groups`` in ``buf`` with orthonormalized
-    standard-normal draws from ``generator`` (drawn on the CPU in fp32, so every device and
-    dtype sees the same numbers)."""
-    draw = torch.randn(buf.numel(), generator=generator, dtype=torch.float32)
-    buf.copy_(draw)
+    normal draws from ``generator`` (on the CPU in fp32: the same numbers on every device)."""
+    buf.copy_(torch.randn(buf.numel(), generator=generator, dtype=torch.float32))
     for g in groups:
         orthogonalize(getattr(g, which)(buf), method)
 
 
 def forget_if_nonfinite(reduced: torch.Tensor, state: "LowRankState") -> None:
-    """After a step whose reduced factors hold NaN/Inf (an fp16 overflow on some rank, which
-    AMP's GradScaler will see in the output and skip), forget the residual and the warm start
-    so later steps start clean instead of carrying NaN forever. ``reduced`` is identical on
-    every rank, so every rank takes the same decision and draws the same fresh factors. The
-    check reads one small buffer (a host sync on GPUs, like GradScaler's own)."""
+    """After a step whose reduced factors hold NaN/Inf (which AMP's GradScaler sees in the
+    output), forget the residual and the warm start so later steps start clean; ``reduced`` is
+    identical on every rank, so every rank decides alike."""
     if not reduced.is_meta and not bool(torch.isfinite(reduced).all()):   # meta: the cost model's run
         state.ef.reset()
         state.ready = False
 
 
 class LowRankState(State):
-    """Per-bucket memory of a low-rank compressor, checkpointable.
-
-    ``step`` counts reductions (plain warm-up ones included); ``ready`` says the factors hold
-    a warm start; ``p`` is the P factors followed by the uncompressed tail (the fused round-1
-    buffer), ``q`` the Q factors, followed by a tail too when ``q_tail`` (ACP-SGD sends Q
-    steps with the uncompressed tensors); ``generator`` draws the initial Q; ``ef`` is the
-    shared :class:`ErrorFeedback` residual.
-    """
+    """Per-bucket memory of a low-rank compressor, checkpointable: ``step`` (warm-up steps
+    included), ``ready`` (the factors hold a warm start), ``p`` (P factors, then the
+    uncompressed tail), ``q`` (Q factors, with a tail too when ``q_tail``), ``generator``, ``ef``."""
 
     def __init__(self, layout: BucketLayout, plan: LowRankPlan, seed: int,
                  error_feedback: bool, q_tail: bool = False):

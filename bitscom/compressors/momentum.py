@@ -1,39 +1,11 @@
 """Momentum correction (Deep Gradient Compression, Lin et al. 2018): compress the velocity.
 
-Why: with momentum SGD, a biased compressor with error feedback sends each coordinate in
-bursts — nothing for a few steps, then the accumulated residual at once — and the momentum
-buffer *after* averaging turns every burst into a long, late push (a factor 1/(1−m) = 10 at
-m = 0.9, applied steps after the gradient that caused it). On the narrow GroupNorm ResNet of
-the convergence suite that cost Top-k 5 pp and Sign-SGD 7 pp with momentum 0.9, and nothing
-without momentum (docs/convergence.md). DGC's fix: keep the momentum on each worker, *before*
-compression, and let error feedback accumulate the velocity; the averaged result is the
-update itself, so the optimizer runs with ``momentum=0``.
+Why: with momentum *after* averaging, momentum turns each burst error feedback delivers into
+a long, late push; DGC keeps it on each rank, *before* compression (docs/compressors.md):
 
-Per bucket and step (``g`` is this rank's gradient):
-
-1. ``u = m·u + g``              — local velocity, fp32 (:class:`MomentumState`);
-2. the inner compressor reduces ``u`` (its error feedback keeps ``v += u`` and sends
-   ``C(v)``); the average over ranks becomes ``p.grad``;
-3. optionally (``masking=True``, :class:`TopK` only), momentum factor masking: ``u = 0``
-   where the inner compressor sent this step, so a coordinate just delivered is not pushed
-   on by stale momentum.
-
-Nothing dropped (``TopK(ratio=1)``, no masking) this is exactly SGD with momentum:
-the average of the ranks' velocities is the velocity of the averaged gradient.
-
-What it needs from the optimizer, checked by :class:`bitscom.DistributedOptimizer` (the only
-face that takes it, since only it sees the optimizer): a ``torch.optim.SGD`` with
-``momentum=0`` and no ``nesterov``/``maximize``. Its ``weight_decay`` is applied to the
-averaged update, *outside* the velocity (torch's SGD puts it inside, where momentum
-amplifies it by up to 1/(1−m)); to keep the same regularization strength, divide by that:
-``weight_decay = λ / (1 − m)``. Not folded into the gradient before compression on purpose:
-under ``GradScaler`` the gradient is scaled and the decay would silently shrink by the scale.
-
-Example::
-
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0, weight_decay=5e-4 / 0.1)
-    comp = bitscom.compressors.MomentumCorrection("topk", momentum=0.9)
-    opt = bitscom.DistributedOptimizer(opt, model.named_parameters(), compression=comp)
+1. ``u = m·u + g``, the local fp32 velocity (:class:`MomentumState`);
+2. the inner compressor reduces ``u``; the average becomes ``p.grad`` (the update itself);
+3. with ``masking`` (TopK only), ``u = 0`` where the inner compressor sent this step.
 """
 
 from __future__ import annotations
@@ -60,22 +32,14 @@ class MomentumState(State):
 
 @dataclass(frozen=True)
 class MomentumCorrection(Wrapper, Compressor[MomentumState]):
-    """Apply SGD momentum on each rank before ``inner`` compresses (DGC's momentum correction
-    and momentum factor masking); the optimizer then runs with ``momentum=0``.
+    """Apply SGD momentum on each rank before ``inner`` compresses; the optimizer runs with
+    ``momentum=0``.
 
     Args:
-        inner: the compressor of the velocity (an instance or a registry name; default
-            ``"topk"``). Any compressor works; error-feedback ones are what it is for.
+        inner: the compressor of the velocity (default ``"topk"``); error-feedback ones.
         momentum: the SGD momentum ``m`` in [0, 1) applied here instead of in the optimizer.
-        masking: zero the velocity where the inner compressor sent this step (DGC's momentum
-            factor masking; only with :class:`TopK`, whose sent entries are known). Off by
-            default: DGC sends 0.1% per step, where a coordinate is rarely sent; at Top-k's
-            5% each coordinate is sent every ~20 steps and masking keeps wiping its momentum.
-            On the convergence suite's ResNet it cost 3.7 pp (−6.5 pp vs −2.8 pp against
-            S-SGD, 3 seeds). ``True`` with a compressor that sends every coordinate (sign,
-            low-rank, low-bit) is a ValueError: masking would remove momentum altogether.
-
-    Wire cost: the inner compressor's (the velocity has the gradient's shape).
+        masking: zero the velocity where :class:`TopK` sent this step. Off by default: at 5% a
+            coordinate is sent every ~20 steps and masking keeps wiping its momentum.
 
     Example::
 
@@ -105,7 +69,6 @@ class MomentumCorrection(Wrapper, Compressor[MomentumState]):
                              "would remove momentum altogether. Use masking=False")
         object.__setattr__(self, "masking", masking)
 
-
     def init_state(self, layout: BucketLayout) -> MomentumState:
         return MomentumState(layout.numel, layout.device, self._inner.init_state(layout))
 
@@ -118,8 +81,7 @@ class MomentumCorrection(Wrapper, Compressor[MomentumState]):
             sent = getattr(state.inner, "last_sent", None)
             if sent is not None:                 # None on dense (warm-up) steps: keep momentum
                 u.index_fill_(0, sent, 0.0)
-        # A step AMP skips for overflow must not poison every later step (NaN/Inf already
-        # reached this step's output, where GradScaler sees it).
+        # NaN/Inf already reached this step's output (GradScaler sees it); keep later steps clean
         torch.nan_to_num_(u, nan=0.0, posinf=0.0, neginf=0.0)
 
 

@@ -2,28 +2,18 @@
 
 One step of a bucket, after ``start_iter`` plain all-reduce steps:
 
-1. With error feedback, add the residual kept from the last step: M ← M + E.
-2. Orthogonalize Q (on the first compressed step, or every step without warm start, draw
-   it from the bucket's own generator: identical on every rank).
-3. P = M Q for every compressed matrix, into one fused buffer whose tail carries the
-   uncompressed tensors (1-D ones, and those that would not shrink by
-   ``min_compression_rate``); all-reduce it (round 1).
+1. With error feedback, M ← M + E.
+2. Orthogonalize Q (drawn from the bucket's generator on the first step or without warm start).
+3. P = M Q into a fused buffer whose tail carries the uncompressed tensors; all-reduce it.
 4. Average the tail into place; orthogonalize the summed P (its scale does not matter).
-5. Q = Mᵀ P (local); the residual E = M − P Qᵀ is computed here, from the local Q, as in
-   the paper's algorithm; all-reduce the fused Q buffer (round 2).
+5. Q = Mᵀ P, and E = M − P Qᵀ from the *local* Q (as the paper; only Σ(M + E) enters the
+   factors, so torch's averaged Q gives the same trajectory); all-reduce Q.
 6. M ≈ P Qᵀ / N: the average, identical on every rank.
-
-Factors travel in fp32 whatever the gradient dtype (see :mod:`.lowrank`).
-
-Only Σ_i (M_i + E_i) enters P and Q, so computing E from the local Q (the paper) or from
-the averaged Q (PyTorch) gives the same trajectory in exact arithmetic; the local form
-makes E exactly "what this rank failed to send" and is ready before round 2 completes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 
 from .base import BucketLayout, Comm
 from .lowrank import LowRankCompressor, LowRankState, forget_if_nonfinite, \
@@ -33,17 +23,14 @@ __all__ = ["PowerSGD", "PowerSGDState"]
 
 
 class PowerSGDState(LowRankState):
-    """Per-bucket PowerSGD memory (see :class:`~bitscom.compressors.lowrank.LowRankState`):
-    ``p`` is the fused round-1 buffer (P factors, then the uncompressed tail), ``q`` the
-    fused Q factors."""
+    """Per-bucket PowerSGD memory: ``p`` is the fused round-1 buffer (P factors, then the
+    uncompressed tail), ``q`` the fused Q factors."""
 
 
 @dataclass(frozen=True)
 class PowerSGD(LowRankCompressor[PowerSGDState]):
-    """Rank-r PowerSGD with error feedback and warm start: two fused all-reduces per bucket.
-
-    Wire cost of one compressed step, per bucket (× 4 bytes: factors travel in fp32):
-    ``Σ n_i·r_i + Σ m_i·r_i + uncompressed numel`` elements, with ``r_i = min(n_i, m_i, rank)``.
+    """Rank-r PowerSGD with error feedback and warm start: two fused all-reduces per bucket
+    (bytes: docs/compressors.md).
 
     Example::
 
@@ -52,11 +39,10 @@ class PowerSGD(LowRankCompressor[PowerSGDState]):
     """
 
     rank: int = 8
-    """Approximation rank r: bytes grow linearly with r, and so does accuracy (try 1, 2, 4…).
-    With AdamW prefer 16: on the convergence suite's GPT rank 8 ended 3.4% above S-SGD's loss
-    and rank 16 0.9%, at 4.8× fewer bytes (docs/convergence.md)."""
+    """Approximation rank r: bytes and accuracy grow linearly with r; with AdamW prefer 16
+    (docs/convergence.md)."""
     start_iter: int = 10
-    """Plain all-reduce steps first (torch's hook counts the same way); full bytes during them."""
+    """Plain all-reduce steps first (torch's hook counts the same way)."""
 
     name = "powersgd"
 

@@ -1,13 +1,10 @@
-"""Compressors by name, for scripts and command lines: ``get("acpsgd", rank=4)``.
-
-A dict filled by :func:`register`, not an if/elif factory: each compressor module registers
-its own class, so adding one touches one file.
+"""Compressors by name, for scripts and command lines: ``get("acpsgd", rank=4)``. A dict filled
+by :func:`register`, not an if/elif factory, so adding a compressor touches one file.
 """
 
 from __future__ import annotations
 
 import inspect
-
 from typing import Callable, Dict
 
 from .base import Compressor
@@ -87,8 +84,7 @@ def _setting_hint(key: str, kwargs: dict) -> str:
 
 def resolve(compressor, what: str = "compression") -> Compressor:
     """A compressor instance, the one a registry name builds, or a Horovod-style codec wrapped
-    in ``HorovodAdapter``; anything else is a TypeError naming ``what`` (the caller's argument
-    name). The faces (optimizer, DDP hook) share it.
+    in ``HorovodAdapter``; anything else is a TypeError naming ``what`` (the caller's argument).
 
     Example::
 

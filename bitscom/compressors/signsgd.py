@@ -1,43 +1,12 @@
 """Sign compression: EF-SignSGD (Karimireddy et al. 2019) with blockwise scales (Zheng et al.
 2019), and signSGD with majority vote (Bernstein et al. 2018/2019).
 
-Why a scale: a bare sign throws away the gradient's magnitude, so SGD's learning rate would
-have to be retuned. Sending one fp32 scale ``s = ‖x‖₁ / d`` (the mean absolute value) per
-segment makes ``s · sign(x)`` the best scaled-sign approximation of ``x`` in the ℓ2 sense given
-the signs, and keeps dense-SGD learning rates usable.
-
-Why per block (``block_size``, default 16): a segment's entries share one magnitude, so the
-finer the segments, the less each sign message distorts. One scale per bucket mixes layers
-whose magnitudes differ by orders; one per tensor (Karimireddy et al., ``block_size=None``)
-still makes every entry of a layer the same size, and the error-feedback residual then
-carries whole stale steps that momentum amplifies: measured on the digits MLP it diverged on
-some seeds (81% ± 14 over 12 seeds). With one scale per 32 entries (Zheng et al.'s blockwise
-EF-SignSGD) the MLP reached 96.23% ± 0.51 against S-SGD's 96.37% ± 0.34 (2 bits per entry,
-16× fewer bytes), but the suite's CNN still lost 0.87 pp; 16-entry blocks (3 bits per entry,
-10.7×) lost 0.20 pp there (docs/convergence.md), so 16 is the default. Blocks never
-cross a tensor boundary: a tensor of n entries has ``ceil(n / block_size)`` scales.
-
-Wire format, per rank and bucket of d elements in S scale segments: the d sign bits as the
-low-bit format's 1-bit codes (:func:`bitscom.quantization.pack_signs`: bit ``i % 8`` of byte
-``i // 8`` is element i, a set bit means negative, so ``+0`` and ``-0`` both read as +),
-followed by the S fp32 scales: ``ceil(d / 8) + 4·S`` bytes, sent with one ``all_gather``
-(signs cannot be summed on the wire).
-
-EF-SignSGD (``majority_vote=False``, the default), per bucket and step:
-
-1. ``x = g + e``; 2. ``s_k = ‖x_k‖₁ / d_k`` for each segment k; 3. all-gather (bits, s);
-4. average: ``(1/N) Σ_r s_r · sign_r``, summed in rank order on every rank (bitwise
-   identical); 5. ``e = x − s · sign(x)``.
-
-Majority vote (``majority_vote=True``): steps 1–3 as above; then
-``result = sign(Σ_r sign_r) · (1/N) Σ_r s_r`` — the elementwise vote times the ranks' mean
-scale of the segment (a tie, possible for even N, gives 0). Bernstein et al. use
-``lr · sign(vote)``; the mean scale makes the update's size match the gradient's, so
-learning rates tuned for S-SGD carry over. Error feedback in this mode is worker-side only
-and off unless asked for (``error_feedback=None`` means on for EF-SignSGD, off for the vote).
-The vote is robust to a minority of bad ranks, but loses accuracy (digits MLP: 92.7%, −3.6
-points); under AdamW on the byte-level GPT it did better than blockwise EF (+9% vs +12%
-final loss, one seed), a trade-off docs/convergence.md shows.
+Why a scale per block: ``s · sign(x)`` with ``s = ‖x‖₁ / d`` is the best scaled-sign
+approximation and keeps S-SGD's learning rates usable; the finer the blocks, the less each
+message distorts (docs/compressors.md). Signs cannot be summed on the wire: one ``all_gather``.
+EF-SignSGD: 1. ``x = g + e``; 2. ``s_k = ‖x_k‖₁ / d_k`` per block; 3. all-gather (bits, s);
+4. ``(1/N) Σ_r s_r · sign_r`` in rank order; 5. ``e = x − s · sign(x)``. Majority vote: steps
+1–3, then ``sign(Σ_r sign_r) · mean_r s_r`` (a tie gives 0).
 """
 
 from __future__ import annotations
@@ -56,6 +25,7 @@ from .warmup import StartIter, check_start_iter
 
 __all__ = ["SignSGD", "pack_signs", "unpack_signs"]
 
+
 @functools.lru_cache(maxsize=1024)     # called every step; a bucket can hold 10⁵ blocks
 def _blocks(sizes: tuple, block: int) -> tuple:
     """Each of ``sizes`` cut into runs of ``block`` (the last run of each may be shorter)."""
@@ -67,9 +37,8 @@ def _blocks(sizes: tuple, block: int) -> tuple:
 
 @functools.lru_cache(maxsize=256)
 def _segments(sizes: tuple, device: str):
-    """``(counts, ids)`` on ``device``: each segment's element count, and each element's
-    segment index (``scales[ids]`` expands per-segment scales to elements). Cached: rebuilding
-    them is a host-to-device copy of up to 10⁵ counts every step."""
+    """``(counts, ids)`` on ``device``: each segment's element count, and each element's segment
+    index (``scales[ids]`` expands scales to elements). Cached: a host-to-device copy."""
     counts = torch.tensor(sizes, device=device)
     return counts, torch.repeat_interleave(torch.arange(len(sizes), device=device), counts,
                                            output_size=sum(sizes))
@@ -94,20 +63,14 @@ class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
     """One bit per gradient entry plus one fp32 scale per 16-entry block, with error feedback.
 
     Args:
-        error_feedback: keep ``x − s·sign(x)`` and add it to the next gradient. Needed for
-            EF-SignSGD to converge like SGD (plain scaled sign is biased). ``None`` (the
-            default) means on without majority vote and off with it.
-        majority_vote: ``False`` (default): average the ranks' scaled signs (EF-SignSGD).
-            ``True``: the elementwise majority of the signs times the mean scale (signSGD
-            with majority vote: robust to a minority of bad ranks, less accurate).
-        block_size: entries per scale, blocks inside each tensor (default 16: 3 bits per
-            entry on the wire, 10.7× fewer bytes than fp32; 32 halves the scales' cost, 16×,
-            and lost 0.9 pp instead of 0.2 on the suite's CNN); ``None``: one scale per
-            tensor (1 bit per entry, ~32×, diverged on some seeds with momentum SGD).
-        start_iter: plain all-reduce of the bucket (its dtype, full bytes) for the first
-            ``start_iter`` steps of the bucket. With Adam, pair it with
-            :class:`bitscom.FrozenVarianceAdamW` (``freeze_step == start_iter``), the recipe
-            of 1-bit Adam.
+        error_feedback: keep ``x − s·sign(x)`` for the next gradient (scaled sign is biased
+            without it). ``None`` (default): on without majority vote, off with it.
+        majority_vote: ``True``: the elementwise majority of the signs times the mean scale
+            (robust to a minority of bad ranks, less accurate); ``False``: EF-SignSGD.
+        block_size: entries per scale, inside each tensor (16: 3 bits per entry, 10.7× fewer
+            bytes than fp32); ``None``: one per tensor (~32×, diverged on some seeds).
+        start_iter: plain all-reduce steps first; with Adam pair it with
+            :class:`bitscom.FrozenVarianceAdamW` (``freeze_step == start_iter``), as 1-bit Adam.
 
     Example::
 
@@ -132,18 +95,15 @@ class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
     @property
     def uses_error_feedback(self) -> bool:
         """The effective setting: ``error_feedback`` with ``None`` resolved."""
-        if self.error_feedback is None:
-            return not self.majority_vote
-        return self.error_feedback
+        return not self.majority_vote if self.error_feedback is None else self.error_feedback
 
     def init_state(self, layout: BucketLayout) -> SteppedErrorFeedback:
         return SteppedErrorFeedback.for_layout(layout, enabled=self.uses_error_feedback)
 
     @staticmethod
     def encode(x: torch.Tensor, sizes) -> torch.Tensor:
-        """The wire record of ``x``: packed signs, then one fp32 scale ``‖x_t‖₁/d_t`` per
-        segment of ``sizes`` (element counts summing to ``x.numel()``: tensors, or blocks of
-        them), as uint8. One vectorized pass: a bucket may hold tens of thousands of blocks."""
+        """The wire record of ``x`` (uint8): packed signs, then one fp32 scale ``‖x_t‖₁/d_t`` per
+        segment of ``sizes`` (element counts summing to ``x.numel()``)."""
         counts, ids = _segments(tuple(sizes), str(x.device))
         sums = torch.zeros(len(sizes), dtype=torch.float32, device=x.device)
         sums.index_add_(0, ids, x.abs().float())
@@ -152,16 +112,14 @@ class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
 
     @staticmethod
     def decode(record: torch.Tensor, sizes, numel: Optional[int] = None):
-        """``(signs ±1 fp32, per-tensor scales fp32)`` of one wire record (``numel``: ``sum(sizes)``,
-        given by callers that decode many records)."""
+        """``(signs ±1 fp32, per-segment scales fp32)`` of one wire record (``numel``: ``sum(sizes)``)."""
         numel = sum(sizes) if numel is None else numel
         nbytes = -(-numel // 8)
         scales = record[nbytes:].clone().view(torch.float32)     # clone: 4-byte aligned
         return unpack_signs(record[:nbytes], numel), scales
 
     def _sizes(self, layout: BucketLayout, numel: int) -> tuple:
-        """Element counts of the scale segments: each tensor of the bucket, cut into runs of
-        ``block_size`` (the last run of a tensor may be shorter) when that is set."""
+        """Element counts of the scale segments: each tensor, cut into ``block_size`` runs if set."""
         sizes = tuple(s.numel for s in layout.slots)
         if not sizes or sum(sizes) != numel:
             sizes = (numel,)
@@ -205,11 +163,9 @@ class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
 
     def _reduce_native(self, native, flat, sizes, state, comm: Comm):
-        """EF-SignSGD's steps 1-5 in two fused passes of the native CPU kernels (compensate,
-        encode and residual update in one; the rank-order decode-sum and the division by the
-        world size straight into ``flat`` in the other), into byte buffers kept between steps:
-        the same bytes, results and residual as the torch path (tests/test_topk_sign.py,
-        tests/test_codec_fastpaths.py), without its ~12 passes and per-element temporaries."""
+        """EF-SignSGD's steps in two fused passes of the native CPU kernels (compensate, encode
+        and residual update; then the rank-order decode-sum into ``flat``): the same bytes,
+        results and residual as the torch path, without its ~12 passes and temporaries."""
         numel = flat.numel()
         if state.enabled:
             if state.residual is None:

@@ -1,24 +1,8 @@
 """Top-k sparsification with error feedback (Aji & Heafield 2017; Stich et al. 2018).
 
-Why all-gather and not all-reduce: each rank keeps a different set of coordinates, so the
-sparse vectors cannot be summed on the wire. With the same k on every rank every message has
-the same size, so one ``all_gather`` of fixed-size (values, indices) records suffices and no
-size exchange round is needed.
-
-Algorithm, per bucket and step:
-
-1. ``x = g + e`` (error feedback, :class:`~bitscom.compressors.error_feedback.ErrorFeedback`);
-2. pick the ``k = ceil(ratio · numel)`` entries of largest ``|x|``;
-3. all-gather one record per rank: k fp32 values followed by k indices (int32 while the
-   bucket has < 2³¹ elements, else int64), in one buffer;
-4. every rank adds rank 0's values into a zero dense buffer, then rank 1's, … (indices are
-   unique within a rank, so each addition is a gather-add-scatter with no races) — the same
-   order everywhere, hence bitwise-identical results — and divides by N;
-5. ``e = x − (x at the chosen indices)``: the sent entries are zeroed in the residual.
-
-Wire cost per rank and step: ``k · (4 + 4)`` bytes (``k · (4 + 8)`` for buckets of ≥ 2³¹
-elements), against ``4 · numel`` for fp32 all-reduce. The receive side grows with N (each
-rank receives N·k records), which is top-k's weakness on many ranks.
+Why all-gather: each rank keeps different coordinates, so sparse vectors cannot be summed on
+the wire; with the same k everywhere one ``all_gather`` of fixed-size (values, indices) records
+suffices. Every rank adds the records in rank order (bitwise identical) and divides by N.
 """
 
 from __future__ import annotations
@@ -38,8 +22,6 @@ from ..lowbit.error_feedback import SteppedErrorFeedback
 __all__ = ["TopK"]
 
 _INT32_LIMIT = 2 ** 31 - 1
-
-
 SELECTIONS = ("exact", "sampled")
 _SAMPLE_FRACTION, _SAMPLE_MIN, _MARGIN = 0.01, 4096, 1.25
 
@@ -53,8 +35,7 @@ def _native_for(x: torch.Tensor):
 
 
 def _native_topk(x: torch.Tensor):
-    """The native selection kernel when it applies to ``x`` (contiguous fp32 on the CPU, fewer
-    than 2³¹ entries), else None."""
+    """The native selection kernel when it applies to ``x`` (as above, < 2³¹ entries), else None."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
         return None
     from ..kernels import cpu_native
@@ -68,13 +49,9 @@ def _exact_topk(mag: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _sampled_topk(mag: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest of ``mag`` (the same set as :func:`_exact_topk` up to ties),
-    found among the entries above a threshold read off a strided sample (DGC, Lin et al. 2018).
-
-    Every entry of the true top k is >= the k-th largest value; whenever at least k entries
-    pass the threshold, that value is >= the threshold, so the top k are all candidates and
-    topk over the candidates finds them. The threshold sits at the sample's
-    ``_MARGIN * k / n`` quantile, so about ``1.25 k`` pass; otherwise the exact path runs."""
+    """Indices of the ``k`` largest of ``mag`` among the entries above a threshold read off a
+    strided sample (DGC): whenever at least k pass, the top k are all among them (the same set
+    as :func:`_exact_topk` up to ties); else the exact path runs."""
     n = mag.numel()
     stride = max(1, n // max(_SAMPLE_MIN, math.ceil(n * _SAMPLE_FRACTION)))
     if stride == 1 or k * _MARGIN >= n:
@@ -93,37 +70,15 @@ class TopK(StartIter, Compressor[SteppedErrorFeedback]):
     """Send the ``ratio`` fraction of largest-magnitude gradient entries (values + indices).
 
     Args:
-        ratio: fraction of each bucket's entries sent, in (0, 1]. Smaller sends less
-            (``8·k`` bytes vs ``4·numel``) but delays more of the gradient in the residual.
-            The default 0.05 (10× fewer bytes) stays within 0.1 pp of S-SGD on the digits
-            test, where the literature's 0.01 (50× fewer) lost 1 pp (docs/convergence.md);
-            both need error feedback. 1 sends everything (exact, 2× fp32's bytes).
-        error_feedback: keep the unsent entries and add them to the next gradient. Without
-            it the small coordinates are never updated.
-        per_tensor: pick ``ceil(ratio · numel)`` entries of *each* tensor of the bucket (DGC's
-            layer-wise selection) instead of the bucket's largest overall. With one pick per
-            bucket, tensors whose gradients are small next to the others' (narrow layers,
-            norm gains) are starved and then delivered in rare, stale bursts; per tensor,
-            every layer moves every step. Same wire format and about the same bytes (each
-            tensor's count is rounded up).
-        selection: how the ``k`` entries are found. ``"exact"`` (default): ``torch.topk`` over
-            the whole bucket. ``"sampled"`` (DGC-style, opt-in): a threshold from every
-            ``stride``-th magnitude (about 1% of the bucket, at least 4096), a little below the
-            sample's top-``ratio`` quantile, then ``torch.topk`` over the few entries above it
-            only; if fewer than ``k`` pass, the exact selection runs. It picks the same entries as
-            ``"exact"`` (up to ties at the k-th magnitude), so the average and the residual are
-            the same, at a fraction of the compute; only the order of the records on the wire
-            differs. Deterministic (no random numbers). On the CPU with fp32 buckets and the
-            native library (the usual case) both settings run one native kernel instead: the
-            sampled threshold, then an exact selection among the candidates (all entries when
-            too few pass), the sparse error-feedback update fused in, records in ascending index
-            order; the same entries as ``torch.topk`` (lower index first among equal
-            magnitudes), about 5× less compute per BERT-base step (docs/benchmarks.md).
-        start_iter: plain all-reduce of the bucket (its dtype, full bytes) for the first
-            ``start_iter`` steps of the bucket, as PowerSGD's warm-up and DGC's. With Adam,
-            pair it with :class:`bitscom.FrozenVarianceAdamW` (``freeze_step ==
-            start_iter``): Adam's variance of error-fed sparse updates is wrong
-            (docs/convergence.md).
+        ratio: fraction of each bucket's entries sent, in (0, 1]: fewer bytes against more of
+            the gradient delayed in the residual; 1 is exact.
+        error_feedback: keep the unsent entries (without it small coordinates never move).
+        per_tensor: pick ``ceil(ratio · numel)`` of *each* tensor (DGC's layer-wise selection),
+            so tensors with small gradients are not starved.
+        selection: ``"exact"`` or ``"sampled"`` (the same set from the entries above a
+            sampled threshold: less compute; only the records' order differs).
+        start_iter: plain all-reduce steps first; with Adam pair it with
+            :class:`bitscom.FrozenVarianceAdamW` (``freeze_step == start_iter``).
 
     Example::
 
@@ -146,19 +101,15 @@ class TopK(StartIter, Compressor[SteppedErrorFeedback]):
         choice("TopK selection", self.selection, SELECTIONS)
 
     def k_for(self, numel: int) -> int:
-        """Entries sent for a bucket of ``numel`` elements: ``ceil(ratio · numel)``, at least 1.
-
-        The ratio is read as the nearest fraction with a denominator ≤ 10⁹, so 0.01 × 100
-        is exactly 1 and not 2 through binary rounding.
-        """
+        """Entries sent for a bucket of ``numel`` elements: ``ceil(ratio · numel)``, at least 1
+        (the ratio read as a fraction, so 0.01 × 100 is exactly 1, not 2 by binary rounding)."""
         if numel == 0:
             return 0
         exact = Fraction(self.ratio).limit_denominator(10 ** 9) * numel
         return max(1, min(numel, math.ceil(exact)))
 
     def k_of(self, layout: BucketLayout) -> int:
-        """Entries one rank sends per compressed step of ``layout``: :meth:`k_for` of the
-        bucket, or with ``per_tensor`` the sum of :meth:`k_for` of each tensor."""
+        """Entries one rank sends per compressed step of ``layout`` (``per_tensor``: summed per tensor)."""
         if not self.per_tensor:
             return self.k_for(layout.numel)
         return sum(self.k_for(s.numel) for s in layout.slots)
@@ -236,11 +187,9 @@ def _keep_residual(state, native, indices, values) -> None:
 
 
 def _sum_into(flat, gathered, k: int, index_dtype, native) -> bool:
-    """Average every rank's (values, indices) record into ``flat``, in rank order (bitwise the
-    same on every rank); returns whether any rank sent NaN/Inf.
-
-    Sums into the bucket itself when it is fp32 (its values were read before the all-gather):
-    the same zeros-then-adds as a separate dense buffer, without a bucket-sized allocation."""
+    """Average every rank's (values, indices) record into ``flat`` in rank order (bitwise the
+    same on every rank; in place when fp32, whose values were read before the all-gather);
+    returns whether any rank sent NaN/Inf."""
     size, numel = gathered.shape[0], flat.numel()
     in_place = flat.dtype == torch.float32 and flat.is_contiguous()
     dense = flat.view(-1).zero_() if in_place else torch.zeros(numel, dtype=torch.float32, device=flat.device)

@@ -1,12 +1,10 @@
 """Warm-up: the first ``start_iter`` steps of a bucket are a plain exact average (full bytes,
 its own dtype), then the compressor runs.
 
-Why: compressing from the first step hurts where the gradient changes fastest (PowerSGD and
-torch's hook warm up; DGC and 1-bit Adam too). The rule was written in five compressors; it
-is written once here. :class:`WarmUp` composes it around any compressor, like
-:class:`~bitscom.compressors.Exclude`; the ``start_iter=`` settings of PowerSGD, ACP-SGD,
-Top-k and Sign-SGD run it through :class:`StartIter`, counting in the compressor's own
-state so earlier checkpoints load unchanged. An empty bucket has no step.
+Why: compressing from the first step hurts where the gradient changes fastest (PowerSGD, DGC
+and 1-bit Adam warm up). Written once: :class:`WarmUp` around any compressor, :class:`StartIter`
+for the ``start_iter=`` settings (counted in the compressor's own state). An empty bucket has
+no step.
 """
 
 from __future__ import annotations
@@ -30,13 +28,7 @@ def check_start_iter(owner: str, value) -> None:
 def warm_up(start_iter: int, state: Any, flat: torch.Tensor, comm: Comm,
             compressed: Iterator[Any]) -> Iterator[Any]:
     """Round generator: count the step in ``state.step``; before ``start_iter`` the plain
-    average of ``flat``, from then on the ``compressed`` rounds (a generator not yet started:
-    it is dropped unrun during warm-up).
-
-    Example::
-
-        yield from warm_up(10, state, flat, comm, inner.reduce(flat, layout, state.inner, comm))
-    """
+    average of ``flat``, then the ``compressed`` rounds (a generator not yet started)."""
     if flat.numel() == 0:
         yield from compressed
         return
@@ -48,17 +40,8 @@ def warm_up(start_iter: int, state: Any, flat: torch.Tensor, comm: Comm,
 
 
 class StartIter:
-    """A compressor's ``start_iter=`` setting: :func:`warm_up` around its ``compressed(flat,
-    layout, state, comm)`` rounds, counted in its own ``state.step`` (which they may read:
-    ACP-SGD alternates on it). A mixin, listed before :class:`Compressor`.
-
-    Example::
-
-        @dataclass(frozen=True)
-        class Halves(StartIter, Compressor):
-            start_iter: int = 0
-            def compressed(self, flat, layout, state, comm): ...
-    """
+    """Mixin (before :class:`Compressor`) for a ``start_iter=`` setting: :func:`warm_up` around
+    its ``compressed(flat, layout, state, comm)`` rounds, counted in its own ``state.step``."""
 
     start_iter: int
     compressed: Any
@@ -79,9 +62,7 @@ class WarmUpState(State):
 class WarmUp(Wrapper, Compressor[WarmUpState]):
     """A plain exact average for the first ``start_iter`` steps of each bucket, then ``inner``.
 
-    Args:
-        inner: the compressor after the warm-up (an instance or a registry name).
-        start_iter: warm-up steps, an int >= 0.
+    ``inner``: an instance or a registry name; ``start_iter``: warm-up steps, an int >= 0.
 
     Example::
 
@@ -104,7 +85,6 @@ class WarmUp(Wrapper, Compressor[WarmUpState]):
                              f"get no momentum. Put it outside: MomentumCorrection(WarmUp(...)), got {inner!r}")
         check_start_iter("WarmUp", self.start_iter)
         object.__setattr__(self, "inner", inner)
-
 
     def init_state(self, layout: BucketLayout) -> WarmUpState:
         return WarmUpState(self._inner.init_state(layout))

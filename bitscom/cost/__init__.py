@@ -1,16 +1,7 @@
 """bitscom.cost: an alpha-beta-gamma model of a data-parallel step, calibrated on the real
-group and device. See docs/cost_model.md.
-
-* :class:`Link`, :class:`Topology`: the network (latency, bandwidth; intra/inter node);
-* :class:`Round`, :func:`rounds_of`, :func:`rounds_for`, :func:`sent_bytes`: the collectives one
-  bucket costs with a compressor, in the bytes :class:`bitscom.comm.Comm` counts, learned by
-  running its ``reduce`` on a :class:`LocalTransport`;
-* :func:`round_seconds`: the time of one collective on a topology;
-* :func:`probe_link`, :func:`fit_link`, :func:`calibrate_link`, :func:`time_codec`:
-  calibration;
-* :func:`predict_step`: a step with backward overlap;
-* :class:`Auto`: ``compression="auto"``, the compressor the model predicts fastest per bucket
-  (registered under that name here: it builds on the model, which builds on the compressors).
+group and device (docs/cost_model.md): links and topologies, the rounds a compressor issues
+(learned by running it on a :class:`LocalTransport`), their times, calibration, whole-step
+prediction with backward overlap, and :class:`Auto` (``compression="auto"``, registered here).
 
 Example::
 
@@ -28,7 +19,7 @@ from .local import LocalTransport, recorded_rounds
 from .predict import Prediction, bucket_seconds, predict_step, ready_times
 from .rounds import Round, layout_of, rounds_for, rounds_of, sent_bytes
 
-__all__ = ["Auto", "candidates_for", "Link", "Topology", "Round", "rounds_for", "rounds_of", "sent_bytes", "round_seconds", "layout_of", "probe_link",
-           "fit_link", "calibrate_link", "parse_samples", "time_codec", "predict_step", "Prediction",
-           "ready_times", "bucket_seconds", "LocalTransport", "recorded_rounds",
+__all__ = ["Auto", "candidates_for", "Link", "Topology", "Round", "rounds_for", "rounds_of", "sent_bytes",
+           "round_seconds", "layout_of", "probe_link", "fit_link", "calibrate_link", "parse_samples", "time_codec",
+           "predict_step", "Prediction", "ready_times", "bucket_seconds", "LocalTransport", "recorded_rounds",
            "choose_fusion_threshold_mb", "auto_fusion_threshold_mb", "CANDIDATE_MB"]

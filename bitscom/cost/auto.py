@@ -1,26 +1,11 @@
 """``compression="auto"``: per bucket, the compressor the calibrated cost model predicts to be
 fastest on this group and device, never one predicted slower than the plain all-reduce.
 
-Per bucket, steps 0 … ``probe_steps - 1`` are plain all-reduces (the exact S-SGD average)
-that also probe the link: step ``s`` reduces the bucket in ``2**s`` contiguous pieces, each
-timed to completion, giving ``(nbytes, seconds)`` samples of growing size on the real group
-for this bucket (step 0 is the untimed warm-up). At step ``probe_steps``:
-
-1. every rank times each candidate's codec on this bucket on this device at the same moment
-   (network excluded: :func:`bitscom.cost.time_codec`, the median of a few runs), and the
-   slowest rank's times are kept (one all-reduce of a few numbers): ranks that share cores
-   contend here as they do inside a step;
-2. group rank 0 fits ``alpha``/``beta`` to the samples (:func:`bitscom.cost.fit_link`; or
-   uses ``link``);
-3. rank 0 predicts each candidate's cost, codec + its rounds' alpha-beta time
-   (:func:`bitscom.cost.rounds_for`, :func:`bitscom.cost.round_seconds`) and picks the
-   smallest (:func:`decide`; ties go to the earlier candidate, ``none`` first);
-
-then broadcasts the choice through the bucket's Comm, so every rank runs the same plan. The
-choice is logged on ``logging.getLogger("bitscom")`` and kept in the bucket's state
-(checkpointed). Which candidates are allowed depends on the wrapped optimizer
-(:func:`candidates_for`): with Adam-type optimizers only those docs/convergence.md shows within
-2% of S-SGD's loss (fp16, bf16, lowbit, PowerSGD rank 16); with SGD all of them.
+Steps 0 … ``probe_steps - 1`` of a bucket are plain all-reduces that also probe the link
+(step ``s`` in ``2**s`` timed pieces; step 0 untimed). At step ``probe_steps`` every rank
+times the candidates' codecs at once (the slowest rank's times count), group rank 0 fits the
+link, predicts codec + rounds per candidate, picks the smallest (:func:`decide`) and
+broadcasts the choice, so every rank runs the same plan (docs/cost_model.md).
 """
 
 from __future__ import annotations
@@ -52,17 +37,14 @@ ADAM_SAFE = (NoneCompressor(), FP16Compressor(), BF16Compressor(), LowBit(),
              PowerSGD(rank=16, start_iter=0))
 """Within 2% of S-SGD's loss with AdamW on the convergence suite (docs/convergence.md)."""
 SGD_SAFE = ADAM_SAFE + (PowerSGD(),)
-"""Within 0.5 pp of S-SGD on every SGD task of the convergence suite (docs/convergence.md):
-ACP-SGD, Top-k and Sign-SGD lose 4-6 pp on its narrow ResNet, so auto never picks them for
-you; pass ``Auto(candidates=SGD_ALL)`` to let it."""
+"""Within 0.5 pp of S-SGD on every SGD task of the convergence suite (docs/convergence.md)."""
 SGD_ALL = SGD_SAFE + (ACPSGD(), TopK(), SignSGD())
-"""Every compressor (ask for it explicitly: some cost accuracy, see :data:`SGD_SAFE`)."""
+"""Every compressor: ACP-SGD, Top-k and Sign-SGD lose 4-6 pp on the suite's narrow ResNet."""
 
 
 def candidates_for(optimizer) -> tuple:
     """The candidates ``compression="auto"`` may choose from with ``optimizer``:
-    :data:`SGD_SAFE` for ``torch.optim.SGD``, :data:`ADAM_SAFE` for anything else (the safe
-    side).
+    :data:`SGD_SAFE` for ``torch.optim.SGD``, :data:`ADAM_SAFE` for anything else.
 
     Example::
 
@@ -72,8 +54,8 @@ def candidates_for(optimizer) -> tuple:
 
 
 def labels(candidates: Sequence[Compressor]) -> list:
-    """Short readable names for ``candidates``: the registry name, plus the settings that tell
-    apart candidates sharing it (``SGD_SAFE`` holds two PowerSGDs).
+    """Short names for ``candidates``: the registry name, plus the settings that tell apart
+    candidates sharing it.
 
     Example::
 
@@ -93,8 +75,7 @@ def labels(candidates: Sequence[Compressor]) -> list:
 
 
 def decide(costs: Sequence[float]) -> int:
-    """Index of the cheapest predicted cost; ties (and NaN) resolve to the earlier candidate,
-    so with ``none`` first nothing is chosen unless it is predicted strictly faster.
+    """Index of the cheapest predicted cost; ties (and NaN) resolve to the earlier candidate.
 
     Example::
 
@@ -137,8 +118,7 @@ class AutoState(State):
 
 
 def _completion_clock(work, clock) -> list:
-    """A list that receives ``clock()`` when ``work`` completes (its future's callback runs on
-    completion); stays empty for a work without a future."""
+    """A list that receives ``clock()`` when ``work``'s future completes (stays empty without one)."""
     cell: list = []
     get_future = getattr(work, "get_future", None)
     if get_future is not None:
@@ -152,13 +132,10 @@ def _completion_clock(work, clock) -> list:
 def _timed_plain(flat: torch.Tensor, comm: Comm, pieces: int, samples: Optional[list],
                  clock=time.perf_counter):
     """Round generator: the plain average of ``flat`` in ``pieces`` all-reduces, each timed
-    from its issue to its completion.
+    from its issue to its completion (or, without a future, to the resume: an upper bound).
 
-    Each piece is yielded, never waited on here: a wait inside a round blocks this rank's
-    backward, and where ranks launch buckets at different moments (a parameter unused on one
-    rank) each rank then blocks on a collective the other has not issued yet. The completion
-    time comes from the work's future; where the callback has not run (or there is no future)
-    it is the moment the driver resumed this round, an upper bound.
+    Never waited on here: where ranks launch buckets at different moments (a parameter unused
+    on one rank) a wait would block on a collective the other rank has not issued yet.
     """
     bounds = [flat.numel() * i // pieces for i in range(pieces + 1)]
     for s, t in zip(bounds, bounds[1:]):
@@ -196,8 +173,7 @@ class Auto(Compressor):
     name = "auto"
 
     def __post_init__(self):
-        # Every setting is checked here, on every rank alike: a bad one found only at the
-        # decision step used to raise on rank 0 alone and leave the others at a dead peer.
+        # checked here, on every rank alike, not at the decision step on rank 0 alone
         cands = self.candidates
         if not isinstance(cands, (tuple, list)) or not cands \
                 or not all(isinstance(c, Compressor) for c in cands):
@@ -217,10 +193,8 @@ class Auto(Compressor):
         return AutoState(layout, self.candidates)
 
     def codec_times(self, layout: BucketLayout, world: int, grad: Optional[torch.Tensor] = None) -> list:
-        """Seconds of each candidate's codec for one bucket on this rank (``none``: 0, its
-        cost is all in the measured link fit). Timed as the median of a few runs: during the
-        decision every rank runs this at the same moment, so ranks sharing cores contend as
-        they do inside a step, and that contention is part of what the step will cost."""
+        """Seconds of each candidate's codec for one bucket on this rank (``none``: 0), the median
+        of a few runs: every rank runs this at once, so contention for shared cores counts."""
         out = []
         for comp in self.candidates:
             if isinstance(comp, NoneCompressor):
@@ -233,8 +207,8 @@ class Auto(Compressor):
 
     def costs(self, layout: BucketLayout, world: int, link, grad: Optional[torch.Tensor] = None,
               codec: Optional[Sequence[float]] = None) -> list:
-        """Predicted seconds per candidate for one bucket: codec time (``codec``, or timed
-        here by :meth:`codec_times`) + the alpha-beta time of its rounds."""
+        """Predicted seconds per candidate for one bucket: codec time (``codec``, or
+        :meth:`codec_times`) + the alpha-beta time of its rounds."""
         topo = Topology.flat(world, link)
         shapes = [s.shape for s in layout.slots]
         if codec is None:
@@ -246,15 +220,12 @@ class Auto(Compressor):
         return out
 
     def _decide_rounds(self, flat, layout, state: AutoState, comm: Comm):
-        """Rounds: every rank times the codecs at once and the slowest rank's times count
-        (a step waits for its slowest rank; timing rank 0 alone while the others sat in a
-        collective gave it the machine's cores to itself and made expensive codecs look cheap
-        where ranks share cores); rank 0 then decides and everyone receives the choice.
+        """Rounds: every rank times the codecs at once and the slowest rank's times count (a
+        step waits for its slowest rank); rank 0 decides and broadcasts the choice.
 
-        A failure on one rank reaches every rank through the same two collectives (the
-        bytes do not change): a rank whose codec timing failed sends +inf for every
-        candidate, and rank 0 broadcasts the choice -1 when its decision failed; then every
-        rank raises instead of one raising and the others waiting on a dead peer."""
+        A failure reaches every rank through the same two collectives: a rank whose timing
+        failed sends +inf, rank 0 broadcasts -1 when its decision failed; then every rank
+        raises instead of the others waiting on a dead peer."""
         error: Optional[BaseException] = None
         try:
             times = self.codec_times(layout, comm.size, flat.detach().clone())
@@ -305,7 +276,7 @@ class Auto(Compressor):
     @staticmethod
     def plan(states: Sequence[Any]) -> list:
         """The chosen compressor's name per bucket (``None`` while undecided), from the
-        optimizer's per-bucket states: what ``comm_stats()["auto_plan"]`` shows.
+        optimizer's per-bucket states (``comm_stats()["auto_plan"]``).
 
         Example::
 

@@ -1,14 +1,6 @@
-"""Calibration: the link from a short probe of the real group, the codec from timings on the
-device in use. Nothing here is assumed; everything is measured or fitted.
-
-* :func:`probe_link` times a few all-reduces of growing size on the group (after one
-  untimed warm-up each) and returns ``(nbytes, seconds)`` samples;
-* :func:`fit_link` fits ``alpha`` and ``beta`` to such samples by least squares on the
-  ring formula ``t = 2(p-1)·alpha + 2(p-1)/p·n·beta`` (clamped at 0);
-* :func:`calibrate_link` does both on one rank and broadcasts the result, so every rank
-  holds the same :class:`Link` (decisions built on it stay identical);
-* :func:`time_codec` times a compressor's compute for one bucket with the network taken
-  out (:class:`~bitscom.cost.local.LocalTransport`): quantize, pack, factorize, decode.
+"""Calibration: the link from a short probe of the real group (:func:`probe_link`, fitted to
+the ring formula by :func:`fit_link`, broadcast by :func:`calibrate_link`), the codec from
+timings on the device in use with the network taken out (:func:`time_codec`).
 """
 
 from __future__ import annotations
@@ -35,8 +27,7 @@ DEFAULT_SIZES = tuple(1 << k for k in range(12, 23, 2))   # 4 KiB … 4 MiB
 
 def _samples(samples) -> List[Tuple[float, float]]:
     """``samples`` as float pairs, checked: at least one, each ``(nbytes, seconds)`` with an int
-    nbytes >= 0 and a finite seconds >= 0 (a NaN or negative time used to fit a NaN or
-    negative link, or one far off with no word why)."""
+    nbytes >= 0 and a finite seconds >= 0."""
     pts = list(instance("samples", samples, Iterable, "a list of (nbytes, seconds) pairs"))
     if not pts:
         raise ValueError(f"fit_link samples must hold at least one (nbytes, seconds) pair, got {samples!r}")
@@ -55,8 +46,7 @@ def _probe_settings(sizes, repeats) -> None:
 
 def fit_link(samples: Iterable[Tuple[float, float]], world: int, kind: str = "all_reduce") -> Link:
     """Least-squares ``Link`` from ``(nbytes, seconds)`` samples of ``kind`` collectives on
-    ``world`` ranks (nbytes as Comm counts them). With one distinct size there is no slope to
-    fit: the time is charged to bandwidth alone (``alpha = 0``).
+    ``world`` ranks (nbytes as Comm counts them); one distinct size is charged to bandwidth.
 
     Example::
 
@@ -85,8 +75,8 @@ def fit_link(samples: Iterable[Tuple[float, float]], world: int, kind: str = "al
 
 
 def parse_samples(text: str) -> List[Tuple[int, float]]:
-    """``(nbytes, seconds)`` samples from CSV text with a ``nbytes,seconds`` header (what
-    ``scripts/validate_cost.py --probe-out`` writes); blank lines and ``#`` comments skipped.
+    """``(nbytes, seconds)`` samples from CSV text with a ``nbytes,seconds`` header
+    (``scripts/validate_cost.py --probe-out``); blank lines and ``#`` comments skipped.
 
     Example::
 
@@ -111,9 +101,8 @@ def parse_samples(text: str) -> List[Tuple[int, float]]:
 
 def probe_link(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 3,
                clock: Callable[[], float] = time.perf_counter) -> List[Tuple[int, float]]:
-    """Time all-reduces of ``sizes`` bytes (fp32 buffers) on ``group``: ``repeats`` timed
-    runs of each after one untimed warm-up; returns ``(nbytes, seconds)`` with the minimum
-    over the repeats (the least disturbed run). Every rank of the group must call it.
+    """``(nbytes, seconds)`` of all-reduces of ``sizes`` bytes on ``group``: the minimum of
+    ``repeats`` timed runs after one warm-up. Every rank of the group must call it.
 
     Example::
 
@@ -157,8 +146,7 @@ def calibrate_link(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: in
 
 
 def _codec_settings(compressor, layout, world, repeats, warmup, with_copies) -> None:
-    """:func:`time_codec`'s arguments, each named when bad (``repeats=0`` used to end in
-    ``min() arg is an empty sequence``, ``world=0`` in a time for no group at all)."""
+    """:func:`time_codec`'s arguments, each named when bad."""
     instance("compressor", compressor, Compressor, "a bitscom compressor (bitscom.compressors.get(name))")
     instance("layout", layout, BucketLayout, "a BucketLayout (bitscom.cost.layout_of(numel))")
     check_world(world)
@@ -170,17 +158,11 @@ def _codec_settings(compressor, layout, world, repeats, warmup, with_copies) -> 
 def time_codec(compressor: Compressor, layout: BucketLayout, world: int, grad: Optional[torch.Tensor] = None,
                repeats: int = 3, warmup: int = 2, clock: Callable[[], float] = time.perf_counter,
                with_copies: bool = False, statistic: Callable[[List[float]], float] = min) -> float:
-    """Seconds of ``compressor``'s compute for one bucket on ``world`` ranks, network excluded:
-    its rounds run over a :class:`~bitscom.cost.local.LocalTransport` on this device.
-    ``warmup`` untimed steps first (they pass first-step factor draws), plus the compressor's
-    own ``start_iter`` plain all-reduce steps (PowerSGD's default 10: timing those measured
-    0.9 ms for a bucket whose compressed step costs tens), then ``statistic`` (the minimum) of ``repeats``
-    timed steps. A hierarchical compressor is timed as its flat form. ``with_copies`` adds
-    the two copies the optimizer makes around every compressor (gradients into the bucket,
-    the result back to ``.grad``), which a whole-step prediction must charge: on 2 gloo
-    ranks they were most of the uncompressed run's 5.6 ms of bitscom CPU per step.
-    ``statistic`` reduces the timed runs (``min``: the least disturbed; ``statistics.median``
-    where contention with other ranks on the same cores is part of the cost to predict).
+    """Seconds of ``compressor``'s compute for one bucket on ``world`` ranks, network excluded
+    (a :class:`~bitscom.cost.local.LocalTransport` on this device): ``statistic`` of
+    ``repeats`` timed steps after ``warmup`` untimed ones and the compressor's own
+    ``start_iter`` steps. A hierarchical compressor is timed flat. ``with_copies`` adds the
+    two copies the optimizer makes around every compressor (bucket fill, write-back).
 
     Example::
 

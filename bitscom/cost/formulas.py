@@ -1,16 +1,6 @@
-"""Alpha-beta time of one collective, from the bytes :class:`bitscom.comm.Comm` counts.
-
-``Round.nbytes`` is what this rank hands to the collective (Comm's count: the input buffer).
-What the wire carries per rank differs, and these are the standard bandwidth-optimal
-algorithms (ring / pairwise exchange; Thakur, Rabenseifner & Gropp 2005) on ``p`` ranks:
-
-* all_reduce of n bytes (ring: reduce-scatter + all-gather): ``2(p-1)`` messages,
-  ``2(p-1)/p · n`` bytes;
-* all_gather with an n-byte input per rank: ``p-1`` messages, ``(p-1) · n`` bytes;
-* reduce_scatter of an n-byte input: ``p-1`` messages, ``(p-1)/p · n`` bytes;
-* all_to_all of an n-byte send buffer: Comm counts the whole buffer, *including the chunk
-  this rank keeps for itself*; the wire carries ``(p-1)/p · n`` in ``p-1`` messages;
-* broadcast of n bytes (binomial tree): ``ceil(log2 p)`` steps of n bytes.
+"""Alpha-beta time of one collective, from the bytes :class:`bitscom.comm.Comm` counts (this
+rank's input buffer): the standard bandwidth-optimal algorithms (ring / pairwise exchange,
+binomial-tree broadcast; Thakur, Rabenseifner & Gropp 2005), tabled in docs/cost_model.md.
 """
 
 from __future__ import annotations
@@ -29,32 +19,21 @@ def messages(kind: str, p: int) -> float:
     choice("kind", kind, KINDS)
     if number("p", p, minimum=1, integer=True) == 1:
         return 0.0
-    if kind == "all_reduce":
-        return 2.0 * (p - 1)
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return float(p - 1)
-    if kind == "broadcast":
-        return float(math.ceil(math.log2(p)))
-    raise ValueError(f"unknown collective kind {kind!r}")
+    steps = {"all_reduce": 2.0 * (p - 1), "broadcast": float(math.ceil(math.log2(p)))}
+    return steps.get(kind, float(p - 1))       # all_gather, reduce_scatter, all_to_all
 
 
 def wire_bytes(kind: str, nbytes: int, p: int) -> float:
     """Bytes one rank puts on the wire (sequentially) for a collective whose Comm count is
-    ``nbytes`` (an int >= 0) on ``p`` ranks (an int >= 1): what the link's bandwidth term is
-    charged for."""
+    ``nbytes`` (an int >= 0) on ``p`` ranks (an int >= 1); all-to-all's count includes the
+    chunk a rank keeps."""
     choice("kind", kind, KINDS)
     number("nbytes", nbytes, minimum=0, integer=True)
     if number("p", p, minimum=1, integer=True) == 1:
         return 0.0
-    if kind == "all_reduce":
-        return 2.0 * (p - 1) / p * nbytes
-    if kind == "all_gather":
-        return float((p - 1) * nbytes)
-    if kind in ("reduce_scatter", "all_to_all"):
-        return (p - 1) / p * nbytes
-    if kind == "broadcast":
-        return math.ceil(math.log2(p)) * float(nbytes)
-    raise ValueError(f"unknown collective kind {kind!r}")
+    wire = {"all_reduce": 2.0 * (p - 1) / p * nbytes, "all_gather": float((p - 1) * nbytes),
+            "broadcast": math.ceil(math.log2(p)) * float(nbytes)}
+    return wire.get(kind, (p - 1) / p * nbytes)     # reduce_scatter, all_to_all
 
 
 def round_seconds(round: Round, topo: Topology) -> float:

@@ -1,14 +1,10 @@
 """``fusion_threshold_mb="auto"``: the bucket size chosen once from the calibrated model
-(Horovod's autotune tunes its fusion buffer by trial; here the model predicts instead).
+(Horovod's autotune tunes by trial; here the model predicts).
 
-Smaller buckets start communicating earlier in backward (more overlap) but pay the latency
-``alpha`` once per bucket and round; larger ones pay it rarely but wait longer. For each
-candidate threshold the buckets are planned exactly as the optimizer would
-(:func:`bitscom.buckets.plan_buckets`) and the step is predicted with
-:func:`~bitscom.cost.predict.predict_step`. Backward time is unknown before the first step,
-so the prediction assumes the balanced case where overlap matters most: backward as long as
-the uncompressed gradient's all-reduce at the fitted link. The smallest predicted step wins
-(ties: the larger threshold, fewer collectives).
+Smaller buckets overlap more of backward but pay the latency once per bucket and round. Each
+candidate threshold is planned as the optimizer would and the step predicted; backward is
+assumed as long as the uncompressed all-reduce (the case where overlap matters most). The
+smallest prediction wins (ties: the larger threshold).
 """
 
 from __future__ import annotations
@@ -34,17 +30,14 @@ def choose_fusion_threshold_mb(params: Sequence[Tuple[str, torch.Tensor]], topo:
                                compressor="none", candidates: Sequence[float] = CANDIDATE_MB,
                                backward_s: Optional[float] = None) -> float:
     """The candidate threshold (MiB) with the smallest predicted step for ``params``
-    (name, tensor) in registration order on ``topo``. Deterministic: same inputs, same answer.
-    ``candidates``: a non-empty sequence of finite thresholds > 0 MiB; ``backward_s``: the
-    seconds of backward to overlap with (finite, >= 0; default: see the module).
+    (name, tensor) in registration order on ``topo``; ``backward_s``: the seconds of backward
+    to overlap with (default: see the module).
 
     Example::
 
         mb = choose_fusion_threshold_mb(list(model.named_parameters()),
                                         Topology.flat(4, Link.from_gbit(10, latency_s=1e-4)))
     """
-    # '25' used to end in "Exceeds the limit (4300 digits)" ('25' * 2**20), [] in a bare
-    # AssertionError, inf in an OverflowError: refused here, naming the candidate.
     candidates = numbers("candidates", candidates, nonempty=True, minimum=0, inclusive=False, finite=True)
     instance("topo", topo, Topology, "a bitscom.cost.Topology")
     if backward_s is not None:

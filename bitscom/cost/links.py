@@ -1,10 +1,5 @@
-"""Links and topologies: the alpha-beta description of the network a step runs on.
-
-A :class:`Link` is the latency ``alpha_s`` (seconds per message) and the inverse bandwidth
-``beta_s_per_byte`` (seconds per byte) of one rank's connection; a :class:`Topology` is the
-world size, the ranks per node and the two links (intra-node, inter-node). They hold numbers
-only: where they come from (a probe of the real group, a data sheet) is the caller's choice,
-see :mod:`bitscom.cost.calibrate`.
+"""Links and topologies: the alpha-beta description of the network a step runs on (numbers
+only; :mod:`bitscom.cost.calibrate` measures them).
 """
 
 from __future__ import annotations
@@ -16,10 +11,6 @@ from typing import Optional
 from ..validate import instance, number
 
 __all__ = ["Link", "Topology"]
-
-
-def _check_nonneg(owner: str, name: str, value) -> float:
-    return float(number(f"{owner} {name}", value, minimum=0, finite=True))
 
 
 @dataclass(frozen=True)
@@ -36,8 +27,8 @@ class Link:
     beta_s_per_byte: float
 
     def __post_init__(self):
-        _check_nonneg("Link", "alpha_s", self.alpha_s)
-        _check_nonneg("Link", "beta_s_per_byte", self.beta_s_per_byte)
+        for name in ("alpha_s", "beta_s_per_byte"):
+            number(f"Link {name}", getattr(self, name), minimum=0, finite=True)
 
     @staticmethod
     def from_gbit(gbit: float, latency_s: float = 0.0) -> "Link":
@@ -68,16 +59,10 @@ _FREE = Link(0.0, 0.0)
 @dataclass(frozen=True)
 class Topology:
     """``world`` ranks on ``world // local_size`` nodes; ``intra`` joins ranks of a node,
-    ``inter`` the nodes. One node (``local_size == world``) uses ``intra`` only; flat
-    collectives across nodes run at ``world_link`` when given, else at the slower ``inter``
-    link (a ring crosses it).
-
-    ``inter`` is what one inter-node group sees while every node's ``local_size`` groups talk
-    at once (how hierarchical compressors use it, and how probing each rank's inter group
-    measures it); a flat ring has one stream crossing per node, so where those groups share
-    one node link it runs ``local_size`` times faster (measured on 2 emulated nodes x 2:
-    0.55 Gbit/s per inter group, a flat ring near 1 Gbit/s). Probe the world group for
-    ``world_link`` rather than guess which case a cluster is.
+    ``inter`` the nodes. Flat collectives across nodes run at ``world_link`` when given, else
+    at ``inter``. ``inter`` is what one inter-node group sees while every node's groups talk at
+    once; a flat ring has one stream per node, so it can run ``local_size`` times faster:
+    probe the world group for ``world_link`` (docs/cost_model.md).
 
     Example::
 

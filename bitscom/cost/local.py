@@ -1,8 +1,6 @@
 """A transport that runs a compressor's rounds without a network, as if every rank held the
-same tensor: to time the codec alone (:func:`bitscom.cost.calibrate.time_codec`) and to record
-the rounds a compressor issues (:func:`recorded_rounds`), which is how the cost model learns
-them (:func:`bitscom.cost.rounds_of`). A compressor that talks to the node groups asks the
-transport for them (:meth:`LocalTransport.levels`).
+same tensor: to time the codec alone and to record the rounds a compressor issues, which is
+how the cost model learns them (:func:`bitscom.cost.rounds_of`).
 """
 
 from __future__ import annotations
@@ -43,9 +41,8 @@ class Round:
 
 
 def check_world(world, local_size=1, names: Tuple[str, str] = ("world", "local_size")) -> None:
-    """ValueError unless ``world`` is an int >= 1 and ``local_size`` an int >= 1 dividing it: the
-    group sizes every function of the model takes, in one wording (world 0 or -1 used to give a
-    prediction of 0 seconds).
+    """ValueError unless ``world`` is an int >= 1 and ``local_size`` an int >= 1 dividing it (the
+    group sizes every function of the model takes, in one wording).
 
     Example::
 
@@ -67,10 +64,8 @@ class _Done:
 
 
 class LocalTransport:
-    """Collectives of a group of ``size`` identical ranks, computed locally (no traffic):
-    all-reduce leaves the buffer as it is, all-gather repeats the input, all-to-all copies.
-    Every call is recorded in :attr:`log` as a :class:`Round` at ``level``; ``local_size``
-    is the ranks per node that :meth:`levels` splits the group into.
+    """Collectives of ``size`` identical ranks, computed locally (all-reduce leaves the buffer,
+    all-gather repeats the input), each recorded in :attr:`log` as a :class:`Round` at ``level``.
 
     Example::
 
@@ -86,8 +81,8 @@ class LocalTransport:
         self.log: List[Round] = [] if log is None else log
 
     def levels(self) -> Tuple[Comm, Comm]:
-        """``(intra, inter)``: local Comms of ``local_size`` and ``size / local_size`` ranks,
-        recording into this log (with one rank per node, the inter level is the flat world)."""
+        """``(intra, inter)`` local Comms of ``local_size`` and ``size / local_size`` ranks, recording
+        into this log."""
         nodes = self._size // self._local
         intra = LocalTransport(self._local, level="intra", log=self.log)
         inter = LocalTransport(nodes, level="inter" if self._local > 1 else "flat", log=self.log)
@@ -137,7 +132,7 @@ def local_comm(world: int, local_size: int = 1) -> "tuple[Comm, LocalTransport]"
 def recorded_rounds(compressor: Compressor, layout: BucketLayout, world: int, steps: int = 1,
                     grad=None, local_size: int = 1) -> List[List[Round]]:
     """The rounds ``compressor`` issues for ``steps`` consecutive steps of ``layout`` on
-    ``world`` ranks (``local_size`` per node), recorded from a local run: group rank 0's view.
+    ``world`` ranks (``local_size`` per node), recorded from a local run (group rank 0's view).
 
     Example::
 

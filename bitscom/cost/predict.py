@@ -1,24 +1,13 @@
 """Predicted step time with overlap: buckets become ready during backward, their rounds run
-one bucket after another on the network, the step ends when both backward and the last
-bucket are done.
-
-Bucket ``i`` is ready at ``ready_s[i]`` (seconds into backward; :func:`ready_times` spreads
-them in proportion to the bucket's elements when no measured profile is at hand), its
-reduction takes ``codec_s[i] + Σ round_seconds`` and cannot start before bucket ``i-1``
-finished (the engine issues later rounds in bucket order)::
+one bucket after another on the network (the engine issues later rounds in bucket order)::
 
     end_i = max(ready_i, end_{i-1}) + codec_i + comm_i
     step  = forward + max(backward, end_last) + optimizer
 
-With ``codec_overlaps=False`` the codec shares the cores that run backward (a CPU rank with
-one core per process, as on the emulated cluster): every codec second is a second backward
-does not get, so bucket ``i`` is ready ``Σ_{j<i} codec_j`` later and backward's own end moves
-to ``backward + Σ codec``. Measured on 2 gloo ranks, 2 cores: charging the codec as hidden
-under-predicted the compressed steps by 38-72% (docs/cost_model.md, Validation).
-
-Simplifications, stated: a multi-round compressor's later rounds are not overlapped with the
-next bucket's first round; gloo's own CPU work (copies, the TCP stack) is in the link fit
-probed on an idle group, not charged against backward.
+With ``codec_overlaps=False`` the codec takes its seconds from backward (one core per rank):
+bucket ``i`` is ready ``Σ_{j<i} codec_j`` later and backward ends ``Σ codec`` later. Not
+modelled: a multi-round compressor's later rounds overlapping the next bucket's first round,
+and gloo's own CPU work (in the link fit, not charged against backward).
 """
 
 from __future__ import annotations
@@ -65,7 +54,7 @@ def ready_times(numels: Sequence[int], backward_s: float) -> List[float]:
         ready_times([100, 300], 0.4)    # [0.1, 0.4]
     """
     numels = numbers("numels", numels, minimum=0, integer=True)
-    _seconds("backward_s", backward_s)
+    number("backward_s", backward_s, minimum=0, finite=True)
     total = sum(numels)
     out, acc = [], 0
     for n in numels:
@@ -74,16 +63,10 @@ def ready_times(numels: Sequence[int], backward_s: float) -> List[float]:
     return out
 
 
-def _seconds(name: str, value) -> float:
-    """A time in seconds: finite and >= 0 (NaN or a negative time made a NaN or negative step)."""
-    return number(name, value, minimum=0, finite=True)
-
-
 def _timeline(k: int, backward_s, forward_s, optimizer_s, ready_s, codec_s, poll_s, codec_overlaps) -> tuple:
-    """:func:`predict_step`'s times, checked (each finite and >= 0, named when not; one ready
-    and codec entry per bucket): ``(ready, codec, polls or None)``."""
+    """:func:`predict_step`'s times, checked (finite, >= 0, one per bucket): ``(ready, codec, polls)``."""
     for name, value in (("backward_s", backward_s), ("forward_s", forward_s), ("optimizer_s", optimizer_s)):
-        _seconds(name, value)
+        number(name, value, minimum=0, finite=True)
     flag("codec_overlaps", codec_overlaps)
     ready = list(numbers("ready_s", ready_s, minimum=0, finite=True)) if ready_s is not None else [backward_s] * k
     codec = list(numbers("codec_s", codec_s, minimum=0, finite=True)) if codec_s is not None else [0.0] * k
@@ -101,13 +84,10 @@ def predict_step(bucket_rounds: Sequence[Sequence[Round]], topo: Topology, *, ba
                  poll_s: Optional[Sequence[float]] = None) -> Prediction:
     """Predict one step from each bucket's rounds (plan order) on ``topo``.
 
-    ``codec_overlaps``: True when the codec runs beside backward (a CUDA stream, spare CPU
-    cores), False when it takes its time from backward (one core per rank).
-
-    ``poll_s``: the seconds into backward at which the engine advances buckets (its gradient
-    hooks; ``ready_times`` of the parameters). A bucket's later rounds are issued at the first
-    poll after the previous round finished, and continuously once backward is over. ``None``:
-    continuous progress (a driver that never waits for a hook).
+    ``codec_overlaps``: True when the codec runs beside backward (a CUDA stream, spare cores),
+    False when it takes its time from backward. ``poll_s``: the seconds into backward at which
+    the engine advances buckets (its gradient hooks); a later round is issued at the first
+    poll after the previous round finished. ``None``: continuous progress.
 
     Example::
 

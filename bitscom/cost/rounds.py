@@ -1,12 +1,9 @@
 """The rounds (collectives) one bucket costs with a compressor: kind, bytes, level.
 
 Learned, not written down: the compressor's own ``reduce`` runs on a
-:class:`~bitscom.cost.local.LocalTransport` (no network, every rank holding the same tensor) and
-each collective it issues is recorded with the bytes :class:`bitscom.comm.Comm` counts (each
-collective's input buffer on group rank 0). So the model and ``comm_stats()`` agree by
-construction (tests/test_cost_model.py checks them on 2 and 4 gloo ranks, flat and
-hierarchical), and a new compressor is modelled without edits here. What the wire carries is
-:func:`bitscom.cost.formulas.wire_bytes` of these counts.
+:class:`~bitscom.cost.local.LocalTransport` and each collective is recorded with the bytes
+:class:`bitscom.comm.Comm` counts, so the model and ``comm_stats()`` agree by construction and
+a new compressor is modelled without edits here.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ def _square(numel: int) -> tuple:
 def layout_of(numel: int, dtype=torch.float32, shapes: Optional[Sequence[tuple]] = None,
               square: bool = False) -> BucketLayout:
     """A bucket layout of ``shapes`` (or one tensor of ``numel`` elements: 1-D, or the most
-    nearly square matrix with ``square=True``), for the compressors whose rounds depend on shapes.
+    nearly square matrix with ``square=True``).
 
     Example::
 
@@ -64,7 +61,7 @@ def _chain(comp) -> Iterator[Compressor]:
 
 def warm_up_steps(compressor) -> int:
     """Plain all-reduce steps before ``compressor`` compresses: the ``start_iter`` of it and of
-    the compressors it wraps (``WarmUp(TopK(start_iter=2), 3)``: 5). Example::
+    the compressors it wraps. Example::
 
         warm_up_steps(PowerSGD())      # 10
     """
@@ -72,8 +69,8 @@ def warm_up_steps(compressor) -> int:
 
 
 def _mean(first: List[Round], second: List[Round]) -> List[Round]:
-    """Two consecutive steps as one steady-state step: the same rounds, each of the mean bytes
-    (rounded down) where the steps differ in bytes only (ACP-SGD alternates P and Q)."""
+    """Two consecutive steps as one: each round of the mean bytes (rounded down) where the steps
+    differ in bytes only (ACP-SGD alternates P and Q)."""
     if [(r.kind, r.level) for r in first] != [(r.kind, r.level) for r in second]:
         return first
     return [Round(a.kind, (a.nbytes + b.nbytes) // 2, a.level) for a, b in zip(first, second)]
@@ -85,13 +82,9 @@ _CACHE: Dict[tuple, List[Round]] = {}
 def rounds_of(compressor, layout: BucketLayout, world: int, *, local_size: int = 1,
               step: Optional[int] = None, warm: bool = True) -> List[Round]:
     """The rounds ``compressor`` issues for one step of ``layout`` on ``world`` ranks
-    (``local_size`` per node, for compressors that talk to the node groups), learned from a
-    local run of its ``reduce``.
-
-    ``step`` (0-based): that step, as the compressor runs it (its warm-up included). Without
-    it the steady state after the warm-up (``start_iter`` of the compressor and the ones it
-    wraps): the mean of two consecutive steps (ACP-SGD alternates P and Q); ``warm=False``
-    asks for a warm-up step instead (step 0).
+    (``local_size`` per node), learned from a local run of its ``reduce``: step ``step``
+    (0-based, warm-up included), or the steady state after the warm-up (the mean of two
+    steps); ``warm=False`` asks for a warm-up step instead.
 
     Example::
 
@@ -131,18 +124,13 @@ def _check_step(layout, world, local_size, step, warm) -> None:
     flag("warm", warm)
 
 
-META_FROM = 1 << 20
-"""Buckets of at least this many elements × ranks are recorded on ``meta`` tensors when the
-compressor asks for it (``models_on_meta``)."""
+META_FROM = 1 << 20     # buckets of at least this many elements × ranks run on meta tensors
 
 
 def _record(comp: Compressor, layout: BucketLayout, world: int, steps: int, local_size: int) -> list:
-    """:func:`recorded_rounds`. A large bucket (:data:`META_FROM`) runs on ``meta`` tensors
-    first, shapes only, unless a compressor of the chain says no (``models_on_meta``): Top-k
-    and Sign-SGD decode every rank's record, which on ResNet-50 and 1024 ranks took minutes on
-    real data; LowBit's 1024 rows took 50 s on meta. Small buckets run faster on real data. A
-    compressor that needs values to go on (a finiteness check) fails on meta and runs on real
-    data."""
+    """:func:`recorded_rounds`, first on ``meta`` tensors for a large bucket unless a compressor
+    of the chain says no (``models_on_meta``); one that needs values fails there and runs on
+    real data."""
     if layout.numel * world >= META_FROM and all(c.models_on_meta for c in _chain(comp)):
         meta = dataclasses.replace(layout, device=torch.device("meta"))
         try:
@@ -154,8 +142,8 @@ def _record(comp: Compressor, layout: BucketLayout, world: int, steps: int, loca
 
 
 def sent_bytes(compressor, layout: BucketLayout, world: int, step: Optional[int] = None) -> int:
-    """Bytes one rank hands to the network (what ``comm_stats()["bytes_sent"]`` counts) for one
-    step of ``layout``: the sum of :func:`rounds_of`; ``step`` as there.
+    """Bytes one rank hands to the network (``comm_stats()["bytes_sent"]``) for one step of
+    ``layout``: the sum of :func:`rounds_of`.
 
     Example::
 
@@ -168,9 +156,8 @@ def rounds_for(compressor, numel: int, world: int, *, local_size: int = 1, dtype
                warm: bool = True, shapes: Optional[Sequence[tuple]] = None,
                step: Optional[int] = None) -> List[Round]:
     """:func:`rounds_of` one bucket of ``numel`` elements of ``shapes`` (:func:`layout_of`;
-    without them one 1-D tensor, or for ``matrix_buckets`` compressors, PowerSGD and ACP-SGD,
-    the most nearly square matrix: their best case). ``local_size`` > 1 matters for
-    hierarchical LowBit (``two_level``); every other compressor runs flat over the world.
+    without them one 1-D tensor, or the most nearly square matrix for ``matrix_buckets``
+    compressors: their best case). ``local_size`` > 1 matters for hierarchical LowBit.
 
     Example::
 
