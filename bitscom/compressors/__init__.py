@@ -17,16 +17,9 @@ from .signsgd import SignSGD
 from .topk import TopK
 from .warmup import WarmUp
 
-register("none", NoneCompressor)
-register("fp16", FP16Compressor)
-register("bf16", BF16Compressor)
-register("lowbit", LowBit)
-register("powersgd", PowerSGD)
-register("acpsgd", ACPSGD)
-register("topk", TopK)
-register("signsgd", SignSGD)
-register("exclude", Exclude)
-register("dgc", MomentumCorrection)
+for _cls in (NoneCompressor, FP16Compressor, BF16Compressor, LowBit, PowerSGD, ACPSGD, TopK, SignSGD, Exclude,
+             MomentumCorrection):
+    register(_cls.name, _cls)       # "none", "fp16", ..., "exclude", "dgc"
 
 __all__ = [
     "BucketLayout", "Comm", "Compressor", "State", "TensorSlot", "drive", "ErrorFeedback",

@@ -1,11 +1,9 @@
 """The compressor protocol: how a lossy (or lossless) reduction of one bucket is written.
 
-Compress/decompress alone cannot express PowerSGD (two dependent all-reduces), ACP-SGD
-(alternating factors) or two-stage low-bit all-reduce, so a compressor is a *generator of
-rounds*: it launches asynchronous collectives through the :class:`Comm` it is handed, yields
-their work, and continues when the engine resumes it after that work completed; round one can
-thus start from a backward hook without blocking backward. Settings are a frozen dataclass;
-per-bucket mutable data lives in an explicit, checkpointable :class:`State`.
+Compress/decompress cannot express PowerSGD's two dependent all-reduces or two-stage low-bit
+all-reduce, so a compressor is a *generator of rounds*: it launches asynchronous collectives
+through its :class:`Comm`, yields their work, and is resumed after that work completed (so
+round one can start from a backward hook). Mutable per-bucket data lives in a :class:`State`.
 """
 
 from __future__ import annotations

@@ -44,19 +44,14 @@ class _CastCompressor(Compressor):
     wire_dtype = torch.float16
 
     def reduce(self, flat, layout, state, comm):
-        if flat.dtype == self.wire_dtype:
-            wire = flat.div_(comm.size)
-        else:
-            wire = flat.to(self.wire_dtype).div_(comm.size)
+        wire = flat.to(self.wire_dtype).div_(comm.size)     # flat itself when already that dtype
         yield comm.all_reduce(wire)
         if wire is not flat:
             flat.copy_(wire)
 
     def compress(self, tensor: torch.Tensor):
         """Floating tensors cast to the wire dtype (integers unchanged); the context is the dtype."""
-        if tensor.is_floating_point():
-            return tensor.to(self.wire_dtype), tensor.dtype
-        return tensor, tensor.dtype
+        return (tensor.to(self.wire_dtype) if tensor.is_floating_point() else tensor), tensor.dtype
 
     def decompress(self, tensor: torch.Tensor, ctx):
         """Cast back to the dtype ``compress`` saw."""

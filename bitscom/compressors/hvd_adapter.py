@@ -54,9 +54,7 @@ class HorovodAdapter(Compressor):
             got = wire.dtype if isinstance(wire, torch.Tensor) else type(wire).__name__
             raise TypeError(f"{_codec_name(self.codec)}.compress returned {got}; bitscom sums the "
                             "compressed tensors of the ranks, which needs a floating-point tensor")
-        if not wire.is_contiguous():
-            wire = wire.contiguous()
-        wire.div_(comm.size)
+        wire = wire.contiguous().div_(comm.size)
         yield comm.all_reduce(wire)
         out = self.codec.decompress(wire, ctx)
         if not isinstance(out, torch.Tensor) or out.numel() != flat.numel():

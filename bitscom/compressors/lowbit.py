@@ -20,10 +20,8 @@ class LowBit(Compressor[LowBitState]):
     """Two-stage low-bit all-reduce of each bucket (quantize shards -> all-to-all -> sum ->
     requantize -> all-gather), flat or hierarchical.
 
-    Takes a :class:`~bitscom.collectives.LowBitConfig` (``config=``) or its settings as
-    keywords, by the same names (see the config for each trade-off). A hierarchical one also
-    needs ``intra_group`` and ``inter_group`` (``bitscom.intra_group()``, ...), for this
-    optimizer only: its collectives are issued in the engine's in-order later rounds.
+    Takes a :class:`~bitscom.collectives.LowBitConfig` (``config=``) or its settings as keywords.
+    A hierarchical one also needs ``intra_group`` and ``inter_group``, for this optimizer only.
 
     Example::
 

@@ -155,10 +155,7 @@ class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
                 scale_sum += scales
             else:
                 acc.add_(signs * scales[ids])
-        if self.majority_vote:
-            flat.copy_(acc.sign_().mul_((scale_sum / comm.size)[ids]))
-        else:
-            flat.copy_(acc.div_(comm.size))
+        flat.copy_(acc.sign_().mul_((scale_sum / comm.size)[ids]) if self.majority_vote else acc.div_(comm.size))
         if not flat.is_meta and not bool(torch.isfinite(torch.stack(gathered_scales)).all()):
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
 

@@ -110,9 +110,7 @@ class TopK(StartIter, Compressor[SteppedErrorFeedback]):
 
     def k_of(self, layout: BucketLayout) -> int:
         """Entries one rank sends per compressed step of ``layout`` (``per_tensor``: summed per tensor)."""
-        if not self.per_tensor:
-            return self.k_for(layout.numel)
-        return sum(self.k_for(s.numel) for s in layout.slots)
+        return sum(self.k_for(s.numel) for s in layout.slots) if self.per_tensor else self.k_for(layout.numel)
 
     @staticmethod
     def _index_dtype(numel: int) -> torch.dtype:

@@ -29,13 +29,11 @@ def warm_up(start_iter: int, state: Any, flat: torch.Tensor, comm: Comm,
             compressed: Iterator[Any]) -> Iterator[Any]:
     """Round generator: count the step in ``state.step``; before ``start_iter`` the plain
     average of ``flat``, then the ``compressed`` rounds (a generator not yet started)."""
-    if flat.numel() == 0:
-        yield from compressed
-        return
-    step, state.step = state.step, state.step + 1
-    if step < start_iter:
-        yield from plain_average(flat, comm)
-        return
+    if flat.numel() > 0:
+        step, state.step = state.step, state.step + 1
+        if step < start_iter:
+            yield from plain_average(flat, comm)
+            return
     yield from compressed
 
 

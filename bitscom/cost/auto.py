@@ -1,11 +1,7 @@
 """``compression="auto"``: per bucket, the compressor the calibrated cost model predicts to be
-fastest on this group and device, never one predicted slower than the plain all-reduce.
-
-Steps 0 … ``probe_steps - 1`` of a bucket are plain all-reduces that also probe the link
-(step ``s`` in ``2**s`` timed pieces; step 0 untimed). At step ``probe_steps`` every rank
-times the candidates' codecs at once (the slowest rank's times count), group rank 0 fits the
-link, predicts codec + rounds per candidate, picks the smallest (:func:`decide`) and
-broadcasts the choice, so every rank runs the same plan (docs/cost_model.md).
+fastest on this group and device, never one predicted slower than the plain all-reduce. The
+first ``probe_steps`` steps are plain all-reduces that probe the link; then every rank times
+the codecs, rank 0 predicts and broadcasts the choice (docs/cost_model.md).
 """
 
 from __future__ import annotations
@@ -55,13 +51,7 @@ def candidates_for(optimizer) -> tuple:
 
 def labels(candidates: Sequence[Compressor]) -> list:
     """Short names for ``candidates``: the registry name, plus the settings that tell apart
-    candidates sharing it.
-
-    Example::
-
-        labels(SGD_SAFE)   # ['none', 'fp16', 'bf16', 'lowbit', 'powersgd(rank=16, start_iter=0)',
-                           #  'powersgd(rank=8, start_iter=10)']
-    """
+    candidates sharing it (``'powersgd(rank=16, start_iter=0)'``)."""
     out = []
     for comp in candidates:
         twins = [c for c in candidates if c.name == comp.name]
@@ -81,16 +71,11 @@ def decide(costs: Sequence[float]) -> int:
 
         decide([1.0, 0.6, 0.6])    # 1
     """
-    best = 0
-    for i, c in enumerate(costs):
-        if c < costs[best]:
-            best = i
-    return best
+    return min(range(len(costs)), key=lambda i: costs[i], default=0)
 
 
 class AutoState(State):
-    """One bucket's probe samples, its choice (``-1`` until decided) and the chosen
-    compressor's own state (built once decided)."""
+    """One bucket's probe samples, its choice (``-1`` until decided) and the chosen one's state."""
 
     def __init__(self, layout: BucketLayout, candidates: tuple):
         self._layout, self._candidates = layout, candidates
@@ -213,19 +198,14 @@ class Auto(Compressor):
         shapes = [s.shape for s in layout.slots]
         if codec is None:
             codec = self.codec_times(layout, world, grad)
-        out = []
-        for comp, seconds in zip(self.candidates, codec):
-            rounds = rounds_for(comp, layout.numel, world, dtype=layout.dtype, shapes=shapes)
-            out.append(seconds + sum(round_seconds(r, topo) for r in rounds))
-        return out
+        return [seconds + sum(round_seconds(r, topo) for r in
+                              rounds_for(comp, layout.numel, world, dtype=layout.dtype, shapes=shapes))
+                for comp, seconds in zip(self.candidates, codec)]
 
     def _decide_rounds(self, flat, layout, state: AutoState, comm: Comm):
-        """Rounds: every rank times the codecs at once and the slowest rank's times count (a
-        step waits for its slowest rank); rank 0 decides and broadcasts the choice.
-
-        A failure reaches every rank through the same two collectives: a rank whose timing
-        failed sends +inf, rank 0 broadcasts -1 when its decision failed; then every rank
-        raises instead of the others waiting on a dead peer."""
+        """Rounds: every rank times the codecs at once, the slowest rank's times count, rank 0
+        decides and broadcasts. A failure reaches every rank through the same two collectives
+        (+inf times, choice -1), so every rank raises instead of waiting on a dead peer."""
         error: Optional[BaseException] = None
         try:
             times = self.codec_times(layout, comm.size, flat.detach().clone())

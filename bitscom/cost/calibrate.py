@@ -138,8 +138,7 @@ def calibrate_link(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: in
     comm = Comm(group)
     if comm.solo:
         return Link(0.0, 0.0)
-    samples = probe_link(group, sizes, repeats)
-    fit = fit_link(samples, comm.size)
+    fit = fit_link(probe_link(group, sizes, repeats), comm.size)
     values = torch.tensor([fit.alpha_s, fit.beta_s_per_byte], dtype=torch.float64)
     comm.broadcast(values, 0).wait()
     return Link(float(values[0]), float(values[1]))

@@ -1,10 +1,7 @@
-"""``fusion_threshold_mb="auto"``: the bucket size chosen once from the calibrated model
-(Horovod's autotune tunes by trial; here the model predicts).
-
-Smaller buckets overlap more of backward but pay the latency once per bucket and round. Each
-candidate threshold is planned as the optimizer would and the step predicted; backward is
-assumed as long as the uncompressed all-reduce (the case where overlap matters most). The
-smallest prediction wins (ties: the larger threshold).
+"""``fusion_threshold_mb="auto"``: the bucket size chosen once by the calibrated model
+(Horovod's autotune tunes by trial). Each candidate threshold is planned as the optimizer would
+and the step predicted, assuming backward as long as the uncompressed all-reduce (where overlap
+matters most); the smallest prediction wins (ties: the larger threshold).
 """
 
 from __future__ import annotations
@@ -46,9 +43,8 @@ def choose_fusion_threshold_mb(params: Sequence[Tuple[str, torch.Tensor]], topo:
     if not params or topo.world == 1:
         return float(max(candidates))
     if backward_s is None:
-        dense = [rounds_for("none", sum(p.numel() for _, p in params), topo.world,
-                            dtype=params[0][1].dtype)]
-        backward_s = bucket_seconds(dense[0], topo)
+        backward_s = bucket_seconds(rounds_for("none", sum(p.numel() for _, p in params), topo.world,
+                                               dtype=params[0][1].dtype), topo)
     best: Optional[Tuple[float, float]] = None
     for mb in sorted(candidates, reverse=True):
         layouts = plan_buckets(params, int(mb * 2 ** 20))

@@ -42,12 +42,7 @@ class Round:
 
 def check_world(world, local_size=1, names: Tuple[str, str] = ("world", "local_size")) -> None:
     """ValueError unless ``world`` is an int >= 1 and ``local_size`` an int >= 1 dividing it (the
-    group sizes every function of the model takes, in one wording).
-
-    Example::
-
-        check_world(8, 4)       # passes; check_world(0): "world must be an int >= 1, got 0"
-    """
+    group sizes every function of the model takes, in one wording)."""
     number(names[0], world, minimum=1, integer=True)
     if number(names[1], local_size, minimum=1, integer=True) and world % local_size:
         raise ValueError(f"{names[1]} must be an int >= 1 dividing {names[0]}={world}, got {local_size!r}")

@@ -1,13 +1,10 @@
-"""Predicted step time with overlap: buckets become ready during backward, their rounds run
-one bucket after another on the network (the engine issues later rounds in bucket order)::
+"""Predicted step time with overlap: buckets become ready during backward and their rounds run
+one bucket after another (the engine issues later rounds in bucket order)::
 
     end_i = max(ready_i, end_{i-1}) + codec_i + comm_i
     step  = forward + max(backward, end_last) + optimizer
 
-With ``codec_overlaps=False`` the codec takes its seconds from backward (one core per rank):
-bucket ``i`` is ready ``Σ_{j<i} codec_j`` later and backward ends ``Σ codec`` later. Not
-modelled: a multi-round compressor's later rounds overlapping the next bucket's first round,
-and gloo's own CPU work (in the link fit, not charged against backward).
+With ``codec_overlaps=False`` every codec second is taken from backward (one core per rank).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""The rounds (collectives) one bucket costs with a compressor: kind, bytes, level.
-
-Learned, not written down: the compressor's own ``reduce`` runs on a
-:class:`~bitscom.cost.local.LocalTransport` and each collective is recorded with the bytes
-:class:`bitscom.comm.Comm` counts, so the model and ``comm_stats()`` agree by construction and
-a new compressor is modelled without edits here.
+"""The rounds (collectives) one bucket costs with a compressor: kind, bytes, level. Learned,
+not written down: the compressor's own ``reduce`` runs on a
+:class:`~bitscom.cost.local.LocalTransport` recording what :class:`bitscom.comm.Comm` counts,
+so the model and ``comm_stats()`` agree by construction.
 """
 
 from __future__ import annotations
@@ -60,11 +58,7 @@ def _chain(comp) -> Iterator[Compressor]:
 
 
 def warm_up_steps(compressor) -> int:
-    """Plain all-reduce steps before ``compressor`` compresses: the ``start_iter`` of it and of
-    the compressors it wraps. Example::
-
-        warm_up_steps(PowerSGD())      # 10
-    """
+    """Plain all-reduce steps before ``compressor`` compresses: its and its inner ones' ``start_iter``."""
     return sum(int(getattr(c, "start_iter", 0) or 0) for c in _chain(compressor))
 
 
@@ -129,8 +123,7 @@ META_FROM = 1 << 20     # buckets of at least this many elements × ranks run on
 
 def _record(comp: Compressor, layout: BucketLayout, world: int, steps: int, local_size: int) -> list:
     """:func:`recorded_rounds`, first on ``meta`` tensors for a large bucket unless a compressor
-    of the chain says no (``models_on_meta``); one that needs values fails there and runs on
-    real data."""
+    of the chain says no (``models_on_meta``) or fails there (it needs values)."""
     if layout.numel * world >= META_FROM and all(c.models_on_meta for c in _chain(comp)):
         meta = dataclasses.replace(layout, device=torch.device("meta"))
         try:
