@@ -72,8 +72,7 @@ class ACPSGD(LowRankCompressor[ACPSGDState]):
         x = native if native is not None else ef.compensate(flat)    # else M + E, fp32
         p_all, q_all = state.p[:plan.p_numel], state.q[:plan.q_numel]
         send_p = (state.step - 1 - self.start_iter) % 2 == 0     # step counts this one already
-        # Fresh factors on the first step, after a non-finite step, and (P steps) without warm start.
-        fresh = not state.ready or (send_p and not self.warm_start)
+        fresh = not state.ready or (send_p and not self.warm_start)     # first, after NaN, no warm start
         if fresh:
             which, buf = ("q", q_all) if send_p else ("p", p_all)
             random_factors(buf, plan.groups, which, state.generator, self.orthogonalization)

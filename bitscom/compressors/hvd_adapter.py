@@ -64,8 +64,7 @@ class HorovodAdapter(Compressor):
             flat.copy_(out.reshape(flat.shape))
 
     def fingerprint(self) -> str:
-        # never repr(): an instance's repr holds its address, which differs across ranks
-        return f"HorovodAdapter({_codec_name(self.codec)})"
+        return f"HorovodAdapter({_codec_name(self.codec)})"     # not repr(): it holds an address
 
 
 class HorovodCodec:
@@ -92,8 +91,7 @@ class HorovodCodec:
 
 
 def __getattr__(name: str) -> Any:
-    # HorovodCompressor: the codec base class's deprecated first name.
-    if name == "HorovodCompressor":
+    if name == "HorovodCompressor":     # the codec base class's deprecated first name
         import warnings
         warnings.warn("bitscom.compressors.hvd_adapter.HorovodCompressor moved: use "
                       "bitscom.compression.Compressor (bitscom.horovod.codec.HorovodCodec)",

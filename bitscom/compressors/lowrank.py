@@ -128,13 +128,8 @@ class MatrixGroup:
 
     def store(self, flat: torch.Tensor, value: torch.Tensor) -> None:
         """Write a (B, n, m) batch back into this group's slots of ``flat``."""
-        stride = self._stride
-        if stride is not None:
-            self.load(flat).copy_(value)
-            return
-        size = self.n * self.m
-        for o, v in zip(self.offsets, value):
-            flat[o:o + size].view(self.n, self.m).copy_(v)
+        for cut, view in self.views(flat):
+            view.copy_(value[cut])
 
     def _native(self, flat: torch.Tensor, *factors: torch.Tensor):
         """The native kernels when they apply (contiguous fp32 CPU bucket and factors, rank <= 64)."""

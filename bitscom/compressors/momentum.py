@@ -81,8 +81,7 @@ class MomentumCorrection(Wrapper, Compressor[MomentumState]):
             sent = getattr(state.inner, "last_sent", None)
             if sent is not None:                 # None on dense (warm-up) steps: keep momentum
                 u.index_fill_(0, sent, 0.0)
-        # NaN/Inf already reached this step's output (GradScaler sees it); keep later steps clean
-        torch.nan_to_num_(u, nan=0.0, posinf=0.0, neginf=0.0)
+        torch.nan_to_num_(u, nan=0.0, posinf=0.0, neginf=0.0)    # NaN/Inf reached the output already
 
 
 def _contains_momentum(compressor) -> bool:

@@ -179,7 +179,5 @@ class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
         native.sign_encode(x, counts, record[:nbytes], record[nbytes:], update=state.enabled, grad=grad)
         gathered = state.scratch("gathered", (comm.size * record.numel(),), torch.uint8, "cpu")
         yield comm.all_gather(gathered, record)
-        nonfinite = native.sign_decode_sum(gathered.view(comm.size, -1), numel, nbytes, counts, flat,
-                                           divide=comm.size)
-        if nonfinite:
+        if native.sign_decode_sum(gathered.view(comm.size, -1), numel, nbytes, counts, flat, divide=comm.size):
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on

@@ -164,8 +164,7 @@ class TopK(StartIter, Compressor[SteppedErrorFeedback]):
             _keep_residual(state, native, indices, values)
         gathered = torch.empty(comm.size * record.numel(), dtype=torch.int32, device=flat.device)
         yield comm.all_gather(gathered, record)
-        nonfinite = _sum_into(flat, gathered.view(comm.size, -1), k, index_dtype, native)
-        if nonfinite:
+        if _sum_into(flat, gathered.view(comm.size, -1), k, index_dtype, native):
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
 
 

@@ -158,8 +158,7 @@ class Auto(Compressor):
     name = "auto"
 
     def __post_init__(self):
-        # checked here, on every rank alike, not at the decision step on rank 0 alone
-        cands = self.candidates
+        cands = self.candidates     # checked here on every rank, not at the decision on rank 0 alone
         if not isinstance(cands, (tuple, list)) or not cands \
                 or not all(isinstance(c, Compressor) for c in cands):
             raise ValueError(f"Auto candidates must be a non-empty tuple of compressors, got {cands!r}")
