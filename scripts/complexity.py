@@ -21,8 +21,6 @@ from radon.visitors import Class
 LIMIT = 15
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KNOWN = {
-    # bitscom/compressors and bitscom/cost: the compressors/cost rework of issue 32 owns them.
-    "bitscom/compressors/topk.py:TopK._select",
     # bitscom/group.py: the Face/Channel rework of LowBitGroup owns it.
     "bitscom/group.py:LowBitGroup.all_reduce",
 }
