@@ -1,13 +1,8 @@
 """Start every rank from the same state: broadcast parameters, optimizer state, objects.
 
-Every function first checks, on all ranks together, that the ranks describe the same thing
-(names, shapes, dtypes), so a model with an extra layer on one rank is the same clear error
-everywhere before any data moves, not silent garbage or an abort.
-
-Trust: :func:`broadcast_object` and :func:`broadcast_optimizer_state` send pickles, and the
-agreement checks gather pickled descriptions; receivers unpickle what the peers send. That
-assumes every rank of the job is run by the same party (torch.distributed's own object
-collectives assume the same); see docs/reliability.md.
+Every function first checks that the ranks describe the same thing (names, shapes, dtypes):
+one clear error everywhere before any data moves. Receivers unpickle what peers send; the
+trust that assumes: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -42,12 +37,8 @@ def _check_root(root_rank, group) -> None:
 
 
 def broadcast_parameters(params: Any, root_rank: int = 0, process_group: Optional[Any] = None) -> None:
-    """Overwrite ``params`` on every rank with root's values, in place.
-
-    ``params`` is a ``state_dict()`` (parameters and buffers), ``named_parameters()`` or
-    any iterable of tensors or (name, tensor) pairs. ``root_rank`` is a global rank.
-
-    Example::
+    """Overwrite ``params`` (a ``state_dict()``, ``named_parameters()`` or tensors or (name,
+    tensor) pairs) on every rank with global rank ``root_rank``'s values, in place. Example::
 
         bitscom.broadcast_parameters(model.state_dict(), root_rank=0)
     """
@@ -87,9 +78,7 @@ def _to_cpu(obj: Any) -> Any:
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_group: Optional[Any] = None) -> Any:
     """Return root's ``obj`` (any picklable object) on every rank (unpickled on receipt: trust
-    your peers). ``name`` is accepted for Horovod compatibility and unused.
-
-    Example::
+    your peers). ``name`` is accepted for Horovod compatibility and unused. Example::
 
         epoch = bitscom.broadcast_object(epoch, root_rank=0)
     """
@@ -106,15 +95,10 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0, model: Any = None,
                               process_group: Optional[Any] = None) -> None:
-    """Load root's optimizer state (moments, step counts, learning rates) on every rank.
-
-    Accepts a ``torch.optim.Optimizer`` or a :class:`bitscom.DistributedOptimizer` (whose
-    compressor state is per rank and is left alone). The whole state dict travels as one
-    pickle, so an optimizer that has not stepped yet needs no warm-up step (Horovod's) and
-    LBFGS works too. ``model`` is accepted for Horovod/ACP-SGD compatibility and unused.
-    Ranks whose optimizers differ (parameter count or shapes) get the same clear error.
-
-    Example::
+    """Load root's optimizer state (moments, step counts, learning rates) on every rank; a
+    DistributedOptimizer's per-rank compressor state is left alone. One pickle of the whole
+    state dict, so no warm-up step is needed (Horovod's) and LBFGS works. ``model`` is
+    accepted for Horovod/ACP-SGD compatibility and unused. Example::
 
         bitscom.broadcast_optimizer_state(optimizer, root_rank=0)
     """

@@ -1,12 +1,8 @@
 """Bucket planning: which gradients travel together, and where each sits in the flat buffer.
 
-Pure functions of the parameter list (names, shapes, dtypes, devices) and the fusion
-threshold, so every rank computes the same plan and a test can check it without ranks.
-
-Why reverse registration order: backward produces the gradients of the last layers first,
-so packing parameters from the end of the model lets the first bucket become ready (and
-start communicating) while backward still works on earlier layers — DDP and ACP-SGD do the
-same. Parameters of different dtypes or devices never share a bucket.
+Pure functions of the parameter list, so every rank computes the same plan. Why reverse
+registration order: backward produces the last layers' gradients first, so the first bucket
+starts communicating while backward still runs (as in DDP). Dtypes and devices never mix.
 """
 
 from __future__ import annotations
@@ -21,14 +17,9 @@ __all__ = ["plan_buckets", "plan_groups", "FlatBucket"]
 
 
 def plan_buckets(params: Sequence[Tuple[str, torch.Tensor]], threshold_bytes: int) -> List[BucketLayout]:
-    """Plan buckets for ``params`` (name, tensor) given in registration order.
-
-    A bucket is closed when adding the next parameter would exceed ``threshold_bytes``
-    (a single larger parameter gets a bucket of its own); ``threshold_bytes=0`` gives one
-    parameter per bucket. Bucket indices follow the order in which buckets open, i.e. the
-    order in which backward is expected to fill them.
-
-    Example::
+    """Plan buckets for ``params`` (name, tensor) in registration order: a bucket closes when
+    the next parameter would exceed ``threshold_bytes`` (0: one parameter per bucket); indices
+    follow the order backward is expected to fill them. Example::
 
         layouts = plan_buckets(list(model.named_parameters()), 25 * 2**20)
     """
@@ -53,14 +44,8 @@ def plan_buckets(params: Sequence[Tuple[str, torch.Tensor]], threshold_bytes: in
 
 
 def plan_groups(params: Sequence[Tuple[str, torch.Tensor]], groups) -> List[BucketLayout]:
-    """Buckets chosen by the user, Horovod's ``groups=`` (instead of a size threshold).
-
-    ``groups`` is a number ``n`` (the parameters, in reverse registration order, are cut into
-    ``n`` runs of nearly equal count) or a list of lists of parameters (each list travels
-    together; a parameter in no list travels alone). Parameters of different dtypes or
-    devices in one group are split, as in :func:`plan_buckets`.
-
-    Example::
+    """Buckets chosen by the user, Horovod's ``groups=``: a number ``n`` (``n`` runs of nearly
+    equal count) or a list of lists of parameters (each travels together, the rest alone). Example::
 
         layouts = plan_groups(list(model.named_parameters()), [[m.fc1.weight, m.fc2.weight]])
     """
@@ -117,12 +102,8 @@ def _layouts(order: List[list]) -> List[BucketLayout]:
 
 
 class FlatBucket:
-    """The preallocated flat buffer of one bucket plus views of each parameter's slot.
-
-    Gradients are copied in when ready and the reduced result copied back out; the buffer is
-    allocated once and reused every step. The bucket also tracks which slots were filled this
-    step (``filled``, ``pending``): it is ready to launch when ``pending`` reaches 0.
-    """
+    """The preallocated flat buffer of one bucket, views of each parameter's slot, and which
+    slots this step filled (ready to launch when ``pending`` is 0)."""
 
     def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor]):
         self.layout = layout

@@ -1,11 +1,9 @@
 """Channel: the one in-order queue of multi-round collectives, one per process group.
 
-Why one per group. Collectives on a group must be issued in the same order on every rank. A
-multi-round collective (PowerSGD's P then Q, low-bit's all-to-all then all-gather, a call
-header then its payload) issues its later rounds when earlier work *completes*, at different
-moments on different ranks. Two queues over one group (an optimizer and a DDP hook, two
-LowBitGroups, a Horovod call and a LowBitGroup) would interleave differently per rank. So
-every face submits to its group's Channel (:func:`bitscom.runtime.channel`), whose rule is:
+Why one per group: a multi-round collective issues its later rounds when earlier work
+*completes*, at different moments on different ranks, so two queues over one group (an
+optimizer and a DDP hook, two LowBitGroups) would interleave differently per rank. Every face
+submits to its group's Channel (:func:`bitscom.runtime.channel`), whose rule is:
 
 1. a work's first round is issued at :meth:`Channel.submit`, on ``group`` (submission order
    is program order, the same on every rank);
@@ -16,8 +14,7 @@ every face submits to its group's Channel (:func:`bitscom.runtime.channel`), who
    is ``keep_going`` (a call header's errors are raised on every rank in step), aborts every
    work queued behind it: their rounds would pair with the wrong peers.
 
-``bytes_sent`` totals what its finished works sent. The ``lowbit`` backend, whose caller must
-not block, runs its channels with a driver thread (``driver=True``).
+The ``lowbit`` backend, whose caller must not block, runs its channels with a driver thread.
 """
 
 from __future__ import annotations
@@ -39,12 +36,8 @@ W = TypeVar("W", bound=Rounds)
 
 
 class Channel:
-    """The in-order queue of :class:`~bitscom.comm.Rounds` over one process group.
-
-    It holds its groups weakly (torch's registry, or the backend, owns them), so a destroyed
-    world really goes, and a face still holding the channel gets a clear error.
-
-    Example::
+    """The in-order queue of :class:`~bitscom.comm.Rounds` over one process group; it holds its
+    groups weakly, so a destroyed world really goes. ``bytes_sent``: its finished works'. Example::
 
         ch = bitscom.runtime.channel(group, later=True)
         comm = ch.comm()
@@ -101,12 +94,9 @@ class Channel:
         return Comm(self.group, self.later_group, **self._comm_args)
 
     def submit(self, rounds: W, on_done: Optional[Callable[[Rounds], None]] = None, stream=None) -> W:
-        """Issue ``rounds``' first round now and queue the rest; returns ``rounds`` (the work).
-
-        An error up to the first round reaches the caller here; nothing is queued. With a
-        driver thread, ``on_done(rounds)`` runs there once the work finished (``rounds.error``
-        set on failure), inside ``stream`` when given.
-        """
+        """Issue ``rounds``' first round now (its error raised here, nothing queued) and queue
+        the rest; returns ``rounds``. With a driver thread, ``on_done(rounds)`` runs there once
+        the work finished, inside ``stream`` when given."""
         rounds._seq, self._submitted = self._submitted, self._submitted + 1
         self._retired = []
         try:
@@ -183,11 +173,8 @@ class Channel:
         if not w._counted:
             w._counted = True
             self.bytes_sent += w.bytes_sent
-            # The channel, not torch's worker thread, drops a finished work's last handle, and
-            # only at the next submit: a gloo work whose last reference dies on its worker
-            # thread is destroyed there, which needs the GIL (torch keeps the caller's
-            # contextvars in it), and when that happens as the interpreter exits right after
-            # the last step the process aborts ("terminate called without an active exception").
+            # Keep a finished work's last handle until the next submit: dropped on torch's
+            # worker thread at interpreter exit, it aborts the process (docs/reliability.md).
             self._retired.append(w.retain())
 
 

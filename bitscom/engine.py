@@ -1,11 +1,8 @@
 """The reduction engine: drives each bucket's compressor rounds without blocking backward.
 
-Buckets are submitted, in bucket order, to the face's :class:`~bitscom.channel.Channel`: it
-issues each bucket's first round at launch (from backward hooks, in the same order on every
-rank) and its later rounds (PowerSGD's Q, low-bit's all-gather — possible only once earlier
-work *completed*, at different moments per rank) on the channel's later group, where bucket k
-issues a later round only once every bucket before it finished (see :mod:`bitscom.channel`).
-The engine keeps what is per face: the compressor, the layouts and each bucket's state.
+Buckets are submitted in bucket order to the face's :class:`~bitscom.channel.Channel`, which
+keeps the rounds in one order on every rank; the engine keeps what is per face: the
+compressor, the layouts and each bucket's state.
 """
 
 from __future__ import annotations
@@ -24,16 +21,9 @@ __all__ = ["Reducer"]
 
 
 class Reducer:
-    """Runs one compressor over a fixed list of bucket layouts, step after step.
-
-    ``launch(i, flat)`` must be called in increasing ``i`` within a step (the optimizer
-    guarantees it); ``poll()`` advances buckets whose work completed; ``wait_all()``
-    finishes every bucket and returns the bytes this rank sent.
-
-    ``channel`` is the face's :class:`~bitscom.channel.Channel` (a process group, or None,
-    is resolved with :func:`bitscom.runtime.channel`).
-
-    Example::
+    """Runs one compressor over a fixed list of bucket layouts, step after step: ``launch(i,
+    flat)`` in increasing ``i`` within a step, ``poll()``, ``wait_all()``. ``channel``: the
+    face's :class:`~bitscom.channel.Channel` (or a group, resolved by runtime). Example::
 
         reducer = Reducer(compressor, layouts, bitscom.runtime.channel(group, later=True))
         for i, flat in enumerate(flats):
@@ -54,9 +44,8 @@ class Reducer:
         return self.channel.later_group
 
     def set_bucket(self, index: int, layout: BucketLayout, state: Optional[State] = None) -> State:
-        """Define (or redefine) bucket ``index``; for adapters that learn buckets lazily, like
-        DDP, which hands buckets over one by one and rebuilds them after the first iteration.
-        Returns the bucket's state (a fresh one unless ``state`` is given)."""
+        """Define (or redefine) bucket ``index`` for adapters that learn buckets lazily (DDP);
+        returns its state (a fresh one unless ``state`` is given)."""
         while len(self.layouts) <= index:
             self.layouts.append(None)
             self.states.append(None)
@@ -70,8 +59,7 @@ class Reducer:
         self._flights = []
 
     def release(self) -> None:
-        """The world is gone: drop the work in flight (the channel holds its groups weakly, so
-        nothing here keeps the old world alive; see :func:`bitscom.face.release_all`)."""
+        """The world is gone: drop the work in flight."""
         self._flights = []
 
     @property
@@ -90,8 +78,7 @@ class Reducer:
         self.channel.submit(rounds)
 
     def poll(self, block: bool = False) -> None:
-        """Advance buckets whose current work completed (all of them with ``block=True``), in
-        bucket order (the channel's rule)."""
+        """Advance buckets whose current work completed (all of them with ``block=True``)."""
         if block and self._flights:
             self.channel.wait(self._flights[-1][1])
         else:

@@ -1,25 +1,16 @@
 """Uneven inputs: ``bitscom.join()``, Horovod's ``hvd.join()`` for DistributedOptimizer steps.
 
-Why. When one rank has more batches than another, its extra step's bucket collectives meet
-whatever the other rank does next (a validation all-reduce, the next epoch's broadcast):
-mixed bytes or a hang. DDP has ``Join``, Horovod ``hvd.join()``.
-
-How. Every step of a multi-rank :class:`~bitscom.DistributedOptimizer` starts with a tiny
-asynchronous all-reduce, the *notice* ``[1, optimizer id]``, issued with its first bucket and
-waited for with its last one. A rank that ran out of data calls :func:`join`, which loops:
+Why: a rank's extra step's bucket collectives would meet whatever the other ranks do next
+(mixed bytes or a hang). How: every multi-rank step starts with a tiny asynchronous
+all-reduce, the *notice* ``[1, optimizer id]``; a rank that ran out of data loops in
+:func:`join`:
 
 1. all-reduce ``[0, 0]`` (this matches the notices of ranks still stepping);
 2. a zero count means every rank has joined: stop;
-3. otherwise ``sum(ids) / count`` names the optimizer the others are stepping; run that
-   optimizer's step with zero gradients (the same collectives, the same compressor rounds),
-   and go to 1.
+3. otherwise ``sum(ids) / count`` names the optimizer the others are stepping; run its step
+   with zero gradients (the same collectives), and go to 1.
 
-The joined rank's zeros count in the average (divided by the full group size, as DDP's
-``Join`` does by default). When every rank has joined, each optimizer's parameters and state
-are broadcast from the last rank to join, since the joined ranks reduced but did not step
-(model buffers such as BatchNorm statistics are not the optimizer's: broadcast them yourself
-from the returned rank if they matter). Only optimizer steps are shadowed: other collectives
-(metrics, validation, broadcasts) belong after ``join()`` returns, on every rank.
+What users see (the average, the final broadcast, what is not shadowed): docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -57,12 +48,8 @@ def _device(group) -> torch.device:
 
 
 def notify(optimizer):
-    """Issue the step's notice for ``optimizer``; returns the async work to wait on.
-
-    The notice lives in a buffer made once per optimizer and refilled on the device each step:
-    a fresh ``torch.tensor(..., device="cuda")`` would be a blocking host-to-device copy on
-    every step.
-    """
+    """Issue the step's notice for ``optimizer``; returns the async work to wait on. The notice
+    is refilled on the device each step (a fresh CUDA tensor would be a blocking copy)."""
     buffers = _notices.get(optimizer)
     if buffers is None:
         template = torch.tensor([1, optimizer._uid], dtype=torch.int64,
@@ -92,14 +79,9 @@ def _joining(group) -> Dict[int, Any]:
 
 
 def join(process_group=None) -> int:
-    """Wait for every rank of the group to join, stepping with zero gradients meanwhile.
-
-    Call it on every rank after its training loop (Horovod's ``hvd.join()``). While other
-    ranks still step a :class:`~bitscom.DistributedOptimizer`, this rank takes part in each
-    of their steps with zero gradients. Returns the rank that joined last (the highest such
-    rank when several ran the most steps).
-
-    Example::
+    """Wait for every rank of the group to join, stepping with zero gradients meanwhile; call
+    it on every rank after its training loop. Returns the rank that joined last (the highest
+    such rank when several ran the most steps). Example::
 
         for x, y in my_shard_of_the_data:          # ranks may have different counts
             opt.zero_grad()
@@ -137,9 +119,7 @@ def join(process_group=None) -> int:
     counts = [int(c) for c in everyone]
     last = dist.get_global_rank(group, max(i for i, c in enumerate(counts) if c == min(counts)))
     if max(counts) > 0:
-        # The joined ranks reduced but did not step: give them the last joiner's parameters
-        # and optimizer state, so the replicas are identical again (DDP's Join does the same
-        # for the model).
+        # The joined ranks reduced but did not step: give them the last joiner's parameters and state.
         check_agreement({"optimizers": sorted(mine)}, group, "optimizers to synchronize after join")
         for uid in sorted(mine):
             mine[uid]._after_join(last, group)
