@@ -1,21 +1,11 @@
 """``python -m bitscom``: what this machine gives bitscom, for bug reports and first runs.
 
-Like ``python -m torch.utils.collect_env`` and ``horovodrun --check-build``, it answers the
-questions a first run raises before anyone reads a traceback: which bitscom and torch are these,
-is CUDA there, which collectives (NCCL, gloo, MPI) can run, which launcher started this process,
-and which implementation the low-bit hot loops take on CPU and on CUDA, and why. It only looks:
-it never starts ``torch.distributed`` (no :func:`bitscom.init`), so it runs anywhere in a few
-seconds (the first run on a machine also compiles the native CPU loop, as training would).
-
-Example::
+Like ``python -m torch.utils.collect_env``: which bitscom and torch, CUDA, which collectives,
+which launcher, which low-bit kernel paths and why. It never starts ``torch.distributed``. A
+launcher variable that is no valid number is one line on stderr and exit status 2. Example::
 
     python -m bitscom                      # one "name: value" line per question
     torchrun --nproc_per_node 2 -m bitscom # each rank reports what its launcher told it
-    python -m bitscom --help               # the usage
-
-A launcher variable that is no valid number (``WORLD_SIZE=abc``, ``RANK=-1``) is one line on
-stderr naming the variable and its value, and exit status 2: the ``ValueError`` that
-:func:`bitscom.init` raises for it, without the traceback.
 """
 from __future__ import annotations
 
@@ -124,9 +114,7 @@ def _cuda_kernels() -> str:
 
 
 def report() -> list:
-    """The report as ``(question, answer)`` pairs, in print order.
-
-    Example::
+    """The report as ``(question, answer)`` pairs, in print order. Example::
 
         dict(bitscom.__main__.report())["gloo"]   # 'yes'
     """
@@ -167,10 +155,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """Print :func:`report`, one ``question: answer`` line each (``--help``: the usage).
-    A bad launcher variable is one line on stderr and status 2.
-
-    Example::
+    """Print :func:`report`, one ``question: answer`` line each (``--help``: the usage). Example::
 
         python -m bitscom
     """

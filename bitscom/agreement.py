@@ -1,12 +1,8 @@
 """Cross-rank agreement on the reduction plan, checked once before the first reduction.
 
-Ranks that planned different buckets, shapes or compressor settings would exchange
-misaligned bytes (silent corruption) or wait on collectives the others never issue (a
-hang). One ``all_gather_object`` of each rank's description turns both into the same clear
-error on every rank.
-
-Trust: ``all_gather_object`` unpickles what the peers send. bitscom assumes every rank of a
-job is run by the same party (as torch.distributed does); see docs/reliability.md.
+Different plans would exchange misaligned bytes or wait on collectives the others never
+issue; one ``all_gather_object`` of each rank's description makes that the same clear error
+on every rank (it unpickles peer data: docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -19,14 +15,11 @@ import torch.distributed as dist
 __all__ = ["check_agreement", "describe_state", "require_member", "PROBLEM"]
 
 PROBLEM = "checkpoint problem"
-"""The description entry that carries a rank's refused checkpoint (see ``bitscom.face``): when
-any rank has one, it is the error every rank raises, ahead of the differences it caused."""
+"""The description entry of a rank's refused checkpoint: the error every rank raises first."""
 
 
 def require_member(group, what: str) -> None:
-    """Raise a clear error on a rank that is not in ``group`` (torch would fail obscurely).
-
-    Example::
+    """Raise a clear error on a rank that is not in ``group`` (torch would fail obscurely). Example::
 
         require_member(group, "broadcast_parameters")
     """
@@ -38,9 +31,7 @@ def require_member(group, what: str) -> None:
 
 def describe_state(state: Any) -> Any:
     """What must agree across ranks in a compressor state: counters, flags and tensor shapes
-    (not values: error-feedback residuals differ per rank by design).
-
-    Example::
+    (not values: error-feedback residuals differ per rank by design). Example::
 
         check_agreement({"state": [describe_state(s) for s in states]}, group, "compressor state")
     """
@@ -73,9 +64,7 @@ def _first_difference(a: Any, b: Any) -> str:
 
 
 def check_agreement(description: Dict[str, Any], group=None, what: str = "reduction plan") -> None:
-    """Raise the same ``RuntimeError`` on every rank unless all ranks pass equal descriptions.
-
-    Example::
+    """Raise the same ``RuntimeError`` on every rank unless all ranks pass equal descriptions. Example::
 
         check_agreement({"buckets": [l.describe() for l in layouts]}, group)
     """
@@ -91,8 +80,7 @@ def check_agreement(description: Dict[str, Any], group=None, what: str = "reduct
     for r, desc in enumerate(gathered[1:], start=1):
         if desc == reference:
             continue
-        # rank 0's order first (a description leads with what matters most, e.g. the face),
-        # then keys only the other rank has
+        # rank 0's order (a description leads with what matters most), then the other rank's keys
         for key in list(reference) + sorted(set(desc) - set(reference), key=str):
             if reference.get(key) != desc.get(key):
                 problems.append(f"rank {r} differs from rank 0 in {key}: "

@@ -1,9 +1,5 @@
-"""Which parameters an optimizer trains, by name: the one validation both optimizers share.
-
-Why one place: ``DistributedOptimizer`` and ``ShardedOptimizer`` must reject the same mistakes
-(duplicate names, parameters missing from the optimizer or from ``named_parameters``) with the
-same words, and plan from the same registration order.
-"""
+"""Which parameters an optimizer trains, by name: the one validation both optimizers share
+(the same mistakes refused in the same words, plans from the same registration order)."""
 
 from __future__ import annotations
 
@@ -16,9 +12,7 @@ __all__ = ["named_parameters_of", "checked_pairs"]
 
 def checked_pairs(named_parameters) -> List[tuple]:
     """``named_parameters`` as a list of ``(name, tensor)`` pairs with unique names
-    (TypeError / ValueError otherwise); the check every face that takes names shares.
-
-    Example::
+    (TypeError / ValueError otherwise). Example::
 
         pairs = checked_pairs(model.named_parameters())
     """
@@ -35,11 +29,8 @@ def checked_pairs(named_parameters) -> List[tuple]:
 
 
 def named_parameters_of(optimizer: torch.optim.Optimizer, named_parameters) -> List[tuple]:
-    """Validated (name, parameter) pairs of ``optimizer``'s parameters, in registration order.
-
-    Without ``named_parameters`` the parameters are numbered ``param.0``, ``param.1``, ….
-
-    Example::
+    """Validated (name, parameter) pairs of ``optimizer``'s parameters, in registration order
+    (numbered ``param.0``, ``param.1``, … without ``named_parameters``). Example::
 
         pairs = named_parameters_of(opt, model.named_parameters())   # [("fc.weight", p), ...]
     """

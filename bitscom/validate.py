@@ -34,9 +34,7 @@ def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: O
            inclusive: Union[bool, Tuple[bool, bool]] = True, integer: bool = False,
            finite: bool = False) -> Any:
     """``value`` if it is an int (``integer``) or a real number within the bounds, else a
-    ValueError ``"{name} must be an int >= 1, got 0"`` / ``"... a number in (0, 1], got 2"``.
-
-    Example::
+    ValueError ``"{name} must be an int >= 1, got 0"`` / ``"... a number in (0, 1], got 2"``. Example::
 
         number("TopK ratio", ratio, minimum=0, maximum=1, inclusive=(False, True))
     """
@@ -55,12 +53,9 @@ def numbers(name: str, values: Any, *, nonempty: bool = False, minimum: Optional
             maximum: Optional[float] = None, inclusive: Union[bool, Tuple[bool, bool]] = True,
             integer: bool = False, finite: bool = False) -> tuple:
     """``values`` as a tuple if it is a sequence (any iterable but a string, bytes or a mapping;
-    not empty with ``nonempty``) whose every item passes :func:`number` with these bounds.
-    Else a TypeError (not a sequence: ``'25'`` would read as ``('2', '5')``), a ValueError (empty)
-    or the first bad item's ValueError, named ``name[i]``:
-    ``candidates[0] must be a finite number > 0, got '25'``.
-
-    Example::
+    not empty with ``nonempty``) whose every item passes :func:`number`, else a TypeError (not a
+    sequence: ``'25'`` would read as ``('2', '5')``), a ValueError (empty) or the first bad
+    item's ValueError, named ``name[i]``. Example::
 
         numbers("candidates", candidates, nonempty=True, minimum=0, inclusive=False, finite=True)
     """
