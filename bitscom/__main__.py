@@ -155,10 +155,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """Print :func:`report`, one ``question: answer`` line each (``--help``: the usage). Example::
-
-        python -m bitscom
-    """
+    """Print :func:`report`, one ``question: answer`` line each (``--help``: the usage)."""
     _parser().parse_args(argv)
     try:
         discover()                   # the launcher's variables, checked before the report reads them

@@ -19,10 +19,7 @@ PROBLEM = "checkpoint problem"
 
 
 def require_member(group, what: str) -> None:
-    """Raise a clear error on a rank that is not in ``group`` (torch would fail obscurely). Example::
-
-        require_member(group, "broadcast_parameters")
-    """
+    """Raise a clear error on a rank that is not in ``group`` (torch would fail obscurely)."""
     if group is not None and dist.get_rank(group) < 0:
         raise ValueError(f"{what}: this process (global rank {dist.get_rank()}) is not a member of "
                          f"the process group (ranks {dist.get_process_group_ranks(group)}); call it "
@@ -31,10 +28,7 @@ def require_member(group, what: str) -> None:
 
 def describe_state(state: Any) -> Any:
     """What must agree across ranks in a compressor state: counters, flags and tensor shapes
-    (not values: error-feedback residuals differ per rank by design). Example::
-
-        check_agreement({"state": [describe_state(s) for s in states]}, group, "compressor state")
-    """
+    (not values: error-feedback residuals differ per rank by design)."""
     if hasattr(state, "state_dict") and not isinstance(state, dict):
         state = state.state_dict()
     if isinstance(state, dict):
@@ -64,10 +58,7 @@ def _first_difference(a: Any, b: Any) -> str:
 
 
 def check_agreement(description: Dict[str, Any], group=None, what: str = "reduction plan") -> None:
-    """Raise the same ``RuntimeError`` on every rank unless all ranks pass equal descriptions. Example::
-
-        check_agreement({"buckets": [l.describe() for l in layouts]}, group)
-    """
+    """Raise the same ``RuntimeError`` on every rank unless all ranks pass equal descriptions."""
     require_member(group, f"the {what} check")
     size = dist.get_world_size(group)
     gathered: List[Any] = [None] * size

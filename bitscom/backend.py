@@ -117,12 +117,8 @@ class StateSlots:
     Storage addresses differ per rank, so whether a state exists cannot be decided per rank:
     the slot (and its generation) this rank found travels in the header, and the state is used
     only when every rank found the same; otherwise every rank starts a fresh state in the same
-    new (or least recently used) slot, in the same call order. Example::
-
-        slots = StateSlots(256)
-        code = slots.code(key)                         # at call time, into the header
-        states = slots.resolve(key, every_ranks_code, 1)   # after the header, in call order
-    """
+    new (or least recently used) slot, in the same call order: :meth:`code` at call time, into
+    the header; :meth:`resolve` after it."""
 
     def __init__(self, capacity: int = MAX_STATES, warn: bool = False):
         if not 1 <= capacity < 1 << _SLOT_BITS:
@@ -179,10 +175,7 @@ class StateSlots:
 
 class InnerTransport:
     """Issues collectives straight on inner torch backends (the "groups" a
-    :class:`~bitscom.comm.Comm` passes are ProcessGroupGloo/NCCL objects). Example::
-
-        comm = Comm(main_backend, later_backend, transport=InnerTransport(), rank=r, size=n)
-    """
+    :class:`~bitscom.comm.Comm` passes are ProcessGroupGloo/NCCL objects)."""
 
     def size(self, group) -> int:
         return group.size()
@@ -236,10 +229,7 @@ def _delegated(name: str, arity: int, options: Optional[Callable[[], Any]] = Non
 
 class FutureWork(dist.Work):
     """The work handle of a compressed collective: done when the driver thread completed its
-    future; ``wait()`` raises the collective's error (torch's future-backed work drops it). Example::
-
-        work = dist.all_reduce(t, group=lowbit_group, async_op=True); work.wait()
-    """
+    future; ``wait()`` raises the collective's error (torch's future-backed work drops it)."""
 
     def __init__(self, future: torch.futures.Future):
         super().__init__()
@@ -316,28 +306,13 @@ class LowBitProcessGroup(dist.ProcessGroup):
         """
         return self._bytes.report()
 
-    @property
-    def bytes_sent(self) -> int:
-        """This rank's compressed-collective bytes since the group was made."""
-        return self._bytes.total_sent
+    bytes_sent = property(lambda self: self._bytes.total_sent, doc="This rank's compressed bytes so far.")
+    inner_groups = property(lambda self: dict(self._inner), doc="The wrapped backends by device type.")
+    num_states = property(lambda self: len(self._slots), doc="States kept (the same on every rank).")
+    max_states = property(lambda self: self._slots.capacity, doc="The most states kept (MAX_STATES).")
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
-
-    @property
-    def inner_groups(self) -> dict:
-        """The wrapped backends by device type ("cpu": gloo, "cuda": nccl)."""
-        return dict(self._inner)
-
-    @property
-    def num_states(self) -> int:
-        """How many compressed-collective states this group keeps (the same on every rank)."""
-        return len(self._slots)
-
-    @property
-    def max_states(self) -> int:
-        """The most states this group keeps (:data:`MAX_STATES`)."""
-        return self._slots.capacity
 
     def _kind(self, *tensors) -> str:
         for t in tensors:
@@ -357,7 +332,6 @@ class LowBitProcessGroup(dist.ProcessGroup):
         return self._inner[self._kind(*tensors)]
 
     def _channel(self, kind: str) -> Channel:
-        """The channel of ``kind``'s inner backends, with a driver thread (it ends with the group)."""
         with self._lock:
             if kind not in self._channels:
                 self._channels[kind] = Channel(self._inner[kind], self._later[kind], transport=_INNER,
@@ -502,5 +476,4 @@ class LowBitProcessGroup(dist.ProcessGroup):
 
 
 def _storage(t: torch.Tensor) -> tuple:
-    """This rank's identity of a tensor's buffer: (address, numel, dtype)."""
     return (t.data_ptr(), t.numel(), t.dtype)

@@ -19,10 +19,7 @@ __all__ = ["plan_buckets", "plan_groups", "FlatBucket"]
 def plan_buckets(params: Sequence[Tuple[str, torch.Tensor]], threshold_bytes: int) -> List[BucketLayout]:
     """Plan buckets for ``params`` (name, tensor) in registration order: a bucket closes when
     the next parameter would exceed ``threshold_bytes`` (0: one parameter per bucket); indices
-    follow the order backward is expected to fill them. Example::
-
-        layouts = plan_buckets(list(model.named_parameters()), 25 * 2**20)
-    """
+    follow the order backward is expected to fill them."""
     if threshold_bytes < 0:
         raise ValueError(f"fusion threshold must be >= 0 bytes, got {threshold_bytes}")
     open_buckets: Dict[tuple, list] = {}
@@ -45,10 +42,7 @@ def plan_buckets(params: Sequence[Tuple[str, torch.Tensor]], threshold_bytes: in
 
 def plan_groups(params: Sequence[Tuple[str, torch.Tensor]], groups) -> List[BucketLayout]:
     """Buckets chosen by the user, Horovod's ``groups=``: a number ``n`` (``n`` runs of nearly
-    equal count) or a list of lists of parameters (each travels together, the rest alone). Example::
-
-        layouts = plan_groups(list(model.named_parameters()), [[m.fc1.weight, m.fc2.weight]])
-    """
+    equal count) or a list of lists of parameters (each travels together, the rest alone)."""
     rev = list(reversed(list(params)))
     if isinstance(groups, int):
         n = min(groups, len(rev)) or 1

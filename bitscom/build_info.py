@@ -19,24 +19,15 @@ def nccl_built() -> bool:
 
 
 def gloo_built() -> bool:
-    """Whether torch.distributed has gloo (collectives on CPU tensors). Example::
-
-        assert bitscom.gloo_built()
-    """
+    """Whether torch.distributed has gloo (collectives on CPU tensors)."""
     return dist.is_available() and dist.is_gloo_available()
 
 
 def mpi_built() -> bool:
-    """Whether torch.distributed has its MPI backend (bitscom only needs mpi4py under mpirun). Example::
-
-        print(bitscom.mpi_built())
-    """
+    """Whether torch.distributed has its MPI backend (bitscom only needs mpi4py under mpirun)."""
     return dist.is_available() and dist.is_mpi_available()
 
 
 def cuda_built() -> bool:
-    """Whether torch was built with CUDA. Example::
-
-        print(bitscom.cuda_built())
-    """
+    """Whether torch was built with CUDA."""
     return torch.backends.cuda.is_built()

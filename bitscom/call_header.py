@@ -3,12 +3,8 @@ and the one op/dtype table of every header (the Horovod face's negotiation heade
 
 Why: ranks that call different collectives or pass different element counts would pair a
 low-bit round with an exact collective, exchange buffers of different sizes or silently sum
-misaligned bytes; two int64 per call turn each into the same clear error on every rank and
-leave the group usable. The ``lowbit`` backend and :class:`bitscom.LowBitGroup` both use it.
-
-Layout: ``[numel, kind | op << 2 | dtype << 6 | slot << 12]``: ``op`` a torch ``RedOpType``
-number, ``dtype`` 1 + its index in :data:`DTYPES` (0: another dtype), ``slot`` the backend's
-state slot (0 without slots).
+misaligned bytes; two int64 per call (the layout: docs/design.md) turn each into the same
+clear error on every rank and leave the group usable.
 """
 
 from __future__ import annotations
@@ -34,7 +30,6 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uin
 
 
 def _op_code(op) -> int:
-    """The RedOpType number of a reduce op (torch hands backends ``ReduceOp`` objects)."""
     return int(getattr(op, "op", op))
 
 
@@ -75,10 +70,7 @@ class Call:
 
 
 def check_calls(calls, label: str) -> None:
-    """The same error on every rank (they all see the same headers) unless all calls match. Example::
-
-        check_calls([Call.of("all_reduce", op, t.dtype, t.numel())] * 2, "LowBitGroup")
-    """
+    """The same error on every rank (they all see the same headers) unless all calls match."""
     if any((c.kind, c.op, c.dtype) != (calls[0].kind, calls[0].op, calls[0].dtype) for c in calls):
         listing = ", ".join(f"rank {r}: {c.describe()}" for r, c in enumerate(calls))
         raise RuntimeError(f"{label}: ranks called different collectives ({listing}); every rank must "
@@ -91,11 +83,7 @@ def check_calls(calls, label: str) -> None:
 
 def agree_rounds(comm, call: Call, slot_code: int, device, label: str) -> Generator[Any, None, List[int]]:
     """Round generator: all-gather every rank's header on ``comm`` and check it; returns every
-    rank's slot code (rank order). Example::
-
-        codes = yield from agree_rounds(comm, Call.of("all_gather", dist.ReduceOp.SUM, x.dtype,
-                                                      x.numel()), 0, x.device, "LowBitGroup")
-    """
+    rank's slot code (rank order)."""
     if comm.size == 1:
         return [slot_code]
     mine = torch.tensor(call.header(slot_code), dtype=torch.int64, device=device)

@@ -1,20 +1,9 @@
 """Channel: the one in-order queue of multi-round collectives, one per process group.
 
 Why one per group: a multi-round collective issues its later rounds when earlier work
-*completes*, at different moments on different ranks, so two queues over one group (an
-optimizer and a DDP hook, two LowBitGroups) would interleave differently per rank. Every face
-submits to its group's Channel (:func:`bitscom.runtime.channel`), whose rule is:
-
-1. a work's first round is issued at :meth:`Channel.submit`, on ``group`` (submission order
-   is program order, the same on every rank);
-2. its later rounds go to ``later_group`` (see :class:`~bitscom.comm.Comm`), in submission
-   order too: work ``k`` issues a later round only once every work before it is *released*
-   (finished, or issued all of its declared ``total`` rounds);
-3. a failed round fails its work (whoever waits for it gets the error) and, unless the work
-   is ``keep_going`` (a call header's errors are raised on every rank in step), aborts every
-   work queued behind it: their rounds would pair with the wrong peers.
-
-The ``lowbit`` backend, whose caller must not block, runs its channels with a driver thread.
+*completes*, at different moments on different ranks, so two queues over one group would
+interleave differently per rank. The rule (first rounds at submit, later rounds in submission
+order, a failure aborts the works behind it): docs/design.md, "Mechanisms of the core".
 """
 
 from __future__ import annotations
@@ -74,23 +63,15 @@ class Channel:
                                "or dist.destroy_process_group()); build the face again after bitscom.init()")
         return ref()
 
-    @property
-    def group(self):
-        """The group first rounds go to."""
-        return self._get(0)
-
-    @property
-    def later_group(self):
-        """The group later rounds go to (None: the face's comms choose their groups)."""
-        return self._get(1)
+    group = property(lambda self: self._get(0), doc="The group first rounds go to.")
+    later_group = property(lambda self: self._get(1), doc="The group later rounds go to (None: the comms choose).")
 
     def set_later_group(self, later_group) -> None:
         """Give the channel its later group (runtime does, once, when a face first needs one)."""
         self._groups[1] = self._hold(later_group)
 
     def comm(self) -> Comm:
-        """A :class:`~bitscom.comm.Comm` for one work: first round on :attr:`group`, later
-        rounds on :attr:`later_group`."""
+        """A :class:`~bitscom.comm.Comm` for one work, on :attr:`group` then :attr:`later_group`."""
         return Comm(self.group, self.later_group, **self._comm_args)
 
     def submit(self, rounds: W, on_done: Optional[Callable[[Rounds], None]] = None, stream=None) -> W:
@@ -149,9 +130,8 @@ class Channel:
         self._queue = [w for w in self._queue if not w.done]
 
     def _advance(self, limit: Optional[int], block: bool) -> List[Rounds]:
-        """Step the queued works in order, up to ``limit``, while each has released the group
-        (its next round may be issued after them); an error aborts the works behind it.
-        Returns the works stepped, which ``block`` then finishes."""
+        """Step the queued works in order, up to ``limit``, while each has released the group;
+        an error aborts the works behind it. Returns the works stepped."""
         ahead: List[Rounds] = []
         for w in list(self._queue):
             if limit is not None and w._seq > limit:
@@ -179,7 +159,6 @@ class Channel:
 
 
 def _step(w: Rounds, block: bool) -> None:
-    """Advance ``w`` over completed rounds; with ``block`` wait for its current round first."""
     try:
         w.step() if block else Rounds.poll(w)
     except Exception as err:  # noqa: BLE001 — the work's error, raised to whoever waits for it
@@ -187,7 +166,6 @@ def _step(w: Rounds, block: bool) -> None:
 
 
 def _run(jobs: queue.Queue, lock: threading.Lock, channel: "weakref.ref") -> None:
-    """The driver thread: finishes each work in submission order (holds the channel weakly)."""
     while (item := jobs.get()) is not None:
         rounds, on_done, stream = item
         try:

@@ -8,7 +8,7 @@ driver of a round generator, submitted to the group's :class:`~bitscom.channel.C
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,33 +22,21 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 
 
 def resolve_group(group=None):
-    """``group``, or torch's world group for ``None`` (``None`` when torch.distributed is not
-    initialized: one process). Example::
-
-        self.process_group = resolve_group(process_group)
-    """
-    if group is not None:
-        return group
-    if dist.is_available() and dist.is_initialized():
+    """``group``, or torch's world group for ``None`` (``None`` without torch.distributed)."""
+    if group is None and dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
-    return None
+    return group
 
 
 def is_sum_or_avg(op) -> bool:
     """Whether a reduce op is SUM or AVG (what the low-bit collectives compute). By ``==``: the
-    ops torch hands a backend equal ``dist.ReduceOp.SUM`` but are not it, so ``in`` fails. Example::
-
-        is_sum_or_avg(dist.AllreduceOptions().reduceOp)   # True
-    """
+    ops torch hands a backend equal ``dist.ReduceOp.SUM`` but are not it, so ``in`` fails."""
     return op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG
 
 
 class TorchTransport:
     """Issues asynchronous collectives through ``torch.distributed`` on a registered group: the
-    group first, torch's work handle back, group ranks. Example::
-
-        TorchTransport().all_reduce(group, tensor, dist.ReduceOp.SUM).wait()
-    """
+    group first, torch's work handle back, group ranks."""
 
     def size(self, group) -> int:
         return dist.get_world_size(group) if dist.is_initialized() else 1
@@ -122,74 +110,54 @@ class Comm:
         """Add ``tensor``'s bytes to :attr:`bytes_sent`."""
         self.bytes_sent += tensor.numel() * tensor.element_size()
 
-    def _issue(self, sent: torch.Tensor, name: str, *args):
-        """Count ``sent`` and issue the transport's ``name`` on the current group."""
-        self.count(sent)
-        return getattr(self.transport, name)(self.current_group, *args)
+    solo = property(lambda self: self.size == 1, doc="A group of one member: every collective is local.")
 
-    @property
-    def solo(self) -> bool:
-        """A group of one member (or no distributed run at all): every collective is local."""
-        return self.size == 1
+    def _issue(self, sent: Optional[torch.Tensor], name: str, *args, local: Optional[Callable[[], Any]] = None):
+        """Issue the transport's ``name`` on the current group, counting ``sent`` (None: nothing);
+        a group of one member sends nothing and runs ``local()`` (a copy) when given."""
+        if self.solo:
+            if local is not None:
+                local()
+            return None
+        if sent is not None:
+            self.count(sent)
+        return getattr(self.transport, name)(self.current_group, *args)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM):
         """Sum (or ``op``) ``tensor`` in place over the group; returns the async work."""
-        if self.solo:
-            return None
         return self._issue(tensor, "all_reduce", tensor, op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor):
         """``output`` (size × input.numel()) receives every rank's ``input``, in rank order."""
-        if self.solo:
-            output.view(-1).copy_(input.view(-1))
-            return None
-        return self._issue(input, "all_gather", output, input)
+        return self._issue(input, "all_gather", output, input, local=lambda: output.view(-1).copy_(input.view(-1)))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor):
         """Equal splits: chunk j of ``input`` goes to rank j; chunk j of ``output`` comes from j."""
-        if self.solo:
-            output.copy_(input)
-            return None
-        return self._issue(input, "all_to_all", output, input)
+        return self._issue(input, "all_to_all", output, input, local=lambda: output.copy_(input))
 
     def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_splits, input_splits):
         """Uneven splits (first-dimension rows): ``input_splits[j]`` rows go to rank j,
         ``output_splits[j]`` rows come from rank j (Horovod's ``alltoall(splits=)``)."""
-        if self.solo:
-            output.copy_(input)
-            return None
-        return self._issue(input, "all_to_all_v", output, input, list(output_splits), list(input_splits))
+        return self._issue(input, "all_to_all_v", output, input, list(output_splits), list(input_splits),
+                           local=lambda: output.copy_(input))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM):
         """``output`` = this rank's chunk of the sum of every rank's ``input``."""
-        if self.solo:
-            output.view(-1).copy_(input.view(-1))
-            return None
-        return self._issue(input, "reduce_scatter", output, input, op)
+        return self._issue(input, "reduce_scatter", output, input, op,
+                           local=lambda: output.view(-1).copy_(input.view(-1)))
 
     def broadcast(self, tensor: torch.Tensor, group_src: int = 0):
-        """Broadcast from the rank with *group* rank ``group_src``."""
-        if self.solo:
-            return None
-        if self.rank == group_src:
-            self.count(tensor)
-        return self.transport.broadcast(self.current_group, tensor, group_src)
+        """Broadcast from the rank with *group* rank ``group_src`` (only the root sends)."""
+        return self._issue(tensor if self.rank == group_src else None, "broadcast", tensor, group_src)
 
     def reduce(self, tensor: torch.Tensor, group_dst: int = 0, op=dist.ReduceOp.SUM):
         """Sum ``tensor`` into the rank with group rank ``group_dst`` (others' buffers: undefined)."""
-        if self.solo:
-            return None
-        if self.rank != group_dst:
-            self.count(tensor)
-        return self.transport.reduce(self.current_group, tensor, group_dst, op)
+        return self._issue(None if self.rank == group_dst else tensor, "reduce", tensor, group_dst, op)
 
 
 def gather_objects(obj: Any, group, group_dst: int = 0) -> Optional[list]:
     """Every rank's picklable ``obj`` on the rank with group rank ``group_dst`` (``None`` on the
-    others; ``[obj]`` for one process). Unpickles peer data: see docs/reliability.md. Example::
-
-        pieces = gather_objects(my_pieces, group)      # a list on group rank 0
-    """
+    others; ``[obj]`` for one process). Unpickles peer data: see docs/reliability.md."""
     if group is None or dist.get_world_size(group) == 1:
         return [obj]
     me = dist.get_rank(group)
@@ -199,10 +167,7 @@ def gather_objects(obj: Any, group, group_dst: int = 0) -> Optional[list]:
 
 
 def is_completed(work) -> bool:
-    """True when every handle in ``work`` finished (a list/tuple of handles is allowed). Example::
-
-        if is_completed(rounds.work): ...
-    """
+    """True when every handle in ``work`` (one, a list/tuple, or None) finished."""
     if work is None:
         return True
     if isinstance(work, (list, tuple)):
@@ -213,16 +178,11 @@ def is_completed(work) -> bool:
 
 
 def wait(work) -> None:
-    """Block until every handle in ``work`` finished, raising its error if any. Example::
-
-        wait([comm.all_gather(out, inp), comm.all_reduce(buf)])
-    """
-    if work is None:
-        return
+    """Block until every handle in ``work`` (one, a list/tuple, or None) finished."""
     if isinstance(work, (list, tuple)):
         for w in work:
             wait(w)
-    else:
+    elif work is not None:
         work.wait()
 
 
@@ -257,8 +217,7 @@ class Rounds:
 
     @property
     def released(self) -> bool:
-        """Finished, or issued all of its ``total`` rounds: works queued behind it on a
-        :class:`~bitscom.channel.Channel` may issue their later rounds."""
+        """Finished, or issued all of its ``total`` rounds: works queued behind it may go on."""
         return self.done or (self.total is not None and self.issued >= self.total)
 
     def start(self) -> "Rounds":
@@ -305,21 +264,14 @@ class Rounds:
         return self.done
 
     def retain(self) -> Any:
-        """The finished work's last round handle, for a :class:`~bitscom.channel.Channel` to
-        keep until its next submit (see ``Channel._finished``)."""
+        """The finished work's last round handle (see ``Channel._finished``)."""
         return self._last_work
 
-    @property
-    def bytes_sent(self) -> int:
-        return sum(c.bytes_sent for c in self.comms)
+    bytes_sent = property(lambda self: sum(c.bytes_sent for c in self.comms))
 
 
 def drive(rounds: Iterator[Any], comm: Optional[Comm] = None) -> Any:
-    """Run a round generator to completion, synchronously; returns its result. Example::
-
-        comm = Comm(group)
-        drive(compressor.reduce(flat, layout, state, comm), comm)
-    """
+    """Run a round generator to completion, synchronously; returns its result."""
     r = Rounds(rounds, [comm] if comm is not None else [])
     r.wait()
     return r.result

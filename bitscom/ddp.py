@@ -85,10 +85,7 @@ class DDPCommState(Face):
         self._iterations = 0
 
     def close(self) -> None:
-        """Forget the buckets in flight; the hook fails loudly if DDP calls it afterwards. Example::
-
-            state.close()
-        """
+        """Forget the buckets in flight; the hook fails loudly if DDP calls it afterwards."""
         self._face_close()
         self._reducer.abort()
 
@@ -149,10 +146,7 @@ class DDPCommState(Face):
             if not future.done():
                 future.set_exception(RuntimeError(f"bitscom DDP hook failed: {err}"))
 
-    @property
-    def bucket_states(self) -> list:
-        """The compressor state of each DDP bucket index seen so far (None: not seen yet)."""
-        return list(self._reducer.states)
+    bucket_states = property(lambda self: list(self._reducer.states), doc="Each DDP bucket's state (None: unseen).")
 
     def comm_stats(self) -> dict:
         """Bytes this rank sent (:func:`bitscom.face.report`; a step is one iteration). Example::

@@ -1,24 +1,9 @@
 """``sparse_as_dense=True``: sparse gradients reduced dense, handed back sparse (Horovod's way).
 
 Why: Horovod all-reduces ``p.grad.to_dense()`` and hands back ``aggregated.to_sparse()``, so
-``SparseAdam`` (which refuses dense gradients) still steps. Why a layout round: Horovod
-decides per rank, so a rank whose batch missed the embedding keeps a dense ``p.grad`` and
-SparseAdam raises there only; here one MAX all-reduce of a byte per parameter, after the
-step's last bucket, makes a gradient sparse on every rank when it was sparse on any.
-
-1. passes before the completing one leave ``p.grad`` as autograd makes it (sparse stays sparse);
-2. on the completing pass (or at the step's end for a gradient of an earlier pass) a sparse
-   ``p.grad`` is marked and made dense, and is reduced like any dense gradient;
-3. after the last bucket the marks are all-reduced (MAX): the layout round;
-4. after the write-back each agreed parameter gets ``p.grad = p.grad.to_sparse()``, the same
-   bits on every rank because the dense average is. Example::
-
-    dense = DensifiedGradients(params, device)
-    grad = dense.dense(p)                     # in the hook, on the completing pass
-    dense.launch(channel)                     # after the step's last bucket
-    params_back, sent = dense.wait(channel)   # after the buckets finished
-    ...                                       # write the reduced buckets back into p.grad
-    hand_back_sparse(params_back)
+``SparseAdam`` still steps. Why a layout round: Horovod decides per rank, so a rank whose batch
+missed the embedding keeps a dense ``p.grad`` and SparseAdam raises there only; here the ranks
+agree (the four steps: docs/design.md, "Mechanisms of the core").
 """
 
 from __future__ import annotations
@@ -34,17 +19,13 @@ __all__ = ["DensifiedGradients", "hand_back_sparse"]
 
 
 def _layout_round(comm: Comm, marks: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
-    """Round: every rank's marks, MAX-reduced in place (1 where any rank's gradient was sparse)."""
     yield comm.all_reduce(marks, dist.ReduceOp.MAX)
     return marks
 
 
 class DensifiedGradients:
     """One optimizer's ``sparse_as_dense=True`` state: the parameters (plan order) and which had
-    a sparse gradient this step on this rank; ``device``: the buckets' (NCCL needs CUDA). Example::
-
-        dense = DensifiedGradients([p for _, p in trainable], torch.device("cpu"))
-    """
+    a sparse gradient this step on this rank; ``device``: the buckets' (NCCL needs CUDA)."""
 
     def __init__(self, params: Sequence[torch.Tensor], device: torch.device):
         self.params = list(params)

@@ -23,13 +23,7 @@ __all__ = ["Reducer"]
 class Reducer:
     """Runs one compressor over a fixed list of bucket layouts, step after step: ``launch(i,
     flat)`` in increasing ``i`` within a step, ``poll()``, ``wait_all()``. ``channel``: the
-    face's :class:`~bitscom.channel.Channel` (or a group, resolved by runtime). Example::
-
-        reducer = Reducer(compressor, layouts, bitscom.runtime.channel(group, later=True))
-        for i, flat in enumerate(flats):
-            reducer.launch(i, flat)
-        sent = reducer.wait_all()
-    """
+    face's :class:`~bitscom.channel.Channel` (or a group, resolved by runtime)."""
 
     def __init__(self, compressor: Compressor, layouts: Sequence[BucketLayout], channel=None):
         self.compressor = compressor
@@ -38,10 +32,7 @@ class Reducer:
         self.states: List[Any] = [compressor.init_state(l) for l in self.layouts]
         self._flights: List[Tuple[int, Rounds]] = []
 
-    @property
-    def later_group(self):
-        """The group later rounds go to (the channel's)."""
-        return self.channel.later_group
+    later_group = property(lambda self: self.channel.later_group, doc="The channel's later-round group.")
 
     def set_bucket(self, index: int, layout: BucketLayout, state: Optional[State] = None) -> State:
         """Define (or redefine) bucket ``index`` for adapters that learn buckets lazily (DDP);
@@ -62,9 +53,7 @@ class Reducer:
         """The world is gone: drop the work in flight."""
         self._flights = []
 
-    @property
-    def in_flight(self) -> bool:
-        return any(not r.done for _, r in self._flights)
+    in_flight = property(lambda self: any(not r.done for _, r in self._flights))
 
     def launch(self, index: int, flat: torch.Tensor) -> None:
         """Start bucket ``index``'s reduction: runs it up to (and issuing) its first round."""

@@ -39,11 +39,8 @@ _live: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def release_all() -> None:
-    """Drop every live face's process groups: the world they were built in is gone (runtime
-    calls it), and a group held past it would keep that world's store listening. Example::
-
-        bitscom.face.release_all()
-    """
+    """Drop every live face's process groups when runtime says the world is gone (a group held
+    past it would keep that world's store listening)."""
     for face in list(_live):
         face._release_world()
 
@@ -52,29 +49,18 @@ runtime.on_world_gone(release_all)
 
 
 def describe_parameters(named: Sequence[Tuple[str, torch.Tensor]]) -> list:
-    """(name, shape, dtype) of each parameter: what every rank must agree on. Example::
-
-        describe_parameters(list(model.named_parameters()))
-    """
+    """(name, shape, dtype) of each parameter: what every rank must agree on."""
     return [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
 
 
 def dense_bytes(numel: int) -> int:
-    """What ``numel`` fp32 gradient elements cost uncompressed: every ``compression_ratio``'s
-    baseline. Example::
-
-        dense_bytes(1000)   # 4000
-    """
+    """What ``numel`` fp32 gradient elements cost uncompressed: every ``compression_ratio``'s baseline."""
     return int(numel) * 4
 
 
 def report(step_sent: int, step_dense: int, total_sent: int, total_dense: int, **extra) -> dict:
-    """The byte report of every face's ``comm_stats()``, one meaning on every face (the keys:
-    docs/api.md, ``comm_stats()``): whole-run numbers, which mean the same for a face that
-    communicates every step and one that communicates every few steps, and the last step's. Example::
-
-        report(1000, 32000, 5000, 160000)["compression_ratio"]   # 32.0
-    """
+    """The byte report of every face's ``comm_stats()`` (the keys: docs/api.md): whole-run numbers,
+    which mean the same for faces that communicate every step or every few, and the last step's."""
     stats = dict(extra, bytes_sent=int(total_sent), dense_bytes=int(total_dense),
                  step_bytes_sent=int(step_sent), step_dense_bytes=int(step_dense),
                  total_bytes_sent=int(total_sent), total_dense_bytes=int(total_dense))
@@ -83,10 +69,7 @@ def report(step_sent: int, step_dense: int, total_sent: int, total_dense: int, *
 
 
 class ByteLedger:
-    """What a face sent: the open step, the last finished step and the whole run. Example::
-
-        ledger = ByteLedger(); ledger.add(100, 400); ledger.end_step(); ledger.report()["bytes_sent"]  # 100
-    """
+    """What a face sent: the open step, the last finished step and the whole run."""
 
     def __init__(self) -> None:
         self.total_sent = self.total_dense = 0
@@ -109,11 +92,7 @@ class ByteLedger:
 
 def load_all_or_nothing(save: Callable[[], Any], load: Callable[[], None],
                         restore: Callable[[Any], None]) -> None:
-    """Run ``load()``; if it raises, put back what ``save()`` captured before and re-raise. Example::
-
-        load_all_or_nothing(reducer.state_dict, lambda: reducer.load_state_dict(new),
-                            reducer.load_state_dict)
-    """
+    """Run ``load()``; if it raises, put back what ``save()`` captured before and re-raise."""
     backup = save()
     try:
         load()
@@ -125,10 +104,7 @@ def load_all_or_nothing(save: Callable[[], Any], load: Callable[[], None],
 def require_group(process_group, face: str, *, warn_single: bool = False):
     """The group ``face`` reduces over (``process_group`` or the world group), or ``None`` for
     one process; a clear error instead of a silent local run when a launcher started several
-    processes but torch.distributed is not initialized, or when this rank is not a member. Example::
-
-        group = require_group(None, "ShardedOptimizer")
-    """
+    processes but torch.distributed is not initialized, or when this rank is not a member."""
     if process_group is not None and not group_alive(process_group):
         raise RuntimeError(
             f"{face} was given a process_group of a world that has since been shut down "
@@ -158,10 +134,7 @@ def require_group(process_group, face: str, *, warn_single: bool = False):
 
 def renamed(value, old_value, *, new: str, old: str, where: str):
     """``value``, or ``old_value`` passed under the deprecated name ``old`` (with a
-    DeprecationWarning): one name per concept on every face, old spellings kept. Example::
-
-        process_group = renamed(process_group, group, new="process_group", old="group", where="DiLoCo")
-    """
+    DeprecationWarning): one name per concept on every face, old spellings kept."""
     if old_value is None:
         return value
     if value is not None:
@@ -173,11 +146,7 @@ def renamed(value, old_value, *, new: str, old: str, where: str):
 
 def group_alive(group) -> bool:
     """Whether ``group`` is one of torch's live process groups (``destroy_process_group()``
-    unregisters them, but a Python reference keeps the object and a ``lowbit`` group's inner
-    connections working). Example::
-
-        assert group_alive(dist.group.WORLD)
-    """
+    unregisters them, but a Python reference keeps a ``lowbit`` group's inner connections)."""
     if not isinstance(group, dist.ProcessGroup):     # e.g. NON_GROUP_MEMBER: membership decides
         return True
     return dist.is_initialized() and group in dist.distributed_c10d._world.pg_map
@@ -186,10 +155,7 @@ def group_alive(group) -> bool:
 def check_trainable(named: Sequence[Tuple[str, torch.Tensor]], face: str,
                     dtypes: Optional[Sequence[torch.dtype]] = None) -> None:
     """Refuse parameters no face can reduce: meta tensors (no data), non-floating or complex
-    trainable parameters, sparse layouts, and (when ``dtypes`` is given) other dtypes. Example::
-
-        check_trainable(list(model.named_parameters()), "DistributedOptimizer")
-    """
+    trainable parameters, sparse layouts, and (when ``dtypes`` is given) other dtypes."""
     for name, p in named:
         if p.is_meta:
             raise ValueError(f"parameter {name!r} is on the meta device (it has no data); "
@@ -212,10 +178,7 @@ def check_trainable(named: Sequence[Tuple[str, torch.Tensor]], face: str,
 
 def ddp_owner(params: Sequence[torch.Tensor], objects: Optional[list] = None) -> Optional[str]:
     """The class name of a ``DistributedDataParallel`` module that owns any of ``params``, or
-    ``None`` (a DDP-wrapped model would be reduced twice, DDP's part uncounted). Example::
-
-        assert ddp_owner(list(model.parameters())) is None
-    """
+    ``None`` (a DDP-wrapped model would be reduced twice, DDP's part uncounted)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     ours = {id(p) for p in params}
     for obj in (live_objects(DDP) if objects is None else objects):
@@ -226,10 +189,7 @@ def ddp_owner(params: Sequence[torch.Tensor], objects: Optional[list] = None) ->
 
 def live_objects(types) -> list:
     """Every live object of ``types`` (one garbage-collector scan, at construction only): how a
-    face finds the modules that own its parameters when it was handed only these. Example::
-
-        embeddings = live_objects((torch.nn.Embedding,))
-    """
+    face finds the modules that own its parameters when it was handed only these."""
     wanted: Dict[type, bool] = {}        # each type's answer once: the scan is one dict lookup per object
     found = []
     with warnings.catch_warnings():
@@ -245,10 +205,7 @@ def live_objects(types) -> list:
 
 
 def raise_problem(description: Dict[str, Any]) -> None:
-    """After an agreement passed: raise the checkpoint problem every rank had alike. Example::
-
-        raise_problem({"checkpoint problem": None})    # nothing to raise
-    """
+    """After an agreement passed: raise the checkpoint problem every rank had alike."""
     if description.get(PROBLEM):
         raise RuntimeError(description[PROBLEM])
 
@@ -257,20 +214,14 @@ _RANK_KEY = re.compile(r"^rank(\d+)$")
 
 
 def rank_key(rank: int) -> str:
-    """The envelope key of rank ``rank``'s own state: ``"rank<r>"``. Example::
-
-        rank_key(1)   # "rank1"
-    """
+    """The envelope key of rank ``rank``'s own state: ``"rank<r>"``."""
     return f"rank{int(rank)}"
 
 
 def own_entry(saved: Dict[str, Any], rank: int, map_location=None) -> Dict[str, Any]:
     """The envelope ``saved`` as rank ``rank`` reads it: the shared fields with this rank's
     ``rank<r>`` entry laid over them; without one (another rank's file), the lowest rank's, so
-    the rank check names whose it is; an older envelope as it is. Example::
-
-        own_entry(opt.state_dict()["bitscom"], bitscom.rank())["reducer"]
-    """
+    the rank check names whose it is; an older envelope as it is."""
     ranked = {int(m.group(1)): key for key in saved if isinstance(key, str) and (m := _RANK_KEY.match(key))}
     if not ranked:
         return saved
@@ -281,20 +232,14 @@ def own_entry(saved: Dict[str, Any], rank: int, map_location=None) -> Dict[str, 
 def pack_entry(own: Dict[str, Any]) -> bytes:
     """A rank's own state as one opaque value (``torch.save`` bytes, read back with
     ``weights_only=True``): a fresh face's ``state_dict()``, DCP's load template, has ``None``
-    where lazy residuals will be, and DCP refuses tensors there; one opaque value fits. Example::
-
-        unpack_entry(pack_entry({"residual": torch.zeros(3)}))["residual"]
-    """
+    where lazy residuals will be, and DCP refuses tensors there; one opaque value fits."""
     buffer = io.BytesIO()
     torch.save(own, buffer)
     return buffer.getvalue()
 
 
 def unpack_entry(entry: Any, map_location=None) -> Dict[str, Any]:
-    """The inverse of :func:`pack_entry` (DCP may hand back a ``BytesIO``; a dict passes). Example::
-
-        unpack_entry(pack_entry({"steps": 3}))   # {"steps": 3}
-    """
+    """The inverse of :func:`pack_entry` (DCP may hand back a ``BytesIO``; a dict passes)."""
     if isinstance(entry, dict):
         return entry
     data = entry.getvalue() if isinstance(entry, io.BytesIO) else entry
@@ -305,12 +250,7 @@ def unpack_entry(entry: Any, map_location=None) -> Dict[str, Any]:
 
 
 class Face:
-    """The base of every face (see the module docstring). Example::
-
-        class MyFace(Face):
-            def __init__(self, named, process_group=None):
-                self._face_init("MyFace", process_group, named)
-    """
+    """The base of every face (see the module docstring)."""
 
     _face_name = "face"
     _face_closed = False
@@ -319,7 +259,6 @@ class Face:
 
     def _face_init(self, name: str, process_group, named: Optional[Sequence[Tuple[str, torch.Tensor]]] = None,
                    *, warn_single: bool = True, dtypes=None) -> None:
-        """Resolve the group (or a clear error), remember the world, check the parameters."""
         self._face_name = name
         group = require_group(process_group, name, warn_single=warn_single)
         self.process_group = group
@@ -335,8 +274,7 @@ class Face:
         _live.add(self)
 
     def _plan_requires_grad(self, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
-        """Remember which parameters train: plans are made once."""
-        self._face_planned = [(n, p, p.requires_grad) for n, p in named]
+        self._face_planned = [(n, p, p.requires_grad) for n, p in named]   # plans are made once
 
     def _check_requires_grad(self) -> None:
         """A parameter frozen or unfrozen since construction is an error (a frozen one would
@@ -351,7 +289,6 @@ class Face:
                     "requires_grad")
 
     def _ddp_wrapped(self, params: Sequence[torch.Tensor], found: Optional[list] = None) -> Optional[str]:
-        """The DDP class owning any of ``params`` (multi-rank only: one process has no DDP)."""
         return ddp_owner(params, found) if self._size > 1 else None
 
     def _refuse_ddp(self, owner: Optional[str]) -> None:
@@ -380,7 +317,6 @@ class Face:
             raise error
 
     def _check_live(self) -> None:
-        """A clear error if this face was closed or its world is gone (decided locally)."""
         if self._face_closed:
             raise RuntimeError(f"this {self._face_name} was closed; build a new one")
         if self._size > 1 and runtime.world_token() != self._world:   # gone, or a new world
@@ -392,7 +328,6 @@ class Face:
                 "after bitscom.init()")
 
     def _release_world(self) -> None:
-        """The world is gone: drop the groups (see :func:`release_all`)."""
         self.process_group = None
         self._release_groups()
 
@@ -410,7 +345,6 @@ class Face:
         return envelope
 
     def _own_entry(self, saved: Dict[str, Any]) -> Dict[str, Any]:
-        """``saved`` (an envelope) as this rank reads it: see :func:`own_entry`."""
         return own_entry(saved, self._rank)
 
     def _check_envelope(self, saved: Dict[str, Any], per_rank_state: bool) -> bool:
@@ -440,16 +374,13 @@ class Face:
         return False
 
     def _deferred_problem(self) -> Dict[str, Any]:
-        """The agreement entry that carries a deferred checkpoint problem to every rank (taken)."""
         problem, self._face_problem = self._face_problem, None
         return {PROBLEM: problem}
 
     def _mark_loaded(self) -> None:
-        """A checkpoint was loaded (or refused for later): :meth:`_agree_if_resumed` compares."""
         self._face_resumed = True
 
     def _agree_if_resumed(self, describe: Callable[[], Dict[str, Any]], what: str) -> None:
-        """At a face's next collective point: after a load, :meth:`_agree_resumed`."""
         if self._face_resumed:
             self._face_resumed = False
             self._agree_resumed(describe(), what)

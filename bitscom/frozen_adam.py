@@ -31,7 +31,6 @@ def _check(name, value, low, high=None, *, integer=False):
 
 
 def _check_group(group: dict) -> None:
-    """The settings of one parameter group (or the defaults); ValueError naming the value."""
     _check("lr", group["lr"], 0.0)
     _check("eps", group["eps"], 0.0)
     _check("weight_decay", group["weight_decay"], 0.0)

@@ -110,23 +110,11 @@ class LowBitGroup(Face):
         self._bytes = ByteLedger()              # a step: one finished call
         self._channel = runtime.channel(self.process_group, later=True)
 
-    @property
-    def bitwidth(self) -> int:
-        return self.config.bitwidth
+    bitwidth = property(lambda self: self.config.bitwidth)
+    simulate_quantization = property(lambda self: self.config.simulate_quantization)
+    rank = property(lambda self: dist.get_rank(self.process_group))
+    world_size = property(lambda self: dist.get_world_size(self.process_group))
 
-    @property
-    def simulate_quantization(self) -> bool:
-        return self.config.simulate_quantization
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.process_group)
-
-    @property
-    def world_size(self) -> int:
-        return dist.get_world_size(self.process_group)
-
-    # -- state --------------------------------------------------------------------------------
     def _state(self, op: str, key, tensor: torch.Tensor, cfg: LowBitConfig) -> tuple:
         keyed = cfg.error_feedback or cfg.stage2_error_feedback
         if key is None and not keyed:
@@ -167,7 +155,6 @@ class LowBitGroup(Face):
     def _restore(self, saved: tuple) -> None:
         self._calls, self._states = saved
 
-    # -- the face -------------------------------------------------------------------------------
     def _before_call(self) -> None:
         """Every call: a clear error if the world is gone or the group closed; after a load, the
         ranks compare what they resumed."""
@@ -181,10 +168,7 @@ class LowBitGroup(Face):
         self.intra_group = self.inter_group = None
 
     def close(self) -> None:
-        """Forget the group's channel and state; calls afterwards raise. Example::
-
-            lb.close()
-        """
+        """Forget the group's channel and state; calls afterwards raise."""
         self._face_close()
         self._release_groups()
 
@@ -203,7 +187,6 @@ class LowBitGroup(Face):
         self._open = still
         return self._bytes.report()
 
-    # -- helpers ------------------------------------------------------------------------------
     def _start(self, call: Call, device, rounds, comms: list, async_op: bool, numel: int = 0):
         """``rounds`` after the call header on the whole group, submitted to the channel;
         ``numel``: the fp32 elements whose bytes the call counts."""
@@ -228,7 +211,6 @@ class LowBitGroup(Face):
         return self._start(call, device, body(), [comm], async_op)
 
     def _call_config(self, hierarchical: bool, chunk_size: Optional[int], local_quantize: Optional[bool]):
-        """The settings of one all_reduce: this group's with the call's overrides."""
         cfg = self.config
         changes: Dict[str, Any] = {}   # LowBitConfig settings by name
         if chunk_size is not None:
@@ -239,7 +221,6 @@ class LowBitGroup(Face):
             changes["local_quantize"] = local_quantize
         return dataclasses.replace(cfg, **changes) if changes else cfg
 
-    # -- collectives --------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
                    local_group=None, inter_group=None, chunk_size: Optional[int] = None,
                    local_quantize: Optional[bool] = None, key=None):
@@ -327,16 +308,12 @@ class LowBitGroup(Face):
         return self._start(call, input.device, rounds, [comm], async_op, output.numel())
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
-        """Exact broadcast from global rank ``src`` (the seed's API; nothing to compress). Example::
-
-            lb.broadcast(t, src=0)
-        """
+        """Exact broadcast from global rank ``src`` (the seed's API; nothing to compress)."""
         self._before_call()
         root = dist.get_group_rank(self.process_group, src) if self.process_group is not None else src
         call = Call.of("broadcast", dist.ReduceOp.SUM, tensor.dtype, tensor.numel())
         return self._exact(call, tensor.device, lambda comm: comm.broadcast(tensor, root), async_op)
 
-    # -- format helpers -----------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Quantized:
         """Quantize ``tensor`` with this group's format (what one rank would send). Example::
 
@@ -349,8 +326,5 @@ class LowBitGroup(Face):
                         seed=seed, hadamard=cfg.hadamard)
 
     def decompress(self, c: Quantized) -> torch.Tensor:
-        """Inverse of :meth:`compress` (original shape and dtype). Example::
-
-            t2 = lb.decompress(lb.compress(t))
-        """
+        """Inverse of :meth:`compress` (original shape and dtype)."""
         return dequantize(c)

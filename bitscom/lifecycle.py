@@ -36,28 +36,20 @@ log = logging.getLogger("bitscom")
 
 
 def _weakly(ref, method: str, *args) -> None:
-    """Call the lifecycle's ``method`` if it is still alive (hooks hold it weakly)."""
     life = ref()
     if life is not None:
         getattr(life, method)(*args)
 
 
 def _release(handles) -> None:
-    """Remove the hooks (close() or garbage collection); groups belong to runtime's channels."""
     for handle in handles:
         handle.remove()
 
 
 class StepLifecycle:
     """The life of one face's steps: hooks, pass counting, end-of-backward completion, the
-    cross-rank agreement, ``requires_grad`` and step-counter checks, ``close()``. Example::
-
-        life = StepLifecycle(face, "DistributedOptimizer", group, passes=2)
-        life.agree()
-        life.attach(params)
-        ...
-        life.close()
-    """
+    cross-rank agreement, ``requires_grad`` and step-counter checks, ``close()`` (see the module
+    docstring for how a face uses it)."""
 
     def __init__(self, face, name: str, group, passes: int):
         self._face = weakref.ref(face)
@@ -186,10 +178,7 @@ class StepLifecycle:
         if face is not None:
             uneven.unregister(face)
 
-    @property
-    def in_step(self) -> bool:
-        """Whether a step has started (a backward pass ran or a collective was issued)."""
-        return bool(self.passes_done or self.began)
+    in_step = property(lambda self: bool(self.passes_done or self.began), doc="Whether a step has started.")
 
     def reset_collectives(self) -> None:
         """Forget this step's first collectives (the buckets were reset)."""
@@ -216,10 +205,7 @@ class StepLifecycle:
 
 class StepFace(Face):
     """What the hook-driven optimizer faces do alike around their :class:`StepLifecycle`
-    (``self._life``), reducer (``self._reducer``) and bucket cursor (``self._next_launch``). Example::
-
-        class MyFace(StepFace, torch.optim.Optimizer): ...
-    """
+    (``self._life``), reducer (``self._reducer``) and bucket cursor (``self._next_launch``)."""
 
     _life: StepLifecycle
     _reducer: Any
@@ -239,12 +225,10 @@ class StepFace(Face):
         raise NotImplementedError
 
     def _reset_step(self) -> None:
-        """Forget this step: in-flight work (after a failure), bucket fills, passes."""
         if self._reducer.in_flight:
             self._reducer.abort()
         self._reset_buckets()
         self._life.reset_step()
 
     def _mid_step(self) -> bool:
-        """Whether a step is under way (bitscom.join() refuses to start in one)."""
         return bool(self._life.in_step or self._next_launch or self._reducer.in_flight)

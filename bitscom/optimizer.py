@@ -35,7 +35,6 @@ __all__ = ["DistributedOptimizer"]
 
 
 def _number(name: str, value, minimum: float, inclusive: bool) -> float:
-    """``value`` as a finite float >= (or >) ``minimum``; a clear error naming it otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
     value = float(value)
@@ -75,7 +74,6 @@ def _check_momentum_free(optimizer, compression) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _distributed_class(base: type) -> type:
-    """The class of ``DistributedOptimizer(base(...))``: a subclass of both, named like base."""
     class _Distributed(DistributedOptimizer, base):
         __doc__ = DistributedOptimizer.__doc__
     _Distributed.__name__ = base.__name__
@@ -106,8 +104,6 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
 
     Example::
 
-        bitscom.init()
-        model = Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1 * bitscom.size(), momentum=0.9)
         opt = bitscom.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                            compression=bitscom.Compression.fp16)
@@ -116,9 +112,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         for x, y in loader:
             opt.zero_grad()
             loss_fn(model(x), y).backward()    # p.grad now holds the reduced gradient
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-        opt.close()
     """
 
     def __new__(cls, *args, **kwargs):   # the real arguments: see __signature__ below
@@ -176,7 +170,6 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._life.attach([p for _, p in self._trainable])
 
     def _build_buckets(self) -> None:
-        """The flat buckets of the plan, and where each parameter sits in them."""
         by_name = dict(self._trainable)
         self._buckets = [FlatBucket(l, [by_name[s.name] for s in l.slots]) for l in self._layouts]
         self._slot: Dict[int, tuple] = {}
@@ -254,7 +247,6 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._reducer.launch(b, flat)
 
     def _plan(self, groups, fusion_threshold_mb, auto_fusion: bool, compression):
-        """The bucket layouts and the fusion threshold they were planned with."""
         if self._size > 1:
             # "auto" probes the link here: the ranks agree that they all probe, or a rank that
             # passed a number would meet the probe's collectives with its first step's (a hang).
@@ -287,7 +279,6 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         }
 
     def _finish(self) -> None:
-        """Complete the step's reduction and write the reduced gradients into ``p.grad``."""
         self._life.check_open()
         self._life.check_requires_grad()
         try:
@@ -444,18 +435,12 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
                 p.grad.copy_(u)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero ``p.grad`` and forget this step's passes (also after a skipped step). Example::
-
-            opt.zero_grad()
-        """
+        """Zero ``p.grad`` and forget this step's passes (also after a skipped step)."""
         self._reset_step()
         super().zero_grad(set_to_none=set_to_none)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
-        """Change local accumulation between steps (Horovod's API); every rank must call it. Example::
-
-            opt.set_backward_passes_per_step(4)
-        """
+        """Change local accumulation between steps (Horovod's API); every rank must call it."""
         if self._life.in_step or self._next_launch or self._life.completed:
             raise RuntimeError("set_backward_passes_per_step() was called in the middle of a step; "
                                "call it after step() or zero_grad()")
@@ -463,10 +448,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._life.agreed = False      # the ranks check the new setting together on the next step
 
     def close(self) -> None:
-        """Remove the gradient hooks (also done by garbage collection); ``step()`` then raises. Example::
-
-            opt.close()
-        """
+        """Remove the gradient hooks (also done by garbage collection); ``step()`` then raises."""
         self._reducer.abort()
         self._life.close()
         self._face_close()
@@ -520,15 +502,8 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             raise
         self._life.loaded(extra.get("steps") if extra is not None else None)
 
-    @property
-    def bucket_layouts(self):
-        """The planned buckets (read-only), for inspection and tests."""
-        return list(self._layouts)
-
-    @property
-    def compressor_states(self):
-        """Per-bucket compressor state objects (index = bucket index)."""
-        return list(self._reducer.states)
+    bucket_layouts = property(lambda self: list(self._layouts), doc="The planned buckets (a copy).")
+    compressor_states = property(lambda self: list(self._reducer.states), doc="Each bucket's compressor state.")
 
     def save_dcp(self, path, *, extra=None) -> None:
         """Save through ``torch.distributed.checkpoint``; see :func:`bitscom.checkpointing.save`. Example::
@@ -552,7 +527,6 @@ DistributedOptimizer.__signature__ = _INIT.replace(  # type: ignore[attr-defined
 
 
 def _checked_compression(optimizer, compression, named_parameters):
-    """The compressor ``compression=`` names, refused where it cannot serve this optimizer."""
     if isinstance(compression, str) and compression.lower() == "auto":
         from .cost.auto import Auto, candidates_for
         compression = Auto(candidates=candidates_for(optimizer))   # safe for this optimizer
@@ -567,7 +541,6 @@ def _checked_compression(optimizer, compression, named_parameters):
 
 
 def _checked_op(op, gradient_predivide_factor) -> float:
-    """``gradient_predivide_factor``, checked together with ``op`` (Average or Sum only)."""
     if op is Adasum:
         raise NotImplementedError("op=Adasum is not supported by bitscom (Horovod's Adasum has no "
                                   "compressed counterpart here); use bitscom.Average or bitscom.Sum")
@@ -593,7 +566,6 @@ def _split_state_dict(state_dict):
 
 
 def _leaves(obj):
-    """Every non-container value in a nested dict/list state."""
     if isinstance(obj, (dict, list, tuple)):
         for v in (obj.values() if isinstance(obj, dict) else obj):
             yield from _leaves(v)

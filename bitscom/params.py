@@ -12,10 +12,7 @@ __all__ = ["named_parameters_of", "checked_pairs"]
 
 def checked_pairs(named_parameters) -> List[tuple]:
     """``named_parameters`` as a list of ``(name, tensor)`` pairs with unique names
-    (TypeError / ValueError otherwise). Example::
-
-        pairs = checked_pairs(model.named_parameters())
-    """
+    (TypeError / ValueError otherwise)."""
     named = list(named_parameters)
     for item in named:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
@@ -30,10 +27,7 @@ def checked_pairs(named_parameters) -> List[tuple]:
 
 def named_parameters_of(optimizer: torch.optim.Optimizer, named_parameters) -> List[tuple]:
     """Validated (name, parameter) pairs of ``optimizer``'s parameters, in registration order
-    (numbered ``param.0``, ``param.1``, … without ``named_parameters``). Example::
-
-        pairs = named_parameters_of(opt, model.named_parameters())   # [("fc.weight", p), ...]
-    """
+    (numbered ``param.0``, ``param.1``, … without ``named_parameters``)."""
     opt_params, seen = [], set()
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -48,7 +42,6 @@ def named_parameters_of(optimizer: torch.optim.Optimizer, named_parameters) -> L
 
 
 def _check_same_parameters(named: List[tuple], opt_params: list, seen: set) -> None:
-    """Every trainable named parameter is in the optimizer, every optimizer parameter named."""
     by_id = {id(p): n for n, p in named}
     missing_from_opt = [n for n, p in named if id(p) not in seen and p.requires_grad]
     if missing_from_opt:

@@ -148,7 +148,6 @@ def _ref(group) -> Callable[[], Any]:
 
 
 def _weak(name: str) -> Any:
-    """A :class:`_Runtime` property that holds its process group through :func:`_ref`."""
     return property(lambda self: getattr(self, name)(), lambda self, group: setattr(self, name, _ref(group)))
 
 
@@ -178,15 +177,13 @@ class _Runtime:
         self.adopted = False          # info taken from a process group the user started
 
     def stale(self) -> bool:
-        """Whether the recorded world is no longer torch's default group (destroyed, or
-        replaced by one started since): then everything recorded about it is wrong."""
+        """Whether the recorded world is no longer torch's default group (destroyed or replaced)."""
         world = self._world()
         recorded = self._world is not _none      # a world group was recorded (it may have died since)
         return self.info is not None and (world is not _current_world() or (recorded and world is None))
 
 
 def _current_world():
-    """torch's default process group now (None when torch.distributed is not running)."""
     if dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
     return None
@@ -201,19 +198,13 @@ _gone_callbacks: list = []
 
 def use_lowbit_backend(register: Callable[..., Any]) -> None:
     """Hand runtime the ``lowbit`` backend's registrar, which ``init(bitwidth=...)`` calls: the
-    backend is a face above runtime, so ``bitscom/__init__`` wires the two once. Example::
-
-        bitscom.runtime.use_lowbit_backend(bitscom.register_lowbit_backend)
-    """
+    backend is a face above runtime, so ``bitscom/__init__`` wires the two once."""
     _lowbit_registrar[:] = [register]
 
 
 def world_token() -> Optional[int]:
     """A number naming torch's current world (None when it is not running): a face compares
-    the one it was built under with the current one to know its groups are gone. Example::
-
-        built = bitscom.runtime.world_token(); ...; assert bitscom.runtime.world_token() == built
-    """
+    the one it was built under with the current one to know its groups are gone."""
     world = _current_world()
     if world is None:
         return None
@@ -224,10 +215,7 @@ def world_token() -> Optional[int]:
 
 def on_world_gone(callback: Callable[[], None]) -> None:
     """Call ``callback()`` when the world bitscom recorded is gone (:func:`shutdown`, or
-    :func:`init` finding it destroyed), so the layers above drop their groups. Example::
-
-        bitscom.runtime.on_world_gone(release_everything)
-    """
+    :func:`init` finding it destroyed), so the layers above drop their groups."""
     if callback not in _gone_callbacks:
         _gone_callbacks.append(callback)
 
@@ -238,7 +226,6 @@ def _world_gone() -> None:
 
 
 def _forget_if_stale() -> None:
-    """Forget a world that is gone, so :func:`init` starts or adopts again."""
     if _rt.stale():
         _world_gone()
         _rt.reset()
@@ -291,7 +278,6 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
 
 
 def _backend_and_device(backend: Optional[str], device: Optional[str], info: LaunchInfo) -> str:
-    """The backend to start, checked; sets this rank's CUDA device when CUDA is used."""
     use_cuda = (device == "cuda") or (device is None and torch.cuda.is_available())
     if backend is None:
         backend = "nccl" if use_cuda else "gloo"
@@ -315,8 +301,7 @@ class _PreviousStore:
 
     @classmethod
     def remember(cls, info: LaunchInfo) -> None:
-        """Name this world in its store (rank 0 writes a fresh id, the others read it and keep
-        a client of the store)."""
+        """Name this world in its store (rank 0 writes an id; the others read it, keep a client)."""
         cls.store, cls.world_id = None, None
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             return
@@ -440,10 +425,8 @@ def _build_node_groups(info: LaunchInfo, backend: str) -> None:
 
 def node_layout(ranks: Iterable[int], local_size: int, rank: int) -> tuple:
     """The one node-layout rule: ``ranks`` as contiguous nodes of ``local_size`` ranks. Returns
-    (the ranks of group rank ``rank``'s node, the ranks with its local rank). Example::
-
-        node_layout([0, 1, 2, 3], 2, 3)      # ([2, 3], [1, 3])
-    """
+    (the ranks of group rank ``rank``'s node, the ranks with its local rank): for
+    ``([0, 1, 2, 3], 2, 3)``, ``([2, 3], [1, 3])``."""
     ranks = list(ranks)
     node, local = divmod(rank, local_size)
     return ranks[node * local_size:(node + 1) * local_size], ranks[local::local_size]
@@ -453,10 +436,7 @@ def node_groups(group, local_size: int) -> tuple:
     """(intra, inter) groups for this rank of ``group`` laid out by :func:`node_layout`: the
     ones :func:`init` built when they fit, else made once per rank list and world by
     :func:`shared_group` (a sub-group cannot be destroyed and made again under its name).
-    Only members call it. Example::
-
-        intra, inter = bitscom.runtime.node_groups(dist.group.WORLD, 2)   # 4 ranks as 2 x 2
-    """
+    Only members call it."""
     ranks = dist.get_process_group_ranks(group)
     if local_size < 1 or len(ranks) % local_size:
         raise ValueError(f"local_size={local_size} must divide the group size {len(ranks)}")
@@ -469,10 +449,7 @@ def node_groups(group, local_size: int) -> tuple:
 
 def build_fingerprint() -> int:
     """A 56-bit digest of what decides the bytes on the wire (bitscom's version and the kernel
-    sources); :func:`init` refuses ranks whose numbers differ. Example::
-
-        assert bitscom.runtime.build_fingerprint() == bitscom.runtime.build_fingerprint()
-    """
+    sources); :func:`init` refuses ranks whose numbers differ."""
     h = hashlib.sha256(__version__.encode())
     kernels = pathlib.Path(__file__).with_name("kernels")
     for name in ("quant_cpu.cpp", "quant.cu"):
@@ -482,7 +459,6 @@ def build_fingerprint() -> int:
 
 
 def _exchange_layout(info: LaunchInfo, backend: str) -> list:
-    """Every rank's ``(local_rank, local_size, build fingerprint)``, gathered on the world group."""
     dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     mine = torch.tensor([info.local_rank, info.local_size, build_fingerprint()], dtype=torch.int64, device=dev)
     everyone = [torch.empty_like(mine) for _ in range(info.size)]
@@ -504,10 +480,7 @@ def new_group(ranks: Iterable[int], *, backend: Optional[str] = None, use_local_
               settle: bool = False) -> Any:
     """``torch.distributed.new_group`` with the :func:`init` timeout: the one way bitscom
     creates its own groups. ``settle=True`` runs one tiny all-reduce on the new group, so every
-    member has finished connecting before any member may destroy it again. Example::
-
-        later = bitscom.runtime.new_group([0, 1], use_local_synchronization=True)
-    """
+    member has finished connecting before any member may destroy it again."""
     kwargs: Dict[str, Any] = {"backend": backend, "use_local_synchronization": use_local_synchronization}
     if _rt.timeout is not None:
         kwargs["timeout"] = _rt.timeout
@@ -527,10 +500,7 @@ def shared_group(ranks: Iterable[int], *, tag: str, backend: Optional[str] = Non
     """A group of ``ranks`` made once per ``(tag, ranks, backend)`` in the current world and
     shared, for faces that need an extra group per group of the user. Only the members call it.
     Held weakly and keyed by the world, so ``destroy_process_group()`` really frees it (a strong
-    cache would keep the dead world's store listening). Example::
-
-        payload = bitscom.runtime.shared_group(dist.get_process_group_ranks(group), tag="payload")
-    """
+    cache would keep the dead world's store listening)."""
     world = _current_world()
     if world is None:
         raise RuntimeError("shared_group() needs torch.distributed: call bitscom.init() first")
@@ -552,10 +522,7 @@ def channel(group, *, later: bool = False) -> Channel:
     ``later=True`` gives it its later-round group on first need (every member asks at the same
     point of the program): over the whole world by every rank, over a sub-group by its members
     only. Held weakly like :func:`shared_group`. ``None``, a group of one rank or one this rank
-    is not in gets a private channel. Example::
-
-        ch = bitscom.runtime.channel(group, later=True)
-    """
+    is not in gets a private channel."""
     world = _current_world()
     if group is None or world is None or dist.get_world_size(group) <= 1:    # -1: not a member
         return Channel(group)

@@ -11,11 +11,7 @@ __all__ = ["Scratch"]
 
 
 class Scratch:
-    """Named buffers kept between steps, reallocated only when shape, dtype or device change. Example::
-
-        scratch = Scratch()
-        buf = scratch.get("record", (1024,), torch.uint8, "cpu")   # the same tensor next step
-    """
+    """Named buffers kept between steps, reallocated only when shape, dtype or device change."""
 
     __slots__ = ("_buffers",)
 

@@ -1,16 +1,9 @@
 """Uneven inputs: ``bitscom.join()``, Horovod's ``hvd.join()`` for DistributedOptimizer steps.
 
 Why: a rank's extra step's bucket collectives would meet whatever the other ranks do next
-(mixed bytes or a hang). How: every multi-rank step starts with a tiny asynchronous
-all-reduce, the *notice* ``[1, optimizer id]``; a rank that ran out of data loops in
-:func:`join`:
-
-1. all-reduce ``[0, 0]`` (this matches the notices of ranks still stepping);
-2. a zero count means every rank has joined: stop;
-3. otherwise ``sum(ids) / count`` names the optimizer the others are stepping; run its step
-   with zero gradients (the same collectives), and go to 1.
-
-What users see (the average, the final broadcast, what is not shadowed): docs/reliability.md.
+(mixed bytes or a hang). How: every multi-rank step starts with a tiny all-reduce, the
+*notice*, which a joined rank answers (docs/design.md, "Mechanisms of the core"); what users
+see: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -67,7 +60,6 @@ def _same_group(a, b) -> bool:
 
 
 def _joining(group) -> Dict[int, Any]:
-    """This rank's live optimizers on ``group``, by id; none may be in the middle of a step."""
     mine: Dict[int, Any] = {}
     for opt in list(_live):
         if not opt._life.closed and _same_group(opt.process_group, group):
@@ -84,11 +76,8 @@ def join(process_group=None) -> int:
     such rank when several ran the most steps). Example::
 
         for x, y in my_shard_of_the_data:          # ranks may have different counts
-            opt.zero_grad()
-            loss_fn(model(x), y).backward()
-            opt.step()
-        last = bitscom.join()
-        val_loss = evaluate(model)                 # collectives after join() line up again
+            opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+        last = bitscom.join()                      # collectives after it line up again
     """
     group = require_group(process_group, "bitscom.join")
     if group is None:
