@@ -1,8 +1,6 @@
 """``python -m bitscom``: what this machine gives bitscom, for bug reports and first runs.
 
-Like ``python -m torch.utils.collect_env``: which bitscom and torch, CUDA, which collectives,
-which launcher, which low-bit kernel paths and why. It never starts ``torch.distributed``. A
-launcher variable that is no valid number is one line on stderr and exit status 2. Example::
+Like ``python -m torch.utils.collect_env``; it never starts ``torch.distributed``. Example::
 
     python -m bitscom                      # one "name: value" line per question
     torchrun --nproc_per_node 2 -m bitscom # each rank reports what its launcher told it

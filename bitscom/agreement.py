@@ -1,9 +1,5 @@
-"""Cross-rank agreement on the reduction plan, checked once before the first reduction.
-
-Different plans would exchange misaligned bytes or wait on collectives the others never
-issue; one ``all_gather_object`` of each rank's description makes that the same clear error
-on every rank (it unpickles peer data: docs/reliability.md).
-"""
+"""Cross-rank agreement on the reduction plan: different plans would exchange misaligned bytes
+or hang, so one ``all_gather_object`` (peer data: docs/reliability.md) makes them one error."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """The ``lowbit`` torch.distributed backend: plain ``dist.all_reduce`` (and DDP) in low bit.
 
-A Python :class:`torch.distributed.ProcessGroup` over inner gloo (CPU) and NCCL (CUDA)
-backends: float SUM/AVG all-reduces (and, with ``backend_ops``, the flat reduce-scatter and
-all-gather) run low bit after the call header of :mod:`bitscom.call_header`, asynchronously on
-a driver thread in call order; everything else is exact on the inner backend. What each
-collective does, the agreement, the state slots and the errors: docs/lowbit.md.
+A Python :class:`torch.distributed.ProcessGroup` over inner gloo and NCCL backends; what each
+collective does, the call header, the state slots and the errors: docs/lowbit.md.
 """
 
 from __future__ import annotations
@@ -44,11 +41,8 @@ def registered_config() -> Optional[LowBitConfig]:
 
 
 def register_lowbit_backend(config: Optional[LowBitConfig] = None, **settings) -> LowBitConfig:
-    """Register the ``lowbit`` backend with a :class:`LowBitConfig` or its settings by name.
-
-    Registering again with the same settings is a no-op; with different settings it raises,
-    because groups created earlier would silently keep the old ones (a group may take
-    ``pg_options=LowBitConfig(...)`` in ``new_group``). Example::
+    """Register the ``lowbit`` backend with a :class:`LowBitConfig` or its settings by name; again
+    with other settings raises (earlier groups would silently keep the old ones). Example::
 
         bitscom.register_lowbit_backend(bitwidth=4, error_feedback=True)
         dist.init_process_group("lowbit")          # or bitscom.init(bitwidth=4, error_feedback=True)
@@ -76,9 +70,8 @@ def _check_flat(cfg: LowBitConfig) -> None:
 
 
 def _check_same_config(store, rank: int, size: int, config: LowBitConfig, timeout=None) -> None:
-    """Every rank compares its settings with every other's through the group's store, so
-    different options fail at group creation with one message on every rank. Rank 0, usually
-    the store's host, raises last: it waits until every other rank has read every key."""
+    """Every rank compares its settings with every other's through the group's store; rank 0,
+    usually the store's host, raises last (after every rank has read every key)."""
     mine = repr(config)
     store.set(str(rank), mine)
     seen = [store.get(str(r)).decode() for r in range(size)]
@@ -112,13 +105,8 @@ _LABEL = "bitscom lowbit backend"
 
 class StateSlots:
     """The states of a lowbit group's compressed collectives: at most ``capacity``, in slots
-    that every rank assigns the same way.
-
-    Storage addresses differ per rank, so whether a state exists cannot be decided per rank:
-    the slot (and its generation) this rank found travels in the header, and the state is used
-    only when every rank found the same; otherwise every rank starts a fresh state in the same
-    new (or least recently used) slot, in the same call order: :meth:`code` at call time, into
-    the header; :meth:`resolve` after it."""
+    every rank assigns alike. Storage addresses differ per rank, so the slot this rank found
+    (:meth:`code`) travels in the header, and :meth:`resolve` uses it only if every rank found it."""
 
     def __init__(self, capacity: int = MAX_STATES, warn: bool = False):
         if not 1 <= capacity < 1 << _SLOT_BITS:
@@ -259,9 +247,8 @@ class FutureWork(dist.Work):
 
 
 class LowBitProcessGroup(dist.ProcessGroup):
-    """A process group whose float SUM/AVG all-reduce (and, with ``backend_ops``, flat
-    reduce-scatter / all-gather) is low-bit; everything else is exact. Created by torch through
-    the registered backend, not by users. Example::
+    """A process group whose float SUM/AVG collectives are low-bit; everything else is exact.
+    Created by torch through the registered backend, not by users. Example::
 
         pg = dist.new_group(backend="lowbit", pg_options=bitscom.collectives.LowBitConfig(bitwidth=8))
         dist.all_reduce(t, group=pg)

@@ -1,9 +1,5 @@
-"""Start every rank from the same state: broadcast parameters, optimizer state, objects.
-
-Every function first checks that the ranks describe the same thing (names, shapes, dtypes):
-one clear error everywhere before any data moves. Receivers unpickle what peers send; the
-trust that assumes: docs/reliability.md.
-"""
+"""Start every rank from the same state: broadcast parameters, optimizer state, objects, after
+checking that the ranks describe the same thing (peers' pickles: docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -95,10 +91,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0, model: Any = None,
                               process_group: Optional[Any] = None) -> None:
-    """Load root's optimizer state (moments, step counts, learning rates) on every rank; a
-    DistributedOptimizer's per-rank compressor state is left alone. One pickle of the whole
-    state dict, so no warm-up step is needed (Horovod's) and LBFGS works. ``model`` is
-    accepted for Horovod/ACP-SGD compatibility and unused. Example::
+    """Load root's optimizer state on every rank (one pickle of the state dict: no warm-up step,
+    LBFGS works; per-rank compressor state is left alone; ``model`` is unused). Example::
 
         bitscom.broadcast_optimizer_state(optimizer, root_rank=0)
     """

@@ -1,9 +1,5 @@
-"""Bucket planning: which gradients travel together, and where each sits in the flat buffer.
-
-Pure functions of the parameter list, so every rank computes the same plan. Why reverse
-registration order: backward produces the last layers' gradients first, so the first bucket
-starts communicating while backward still runs (as in DDP). Dtypes and devices never mix.
-"""
+"""Bucket planning, pure, so every rank computes the same plan. Why reverse registration order:
+backward produces the last layers' gradients first, so the first bucket starts early (as DDP)."""
 
 from __future__ import annotations
 
@@ -17,9 +13,8 @@ __all__ = ["plan_buckets", "plan_groups", "FlatBucket"]
 
 
 def plan_buckets(params: Sequence[Tuple[str, torch.Tensor]], threshold_bytes: int) -> List[BucketLayout]:
-    """Plan buckets for ``params`` (name, tensor) in registration order: a bucket closes when
-    the next parameter would exceed ``threshold_bytes`` (0: one parameter per bucket); indices
-    follow the order backward is expected to fill them."""
+    """Buckets of ``params`` (registration order) up to ``threshold_bytes`` (0: one parameter
+    each), numbered in the order backward is expected to fill them."""
     if threshold_bytes < 0:
         raise ValueError(f"fusion threshold must be >= 0 bytes, got {threshold_bytes}")
     open_buckets: Dict[tuple, list] = {}

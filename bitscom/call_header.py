@@ -1,10 +1,7 @@
-"""The call header: what every low-bit collective all-gathers before its first payload byte,
-and the one op/dtype table of every header (the Horovod face's negotiation header too).
+"""The call header every low-bit collective all-gathers first, and the one op/dtype table.
 
-Why: ranks that call different collectives or pass different element counts would pair a
-low-bit round with an exact collective, exchange buffers of different sizes or silently sum
-misaligned bytes; two int64 per call (the layout: docs/design.md) turn each into the same
-clear error on every rank and leave the group usable.
+Why: ranks calling different collectives or sizes would mix rounds or sum misaligned bytes;
+two int64 per call (docs/design.md) make it one clear error and leave the group usable.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Channel: the one in-order queue of multi-round collectives, one per process group.
 
-Why one per group: a multi-round collective issues its later rounds when earlier work
-*completes*, at different moments on different ranks, so two queues over one group would
-interleave differently per rank. The rule (first rounds at submit, later rounds in submission
-order, a failure aborts the works behind it): docs/design.md, "Mechanisms of the core".
+Why one per group: later rounds are issued when earlier work *completes*, at different moments
+per rank, so two queues over one group would interleave differently (the rule: docs/design.md).
 """
 
 from __future__ import annotations
@@ -75,9 +73,8 @@ class Channel:
         return Comm(self.group, self.later_group, **self._comm_args)
 
     def submit(self, rounds: W, on_done: Optional[Callable[[Rounds], None]] = None, stream=None) -> W:
-        """Issue ``rounds``' first round now (its error raised here, nothing queued) and queue
-        the rest; returns ``rounds``. With a driver thread, ``on_done(rounds)`` runs there once
-        the work finished, inside ``stream`` when given."""
+        """Issue ``rounds``' first round now and queue the rest; with a driver thread,
+        ``on_done(rounds)`` runs there once the work finished (inside ``stream``)."""
         rounds._seq, self._submitted = self._submitted, self._submitted + 1
         self._retired = []
         try:

@@ -1,9 +1,7 @@
 """The communicator under every compressed reduction: one wrapper over torch.distributed.
 
-Here, once: the torch-version shims (:data:`all_gather_flat`, :data:`reduce_scatter_flat`),
-:class:`Comm` (asynchronous collectives with byte counting, through a transport:
-:class:`TorchTransport` or the ``lowbit`` backend's inner one) and :class:`Rounds` (the one
-driver of a round generator, submitted to the group's :class:`~bitscom.channel.Channel`).
+Here, once: the torch-version shims, :class:`Comm` (asynchronous collectives with byte counting)
+and :class:`Rounds` (the one driver of a round generator).
 """
 
 from __future__ import annotations
@@ -187,11 +185,8 @@ def wait(work) -> None:
 
 
 class Rounds:
-    """The one driver of a round generator.
-
-    A round generator issues asynchronous collectives through its :class:`Comm` objects,
-    yields their work handle(s) and is resumed once they completed; its return value is
-    :attr:`result`. After the first round every comm enters its later rounds. Example::
+    """The one driver of a round generator, which issues collectives through its comms, yields
+    their work and is resumed once it completed; it returns :attr:`result`. Example::
 
         comm = Comm(group)
         r = Rounds(compressor.reduce(flat, layout, state, comm), [comm]).start()

@@ -1,7 +1,5 @@
-"""Horovod's ``horovod.torch.compression`` names. ``Compressor`` is the base of a user's own
-Horovod-style codec (:class:`bitscom.horovod.codec.HorovodCodec`, wrapped in
-:class:`~bitscom.compressors.hvd_adapter.HorovodAdapter` when passed as ``compression=``), not
-bitscom's compressor protocol. Example::
+"""Horovod's ``horovod.torch.compression`` names; ``Compressor`` is the base of a user's own
+Horovod-style codec, not bitscom's compressor protocol. Example::
 
     from bitscom.compression import Compression, Compressor
     wire, ctx = Compression.fp16.compress(grad)

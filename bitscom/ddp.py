@@ -1,10 +1,8 @@
 """A DDP communication hook that reduces each DDP bucket through any bitscom compressor.
 
-Why the optimizer's :class:`~bitscom.engine.Reducer` and not one reduction per hook call:
-multi-round compressors issue later rounds when earlier work completes, at different moments
-per rank, so they must keep one order on the group's channel; the last bucket's hook finishes
-them all (DDP waits on the futures only after it). Per-bucket state is keyed by DDP's bucket
-index (docs/api.md, "DDP comm hook").
+Why the optimizer's :class:`~bitscom.engine.Reducer`, not one reduction per hook call: later
+rounds must keep one order on the group's channel; the last bucket's hook finishes them all
+(DDP waits only after it). docs/api.md, "DDP comm hook".
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The reduction engine: drives each bucket's compressor rounds without blocking backward.
-
-Buckets are submitted in bucket order to the face's :class:`~bitscom.channel.Channel`, which
-keeps the rounds in one order on every rank; the engine keeps what is per face: the
-compressor, the layouts and each bucket's state.
-"""
+"""The reduction engine: each bucket's compressor rounds, submitted in bucket order to the
+face's :class:`~bitscom.channel.Channel`, without blocking backward."""
 
 from __future__ import annotations
 

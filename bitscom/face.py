@@ -1,10 +1,8 @@
 """Face: what every face of bitscom is, written once.
 
-A *face* is what a user holds (an optimizer, the DDP hook's state, the FSDP2 handle, ...).
-Faces differ in their plan and their step; the policy around them (group and membership,
-liveness, construction checks, agreement, the checkpoint envelope, the byte report, close) is
-the same, and every defect found in testing sat in a face with its own copy of a piece of it.
-So it lives here (the duties, where and who: docs/design.md, "The Face"). Example::
+A *face* is what a user holds (an optimizer, the DDP hook's state, ...). The policy around
+its plan and step is the same for every face, and every defect found in testing sat in a face
+with its own copy of a piece of it; so it lives here (docs/design.md, "The Face"). Example::
 
     class MyFace(Face):
         def __init__(self, named, process_group=None):
@@ -219,9 +217,8 @@ def rank_key(rank: int) -> str:
 
 
 def own_entry(saved: Dict[str, Any], rank: int, map_location=None) -> Dict[str, Any]:
-    """The envelope ``saved`` as rank ``rank`` reads it: the shared fields with this rank's
-    ``rank<r>`` entry laid over them; without one (another rank's file), the lowest rank's, so
-    the rank check names whose it is; an older envelope as it is."""
+    """The envelope ``saved`` with rank ``rank``'s entry laid over the shared fields (else the
+    lowest rank's, so the rank check names whose it is; an older envelope as it is)."""
     ranked = {int(m.group(1)): key for key in saved if isinstance(key, str) and (m := _RANK_KEY.match(key))}
     if not ranked:
         return saved
@@ -230,9 +227,8 @@ def own_entry(saved: Dict[str, Any], rank: int, map_location=None) -> Dict[str, 
 
 
 def pack_entry(own: Dict[str, Any]) -> bytes:
-    """A rank's own state as one opaque value (``torch.save`` bytes, read back with
-    ``weights_only=True``): a fresh face's ``state_dict()``, DCP's load template, has ``None``
-    where lazy residuals will be, and DCP refuses tensors there; one opaque value fits."""
+    """A rank's own state as one opaque ``torch.save`` value: DCP refuses tensors where a fresh
+    face's template has ``None`` (lazy residuals), and one opaque value fits."""
     buffer = io.BytesIO()
     torch.save(own, buffer)
     return buffer.getvalue()
@@ -348,10 +344,8 @@ class Face:
         return own_entry(saved, self._rank)
 
     def _check_envelope(self, saved: Dict[str, Any], per_rank_state: bool) -> bool:
-        """Whether ``saved`` (an envelope) may be loaded here. Another world size is a ValueError
-        now; another rank's per-rank state too for one process, else a problem raised on every
-        rank at the next agreement (a rank raising alone would leave the others waiting): then
-        False, and the caller loads nothing."""
+        """Whether ``saved`` may be loaded here; another rank's per-rank state in a multi-rank run
+        is a problem raised on every rank at the next agreement (then False: load nothing)."""
         world = saved.get("world", saved.get("world size"))
         if world is not None and world != self._size:
             raise ValueError(f"this checkpoint was saved by a {self._face_name} over {world} ranks; "

@@ -1,10 +1,8 @@
 """AdamW whose second-moment estimate freezes after a warm-up: 1-bit Adam's idea, for any compressor.
 
-Why: biased compressors with error feedback hand Adam a delayed, bursty gradient whose
-average is right but whose square is not, so ``v`` and every step size come out wrong; with
-``v`` frozen (Tang et al., 1-bit Adam, ICML 2021) the update is linear in the gradient, which
-is what error feedback needs. Pair it with a compressor warm-up of the same length
-(``start_iter == freeze_step``); the arithmetic and its tests: docs/api.md. Example::
+Why: error feedback hands Adam a bursty gradient whose average is right but whose square is
+not; with ``v`` frozen (1-bit Adam, ICML 2021) the update is linear in the gradient. Pair it
+with a compressor warm-up of the same length (docs/api.md). Example::
 
     comp = bitscom.compressors.get("signsgd", start_iter=30)
     base = bitscom.FrozenVarianceAdamW(model.parameters(), lr=3e-3, freeze_step=30)

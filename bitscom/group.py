@@ -1,8 +1,6 @@
 """LowBitGroup: low-bit collectives for users who call collectives themselves.
 
-A thin adapter over :mod:`bitscom.lowbit`: one config, one state per key, the round generators
-driven on the group's :class:`~bitscom.channel.Channel`, every call (low-bit or exact) after
-the call header of :mod:`bitscom.call_header`, as in the ``lowbit`` backend (docs/lowbit.md).
+A thin adapter over :mod:`bitscom.lowbit`, every call after the call header (docs/lowbit.md).
 """
 
 from __future__ import annotations
@@ -26,9 +24,8 @@ _LABEL = "LowBitGroup"
 
 
 class LowBitWork(Rounds):
-    """Handle of an asynchronous low-bit collective (a :class:`~bitscom.comm.Rounds`): its call
-    header is in flight on return; ``wait()`` / ``poll()`` drive the group's works in call order
-    up to this one, so any rank may wait in any order. Example::
+    """Handle of an asynchronous low-bit collective: ``wait()`` / ``poll()`` drive the group's
+    works in call order up to this one, so any rank may wait in any order. Example::
 
         wa = lb.all_reduce(a, async_op=True, key="a"); wb = lb.all_reduce(b, async_op=True, key="b")
         wb.wait(); wa.wait()          # any order, on any rank
@@ -226,11 +223,9 @@ class LowBitGroup(Face):
                    local_quantize: Optional[bool] = None, key=None):
         """Low-bit two-stage all-reduce of ``tensor`` in place (bitwise identical on every rank).
 
-        ``local_group``/``inter_group`` make it hierarchical (``hierarchy`` from the settings,
-        ``"leader"`` if that is ``"none"``); with one node it is one full-precision all-reduce.
-        ``chunk_size``/``local_quantize`` override the settings for this call. Returns a
-        :class:`LowBitWork` with ``async_op=True``, else ``None``. An integer tensor takes the
-        exact collective (SUM, MAX, ...); AVG of an integer tensor is an error. Example::
+        ``local_group``/``inter_group`` make it hierarchical (``"leader"`` unless the settings
+        name a hierarchy); ``chunk_size``/``local_quantize`` override the settings for this call.
+        Integer tensors take the exact collective (AVG of one is an error). Example::
 
             work = lb.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True, key="t")
             work.wait()

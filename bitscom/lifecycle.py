@@ -1,11 +1,8 @@
 """What every hook-driven optimizer face shares: the life of one step.
 
-``DistributedOptimizer`` and ``ShardedOptimizer`` differ in what they do with a gradient, not
-in when: a post-accumulate-grad hook per parameter, passes counted, the reduction completed
-at the end of the completing backward pass, the plan agreed, ``requires_grad`` frozen, the
-step counter agreed after a resume, hooks released by ``close()``. Written twice, these
-drifted; here they exist once. The face implements ``_on_gradient(p, last_pass)``,
-``_finish()`` and ``_description()`` (what every rank must agree on). Example::
+The optimizer faces differ in what they do with a gradient, not in when (hooks, passes, the
+end of backward, agreement, close); written twice, these drifted. The face implements
+``_on_gradient(p, last_pass)``, ``_finish()`` and ``_description()``. Example::
 
     class MyFace(StepFace, torch.optim.Optimizer):
         def __init__(self, optimizer, named, process_group=None):
@@ -47,9 +44,7 @@ def _release(handles) -> None:
 
 
 class StepLifecycle:
-    """The life of one face's steps: hooks, pass counting, end-of-backward completion, the
-    cross-rank agreement, ``requires_grad`` and step-counter checks, ``close()`` (see the module
-    docstring for how a face uses it)."""
+    """The life of one face's steps (see the module docstring)."""
 
     def __init__(self, face, name: str, group, passes: int):
         self._face = weakref.ref(face)
@@ -71,8 +66,7 @@ class StepLifecycle:
         self._finalizer.atexit = False
 
     def attach(self, params: Sequence[torch.Tensor], solo: bool = False, joinable: bool = True) -> None:
-        """Register the post-accumulate-grad hooks (held weakly: a face closed or collected
-        stops reducing) and make the face shadowable by :func:`bitscom.join` (``joinable``).
+        """Register the hooks (held weakly) and make the face shadowable by :func:`bitscom.join`;
         ``solo``: hook even in a single process (a face whose gradients live elsewhere)."""
         if self.size == 1 and not solo:
             return

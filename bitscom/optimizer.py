@@ -477,8 +477,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load :meth:`state_dict`'s output, the older ``{"optimizer", "bitscom"}`` form, or a
-        plain optimizer state dict (compressor state then starts fresh); all or nothing, and
-        the ranks compare their resumed states on the next step. Example::
+        plain optimizer state dict (compressor state then starts fresh); all or nothing. Example::
 
             opt.load_state_dict(torch.load(path)["opt"])
         """

@@ -51,9 +51,9 @@ def _int(env, *names, default=None, minimum=0):
         if n in env and env[n] != "":
             text = str(env[n]).split("(")[0].split(",")[0].strip()
             try:
-                value = int(text)
+                value: Any = int(text)
             except ValueError:            # no int: number() refuses the text, naming the variable
-                return number(f"environment variable {n}", env[n], minimum=minimum, integer=True)
+                value = env[n]
             return number(f"environment variable {n}", value, minimum=minimum, integer=True)
     return default
 
@@ -115,10 +115,7 @@ def _mpi_rendezvous(info: LaunchInfo) -> tuple:
         raise RuntimeError("launched by mpirun without MASTER_ADDR/MASTER_PORT: install the "
                            "'mpi' extra (pip install bitscom[mpi]) so rank 0 can share its "
                            "address, or export MASTER_ADDR and MASTER_PORT") from err
-    payload = None
-    if info.rank == 0:
-        addr = info.master_addr or _my_address()
-        payload = (addr, info.master_port or _free_port())
+    payload = (info.master_addr or _my_address(), info.master_port or _free_port()) if info.rank == 0 else None
     return MPI.COMM_WORLD.bcast(payload, root=0)
 
 
@@ -129,9 +126,8 @@ def _free_port() -> int:
 
 
 def _my_address() -> str:
-    host = socket.gethostname()
     try:
-        return socket.gethostbyname(host)
+        return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
 
@@ -152,11 +148,8 @@ def _weak(name: str) -> Any:
 
 
 class _Runtime:
-    """What :func:`init` (or adoption) recorded about this process's world.
-
-    Groups are held weakly: torch's registry owns them, and a group ``destroy_process_group()``
-    dropped must really go then (docs/reliability.md, "Restarting the world").
-    """
+    """What :func:`init` (or adoption) recorded about this process's world; groups held weakly,
+    so one ``destroy_process_group()`` dropped really goes (docs/reliability.md)."""
 
     world = _weak("_world")
     intra = _weak("_intra")
@@ -184,9 +177,7 @@ class _Runtime:
 
 
 def _current_world():
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return None
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 _rt = _Runtime()
@@ -206,11 +197,9 @@ def world_token() -> Optional[int]:
     """A number naming torch's current world (None when it is not running): a face compares
     the one it was built under with the current one to know its groups are gone."""
     world = _current_world()
-    if world is None:
-        return None
-    if world not in _worlds:
+    if world is not None and world not in _worlds:
         _worlds[world] = next(_serials)
-    return _worlds[world]
+    return None if world is None else _worlds[world]
 
 
 def on_world_gone(callback: Callable[[], None]) -> None:
@@ -235,11 +224,9 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
          device: Optional[str] = None, bitwidth: Optional[int] = None, **lowbit_options) -> LaunchInfo:
     """Start torch.distributed from the launcher's environment and build bitscom's groups.
 
-    ``backend`` defaults to ``nccl`` when CUDA is available and ``gloo`` otherwise; the CUDA
-    device is set from the local rank. Calling ``init()`` again is harmless. If the process
-    group already exists (the user called ``init_process_group``), it is adopted; if the one
-    bitscom recorded is gone (``dist.destroy_process_group()`` or :func:`shutdown`), ``init()``
-    starts (or adopts) a new one.
+    ``backend`` defaults to ``nccl`` with CUDA, else ``gloo``. Calling ``init()`` again is
+    harmless; a process group the user started is adopted; after the recorded one is gone,
+    ``init()`` starts (or adopts) a new one.
 
     Example::
 
@@ -290,10 +277,8 @@ def _backend_and_device(backend: Optional[str], device: Optional[str], info: Lau
 
 
 class _PreviousStore:
-    """This rank's client of the store the previous world rendezvoused on (ranks other than 0:
-    rank 0 is its server). Before a new rendezvous such a rank waits until that server is gone,
-    recognized by the id each world writes into its store (docs/reliability.md, "Restarting
-    the world"); torchrun's agent store outlives every world, so there it does nothing."""
+    """The previous world's store, which ranks other than 0 wait to see gone before a new
+    rendezvous (docs/reliability.md, "Restarting the world")."""
 
     store: Any = None
     world_id: Optional[str] = None
@@ -344,8 +329,8 @@ class _PreviousStore:
 
 
 def _start(info: LaunchInfo, backend: str, timeout: Optional[datetime.timedelta]) -> None:
-    """``init_process_group`` from the launcher's rendezvous (env:// or tcp://), on the port
-    :class:`_NextWorld` agreed, or after the previous world's store is gone."""
+    """``init_process_group`` on the port :class:`_NextWorld` agreed, else after the previous
+    world's store is gone (:class:`_PreviousStore`)."""
     port = _NextWorld.take()
     if port is None:                  # a new port needs no wait: the old server may live on
         _PreviousStore.wait_until_gone(timeout)
@@ -362,8 +347,7 @@ def _start(info: LaunchInfo, backend: str, timeout: Optional[datetime.timedelta]
         if info.launcher == "mpi" and (addr is None or port is None):
             addr, port = _mpi_rendezvous(info)
         if addr is None or port is None:
-            raise RuntimeError(f"launcher {info.launcher!r} gave no MASTER_ADDR/MASTER_PORT; "
-                               "export both")
+            raise RuntimeError(f"launcher {info.launcher!r} gave no MASTER_ADDR/MASTER_PORT; export both")
         kwargs["init_method"] = f"tcp://{addr}:{port}"
     dist.init_process_group(**kwargs)
     _rt.owns_pg = True
@@ -393,9 +377,8 @@ def _adopt() -> bool:
 
 
 def _build_node_groups(info: LaunchInfo, backend: str) -> None:
-    """Intra-node groups (ranks of one node) and inter-node groups (same local rank), after
-    checking that ranks of a node are contiguous and every rank runs the same build (an int64
-    all-gather, so nothing a peer sends is unpickled)."""
+    """Intra- and inter-node groups, after checking that ranks of a node are contiguous and
+    every rank runs the same build."""
     size, local = info.size, info.local_size
     if local < 1 or size % local != 0:
         raise RuntimeError(f"world size {size} is not a multiple of the local size {local}")
@@ -433,10 +416,8 @@ def node_layout(ranks: Iterable[int], local_size: int, rank: int) -> tuple:
 
 
 def node_groups(group, local_size: int) -> tuple:
-    """(intra, inter) groups for this rank of ``group`` laid out by :func:`node_layout`: the
-    ones :func:`init` built when they fit, else made once per rank list and world by
-    :func:`shared_group` (a sub-group cannot be destroyed and made again under its name).
-    Only members call it."""
+    """(intra, inter) groups for this rank of ``group``: :func:`init`'s when they fit, else
+    :func:`shared_group`'s (a sub-group cannot be made again under its name). Members only."""
     ranks = dist.get_process_group_ranks(group)
     if local_size < 1 or len(ranks) % local_size:
         raise ValueError(f"local_size={local_size} must divide the group size {len(ranks)}")
@@ -478,9 +459,8 @@ def timeout() -> Optional[datetime.timedelta]:
 
 def new_group(ranks: Iterable[int], *, backend: Optional[str] = None, use_local_synchronization: bool = False,
               settle: bool = False) -> Any:
-    """``torch.distributed.new_group`` with the :func:`init` timeout: the one way bitscom
-    creates its own groups. ``settle=True`` runs one tiny all-reduce on the new group, so every
-    member has finished connecting before any member may destroy it again."""
+    """``torch.distributed.new_group`` with the :func:`init` timeout; ``settle=True``: one tiny
+    all-reduce, so every member has connected before any may destroy it again."""
     kwargs: Dict[str, Any] = {"backend": backend, "use_local_synchronization": use_local_synchronization}
     if _rt.timeout is not None:
         kwargs["timeout"] = _rt.timeout
@@ -497,10 +477,8 @@ _channels: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # world -
 
 
 def shared_group(ranks: Iterable[int], *, tag: str, backend: Optional[str] = None) -> Any:
-    """A group of ``ranks`` made once per ``(tag, ranks, backend)`` in the current world and
-    shared, for faces that need an extra group per group of the user. Only the members call it.
-    Held weakly and keyed by the world, so ``destroy_process_group()`` really frees it (a strong
-    cache would keep the dead world's store listening)."""
+    """A group of ``ranks`` made once per ``(tag, ranks, backend)`` and world (members only),
+    held weakly so ``destroy_process_group()`` really frees it."""
     world = _current_world()
     if world is None:
         raise RuntimeError("shared_group() needs torch.distributed: call bitscom.init() first")
@@ -516,13 +494,9 @@ def shared_group(ranks: Iterable[int], *, tag: str, backend: Optional[str] = Non
 
 
 def channel(group, *, later: bool = False) -> Channel:
-    """The :class:`~bitscom.channel.Channel` of ``group``: one per group and world, shared by
-    every face on it, so all their multi-round collectives keep one order.
-
-    ``later=True`` gives it its later-round group on first need (every member asks at the same
-    point of the program): over the whole world by every rank, over a sub-group by its members
-    only. Held weakly like :func:`shared_group`. ``None``, a group of one rank or one this rank
-    is not in gets a private channel."""
+    """The one :class:`~bitscom.channel.Channel` of ``group`` in this world, shared by every face
+    on it; ``later=True`` gives it its later-round group (every member asks at the same point).
+    ``None``, a group of one rank or one this rank is not in gets a private channel."""
     world = _current_world()
     if group is None or world is None or dist.get_world_size(group) <= 1:    # -1: not a member
         return Channel(group)
@@ -553,9 +527,8 @@ def shutdown() -> None:
 
 
 class _NextWorld:
-    """The port the next world started by :func:`init` in this process rendezvouses on, agreed
-    through the old store by :func:`shutdown`: a destroyed world's store server may outlive
-    ``destroy_process_group()`` on MASTER_PORT (docs/reliability.md, "Restarting the world")."""
+    """The port the next :func:`init` rendezvouses on, agreed by :func:`shutdown`: the old store
+    may outlive the world on MASTER_PORT (docs/reliability.md, "Restarting the world")."""
 
     port: Optional[int] = None
     KEY = "bitscom/next-port"

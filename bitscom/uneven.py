@@ -1,9 +1,7 @@
 """Uneven inputs: ``bitscom.join()``, Horovod's ``hvd.join()`` for DistributedOptimizer steps.
 
-Why: a rank's extra step's bucket collectives would meet whatever the other ranks do next
-(mixed bytes or a hang). How: every multi-rank step starts with a tiny all-reduce, the
-*notice*, which a joined rank answers (docs/design.md, "Mechanisms of the core"); what users
-see: docs/reliability.md.
+Why: a rank's extra step would meet whatever the others do next (mixed bytes or a hang). How:
+each step starts with a tiny all-reduce that joined ranks answer (docs/design.md, reliability.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Checks of numbers, sequences of numbers, flags, choices and types in settings, written once:
-every error names the setting, the value and what is allowed (DESIGN.md, Reliability), in one
-wording. ``True`` is never a number here (though ``isinstance(True, int)``) and NaN never passes
-a bound."""
+"""Checks of settings, written once: every error names the setting, the value and what is
+allowed. ``True`` is never a number here and NaN never passes a bound."""
 
 from __future__ import annotations
 
@@ -49,10 +47,8 @@ def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: O
 def numbers(name: str, values: Any, *, nonempty: bool = False, minimum: Optional[float] = None,
             maximum: Optional[float] = None, inclusive: Union[bool, Tuple[bool, bool]] = True,
             integer: bool = False, finite: bool = False) -> tuple:
-    """``values`` as a tuple if it is a sequence (any iterable but a string, bytes or a mapping;
-    not empty with ``nonempty``) whose every item passes :func:`number`, else a TypeError (not a
-    sequence: ``'25'`` would read as ``('2', '5')``), a ValueError (empty) or the first bad
-    item's ValueError, named ``name[i]``."""
+    """``values`` as a tuple if it is a sequence (not a string: ``'25'`` is no ``('2', '5')``)
+    whose every item passes :func:`number` (errors name ``name[i]``)."""
     kinds = "ints" if integer else ("finite numbers" if finite else "numbers")
     what = f"{'non-empty ' if nonempty else ''}sequence of {kinds}{_bounds(minimum, maximum, _closed(inclusive))}"
     if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
