@@ -44,8 +44,7 @@ _OLD_PATHS = ("collectives", "quantization", "error_feedback", "hvd_ops")
 
 
 def __getattr__(name: str):
-    """The older module paths (``bitscom.collectives``, …) as attributes, imported on first use
-    (no library module imports them). Example::
+    """The older module paths (``bitscom.collectives``, …), imported on first use. Example::
 
         bitscom.collectives.LowBitConfig(bitwidth=4)
     """

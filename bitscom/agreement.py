@@ -23,8 +23,7 @@ def require_member(group, what: str) -> None:
 
 
 def describe_state(state: Any) -> Any:
-    """What must agree across ranks in a compressor state: counters, flags and tensor shapes
-    (not values: error-feedback residuals differ per rank by design)."""
+    """What must agree in a compressor state: counters, flags, shapes (residuals differ by design)."""
     if hasattr(state, "state_dict") and not isinstance(state, dict):
         state = state.state_dict()
     if isinstance(state, dict):

@@ -70,8 +70,7 @@ def _check_flat(cfg: LowBitConfig) -> None:
 
 
 def _check_same_config(store, rank: int, size: int, config: LowBitConfig, timeout=None) -> None:
-    """Every rank compares its settings with every other's through the group's store; rank 0,
-    usually the store's host, raises last (after every rank has read every key)."""
+    """Ranks compare their settings through the store; rank 0 (its host) raises after all read."""
     mine = repr(config)
     store.set(str(rank), mine)
     seen = [store.get(str(r)).decode() for r in range(size)]
@@ -162,8 +161,7 @@ class StateSlots:
 
 
 class InnerTransport:
-    """Issues collectives straight on inner torch backends (the "groups" a
-    :class:`~bitscom.comm.Comm` passes are ProcessGroupGloo/NCCL objects)."""
+    """Issues collectives straight on inner torch backends (the "groups" a Comm passes)."""
 
     def size(self, group) -> int:
         return group.size()
@@ -203,8 +201,7 @@ _INNER = InnerTransport()
 
 
 def _delegated(name: str, arity: int, options: Optional[Callable[[], Any]] = None, which: int = 0):
-    """A method handing ``name`` unchanged to the inner backend of its ``which``-th argument's
-    device; a missing or None last argument (``opts``) becomes ``options()``."""
+    """A method handing ``name`` to the inner backend of argument ``which``; ``opts`` defaulted."""
     def method(self, *args):
         args = list(args) + [None] * (arity - len(args))
         if options is not None and args[-1] is None:
@@ -216,8 +213,7 @@ def _delegated(name: str, arity: int, options: Optional[Callable[[], Any]] = Non
 
 
 class FutureWork(dist.Work):
-    """The work handle of a compressed collective: done when the driver thread completed its
-    future; ``wait()`` raises the collective's error (torch's future-backed work drops it)."""
+    """The work of a compressed collective; ``wait()`` raises its error (torch's would drop it)."""
 
     def __init__(self, future: torch.futures.Future):
         super().__init__()
@@ -286,8 +282,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
                                "after bitscom.init()")
 
     def comm_stats(self) -> dict:
-        """This rank's bytes of compressed collectives (headers included; exact ones are not
-        counted), the keys every face reports. Example::
+        """This rank's bytes of compressed collectives (headers included), as every face reports. Example::
 
             dist.all_reduce(t, group=pg); pg.comm_stats()["compression_ratio"]
         """
@@ -332,8 +327,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
         yield from body(comm, states)
 
     def _launch(self, call: Call, tensors: list, key, body, result, counted: bool):
-        """Issue the header now (in call order); the driver runs ``body`` after it. Returns a
-        Work the driver completes; ``counted``: add the bytes to :attr:`bytes_sent`."""
+        """Issue the header now; the driver runs ``body`` after it and completes the returned Work."""
         self._check_live()
         kind = self._kind(tensors)
         channel = self._channel(kind)
@@ -357,8 +351,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
         return FutureWork(future)
 
     def _exact(self, call: Call, tensors: list, issue, result):
-        """An op low bit cannot compute: after the header, ``issue(comm)`` runs it exactly on
-        the inner backend (not counted)."""
+        """An op low bit cannot compute: after the header, ``issue(comm)`` runs it exactly."""
         def body(comm, _states):
             yield issue(comm)
 

@@ -73,8 +73,7 @@ def _to_cpu(obj: Any) -> Any:
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_group: Optional[Any] = None) -> Any:
-    """Return root's ``obj`` (any picklable object) on every rank (unpickled on receipt: trust
-    your peers). ``name`` is accepted for Horovod compatibility and unused. Example::
+    """Root's picklable ``obj`` on every rank (unpickled: trust your peers; ``name`` unused). Example::
 
         epoch = bitscom.broadcast_object(epoch, root_rank=0)
     """

@@ -55,8 +55,7 @@ def plan_groups(params: Sequence[Tuple[str, torch.Tensor]], groups) -> List[Buck
 
 
 def _listed_groups(rev: list, groups) -> List[list]:
-    """``groups=`` as lists of parameters: each list (in ``rev`` order) travels together, every
-    other parameter alone; first the bucket whose last gradient arrives earliest in backward."""
+    """``groups=`` lists travel together, others alone; earliest-ready bucket first."""
     position = {id(p): i for i, (_, p) in enumerate(rev)}
     chosen: List[list] = []
     taken: set = set()
@@ -91,8 +90,7 @@ def _layouts(order: List[list]) -> List[BucketLayout]:
 
 
 class FlatBucket:
-    """The preallocated flat buffer of one bucket, views of each parameter's slot, and which
-    slots this step filled (ready to launch when ``pending`` is 0)."""
+    """One bucket's preallocated flat buffer, its slot views, and which slots this step filled."""
 
     def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor]):
         self.layout = layout

@@ -79,8 +79,7 @@ def check_calls(calls, label: str) -> None:
 
 
 def agree_rounds(comm, call: Call, slot_code: int, device, label: str) -> Generator[Any, None, List[int]]:
-    """Round generator: all-gather every rank's header on ``comm`` and check it; returns every
-    rank's slot code (rank order)."""
+    """Round generator: all-gather and check every rank's header; returns their slot codes."""
     if comm.size == 1:
         return [slot_code]
     mine = torch.tensor(call.header(slot_code), dtype=torch.int64, device=device)

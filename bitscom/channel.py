@@ -91,14 +91,12 @@ class Channel:
         return rounds
 
     def poll(self, block: bool = False) -> bool:
-        """Advance queued works over completed rounds, in order (all of them with ``block``);
-        returns whether none is left. Errors stay with their works."""
+        """Advance queued works over completed rounds, in order; returns whether none is left."""
         self._drive(None, block)
         return not self._queue
 
     def wait(self, work: Optional[Rounds] = None) -> None:
-        """Finish ``work`` and every work submitted before it (every work when None), in
-        submission order; raises ``work``'s error if it failed."""
+        """Finish ``work`` and every work before it (every work when None); raise ``work``'s error."""
         if self._jobs is not None:
             raise RuntimeError("a driver-thread channel finishes its works itself; wait on the work's future")
         self._drive(work, True)
@@ -106,8 +104,7 @@ class Channel:
             raise work.error
 
     def abort(self, works: Optional[List[Rounds]] = None, cause: Optional[BaseException] = None) -> None:
-        """Forget ``works`` (every queued work when None) without waiting for them, after a
-        failure; waiting for one of them then raises instead of hanging."""
+        """Forget ``works`` (every queued work when None) after a failure; waiting on one raises."""
         drop = list(self._queue) if works is None else [w for w in works if w in self._queue]
         for w in drop:
             if not w.done:
@@ -127,8 +124,7 @@ class Channel:
         self._queue = [w for w in self._queue if not w.done]
 
     def _advance(self, limit: Optional[int], block: bool) -> List[Rounds]:
-        """Step the queued works in order, up to ``limit``, while each has released the group;
-        an error aborts the works behind it. Returns the works stepped."""
+        """Step queued works in order up to ``limit`` while each has released the group."""
         ahead: List[Rounds] = []
         for w in list(self._queue):
             if limit is not None and w._seq > limit:

@@ -33,8 +33,7 @@ def is_sum_or_avg(op) -> bool:
 
 
 class TorchTransport:
-    """Issues asynchronous collectives through ``torch.distributed`` on a registered group: the
-    group first, torch's work handle back, group ranks."""
+    """Issues asynchronous collectives through ``torch.distributed`` on a registered group."""
 
     def size(self, group) -> int:
         return dist.get_world_size(group) if dist.is_initialized() else 1
@@ -111,8 +110,7 @@ class Comm:
     solo = property(lambda self: self.size == 1, doc="A group of one member: every collective is local.")
 
     def _issue(self, sent: Optional[torch.Tensor], name: str, *args, local: Optional[Callable[[], Any]] = None):
-        """Issue the transport's ``name`` on the current group, counting ``sent`` (None: nothing);
-        a group of one member sends nothing and runs ``local()`` (a copy) when given."""
+        """Issue ``name`` on the current group counting ``sent``; one member runs ``local()`` instead."""
         if self.solo:
             if local is not None:
                 local()
@@ -154,8 +152,7 @@ class Comm:
 
 
 def gather_objects(obj: Any, group, group_dst: int = 0) -> Optional[list]:
-    """Every rank's picklable ``obj`` on the rank with group rank ``group_dst`` (``None`` on the
-    others; ``[obj]`` for one process). Unpickles peer data: see docs/reliability.md."""
+    """Every rank's picklable ``obj`` on group rank ``group_dst`` (unpickles peer data)."""
     if group is None or dist.get_world_size(group) == 1:
         return [obj]
     me = dist.get_rank(group)
@@ -242,16 +239,14 @@ class Rounds:
         return self.done
 
     def step(self) -> None:
-        """Wait for the current round and issue the next one, without asking the work whether
-        it completed (some of torch's wrapped works never say so)."""
+        """Wait for the current round and issue the next (without asking whether it completed)."""
         self.start()
         if not self.done:
             wait(self.work)
             self._advance()
 
     def wait(self, timeout=None) -> bool:
-        """Drive every remaining round to completion (``timeout``, as in torch's ``Work.wait``,
-        is not used: each collective has its group's timeout)."""
+        """Drive every remaining round to completion (``timeout`` unused: groups have theirs)."""
         self.poll(block=True)
         return True
 

@@ -25,8 +25,7 @@ __all__ = ["ddp_comm_hook", "DDPCommState"]
 
 
 def _layout(bucket, index: int, names: Optional[Dict[int, str]] = None) -> BucketLayout:
-    """The bucket's layout from its gradients' shapes, so matrix compressors see matrices; slots
-    named ``ddp.bucket{index}.{j}``, or after their parameters (``names``: id -> name)."""
+    """The bucket's layout from its gradients' shapes (matrix compressors see matrices)."""
     flat = bucket.buffer()
     params = bucket.parameters() if names is not None else []
     slots, offset = [], 0
@@ -165,8 +164,7 @@ class DDPCommState(Face):
                 "envelope": self._envelope(self._iterations)}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore :meth:`state_dict`'s output: a bucket already seen with the same gradient
-        shapes loads at once, else the state waits for a bucket of that index and shapes."""
+        """Restore :meth:`state_dict`; a bucket not seen yet loads when DDP hands it over."""
         if canonical_fingerprint(str(state_dict.get("compressor"))) != self.compressor.fingerprint():
             raise ValueError(f"checkpoint compressor {state_dict.get('compressor')} differs from "
                              f"{self.compressor.fingerprint()}")

@@ -31,8 +31,7 @@ class Reducer:
     later_group = property(lambda self: self.channel.later_group, doc="The channel's later-round group.")
 
     def set_bucket(self, index: int, layout: BucketLayout, state: Optional[State] = None) -> State:
-        """Define (or redefine) bucket ``index`` for adapters that learn buckets lazily (DDP);
-        returns its state (a fresh one unless ``state`` is given)."""
+        """Define (or redefine) bucket ``index`` for adapters that learn buckets lazily (DDP)."""
         while len(self.layouts) <= index:
             self.layouts.append(None)
             self.states.append(None)
@@ -70,8 +69,7 @@ class Reducer:
             self.channel.poll()
 
     def wait_all(self) -> int:
-        """Finish every launched bucket; return the bytes sent and reset for the next step (a
-        failed bucket's error is raised, the others are forgotten)."""
+        """Finish every launched bucket; return the bytes sent (a failed bucket's error raised)."""
         failed: Optional[BaseException] = None
         try:
             self.poll(block=True)

@@ -37,8 +37,7 @@ _live: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def release_all() -> None:
-    """Drop every live face's process groups when runtime says the world is gone (a group held
-    past it would keep that world's store listening)."""
+    """Drop every live face's process groups: the world is gone (runtime calls it)."""
     for face in list(_live):
         face._release_world()
 
@@ -131,8 +130,7 @@ def require_group(process_group, face: str, *, warn_single: bool = False):
 
 
 def renamed(value, old_value, *, new: str, old: str, where: str):
-    """``value``, or ``old_value`` passed under the deprecated name ``old`` (with a
-    DeprecationWarning): one name per concept on every face, old spellings kept."""
+    """``value``, or ``old_value`` under its deprecated name ``old`` (with a DeprecationWarning)."""
     if old_value is None:
         return value
     if value is not None:
@@ -143,8 +141,7 @@ def renamed(value, old_value, *, new: str, old: str, where: str):
 
 
 def group_alive(group) -> bool:
-    """Whether ``group`` is one of torch's live process groups (``destroy_process_group()``
-    unregisters them, but a Python reference keeps a ``lowbit`` group's inner connections)."""
+    """Whether ``group`` is one of torch's live process groups."""
     if not isinstance(group, dist.ProcessGroup):     # e.g. NON_GROUP_MEMBER: membership decides
         return True
     return dist.is_initialized() and group in dist.distributed_c10d._world.pg_map
@@ -186,8 +183,7 @@ def ddp_owner(params: Sequence[torch.Tensor], objects: Optional[list] = None) ->
 
 
 def live_objects(types) -> list:
-    """Every live object of ``types`` (one garbage-collector scan, at construction only): how a
-    face finds the modules that own its parameters when it was handed only these."""
+    """Every live object of ``types``: one garbage-collector scan, at construction only."""
     wanted: Dict[type, bool] = {}        # each type's answer once: the scan is one dict lookup per object
     found = []
     with warnings.catch_warnings():
@@ -273,8 +269,7 @@ class Face:
         self._face_planned = [(n, p, p.requires_grad) for n, p in named]   # plans are made once
 
     def _check_requires_grad(self) -> None:
-        """A parameter frozen or unfrozen since construction is an error (a frozen one would
-        still move under a flat momentum or an outer step, an unfrozen one never be reduced)."""
+        """A parameter frozen or unfrozen since construction is an error (plans are made once)."""
         for name, p, planned in self._face_planned:
             if p.requires_grad != planned:
                 change = "unfrozen" if p.requires_grad else "frozen"
@@ -301,8 +296,7 @@ class Face:
 
     def _face_agree(self, description: Dict[str, Any], error: Optional[BaseException] = None,
                     what: Optional[str] = None) -> None:
-        """Compare ``description`` across ranks; raise ``error`` (a local validation error) on
-        this rank only after every rank has seen it, so all ranks raise together."""
+        """Compare ``description`` across ranks; then raise ``error`` (on every rank alike)."""
         desc: Dict[str, Any] = {"settings error": None if error is None else f"{type(error).__name__}: {error}"}
         if error is None:
             desc.update({"face": self._face_name, "world size": self._size})
@@ -380,8 +374,7 @@ class Face:
             self._agree_resumed(describe(), what)
 
     def _agree_resumed(self, description: Dict[str, Any], what: str) -> None:
-        """After a load, before the next collective: the ranks compare what they resumed (step
-        counters, state shapes) and any deferred checkpoint problem."""
+        """After a load: the ranks compare what they resumed and any deferred problem."""
         desc = dict(description, **self._deferred_problem())
         if self._size > 1:
             check_agreement(desc, self.process_group, what=what)

@@ -47,8 +47,7 @@ class LowBitWork(Rounds):
 
 
 def _handed(work, async_op: bool):
-    """``work`` for an asynchronous call; otherwise wait for it here and return ``None``
-    (torch's ``async_op`` contract)."""
+    """``work`` for an asynchronous call, else wait for it and return ``None``."""
     if async_op:
         return work
     work.wait()
@@ -132,8 +131,7 @@ class LowBitGroup(Face):
                 "envelope": self._envelope(self._calls)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (all or nothing); another rank's or a stale state is the
-        same RuntimeError on every rank at the next call."""
+        """Restore :meth:`state_dict` (all or nothing; checked across ranks at the next call)."""
         if not self._check_envelope(state.get("envelope", {}), per_rank_state=bool(state["states"])):
             self._mark_loaded()
             return
@@ -153,8 +151,7 @@ class LowBitGroup(Face):
         self._calls, self._states = saved
 
     def _before_call(self) -> None:
-        """Every call: a clear error if the world is gone or the group closed; after a load, the
-        ranks compare what they resumed."""
+        """Every call: a clear error if the group is dead; after a load, the ranks compare."""
         self._check_live()
         self._agree_if_resumed(lambda: {"calls": self._calls,
                                         "state steps": sorted(s.step for s in self._states.values())},
@@ -185,8 +182,7 @@ class LowBitGroup(Face):
         return self._bytes.report()
 
     def _start(self, call: Call, device, rounds, comms: list, async_op: bool, numel: int = 0):
-        """``rounds`` after the call header on the whole group, submitted to the channel;
-        ``numel``: the fp32 elements whose bytes the call counts."""
+        """``rounds`` after the call header, submitted; ``numel``: fp32 elements to count."""
         check = self._channel.comm()
         work = LowBitWork(_chain(agree_rounds(check, call, 0, device, _LABEL), rounds), [check] + comms,
                           self._channel)

@@ -66,8 +66,7 @@ class StepLifecycle:
         self._finalizer.atexit = False
 
     def attach(self, params: Sequence[torch.Tensor], solo: bool = False, joinable: bool = True) -> None:
-        """Register the hooks (held weakly) and make the face shadowable by :func:`bitscom.join`;
-        ``solo``: hook even in a single process (a face whose gradients live elsewhere)."""
+        """Register the hooks (held weakly); ``solo``: even in a single process."""
         if self.size == 1 and not solo:
             return
         this = weakref.ref(self)
@@ -78,8 +77,7 @@ class StepLifecycle:
             uneven.register(self._face())
 
     def description(self, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        """What the ranks compare: the face's kind, its own description, and after a load the
-        step counter (a stale checkpoint on one rank is an error, not drift)."""
+        """What the ranks compare; after a load also the step counter."""
         face = self._face()
         assert face is not None, "the face owns its lifecycle"
         desc: Dict[str, Any] = {"optimizer": self.name, "world size": self.size}
@@ -91,8 +89,7 @@ class StepLifecycle:
         return desc
 
     def agree(self, extra: Optional[Dict[str, Any]] = None) -> None:
-        """Every rank checks that every other rank built the same face with the same plan and
-        (after a load) resumed from the same step."""
+        """Every rank checks that every rank built the same face and plan (and step, after a load)."""
         description = self.description(extra)
         if log.isEnabledFor(logging.DEBUG):
             rank = dist.get_rank(self.group) if self.group is not None else 0
@@ -136,8 +133,7 @@ class StepLifecycle:
             face._finish()
 
     def begin(self, notify: bool, state_description: Optional[Callable[[], Dict[str, Any]]] = None) -> None:
-        """The collectives every step starts with, in order: the join notice, then the agreement
-        when a load or a setting change asked for it."""
+        """The collectives every step starts with: the join notice, then any pending agreement."""
         if self.began:
             return
         self.began = True

@@ -180,8 +180,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._should_sync = True
 
     def _scan_live_objects(self) -> None:
-        """One scan of the live objects (multi-rank only) for the DDP-wrap check and the sparse
-        embeddings of Horovod's sparse path, so every rank agrees on them before the first step."""
+        """One scan for a DDP wrapper and sparse embeddings (multi-rank only)."""
         found = live_objects((DistributedDataParallel, torch.nn.Embedding, torch.nn.EmbeddingBag)) \
             if self._size > 1 else []
         self._ddp = self._ddp_wrapped([p for _, p in self._trainable], found)
@@ -210,8 +209,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
                         "be pickled or copied; save opt.state_dict() instead")
 
     def _on_gradient(self, p: torch.Tensor, last_pass: bool) -> None:
-        """On the pass that completes the step, copy the gradient into its bucket and launch
-        every bucket that became ready, in plan order."""
+        """On the completing pass, copy the gradient into its bucket and launch the ready buckets."""
         grad = p.grad
         if self._densified is not None:
             if last_pass:                # earlier passes accumulate sparse, as in Horovod
@@ -308,8 +306,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._bytes.end_step()
 
     def _reduce_all(self):
-        """Fill the slots still empty, launch every bucket (then, with ``sparse_as_dense=True``,
-        the layout round) and wait: (bytes sent, the parameters to hand back sparse)."""
+        """Launch every bucket (and the layout round) and wait: (bytes sent, sparse parameters)."""
         densified = self._densified
         if densified is not None:
             densified.dense_missing(self._buckets[self._next_launch:])

@@ -11,8 +11,7 @@ __all__ = ["named_parameters_of", "checked_pairs"]
 
 
 def checked_pairs(named_parameters) -> List[tuple]:
-    """``named_parameters`` as a list of ``(name, tensor)`` pairs with unique names
-    (TypeError / ValueError otherwise)."""
+    """``named_parameters`` as ``(name, tensor)`` pairs with unique names."""
     named = list(named_parameters)
     for item in named:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):

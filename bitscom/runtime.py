@@ -148,8 +148,7 @@ def _weak(name: str) -> Any:
 
 
 class _Runtime:
-    """What :func:`init` (or adoption) recorded about this process's world; groups held weakly,
-    so one ``destroy_process_group()`` dropped really goes (docs/reliability.md)."""
+    """What :func:`init` (or adoption) recorded; groups held weakly (docs/reliability.md)."""
 
     world = _weak("_world")
     intra = _weak("_intra")
@@ -194,8 +193,7 @@ def use_lowbit_backend(register: Callable[..., Any]) -> None:
 
 
 def world_token() -> Optional[int]:
-    """A number naming torch's current world (None when it is not running): a face compares
-    the one it was built under with the current one to know its groups are gone."""
+    """A number naming torch's current world (None when not running), to see groups gone."""
     world = _current_world()
     if world is not None and world not in _worlds:
         _worlds[world] = next(_serials)
@@ -203,8 +201,7 @@ def world_token() -> Optional[int]:
 
 
 def on_world_gone(callback: Callable[[], None]) -> None:
-    """Call ``callback()`` when the world bitscom recorded is gone (:func:`shutdown`, or
-    :func:`init` finding it destroyed), so the layers above drop their groups."""
+    """Call ``callback()`` when the recorded world is gone, so the layers above drop groups."""
     if callback not in _gone_callbacks:
         _gone_callbacks.append(callback)
 
@@ -277,8 +274,7 @@ def _backend_and_device(backend: Optional[str], device: Optional[str], info: Lau
 
 
 class _PreviousStore:
-    """The previous world's store, which ranks other than 0 wait to see gone before a new
-    rendezvous (docs/reliability.md, "Restarting the world")."""
+    """The old world's store, which ranks but 0 wait to see gone (docs/reliability.md)."""
 
     store: Any = None
     world_id: Optional[str] = None
@@ -329,8 +325,7 @@ class _PreviousStore:
 
 
 def _start(info: LaunchInfo, backend: str, timeout: Optional[datetime.timedelta]) -> None:
-    """``init_process_group`` on the port :class:`_NextWorld` agreed, else after the previous
-    world's store is gone (:class:`_PreviousStore`)."""
+    """``init_process_group`` on the agreed port, else after the old store is gone."""
     port = _NextWorld.take()
     if port is None:                  # a new port needs no wait: the old server may live on
         _PreviousStore.wait_until_gone(timeout)
@@ -355,8 +350,7 @@ def _start(info: LaunchInfo, backend: str, timeout: Optional[datetime.timedelta]
 
 
 def _adopted_info(env_info: LaunchInfo) -> LaunchInfo:
-    """Who we are in a process group the user started: the launcher's local rank when its
-    world matches the group's, else (``mp.spawn``) every rank on one node."""
+    """Who we are in a group the user started (``mp.spawn``: every rank on one node)."""
     rank_, size_ = dist.get_rank(), dist.get_world_size()
     if env_info.size == size_ and env_info.rank == rank_:
         return LaunchInfo(rank_, size_, env_info.local_rank, env_info.local_size, env_info.launcher)
@@ -364,8 +358,7 @@ def _adopted_info(env_info: LaunchInfo) -> LaunchInfo:
 
 
 def _adopt() -> bool:
-    """Adopt a default process group the user already started, without any collective (the
-    first ``rank()`` may run on one rank only), so node groups are left to :func:`init`."""
+    """Adopt a default group the user started, without a collective (node groups: :func:`init`)."""
     _forget_if_stale()
     if _rt.info is None and dist.is_available() and dist.is_initialized():
         _rt.info = _adopted_info(discover())
@@ -377,8 +370,7 @@ def _adopt() -> bool:
 
 
 def _build_node_groups(info: LaunchInfo, backend: str) -> None:
-    """Intra- and inter-node groups, after checking that ranks of a node are contiguous and
-    every rank runs the same build."""
+    """Intra- and inter-node groups, after checking the layout and the builds."""
     size, local = info.size, info.local_size
     if local < 1 or size % local != 0:
         raise RuntimeError(f"world size {size} is not a multiple of the local size {local}")
@@ -477,8 +469,7 @@ _channels: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # world -
 
 
 def shared_group(ranks: Iterable[int], *, tag: str, backend: Optional[str] = None) -> Any:
-    """A group of ``ranks`` made once per ``(tag, ranks, backend)`` and world (members only),
-    held weakly so ``destroy_process_group()`` really frees it."""
+    """A group of ``ranks`` made once per tag and world (members only), held weakly."""
     world = _current_world()
     if world is None:
         raise RuntimeError("shared_group() needs torch.distributed: call bitscom.init() first")
@@ -512,8 +503,7 @@ def channel(group, *, later: bool = False) -> Channel:
 
 
 def shutdown() -> None:
-    """Destroy the process group bitscom created (if it is still the default group) and forget
-    the groups. Example::
+    """Destroy the process group bitscom created (if still the default) and forget the groups. Example::
 
         bitscom.init(); train(); bitscom.shutdown()
     """
@@ -527,8 +517,7 @@ def shutdown() -> None:
 
 
 class _NextWorld:
-    """The port the next :func:`init` rendezvouses on, agreed by :func:`shutdown`: the old store
-    may outlive the world on MASTER_PORT (docs/reliability.md, "Restarting the world")."""
+    """The port the next :func:`init` uses, agreed by :func:`shutdown` (docs/reliability.md)."""
 
     port: Optional[int] = None
     KEY = "bitscom/next-port"

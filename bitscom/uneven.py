@@ -39,8 +39,7 @@ def _device(group) -> torch.device:
 
 
 def notify(optimizer):
-    """Issue the step's notice for ``optimizer``; returns the async work to wait on. The notice
-    is refilled on the device each step (a fresh CUDA tensor would be a blocking copy)."""
+    """Issue the step's notice (a buffer refilled on the device: no blocking copy)."""
     buffers = _notices.get(optimizer)
     if buffers is None:
         template = torch.tensor([1, optimizer._uid], dtype=torch.int64,
