@@ -28,7 +28,8 @@ runtime.use_lowbit_backend(register_lowbit_backend)   # init(bitwidth=...): runt
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "intra_group", "inter_group",
-    "DistributedOptimizer", "FrozenVarianceAdamW", "Compression", "compression", "compressors", "Average", "Sum", "ReduceOp",
+    "DistributedOptimizer", "FrozenVarianceAdamW", "Compression", "compression", "compressors", "Average", "Sum",
+    "ReduceOp",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
     "ddp_comm_hook", "LowBitGroup", "register_lowbit_backend", "ShardedOptimizer", "join",
     # Horovod's module-level collectives (bitscom.hvd_ops) and build queries

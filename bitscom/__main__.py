@@ -26,10 +26,6 @@ KERNEL_USERS = "lowbit compressor, LowBitGroup, the 'lowbit' backend, ShardedOpt
 KERNEL_CODECS = ("lowbit", "exclude")     # exclude wraps another compressor: its codec decides
 
 
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "no"
-
-
 def _python() -> str:
     venv = sys.prefix != sys.base_prefix
     return f"{sys.version.split()[0]} at {sys.executable}" + (f" (virtual env {sys.prefix})" if venv else "")
@@ -124,8 +120,9 @@ def report() -> list:
         ("CuPy", _module_version("cupy", 'pip install -e ".[cuda]" for the CUDA kernels')),
         ("nvcc", _program("nvcc", "not needed: CuPy compiles the kernels with NVRTC")),
         ("NCCL", _nccl()),
-        ("gloo", _yes(build_info.gloo_built())),
-        ("torch MPI backend", _yes(build_info.mpi_built()) + " (not needed: bitscom uses mpi4py under mpirun)"),
+        ("gloo", "yes" if build_info.gloo_built() else "no"),
+        ("torch MPI backend",
+         ("yes" if build_info.mpi_built() else "no") + " (not needed: bitscom uses mpi4py under mpirun)"),
         ("mpi4py", _module_version("mpi4py", 'pip install -e ".[mpi]" to launch with mpirun')),
         ("mpirun", _program("mpirun", 'pip install -e ".[mpi]" or your cluster\'s Open MPI')),
         ("launcher", _launcher()),

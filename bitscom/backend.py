@@ -1,8 +1,5 @@
 """The ``lowbit`` torch.distributed backend: plain ``dist.all_reduce`` (and DDP) in low bit.
-
-A Python :class:`torch.distributed.ProcessGroup` over inner gloo and NCCL backends; what each
-collective does, the call header, the state slots and the errors: docs/lowbit.md.
-"""
+A ProcessGroup over inner gloo and NCCL backends; what it does and its errors: docs/lowbit.md."""
 
 from __future__ import annotations
 
@@ -41,8 +38,8 @@ def registered_config() -> Optional[LowBitConfig]:
 
 
 def register_lowbit_backend(config: Optional[LowBitConfig] = None, **settings) -> LowBitConfig:
-    """Register the ``lowbit`` backend with a :class:`LowBitConfig` or its settings by name; again
-    with other settings raises (earlier groups would silently keep the old ones). Example::
+    """Register the ``lowbit`` backend; again with other settings is an error (groups made
+    earlier would silently keep the old ones). Example::
 
         bitscom.register_lowbit_backend(bitwidth=4, error_feedback=True)
         dist.init_process_group("lowbit")          # or bitscom.init(bitwidth=4, error_feedback=True)
@@ -103,9 +100,8 @@ _LABEL = "bitscom lowbit backend"
 
 
 class StateSlots:
-    """The states of a lowbit group's compressed collectives: at most ``capacity``, in slots
-    every rank assigns alike. Storage addresses differ per rank, so the slot this rank found
-    (:meth:`code`) travels in the header, and :meth:`resolve` uses it only if every rank found it."""
+    """At most ``capacity`` states, in slots every rank assigns alike: addresses differ per rank,
+    so the slot this rank found travels in the header and is used only if every rank found it."""
 
     def __init__(self, capacity: int = MAX_STATES, warn: bool = False):
         if not 1 <= capacity < 1 << _SLOT_BITS:
@@ -243,8 +239,7 @@ class FutureWork(dist.Work):
 
 
 class LowBitProcessGroup(dist.ProcessGroup):
-    """A process group whose float SUM/AVG collectives are low-bit; everything else is exact.
-    Created by torch through the registered backend, not by users. Example::
+    """A process group whose float SUM/AVG collectives are low-bit (torch creates it). Example::
 
         pg = dist.new_group(backend="lowbit", pg_options=bitscom.collectives.LowBitConfig(bitwidth=8))
         dist.all_reduce(t, group=pg)

@@ -33,8 +33,7 @@ def _check_root(root_rank, group) -> None:
 
 
 def broadcast_parameters(params: Any, root_rank: int = 0, process_group: Optional[Any] = None) -> None:
-    """Overwrite ``params`` (a ``state_dict()``, ``named_parameters()`` or tensors or (name,
-    tensor) pairs) on every rank with global rank ``root_rank``'s values, in place. Example::
+    """Overwrite ``params`` (tensors, pairs or a state dict) in place with ``root_rank``'s. Example::
 
         bitscom.broadcast_parameters(model.state_dict(), root_rank=0)
     """
@@ -90,8 +89,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0, model: Any = None,
                               process_group: Optional[Any] = None) -> None:
-    """Load root's optimizer state on every rank (one pickle of the state dict: no warm-up step,
-    LBFGS works; per-rank compressor state is left alone; ``model`` is unused). Example::
+    """Load root's optimizer state everywhere (one pickle; per-rank compressor state left). Example::
 
         bitscom.broadcast_optimizer_state(optimizer, root_rank=0)
     """

@@ -13,8 +13,7 @@ __all__ = ["plan_buckets", "plan_groups", "FlatBucket"]
 
 
 def plan_buckets(params: Sequence[Tuple[str, torch.Tensor]], threshold_bytes: int) -> List[BucketLayout]:
-    """Buckets of ``params`` (registration order) up to ``threshold_bytes`` (0: one parameter
-    each), numbered in the order backward is expected to fill them."""
+    """Buckets of ``params`` up to ``threshold_bytes`` each (0: one parameter each)."""
     if threshold_bytes < 0:
         raise ValueError(f"fusion threshold must be >= 0 bytes, got {threshold_bytes}")
     open_buckets: Dict[tuple, list] = {}
@@ -36,8 +35,7 @@ def plan_buckets(params: Sequence[Tuple[str, torch.Tensor]], threshold_bytes: in
 
 
 def plan_groups(params: Sequence[Tuple[str, torch.Tensor]], groups) -> List[BucketLayout]:
-    """Buckets chosen by the user, Horovod's ``groups=``: a number ``n`` (``n`` runs of nearly
-    equal count) or a list of lists of parameters (each travels together, the rest alone)."""
+    """Horovod's ``groups=``: ``n`` runs of nearly equal count, or lists that travel together."""
     rev = list(reversed(list(params)))
     if isinstance(groups, int):
         n = min(groups, len(rev)) or 1

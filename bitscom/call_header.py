@@ -1,8 +1,5 @@
-"""The call header every low-bit collective all-gathers first, and the one op/dtype table.
-
-Why: ranks calling different collectives or sizes would mix rounds or sum misaligned bytes;
-two int64 per call (docs/design.md) make it one clear error and leave the group usable.
-"""
+"""The call header every low-bit collective all-gathers first, and the one op/dtype table: two
+int64 per call (docs/design.md) turn mismatched calls into one clear error on every rank."""
 
 from __future__ import annotations
 

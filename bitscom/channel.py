@@ -1,8 +1,6 @@
-"""Channel: the one in-order queue of multi-round collectives, one per process group.
-
-Why one per group: later rounds are issued when earlier work *completes*, at different moments
-per rank, so two queues over one group would interleave differently (the rule: docs/design.md).
-"""
+"""Channel: the one in-order queue of multi-round collectives per process group. Later rounds go
+out when earlier work *completes*, at different moments per rank, so two queues over one group
+would interleave differently (the rule: docs/design.md)."""
 
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ W = TypeVar("W", bound=Rounds)
 
 
 class Channel:
-    """The in-order queue of :class:`~bitscom.comm.Rounds` over one process group; it holds its
-    groups weakly, so a destroyed world really goes. ``bytes_sent``: its finished works'. Example::
+    """The in-order queue of works over one group (held weakly); ``bytes_sent``: what they sent. Example::
 
         ch = bitscom.runtime.channel(group, later=True)
         comm = ch.comm()
@@ -73,8 +70,7 @@ class Channel:
         return Comm(self.group, self.later_group, **self._comm_args)
 
     def submit(self, rounds: W, on_done: Optional[Callable[[Rounds], None]] = None, stream=None) -> W:
-        """Issue ``rounds``' first round now and queue the rest; with a driver thread,
-        ``on_done(rounds)`` runs there once the work finished (inside ``stream``)."""
+        """Issue ``rounds``' first round now, queue the rest (a driver thread then calls ``on_done``)."""
         rounds._seq, self._submitted = self._submitted, self._submitted + 1
         self._retired = []
         try:

@@ -1,8 +1,5 @@
-"""The communicator under every compressed reduction: one wrapper over torch.distributed.
-
-Here, once: the torch-version shims, :class:`Comm` (asynchronous collectives with byte counting)
-and :class:`Rounds` (the one driver of a round generator).
-"""
+"""The communicator under every compressed reduction: the torch-version shims, :class:`Comm`
+(asynchronous collectives with byte counting) and :class:`Rounds` (the round driver)."""
 
 from __future__ import annotations
 
@@ -27,8 +24,7 @@ def resolve_group(group=None):
 
 
 def is_sum_or_avg(op) -> bool:
-    """Whether a reduce op is SUM or AVG (what the low-bit collectives compute). By ``==``: the
-    ops torch hands a backend equal ``dist.ReduceOp.SUM`` but are not it, so ``in`` fails."""
+    """Whether a reduce op is SUM or AVG, by ``==`` (torch's option ops are equal, not the same)."""
     return op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG
 
 
@@ -70,12 +66,8 @@ TORCH = TorchTransport()
 
 
 class Comm:
-    """Asynchronous collectives on behalf of one reduction, with byte accounting.
-
-    ``bytes_sent`` is the payload this rank hands to the network: the input buffer of every
-    collective (for broadcast only the root's, for reduce every rank's but the root's); a group
-    of one member sends nothing (local copies). Collectives after :meth:`enter_later_rounds`
-    go to ``later_group`` when given (see :mod:`bitscom.channel`). Example::
+    """Asynchronous collectives of one reduction; ``bytes_sent`` is the input buffer of each (the
+    root's for broadcast, the others' for reduce; nothing for one member). Example::
 
         comm = Comm(group)
         work = comm.all_reduce(buf)     # asynchronous; counted in comm.bytes_sent
@@ -132,8 +124,7 @@ class Comm:
         return self._issue(input, "all_to_all", output, input, local=lambda: output.copy_(input))
 
     def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_splits, input_splits):
-        """Uneven splits (first-dimension rows): ``input_splits[j]`` rows go to rank j,
-        ``output_splits[j]`` rows come from rank j (Horovod's ``alltoall(splits=)``)."""
+        """Uneven splits: ``input_splits[j]`` rows go to rank j, ``output_splits[j]`` come from it."""
         return self._issue(input, "all_to_all_v", output, input, list(output_splits), list(input_splits),
                            local=lambda: output.copy_(input))
 
@@ -182,8 +173,7 @@ def wait(work) -> None:
 
 
 class Rounds:
-    """The one driver of a round generator, which issues collectives through its comms, yields
-    their work and is resumed once it completed; it returns :attr:`result`. Example::
+    """The one driver of a round generator (yields its collectives' work; returns :attr:`result`). Example::
 
         comm = Comm(group)
         r = Rounds(compressor.reduce(flat, layout, state, comm), [comm]).start()

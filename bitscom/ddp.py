@@ -1,9 +1,6 @@
-"""A DDP communication hook that reduces each DDP bucket through any bitscom compressor.
-
-Why the optimizer's :class:`~bitscom.engine.Reducer`, not one reduction per hook call: later
-rounds must keep one order on the group's channel; the last bucket's hook finishes them all
-(DDP waits only after it). docs/api.md, "DDP comm hook".
-"""
+"""A DDP communication hook that reduces each DDP bucket through any bitscom compressor, with
+the optimizer's :class:`~bitscom.engine.Reducer` so later rounds keep one order on the group's
+channel; the last bucket's hook finishes them all (docs/api.md, "DDP comm hook")."""
 
 from __future__ import annotations
 
@@ -49,8 +46,7 @@ def _layout(bucket, index: int, names: Optional[Dict[int, str]] = None) -> Bucke
 
 
 class DDPCommState(Face):
-    """What the hook keeps between calls (a :class:`~bitscom.face.Face`): compressor, per-bucket
-    state, in-flight work. Build it with :func:`ddp_comm_hook`. Example::
+    """What the hook keeps between calls (a Face); built by :func:`ddp_comm_hook`. Example::
 
         state, hook = bitscom.ddp_comm_hook(bitscom.compressors.get("topk", ratio=0.01))
         ddp_model.register_comm_hook(state, hook)
@@ -206,17 +202,10 @@ def _hook(state, bucket):       # no annotations: DDP checks them and these woul
 
 def ddp_comm_hook(compression="none", process_group=None, named_parameters=None, *,
                   compressor=None) -> tuple:
-    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``; every rank must
-    call it (it agrees on the settings, and the channel may create its later-round group).
-
-    Args:
-        compression: a bitscom compressor, a registry name, or a Horovod-style codec class;
-            ``compressor=`` is its deprecated name.
-        process_group: the DDP model's process group (default: the world group).
-        named_parameters: names DDP's bucket slots after the parameters, as given (needed by
-            :class:`~bitscom.compressors.Exclude`).
-
-    Example::
+    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``; every rank must call
+    it (it agrees on the settings). ``compression``: a compressor, a registry name or a Horovod
+    codec (``compressor=`` is its deprecated name); ``named_parameters`` names DDP's bucket
+    slots after the parameters (which ``Exclude`` needs). Example::
 
         model = torch.nn.parallel.DistributedDataParallel(net)
         state, hook = bitscom.ddp_comm_hook(bitscom.compressors.get("signsgd"))

@@ -1,10 +1,6 @@
-"""``sparse_as_dense=True``: sparse gradients reduced dense, handed back sparse (Horovod's way).
-
-Why: Horovod all-reduces ``p.grad.to_dense()`` and hands back ``aggregated.to_sparse()``, so
-``SparseAdam`` still steps. Why a layout round: Horovod decides per rank, so a rank whose batch
-missed the embedding keeps a dense ``p.grad`` and SparseAdam raises there only; here the ranks
-agree (the four steps: docs/design.md, "Mechanisms of the core").
-"""
+"""``sparse_as_dense=True``: sparse gradients reduced dense, handed back sparse (Horovod's way,
+so ``SparseAdam`` steps). Horovod decides per rank, so SparseAdam raises on a rank whose batch
+missed the embedding; here a layout round makes the ranks agree (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -24,8 +20,7 @@ def _layout_round(comm: Comm, marks: torch.Tensor) -> Generator[Any, None, torch
 
 
 class DensifiedGradients:
-    """One optimizer's ``sparse_as_dense=True`` state: the parameters (plan order) and which had
-    a sparse gradient this step on this rank; ``device``: the buckets' (NCCL needs CUDA)."""
+    """One optimizer's parameters and which had a sparse gradient this step on this rank."""
 
     def __init__(self, params: Sequence[torch.Tensor], device: torch.device):
         self.params = list(params)

@@ -17,9 +17,7 @@ __all__ = ["Reducer"]
 
 
 class Reducer:
-    """Runs one compressor over a fixed list of bucket layouts, step after step: ``launch(i,
-    flat)`` in increasing ``i`` within a step, ``poll()``, ``wait_all()``. ``channel``: the
-    face's :class:`~bitscom.channel.Channel` (or a group, resolved by runtime)."""
+    """Runs one compressor over bucket layouts: ``launch(i, flat)`` in order, ``wait_all()``."""
 
     def __init__(self, compressor: Compressor, layouts: Sequence[BucketLayout], channel=None):
         self.compressor = compressor

@@ -30,8 +30,9 @@ from . import runtime
 from .agreement import PROBLEM, check_agreement
 from .comm import resolve_group
 
-__all__ = ["Face", "require_group", "check_trainable", "ddp_owner", "live_objects", "describe_parameters", "raise_problem", "load_all_or_nothing", "own_entry", "rank_key", "pack_entry", "unpack_entry", "release_all", "dense_bytes",
-           "report", "ByteLedger", "group_alive", "renamed"]
+__all__ = ["Face", "require_group", "check_trainable", "ddp_owner", "live_objects", "describe_parameters",
+           "raise_problem", "load_all_or_nothing", "own_entry", "rank_key", "pack_entry", "unpack_entry", "release_all",
+           "dense_bytes", "report", "ByteLedger", "group_alive", "renamed"]
 
 _live: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -56,8 +57,7 @@ def dense_bytes(numel: int) -> int:
 
 
 def report(step_sent: int, step_dense: int, total_sent: int, total_dense: int, **extra) -> dict:
-    """The byte report of every face's ``comm_stats()`` (the keys: docs/api.md): whole-run numbers,
-    which mean the same for faces that communicate every step or every few, and the last step's."""
+    """The byte report of every face's ``comm_stats()``: the whole run and the last step."""
     stats = dict(extra, bytes_sent=int(total_sent), dense_bytes=int(total_dense),
                  step_bytes_sent=int(step_sent), step_dense_bytes=int(step_dense),
                  total_bytes_sent=int(total_sent), total_dense_bytes=int(total_dense))
@@ -99,9 +99,7 @@ def load_all_or_nothing(save: Callable[[], Any], load: Callable[[], None],
 
 
 def require_group(process_group, face: str, *, warn_single: bool = False):
-    """The group ``face`` reduces over (``process_group`` or the world group), or ``None`` for
-    one process; a clear error instead of a silent local run when a launcher started several
-    processes but torch.distributed is not initialized, or when this rank is not a member."""
+    """The group ``face`` uses (or None for one process); a clear error instead of a silent local run."""
     if process_group is not None and not group_alive(process_group):
         raise RuntimeError(
             f"{face} was given a process_group of a world that has since been shut down "
@@ -112,7 +110,8 @@ def require_group(process_group, face: str, *, warn_single: bool = False):
         info = runtime.discover()
         if info.size > 1:
             raise RuntimeError(
-                f"{face} was used before bitscom.init() (or after bitscom.shutdown()): the launcher ({info.launcher}) started "
+                f"{face} was used before bitscom.init() (or after bitscom.shutdown()): the launcher "
+                f"({info.launcher}) started "
                 f"{info.size} processes but torch.distributed is not initialized, so it would run "
                 "each rank on its own and the replicas would diverge. Call bitscom.init() (or "
                 "torch.distributed.init_process_group) first.")
@@ -149,8 +148,7 @@ def group_alive(group) -> bool:
 
 def check_trainable(named: Sequence[Tuple[str, torch.Tensor]], face: str,
                     dtypes: Optional[Sequence[torch.dtype]] = None) -> None:
-    """Refuse parameters no face can reduce: meta tensors (no data), non-floating or complex
-    trainable parameters, sparse layouts, and (when ``dtypes`` is given) other dtypes."""
+    """Refuse parameters no face can reduce: meta, non-floating, complex, sparse, other dtypes."""
     for name, p in named:
         if p.is_meta:
             raise ValueError(f"parameter {name!r} is on the meta device (it has no data); "
@@ -172,8 +170,7 @@ def check_trainable(named: Sequence[Tuple[str, torch.Tensor]], face: str,
 
 
 def ddp_owner(params: Sequence[torch.Tensor], objects: Optional[list] = None) -> Optional[str]:
-    """The class name of a ``DistributedDataParallel`` module that owns any of ``params``, or
-    ``None`` (a DDP-wrapped model would be reduced twice, DDP's part uncounted)."""
+    """The class of a DDP module that owns any of ``params`` (it would be reduced twice), or None."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     ours = {id(p) for p in params}
     for obj in (live_objects(DDP) if objects is None else objects):
@@ -213,8 +210,7 @@ def rank_key(rank: int) -> str:
 
 
 def own_entry(saved: Dict[str, Any], rank: int, map_location=None) -> Dict[str, Any]:
-    """The envelope ``saved`` with rank ``rank``'s entry laid over the shared fields (else the
-    lowest rank's, so the rank check names whose it is; an older envelope as it is)."""
+    """``saved`` with rank ``rank``'s ``rank<r>`` entry (else the lowest rank's) over shared fields."""
     ranked = {int(m.group(1)): key for key in saved if isinstance(key, str) and (m := _RANK_KEY.match(key))}
     if not ranked:
         return saved
@@ -223,8 +219,7 @@ def own_entry(saved: Dict[str, Any], rank: int, map_location=None) -> Dict[str, 
 
 
 def pack_entry(own: Dict[str, Any]) -> bytes:
-    """A rank's own state as one opaque ``torch.save`` value: DCP refuses tensors where a fresh
-    face's template has ``None`` (lazy residuals), and one opaque value fits."""
+    """A rank's own state as one opaque value: DCP refuses tensors where a template has None."""
     buffer = io.BytesIO()
     torch.save(own, buffer)
     return buffer.getvalue()
@@ -325,9 +320,7 @@ class Face:
         """Faces drop whatever else holds groups (their reducers, lifecycles); overridden."""
 
     def _envelope(self, steps: int, own: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        """Who saved a checkpoint and when, with this rank's own state ``own`` (residuals)
-        under :func:`rank_key`: DCP keeps one copy of a key every rank has, so per-rank state
-        under a shared key would survive for one rank only (docs/checkpoints.md)."""
+        """Who saved a checkpoint and when, with this rank's state under :func:`rank_key` (DCP dedups)."""
         envelope: Dict[str, Any] = {"face": self._face_name, "rank": self._rank, "world": self._size,
                                     "steps": int(steps)}
         if own is not None:
@@ -338,8 +331,7 @@ class Face:
         return own_entry(saved, self._rank)
 
     def _check_envelope(self, saved: Dict[str, Any], per_rank_state: bool) -> bool:
-        """Whether ``saved`` may be loaded here; another rank's per-rank state in a multi-rank run
-        is a problem raised on every rank at the next agreement (then False: load nothing)."""
+        """Whether ``saved`` may be loaded (another rank's state: a problem for every rank, False)."""
         world = saved.get("world", saved.get("world size"))
         if world is not None and world != self._size:
             raise ValueError(f"this checkpoint was saved by a {self._face_name} over {world} ranks; "

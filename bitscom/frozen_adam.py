@@ -41,15 +41,8 @@ def _check_group(group: dict) -> None:
 
 
 class FrozenVarianceAdamW(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay) that stops updating ``exp_avg_sq`` after ``freeze_step``.
-
-    Args:
-        params, lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW` (same defaults).
-        freeze_step: steps that update the variance, per parameter group; ≥ 1 (0 would
-            divide by ``eps``).
-
-    The state keys are torch's, so a ``torch.optim.AdamW`` checkpoint of the warm-up continues here.
-    """
+    """:class:`torch.optim.AdamW` (same arguments and state keys) that stops updating
+    ``exp_avg_sq`` after ``freeze_step`` steps, per parameter group (≥ 1: 0 would divide by ``eps``)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, freeze_step: int = 100):

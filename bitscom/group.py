@@ -1,7 +1,4 @@
-"""LowBitGroup: low-bit collectives for users who call collectives themselves.
-
-A thin adapter over :mod:`bitscom.lowbit`, every call after the call header (docs/lowbit.md).
-"""
+"""LowBitGroup: low-bit collectives for users who call collectives themselves (docs/lowbit.md)."""
 
 from __future__ import annotations
 
@@ -24,8 +21,7 @@ _LABEL = "LowBitGroup"
 
 
 class LowBitWork(Rounds):
-    """Handle of an asynchronous low-bit collective: ``wait()`` / ``poll()`` drive the group's
-    works in call order up to this one, so any rank may wait in any order. Example::
+    """An asynchronous low-bit collective; waits drive the group's works in call order up to it. Example::
 
         wa = lb.all_reduce(a, async_op=True, key="a"); wb = lb.all_reduce(b, async_op=True, key="b")
         wb.wait(); wa.wait()          # any order, on any rank
@@ -62,8 +58,7 @@ def _chain(*gens):
 
 
 class LowBitGroup(Face):
-    """Low-bit all_reduce / reduce_scatter / all_gather over a process group (a
-    :class:`~bitscom.face.Face`).
+    """Low-bit all_reduce / reduce_scatter / all_gather over a process group (a Face).
 
     Args:
         bitwidth: first-stage width (1, 2, 4, 8, 12, 16; 32 = float32). The seed's first argument.
@@ -192,8 +187,7 @@ class LowBitGroup(Face):
         return _handed(work, async_op)
 
     def _exact(self, call: Call, device, issue, async_op: bool, error: Optional[Exception] = None):
-        """An op low bit does not compute: the call header, then ``issue(comm)`` exactly (or
-        ``error``, raised on every rank once the header showed they all made this call)."""
+        """The call header, then ``issue(comm)`` exactly (or ``error``, raised on every rank)."""
         comm = self._channel.comm()
 
         def body():
@@ -252,8 +246,7 @@ class LowBitGroup(Face):
 
     def reduce_scatter(self, output: torch.Tensor, input, op=dist.ReduceOp.SUM,
                        async_op: bool = False, key=None):
-        """``output`` = this rank's shard of the low-bit sum (or average) of ``input`` (P·k
-        elements, or the seed's list of P tensors of k elements). Example::
+        """``output`` = this rank's shard of the low-bit sum of ``input`` (P·k, or P tensors). Example::
 
             lb.reduce_scatter(out, torch.cat(shards), op=dist.ReduceOp.SUM)
         """
@@ -272,8 +265,7 @@ class LowBitGroup(Face):
         return self._start(call, output.device, rounds, [comm], async_op, input.numel())
 
     def all_gather(self, output, input: torch.Tensor, async_op: bool = False, key=None):
-        """``output`` (P·k elements, or the seed's list of P tensors of k elements) receives
-        every rank's ``input`` (k), sent in low bit. Example::
+        """``output`` (P·k, or P tensors) receives every rank's ``input`` (k), sent in low bit. Example::
 
             lb.all_gather(out, shard)
         """

@@ -33,9 +33,9 @@ log = logging.getLogger("bitscom")
 
 
 def _weakly(ref, method: str, *args) -> None:
-    life = ref()
-    if life is not None:
-        getattr(life, method)(*args)
+    obj = ref()
+    if obj is not None:
+        getattr(obj, method)(*args)
 
 
 def _release(handles) -> None:
@@ -150,15 +150,11 @@ class StepLifecycle:
 
     def check_requires_grad(self) -> None:
         """Buckets are planned once: a parameter frozen or unfrozen since is an error."""
-        face = self._face()
-        if face is not None:
-            face._check_requires_grad()
+        _weakly(self._face, "_check_requires_grad")
 
     def check_open(self) -> None:
         """A clear error if the face was closed or its world is gone."""
-        face = self._face()
-        if face is not None:
-            face._check_live()
+        _weakly(self._face, "_check_live")
 
     def release(self) -> None:
         """The world is gone: forget its groups and the join registration."""
@@ -194,8 +190,7 @@ class StepLifecycle:
 
 
 class StepFace(Face):
-    """What the hook-driven optimizer faces do alike around their :class:`StepLifecycle`
-    (``self._life``), reducer (``self._reducer``) and bucket cursor (``self._next_launch``)."""
+    """What the hook-driven optimizer faces do alike around ``_life`` and ``_reducer``."""
 
     _life: StepLifecycle
     _reducer: Any

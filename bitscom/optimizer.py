@@ -1,8 +1,5 @@
-"""DistributedOptimizer: Horovod's one-line data parallelism, with compressed, fused buckets.
-
-How a step runs and what holds between ``backward()`` and ``step()``: docs/api.md and
-docs/reliability.md; why the result subclasses the wrapped optimizer's class: docs/design.md.
-"""
+"""DistributedOptimizer: Horovod's one-line data parallelism, with compressed, fused buckets
+(how a step runs: docs/api.md, reliability.md; why it subclasses the wrapped class: design.md)."""
 
 from __future__ import annotations
 
@@ -52,8 +49,7 @@ def _passes(value) -> int:
 
 
 def _check_momentum_free(optimizer, compression) -> None:
-    """A compressor that applies momentum itself (MomentumCorrection) needs an SGD with none:
-    momentum twice would train a different model, silently."""
+    """MomentumCorrection needs an SGD without momentum (twice would train another model)."""
     if not isinstance(optimizer, torch.optim.SGD):
         raise TypeError(f"compression={compression.fingerprint()} applies SGD momentum before "
                         f"compressing and needs torch.optim.SGD with momentum=0; got "
@@ -84,10 +80,9 @@ def _distributed_class(base: type) -> type:
 class DistributedOptimizer(StepFace, torch.optim.Optimizer):
     """Wrap ``optimizer`` so its gradients are reduced (and compressed) across ranks.
 
-    The result is an instance of a subclass of ``type(optimizer)`` that takes over its
-    ``param_groups``, ``state`` and hooks; use it, not the original object, from then on. When
-    the backward pass that completes a step returns, every ``p.grad`` holds the reduced
-    gradient. Every argument is in docs/api.md's table; the trade-offs in short:
+    The result subclasses ``type(optimizer)`` and takes over its ``param_groups``, ``state`` and
+    hooks; use it from then on. When the backward pass that completes a step returns, every
+    ``p.grad`` holds the reduced gradient. Every argument: docs/api.md; the trade-offs:
 
     Args:
         named_parameters: names in errors and in the cross-rank check (else ``param.<i>``).
@@ -351,8 +346,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             self._reset_buckets()
 
     def synchronize(self) -> None:
-        """Finish this step's reduction now (Horovod's API); a no-op when backward already did
-        it, so it matters only after fewer than ``backward_passes_per_step`` passes. Example::
+        """Finish this step's reduction now (Horovod's API; a no-op when backward already did it). Example::
 
             loss.backward()
             opt.synchronize()                      # no-op: already reduced
@@ -366,8 +360,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def skip_synchronize(self):
-        """Make ``step()`` use ``p.grad`` as it is even if this step was not reduced (Horovod's
-        API; with reduction at the end of backward it rarely matters). Example::
+        """Make ``step()`` use ``p.grad`` as it is, even if this step was not reduced (Horovod's API). Example::
 
             with opt.skip_synchronize():
                 opt.step()
@@ -381,8 +374,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
     # Marked so torch's Optimizer._patch_step_function (run by load_state_dict) does not wrap
     # it: the wrapped optimizer's own step already runs the step hooks once.
     def step(self, closure=None, **kwargs):
-        """Run the wrapped optimizer's step on the reduced ``p.grad`` (reducing first if passes
-        are still pending); with a ``closure`` (LBFGS) each backward in it is reduced. Example::
+        """The wrapped optimizer's step on the reduced ``p.grad`` (a ``closure``'s backwards reduced). Example::
 
             loss.backward()
             opt.step()
@@ -417,8 +409,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
     step.hooked = True  # type: ignore[attr-defined]
 
     def _solo_momentum(self) -> None:
-        """One process compresses nothing, but owes MomentumCorrection's momentum: ``p.grad ← u
-        = m·u + g`` (the velocity lives in the optimizer state, so it checkpoints with it)."""
+        """One process owes MomentumCorrection's ``p.grad ← u = m·u + g`` (u in the optimizer state)."""
         m = self.compression.momentum
         for group in self.param_groups:
             for p in group["params"]:
@@ -451,8 +442,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._face_close()
 
     def comm_stats(self) -> dict:
-        """Bytes this rank sent (:func:`bitscom.face.report`) and ``buckets``; with
-        ``compression="auto"`` also ``auto_plan``, each bucket's choice (None while probing). Example::
+        """Bytes this rank sent, ``buckets``, and with ``compression="auto"`` the ``auto_plan``. Example::
 
             print(opt.comm_stats()["compression_ratio"])
         """
@@ -463,8 +453,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         return self._bytes.report(**extra)
 
     def state_dict(self) -> dict:
-        """torch's optimizer state dict plus this rank's compressor state under
-        ``["bitscom"]["rank<r>"]`` (see :meth:`bitscom.face.Face._envelope`). Example::
+        """torch's state dict plus this rank's compressor state under ``["bitscom"]["rank<r>"]``. Example::
 
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
         """
@@ -473,8 +462,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load :meth:`state_dict`'s output, the older ``{"optimizer", "bitscom"}`` form, or a
-        plain optimizer state dict (compressor state then starts fresh); all or nothing. Example::
+        """Load :meth:`state_dict`'s output (older forms and plain ones too), all or nothing. Example::
 
             opt.load_state_dict(torch.load(path)["opt"])
         """

@@ -25,8 +25,7 @@ def checked_pairs(named_parameters) -> List[tuple]:
 
 
 def named_parameters_of(optimizer: torch.optim.Optimizer, named_parameters) -> List[tuple]:
-    """Validated (name, parameter) pairs of ``optimizer``'s parameters, in registration order
-    (numbered ``param.0``, ``param.1``, … without ``named_parameters``)."""
+    """Checked (name, parameter) pairs of ``optimizer``, registration order (else ``param.<i>``)."""
     opt_params, seen = [], set()
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -1,8 +1,5 @@
 """Process-group setup: find who we are from the launcher, start torch.distributed, build groups.
-
-The one place in bitscom that reads environment variables (launchers talk through nothing
-else); the launchers it knows are listed in docs/api.md ("bitscom.init()").
-"""
+The one place that reads environment variables (the launchers: docs/api.md, "bitscom.init()")."""
 
 from __future__ import annotations
 
@@ -45,8 +42,7 @@ class LaunchInfo:
 
 
 def _int(env, *names, default=None, minimum=0):
-    """The first of ``names`` set in ``env`` as an int (Slurm's ``2(x3),1`` reads as 2), else
-    ``default``; anything else is :func:`~bitscom.validate.number`'s error naming the variable."""
+    """The first of ``names`` set in ``env`` as an int (Slurm's ``2(x3),1``: 2), else ``default``."""
     for n in names:
         if n in env and env[n] != "":
             text = str(env[n]).split("(")[0].split(",")[0].strip()
@@ -187,8 +183,7 @@ _gone_callbacks: list = []
 
 
 def use_lowbit_backend(register: Callable[..., Any]) -> None:
-    """Hand runtime the ``lowbit`` backend's registrar, which ``init(bitwidth=...)`` calls: the
-    backend is a face above runtime, so ``bitscom/__init__`` wires the two once."""
+    """Hand runtime the ``lowbit`` registrar ``init(bitwidth=...)`` calls (runtime imports no face)."""
     _lowbit_registrar[:] = [register]
 
 
@@ -399,17 +394,14 @@ def _build_node_groups(info: LaunchInfo, backend: str) -> None:
 
 
 def node_layout(ranks: Iterable[int], local_size: int, rank: int) -> tuple:
-    """The one node-layout rule: ``ranks`` as contiguous nodes of ``local_size`` ranks. Returns
-    (the ranks of group rank ``rank``'s node, the ranks with its local rank): for
-    ``([0, 1, 2, 3], 2, 3)``, ``([2, 3], [1, 3])``."""
+    """The one node-layout rule: (``rank``'s node, the ranks sharing its local rank) in ``ranks``."""
     ranks = list(ranks)
     node, local = divmod(rank, local_size)
     return ranks[node * local_size:(node + 1) * local_size], ranks[local::local_size]
 
 
 def node_groups(group, local_size: int) -> tuple:
-    """(intra, inter) groups for this rank of ``group``: :func:`init`'s when they fit, else
-    :func:`shared_group`'s (a sub-group cannot be made again under its name). Members only."""
+    """(intra, inter) groups for this rank of ``group``: :func:`init`'s if they fit, else shared."""
     ranks = dist.get_process_group_ranks(group)
     if local_size < 1 or len(ranks) % local_size:
         raise ValueError(f"local_size={local_size} must divide the group size {len(ranks)}")
@@ -421,8 +413,7 @@ def node_groups(group, local_size: int) -> tuple:
 
 
 def build_fingerprint() -> int:
-    """A 56-bit digest of what decides the bytes on the wire (bitscom's version and the kernel
-    sources); :func:`init` refuses ranks whose numbers differ."""
+    """A 56-bit digest of the version and kernel sources; :func:`init` refuses ranks that differ."""
     h = hashlib.sha256(__version__.encode())
     kernels = pathlib.Path(__file__).with_name("kernels")
     for name in ("quant_cpu.cpp", "quant.cu"):
@@ -440,8 +431,7 @@ def _exchange_layout(info: LaunchInfo, backend: str) -> list:
 
 
 def timeout() -> Optional[datetime.timedelta]:
-    """The ``timeout`` given to :func:`init` (None: torch's default), which every process group
-    bitscom creates gets. Example::
+    """The ``timeout`` given to :func:`init` (None: torch's), which every group bitscom makes gets. Example::
 
         bitscom.init(timeout=datetime.timedelta(seconds=60))
         assert bitscom.runtime.timeout().total_seconds() == 60
@@ -451,8 +441,7 @@ def timeout() -> Optional[datetime.timedelta]:
 
 def new_group(ranks: Iterable[int], *, backend: Optional[str] = None, use_local_synchronization: bool = False,
               settle: bool = False) -> Any:
-    """``torch.distributed.new_group`` with the :func:`init` timeout; ``settle=True``: one tiny
-    all-reduce, so every member has connected before any may destroy it again."""
+    """``dist.new_group`` with :func:`init`'s timeout; ``settle``: all connected before any leaves."""
     kwargs: Dict[str, Any] = {"backend": backend, "use_local_synchronization": use_local_synchronization}
     if _rt.timeout is not None:
         kwargs["timeout"] = _rt.timeout
@@ -485,9 +474,7 @@ def shared_group(ranks: Iterable[int], *, tag: str, backend: Optional[str] = Non
 
 
 def channel(group, *, later: bool = False) -> Channel:
-    """The one :class:`~bitscom.channel.Channel` of ``group`` in this world, shared by every face
-    on it; ``later=True`` gives it its later-round group (every member asks at the same point).
-    ``None``, a group of one rank or one this rank is not in gets a private channel."""
+    """The one :class:`~bitscom.channel.Channel` of ``group`` (``later``: with its later group)."""
     world = _current_world()
     if group is None or world is None or dist.get_world_size(group) <= 1:    # -1: not a member
         return Channel(group)
@@ -548,8 +535,7 @@ class _NextWorld:
 
 
 def is_initialized() -> bool:
-    """Whether :func:`init` ran, or torch.distributed was started by the user (then that default
-    group is adopted, as Horovod-style scripts expect). Example::
+    """Whether :func:`init` ran, or the user started torch.distributed (then it is adopted). Example::
 
         if not bitscom.is_initialized():
             bitscom.init()

@@ -1,8 +1,6 @@
-"""Uneven inputs: ``bitscom.join()``, Horovod's ``hvd.join()`` for DistributedOptimizer steps.
-
-Why: a rank's extra step would meet whatever the others do next (mixed bytes or a hang). How:
-each step starts with a tiny all-reduce that joined ranks answer (docs/design.md, reliability.md).
-"""
+"""Uneven inputs: ``bitscom.join()``, Horovod's ``hvd.join()``. A rank's extra step would meet
+whatever the others do next, so each step starts with a tiny all-reduce that joined ranks
+answer (docs/design.md, reliability.md)."""
 
 from __future__ import annotations
 
@@ -51,9 +49,7 @@ def notify(optimizer):
 
 
 def _same_group(a, b) -> bool:
-    if a is b:
-        return True
-    return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
+    return a is b or dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
 
 
 def _joining(group) -> Dict[int, Any]:
@@ -68,9 +64,7 @@ def _joining(group) -> Dict[int, Any]:
 
 
 def join(process_group=None) -> int:
-    """Wait for every rank of the group to join, stepping with zero gradients meanwhile; call
-    it on every rank after its training loop. Returns the rank that joined last (the highest
-    such rank when several ran the most steps). Example::
+    """Wait for every rank to join, stepping with zero gradients meanwhile; returns the last. Example::
 
         for x, y in my_shard_of_the_data:          # ranks may have different counts
             opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()

@@ -31,8 +31,7 @@ def _closed(inclusive: Union[bool, Tuple[bool, bool]]) -> Tuple[bool, bool]:
 def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: Optional[float] = None,
            inclusive: Union[bool, Tuple[bool, bool]] = True, integer: bool = False,
            finite: bool = False) -> Any:
-    """``value`` if it is an int (``integer``) or a real number within the bounds, else a
-    ValueError ``"{name} must be an int >= 1, got 0"`` / ``"... a number in (0, 1], got 2"``."""
+    """``value`` if an int (``integer``) or real number within the bounds, else a ValueError."""
     closed = _closed(inclusive)
     kind = "an int" if integer else ("a finite number" if finite else "a number")
     ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
@@ -47,8 +46,7 @@ def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: O
 def numbers(name: str, values: Any, *, nonempty: bool = False, minimum: Optional[float] = None,
             maximum: Optional[float] = None, inclusive: Union[bool, Tuple[bool, bool]] = True,
             integer: bool = False, finite: bool = False) -> tuple:
-    """``values`` as a tuple if it is a sequence (not a string: ``'25'`` is no ``('2', '5')``)
-    whose every item passes :func:`number` (errors name ``name[i]``)."""
+    """``values`` as a tuple of :func:`number`-checked items (no string: ``'25'``; errors ``name[i]``)."""
     kinds = "ints" if integer else ("finite numbers" if finite else "numbers")
     what = f"{'non-empty ' if nonempty else ''}sequence of {kinds}{_bounds(minimum, maximum, _closed(inclusive))}"
     if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
@@ -77,9 +75,7 @@ def choice(name: str, value: Any, allowed: Sequence[Any]) -> Any:
 
 
 def instance(name: str, value: Any, types: Union[type, Tuple[type, ...]], allowed: str) -> Any:
-    """``value`` if it is an instance of ``types`` (a bool only where ``bool`` is named, never as
-    an int), else a TypeError naming the value, its type and ``allowed``, what to pass instead:
-    ``gradients must be a LowBitConfig or an int bit width ..., got 3.5 (float)``."""
+    """``value`` if an instance of ``types`` (a bool only where named), else a TypeError naming it."""
     kinds = types if isinstance(types, tuple) else (types,)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise TypeError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
