@@ -1,9 +1,6 @@
-"""bitscom: data-parallel PyTorch training that sends fewer bytes.
+"""bitscom: data-parallel PyTorch training that sends fewer bytes (re-exports only; README.md has the tour)."""
 
-The public face: re-exports only. See README.md for the tour.
-"""
-
-from . import checkpointing, compression, compressors, fsdp
+from . import checkpointing, compression, compressors, cost, diloco, fsdp, runtime
 from .backend import register_lowbit_backend
 from .build_info import __version__ as __version__, cuda_built, gloo_built, mpi_built, nccl_built
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -22,11 +19,8 @@ from .uneven import join
 from .runtime import (cross_rank, cross_size, init, inter_group, intra_group, is_initialized,
                       local_rank, local_size, rank, shutdown, size)
 from .sharded import ShardedOptimizer
-from . import diloco
 from .diloco import DiLoCo
-from . import cost
 from .onebit import OneBitAdam, ZeroOneAdam
-from . import runtime
 
 runtime.use_lowbit_backend(register_lowbit_backend)   # init(bitwidth=...): runtime imports no face
 
@@ -34,7 +28,8 @@ runtime.use_lowbit_backend(register_lowbit_backend)   # init(bitwidth=...): runt
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "intra_group", "inter_group",
-    "DistributedOptimizer", "FrozenVarianceAdamW", "Compression", "compression", "compressors", "Average", "Sum", "ReduceOp",
+    "DistributedOptimizer", "FrozenVarianceAdamW", "Compression", "compression", "compressors", "Average", "Sum",
+    "ReduceOp",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
     "ddp_comm_hook", "LowBitGroup", "register_lowbit_backend", "ShardedOptimizer", "join",
     # Horovod's module-level collectives (bitscom.hvd_ops) and build queries
@@ -50,9 +45,7 @@ _OLD_PATHS = ("collectives", "quantization", "error_feedback", "hvd_ops")
 
 
 def __getattr__(name: str):
-    """The older module paths (``bitscom.collectives``, ``bitscom.quantization``, …) stay
-    reachable as attributes after ``import bitscom``, imported on first use: no library module
-    imports them (an import-linter contract), so nothing else would load them. Example::
+    """The older module paths (``bitscom.collectives``, …), imported on first use. Example::
 
         bitscom.collectives.LowBitConfig(bitwidth=4)
     """

@@ -1,21 +1,9 @@
 """``python -m bitscom``: what this machine gives bitscom, for bug reports and first runs.
 
-Like ``python -m torch.utils.collect_env`` and ``horovodrun --check-build``, it answers the
-questions a first run raises before anyone reads a traceback: which bitscom and torch are these,
-is CUDA there, which collectives (NCCL, gloo, MPI) can run, which launcher started this process,
-and which implementation the low-bit hot loops take on CPU and on CUDA, and why. It only looks:
-it never starts ``torch.distributed`` (no :func:`bitscom.init`), so it runs anywhere in a few
-seconds (the first run on a machine also compiles the native CPU loop, as training would).
-
-Example::
+Like ``python -m torch.utils.collect_env``; it never starts ``torch.distributed``. Example::
 
     python -m bitscom                      # one "name: value" line per question
     torchrun --nproc_per_node 2 -m bitscom # each rank reports what its launcher told it
-    python -m bitscom --help               # the usage
-
-A launcher variable that is no valid number (``WORLD_SIZE=abc``, ``RANK=-1``) is one line on
-stderr naming the variable and its value, and exit status 2: the ``ValueError`` that
-:func:`bitscom.init` raises for it, without the traceback.
 """
 from __future__ import annotations
 
@@ -36,10 +24,6 @@ from bitscom.runtime import discover
 
 KERNEL_USERS = "lowbit compressor, LowBitGroup, the 'lowbit' backend, ShardedOptimizer"
 KERNEL_CODECS = ("lowbit", "exclude")     # exclude wraps another compressor: its codec decides
-
-
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "no"
 
 
 def _python() -> str:
@@ -124,9 +108,7 @@ def _cuda_kernels() -> str:
 
 
 def report() -> list:
-    """The report as ``(question, answer)`` pairs, in print order.
-
-    Example::
+    """The report as ``(question, answer)`` pairs, in print order. Example::
 
         dict(bitscom.__main__.report())["gloo"]   # 'yes'
     """
@@ -138,8 +120,9 @@ def report() -> list:
         ("CuPy", _module_version("cupy", 'pip install -e ".[cuda]" for the CUDA kernels')),
         ("nvcc", _program("nvcc", "not needed: CuPy compiles the kernels with NVRTC")),
         ("NCCL", _nccl()),
-        ("gloo", _yes(build_info.gloo_built())),
-        ("torch MPI backend", _yes(build_info.mpi_built()) + " (not needed: bitscom uses mpi4py under mpirun)"),
+        ("gloo", "yes" if build_info.gloo_built() else "no"),
+        ("torch MPI backend",
+         ("yes" if build_info.mpi_built() else "no") + " (not needed: bitscom uses mpi4py under mpirun)"),
         ("mpi4py", _module_version("mpi4py", 'pip install -e ".[mpi]" to launch with mpirun')),
         ("mpirun", _program("mpirun", 'pip install -e ".[mpi]" or your cluster\'s Open MPI')),
         ("launcher", _launcher()),
@@ -167,13 +150,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """Print :func:`report`, one ``question: answer`` line each (``--help``: the usage).
-    A bad launcher variable is one line on stderr and status 2.
-
-    Example::
-
-        python -m bitscom
-    """
+    """Print :func:`report`, one ``question: answer`` line each (``--help``: the usage)."""
     _parser().parse_args(argv)
     try:
         discover()                   # the launcher's variables, checked before the report reads them

@@ -1,13 +1,5 @@
-"""Cross-rank agreement on the reduction plan, checked once before the first reduction.
-
-Ranks that planned different buckets, shapes or compressor settings would exchange
-misaligned bytes (silent corruption) or wait on collectives the others never issue (a
-hang). One ``all_gather_object`` of each rank's description turns both into the same clear
-error on every rank.
-
-Trust: ``all_gather_object`` unpickles what the peers send. bitscom assumes every rank of a
-job is run by the same party (as torch.distributed does); see docs/reliability.md.
-"""
+"""Cross-rank agreement on the reduction plan: different plans would exchange misaligned bytes
+or hang, so one ``all_gather_object`` (peer data: docs/reliability.md) makes them one error."""
 
 from __future__ import annotations
 
@@ -19,17 +11,11 @@ import torch.distributed as dist
 __all__ = ["check_agreement", "describe_state", "require_member", "PROBLEM"]
 
 PROBLEM = "checkpoint problem"
-"""The description entry that carries a rank's refused checkpoint (see ``bitscom.face``): when
-any rank has one, it is the error every rank raises, ahead of the differences it caused."""
+"""The description entry of a rank's refused checkpoint: the error every rank raises first."""
 
 
 def require_member(group, what: str) -> None:
-    """Raise a clear error on a rank that is not in ``group`` (torch would fail obscurely).
-
-    Example::
-
-        require_member(group, "broadcast_parameters")
-    """
+    """Raise a clear error on a rank that is not in ``group`` (torch would fail obscurely)."""
     if group is not None and dist.get_rank(group) < 0:
         raise ValueError(f"{what}: this process (global rank {dist.get_rank()}) is not a member of "
                          f"the process group (ranks {dist.get_process_group_ranks(group)}); call it "
@@ -37,13 +23,7 @@ def require_member(group, what: str) -> None:
 
 
 def describe_state(state: Any) -> Any:
-    """What must agree across ranks in a compressor state: counters, flags and tensor shapes
-    (not values: error-feedback residuals differ per rank by design).
-
-    Example::
-
-        check_agreement({"state": [describe_state(s) for s in states]}, group, "compressor state")
-    """
+    """What must agree in a compressor state: counters, flags, shapes (residuals differ by design)."""
     if hasattr(state, "state_dict") and not isinstance(state, dict):
         state = state.state_dict()
     if isinstance(state, dict):
@@ -73,12 +53,7 @@ def _first_difference(a: Any, b: Any) -> str:
 
 
 def check_agreement(description: Dict[str, Any], group=None, what: str = "reduction plan") -> None:
-    """Raise the same ``RuntimeError`` on every rank unless all ranks pass equal descriptions.
-
-    Example::
-
-        check_agreement({"buckets": [l.describe() for l in layouts]}, group)
-    """
+    """Raise the same ``RuntimeError`` on every rank unless all ranks pass equal descriptions."""
     require_member(group, f"the {what} check")
     size = dist.get_world_size(group)
     gathered: List[Any] = [None] * size
@@ -91,8 +66,7 @@ def check_agreement(description: Dict[str, Any], group=None, what: str = "reduct
     for r, desc in enumerate(gathered[1:], start=1):
         if desc == reference:
             continue
-        # rank 0's order first (a description leads with what matters most, e.g. the face),
-        # then keys only the other rank has
+        # rank 0's order (a description leads with what matters most), then the other rank's keys
         for key in list(reference) + sorted(set(desc) - set(reference), key=str):
             if reference.get(key) != desc.get(key):
                 problems.append(f"rank {r} differs from rank 0 in {key}: "

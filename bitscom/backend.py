@@ -1,39 +1,5 @@
 """The ``lowbit`` torch.distributed backend: plain ``dist.all_reduce`` (and DDP) in low bit.
-
-``register_lowbit_backend(...)`` registers a Python :class:`torch.distributed.ProcessGroup`
-subclass under the name ``"lowbit"``. Each group it creates wraps inner ProcessGroupGloo
-backends (CPU tensors) and, where CUDA exists, ProcessGroupNCCL ones (CUDA tensors) built on
-the same store. Float SUM/AVG all-reduces run :func:`bitscom.collectives.all_reduce_rounds`;
-with ``backend_ops`` (see :class:`~bitscom.collectives.LowBitConfig`) the flat
-reduce-scatter and all-gather (``dist.reduce_scatter_tensor`` / ``all_gather_into_tensor``,
-``*_single`` on torch 2.13) run their low-bit versions too. Integer or MAX all-reduces run
-exactly on the inner backend after the agreement header (below); every other operation
-(broadcast, list all-gather, all-to-all, barrier, point-to-point, ...) is handed to the inner
-backend unchanged. Both torch's 2.11 method names (``_allgather_base``,
-``_reduce_scatter_base``, ``alltoall_base``) and 2.13's (``all_gather_single``,
-``reduce_scatter_single``, ``all_to_all_single``) are implemented.
-
-Agreement: every all-reduce (and every flat reduce-scatter / all-gather named in
-``backend_ops``) first all-gathers a 16-byte header from every rank: the kind of collective,
-the reduce op, the dtype, the element count and where this rank keeps the call's state. Ranks
-that call different collectives, ops or dtypes get the same ``RuntimeError`` naming every
-rank's call, ranks passing different element counts the same ``ValueError``, and the group
-stays in step. What low bit cannot compute (integer tensors, MAX / MIN / PRODUCT / bitwise
-ops) then runs exactly on the inner backend; integer AVG, which gloo cannot compute, is the
-same clear error on every rank (on NCCL it is delegated).
-
-Asynchronous: a collective with a header returns at once with its first round (the header)
-issued on the inner backend, in call order; a driver thread of the group runs the remaining
-rounds on a second inner backend, one collective after another in call order (the same on
-every rank), and completes the returned work's future. So DDP overlaps the compressed
-all-reduce of a bucket with backward, as on NCCL.
-
-State (error feedback, seed steps) is found by the tensor's storage (address, numel, dtype):
-DDP's bucket buffers are persistent, so every bucket keeps its own residual across steps. A
-group keeps at most :data:`MAX_STATES` states, in slots every rank assigns alike (see
-:class:`StateSlots`), so fresh tensors cannot grow it without bound and every rank keeps the
-same number of states.
-"""
+A ProcessGroup over inner gloo and NCCL backends; what it does and its errors: docs/lowbit.md."""
 
 from __future__ import annotations
 
@@ -41,7 +7,7 @@ import threading
 import warnings
 from collections import OrderedDict
 from datetime import timedelta
-from typing import Any, Generator, Optional
+from typing import Any, Callable, Generator, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,15 +25,12 @@ __all__ = ["register_lowbit_backend", "LowBitProcessGroup", "registered_config",
 
 BACKEND_NAME = "lowbit"
 MAX_STATES = 256
-"""How many compressed-collective states (error-feedback residuals, seed steps) one lowbit
-group keeps: the least recently used one is dropped beyond that (see :class:`StateSlots`)."""
+"""How many compressed-collective states one lowbit group keeps (see :class:`StateSlots`)."""
 _registered: dict = {}  # torch's backend registry is process-global; so is what we told it
 
 
 def registered_config() -> Optional[LowBitConfig]:
-    """The settings the ``lowbit`` backend was registered with (None before registration).
-
-    Example::
+    """The settings the ``lowbit`` backend was registered with (None before registration). Example::
 
         bitscom.register_lowbit_backend(bitwidth=4); registered_config().bitwidth   # 4
     """
@@ -75,16 +38,8 @@ def registered_config() -> Optional[LowBitConfig]:
 
 
 def register_lowbit_backend(config: Optional[LowBitConfig] = None, **settings) -> LowBitConfig:
-    """Register the ``lowbit`` backend with a :class:`LowBitConfig` or its settings by name
-    (the seed's ``bitwidth``, ``error_feedback``, ``error_feedback_mode``, ``block_size``,
-    ``stage2_error_feedback``, ... ; see :class:`LowBitConfig`).
-
-    Registering again with the same settings is a no-op; with different settings it raises,
-    because groups created earlier would silently keep the old ones. A group may override the
-    registered settings with ``pg_options=LowBitConfig(...)`` in ``new_group``. The backend
-    runs the flat scheme (``hierarchy="none"``).
-
-    Example::
+    """Register the ``lowbit`` backend; again with other settings is an error (groups made
+    earlier would silently keep the old ones). Example::
 
         bitscom.register_lowbit_backend(bitwidth=4, error_feedback=True)
         dist.init_process_group("lowbit")          # or bitscom.init(bitwidth=4, error_feedback=True)
@@ -112,16 +67,7 @@ def _check_flat(cfg: LowBitConfig) -> None:
 
 
 def _check_same_config(store, rank: int, size: int, config: LowBitConfig, timeout=None) -> None:
-    """Every rank publishes its settings in the group's store and compares them with all
-    others', so ranks registered with different options fail at group creation, each with
-    the same message, instead of exchanging bytes of different formats.
-
-    On a mismatch every rank raises; rank 0 leaves last. Rank 0 usually hosts the store
-    (``env://`` and ``tcp://`` start its server there): had it raised and exited while a peer
-    was still reading the keys, that peer would get a store connection error instead of the
-    message. So every other rank, once it read every key, says so (a ``set``, its last store
-    call) and rank 0 waits for all of them (at most ``timeout``, default the store's) first.
-    """
+    """Ranks compare their settings through the store; rank 0 (its host) raises after all read."""
     mine = repr(config)
     store.set(str(rank), mine)
     seen = [store.get(str(r)).decode() for r in range(size)]
@@ -149,31 +95,13 @@ def _create(dist_opts, pg_options):
                               dist_opts.timeout, cfg)
 
 
-# -- error-feedback state slots (the call header is bitscom.call_header) ----------------
 _SLOT_BITS, _GEN_BITS = 16, 32
 _LABEL = "bitscom lowbit backend"
 
 
 class StateSlots:
-    """The states of a lowbit group's compressed collectives: at most ``capacity``, in slots
-    that every rank assigns the same way.
-
-    A call's state is found by this rank's storage key (address, numel, dtype). Addresses
-    differ per rank and the allocator reuses them on one rank and not on another, so whether
-    a state exists cannot be decided per rank: the slot this rank found (with the slot's
-    generation) travels in the agreement header, and the state is used only when every rank
-    found its state in the same slot of the same generation. Otherwise every rank starts a
-    fresh state in the same new slot, or, when all ``capacity`` slots are taken, in the least
-    recently used one (its residual is dropped; its key starts afresh if it comes back). Every
-    rank makes the same choices in the same call order (the group's driver thread), so every
-    rank keeps the same number of states, never more than ``capacity``.
-
-    Example::
-
-        slots = StateSlots(256)
-        code = slots.code(key)                         # at call time, into the header
-        states = slots.resolve(key, every_ranks_code, 1)   # after the header, in call order
-    """
+    """At most ``capacity`` states, in slots every rank assigns alike: addresses differ per rank,
+    so the slot this rank found travels in the header and is used only if every rank found it."""
 
     def __init__(self, capacity: int = MAX_STATES, warn: bool = False):
         if not 1 <= capacity < 1 << _SLOT_BITS:
@@ -229,14 +157,7 @@ class StateSlots:
 
 
 class InnerTransport:
-    """Issues collectives straight on inner torch backends (ProcessGroupGloo/NCCL objects).
-
-    The "groups" a :class:`~bitscom.comm.Comm` passes are those backend objects.
-
-    Example::
-
-        comm = Comm(main_backend, later_backend, transport=InnerTransport(), rank=r, size=n)
-    """
+    """Issues collectives straight on inner torch backends (the "groups" a Comm passes)."""
 
     def size(self, group) -> int:
         return group.size()
@@ -275,14 +196,20 @@ class InnerTransport:
 _INNER = InnerTransport()
 
 
+def _delegated(name: str, arity: int, options: Optional[Callable[[], Any]] = None, which: int = 0):
+    """A method handing ``name`` to the inner backend of argument ``which``; ``opts`` defaulted."""
+    def method(self, *args):
+        args = list(args) + [None] * (arity - len(args))
+        if options is not None and args[-1] is None:
+            args[-1] = options()
+        return getattr(self._for(args[which]), name)(*args)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
 class FutureWork(dist.Work):
-    """The work handle of a compressed collective: done when the driver thread completed its
-    future; ``wait()`` raises the collective's error (torch's future-backed work would drop it).
-
-    Example::
-
-        work = dist.all_reduce(t, group=lowbit_group, async_op=True); work.wait()
-    """
+    """The work of a compressed collective; ``wait()`` raises its error (torch's would drop it)."""
 
     def __init__(self, future: torch.futures.Future):
         super().__init__()
@@ -312,16 +239,7 @@ class FutureWork(dist.Work):
 
 
 class LowBitProcessGroup(dist.ProcessGroup):
-    """A process group whose float SUM/AVG all-reduce (and, with ``backend_ops``, flat
-    reduce-scatter / all-gather) is low-bit; everything else is exact.
-
-    Created by torch through the registered backend (``init_process_group("lowbit")``,
-    ``new_group(backend="lowbit")``), not by users. ``bytes_sent`` counts the payload of
-    compressed collectives and their headers (after they completed); exact collectives are
-    not counted. ``num_states`` is the number of states kept (at most ``max_states``, the
-    same on every rank).
-
-    Example::
+    """A process group whose float SUM/AVG collectives are low-bit (torch creates it). Example::
 
         pg = dist.new_group(backend="lowbit", pg_options=bitscom.collectives.LowBitConfig(bitwidth=8))
         dist.all_reduce(t, group=pg)
@@ -334,8 +252,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
         self._bytes = ByteLedger()                  # a step: one compressed call
         self._rank, self._size = rank, size
         _check_same_config(dist.PrefixStore("lowbit-config/", store), rank, size, config)
-        # Two inner backends per device: first rounds are issued by the caller in call order;
-        # later rounds by the driver thread, also in call order, on the second one.
+        # Two inner backends per device: first rounds from the caller, later ones from the driver.
         self._inner: dict[str, C10dBackend] = {}
         self._later: dict[str, C10dBackend] = {}
         for name, table in (("gloo/", self._inner), ("gloo-later/", self._later)):
@@ -351,9 +268,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
         self._registered = False                    # seen among torch's live groups
 
     def _check_live(self) -> None:
-        """A clear error once torch dropped this group (``bitscom.shutdown()``,
-        ``dist.destroy_process_group()``): the inner gloo connections would otherwise go on
-        working in a world that is gone, each rank reducing over a group nobody else uses."""
+        """A clear error once torch dropped this group: the inner connections would go on working."""
         if group_alive(self):
             self._registered = True
         elif self._registered or not dist.is_initialized():
@@ -362,38 +277,19 @@ class LowBitProcessGroup(dist.ProcessGroup):
                                "after bitscom.init()")
 
     def comm_stats(self) -> dict:
-        """This rank's bytes of compressed collectives: the last one (``bytes_sent`` /
-        ``dense_bytes``: its fp32 elements) and since the group was made (``total_*``); the
-        keys every face reports.
-
-        Example::
+        """This rank's bytes of compressed collectives (headers included), as every face reports. Example::
 
             dist.all_reduce(t, group=pg); pg.comm_stats()["compression_ratio"]
         """
         return self._bytes.report()
 
-    @property
-    def bytes_sent(self) -> int:
-        """This rank's compressed-collective bytes since the group was made."""
-        return self._bytes.total_sent
+    bytes_sent = property(lambda self: self._bytes.total_sent, doc="This rank's compressed bytes so far.")
+    inner_groups = property(lambda self: dict(self._inner), doc="The wrapped backends by device type.")
+    num_states = property(lambda self: len(self._slots), doc="States kept (the same on every rank).")
+    max_states = property(lambda self: self._slots.capacity, doc="The most states kept (MAX_STATES).")
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
-
-    @property
-    def inner_groups(self) -> dict:
-        """The wrapped backends by device type ("cpu": gloo, "cuda": nccl)."""
-        return dict(self._inner)
-
-    @property
-    def num_states(self) -> int:
-        """How many compressed-collective states this group keeps (the same on every rank)."""
-        return len(self._slots)
-
-    @property
-    def max_states(self) -> int:
-        """The most states this group keeps (:data:`MAX_STATES`)."""
-        return self._slots.capacity
 
     def _kind(self, *tensors) -> str:
         for t in tensors:
@@ -412,10 +308,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
         self._check_live()
         return self._inner[self._kind(*tensors)]
 
-    # -- the collectives with a header --------------------------------------------------------
     def _channel(self, kind: str) -> Channel:
-        """The channel of ``kind``'s inner backends: headers on the first, the rest on the
-        second, run by its driver thread in call order (the thread ends with the group)."""
         with self._lock:
             if kind not in self._channels:
                 self._channels[kind] = Channel(self._inner[kind], self._later[kind], transport=_INNER,
@@ -429,8 +322,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
         yield from body(comm, states)
 
     def _launch(self, call: Call, tensors: list, key, body, result, counted: bool):
-        """Issue the header now (in call order); the driver runs ``body`` after it. Returns a
-        Work the driver completes; ``counted``: add the bytes to :attr:`bytes_sent`."""
+        """Issue the header now; the driver runs ``body`` after it and completes the returned Work."""
         self._check_live()
         kind = self._kind(tensors)
         channel = self._channel(kind)
@@ -449,14 +341,12 @@ class LowBitProcessGroup(dist.ProcessGroup):
                 future.set_result(result)
 
         stream = torch.cuda.current_stream(device) if kind == "cuda" else None
-        # the header is issued now, in call order; the channel's driver thread runs the rest
         channel.submit(Rounds(self._rounds(comm, call, key, body, device), [comm], keep_going=True),
                        finished, stream)
         return FutureWork(future)
 
     def _exact(self, call: Call, tensors: list, issue, result):
-        """An op low bit cannot compute: after the header, ``issue(comm)`` runs it exactly on
-        the inner backend (not counted)."""
+        """An op low bit cannot compute: after the header, ``issue(comm)`` runs it exactly."""
         def body(comm, _states):
             yield issue(comm)
 
@@ -499,7 +389,10 @@ class LowBitProcessGroup(dist.ProcessGroup):
 
         return issue
 
-    def _reduce_scatter_with_header(self, output, input, opts):
+    def _reduce_scatter_base(self, output, input, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        if "reduce_scatter" not in self.config.backend_ops:
+            return self._for(output)._reduce_scatter_base(output, input, opts)
         op = opts.reduceOp
         call = Call.of("reduce_scatter", op, input.dtype, output.numel())
         if not (output.is_floating_point() and input.is_floating_point() and is_sum_or_avg(op)):
@@ -512,7 +405,11 @@ class LowBitProcessGroup(dist.ProcessGroup):
 
         return self._launch(call, [output], ("reduce_scatter", _storage(input)), body, output, counted=True)
 
-    def _all_gather_with_header(self, output, input):
+    reduce_scatter_single = _reduce_scatter_base       # torch >= 2.13's name
+
+    def _allgather_base(self, output, input, opts=None):
+        if "all_gather" not in self.config.backend_ops:
+            return self._for(input)._allgather_base(output, input, opts or AllgatherOptions())
         call = Call.of("all_gather", dist.ReduceOp.SUM, input.dtype, input.numel())
         if not (output.is_floating_point() and input.is_floating_point()):
             return self._exact(call, [input], lambda comm: comm.all_gather(output, input), output)
@@ -522,91 +419,27 @@ class LowBitProcessGroup(dist.ProcessGroup):
 
         return self._launch(call, [input], ("all_gather", _storage(input)), body, output, counted=True)
 
-    def _reduce_scatter_base(self, output, input, opts=None):
-        opts = opts or dist.ReduceScatterOptions()
-        if "reduce_scatter" in self.config.backend_ops:
-            return self._reduce_scatter_with_header(output, input, opts)
-        return self._for(output)._reduce_scatter_base(output, input, opts)
+    all_gather_single = _allgather_base       # torch >= 2.13's name
 
-    def reduce_scatter_single(self, output, input, opts=None):
-        """torch >= 2.13's name of :meth:`_reduce_scatter_base`."""
-        return self._reduce_scatter_base(output, input, opts)
-
-    def _allgather_base(self, output, input, opts=None):
-        opts = opts or AllgatherOptions()
-        if "all_gather" in self.config.backend_ops:
-            return self._all_gather_with_header(output, input)
-        return self._for(input)._allgather_base(output, input, opts)
-
-    def all_gather_single(self, output, input, opts=None):
-        """torch >= 2.13's name of :meth:`_allgather_base`."""
-        return self._allgather_base(output, input, opts)
-
-    # -- exact delegation ----------------------------------------------------------------------
-    def allreduce_coalesced(self, tensors, opts=None):
-        return self._for(tensors).allreduce_coalesced(tensors, opts or dist.AllreduceCoalescedOptions())
-
-    def broadcast(self, tensors, opts=None):
-        return self._for(tensors).broadcast(tensors, opts or dist.BroadcastOptions())
-
-    def allgather(self, output_tensors, input_tensors, opts=None):
-        return self._for(input_tensors).allgather(output_tensors, input_tensors,
-                                                  opts or AllgatherOptions())
-
-    def allgather_coalesced(self, output_lists, input_list, opts=None):
-        return self._for(input_list).allgather_coalesced(output_lists, input_list,
-                                                         opts or AllgatherOptions())
-
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        return self._for(inputs).allgather_into_tensor_coalesced(outputs, inputs,
-                                                                 opts or AllgatherOptions())
-
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        """torch >= 2.13's name of :meth:`allgather_into_tensor_coalesced` (exact)."""
-        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
-
-    def gather(self, output_lists, input_tensors, opts=None):
-        return self._for(input_tensors).gather(output_lists, input_tensors, opts or dist.GatherOptions())
-
-    def scatter(self, output_tensors, input_lists, opts=None):
-        return self._for(output_tensors).scatter(output_tensors, input_lists,
-                                                 opts or dist.ScatterOptions())
-
-    def reduce(self, tensors, opts=None):
-        return self._for(tensors).reduce(tensors, opts or dist.ReduceOptions())
-
-    def reduce_scatter(self, output_tensors, input_lists, opts=None):
-        return self._for(output_tensors).reduce_scatter(output_tensors, input_lists,
-                                                        opts or dist.ReduceScatterOptions())
-
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        return self._for(outputs).reduce_scatter_tensor_coalesced(outputs, inputs,
-                                                                  opts or dist.ReduceScatterOptions())
-
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        """torch >= 2.13's name of :meth:`reduce_scatter_tensor_coalesced` (exact)."""
-        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
-
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        return self._for(input).alltoall_base(output, input, output_split_sizes, input_split_sizes,
-                                              opts or dist.AllToAllOptions())
-
-    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        """torch >= 2.13's name of :meth:`alltoall_base` (exact)."""
-        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
-
-    def alltoall(self, output_tensors, input_tensors, opts=None):
-        return self._for(input_tensors).alltoall(output_tensors, input_tensors,
-                                                 opts or dist.AllToAllOptions())
-
-    def send(self, tensors, dst_rank, tag):
-        return self._for(tensors).send(tensors, dst_rank, tag)
-
-    def recv(self, tensors, src_rank, tag):
-        return self._for(tensors).recv(tensors, src_rank, tag)
-
-    def recv_anysource(self, tensors, tag):
-        return self._for(tensors).recv_anysource(tensors, tag)
+    # exact delegation to the inner backend (torch >= 2.13's names are aliases)
+    allreduce_coalesced = _delegated("allreduce_coalesced", 2, dist.AllreduceCoalescedOptions)
+    broadcast = _delegated("broadcast", 2, dist.BroadcastOptions)
+    allgather = _delegated("allgather", 3, AllgatherOptions, which=1)
+    allgather_coalesced = _delegated("allgather_coalesced", 3, AllgatherOptions, which=1)
+    allgather_into_tensor_coalesced = _delegated("allgather_into_tensor_coalesced", 3, AllgatherOptions, which=1)
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    gather = _delegated("gather", 3, dist.GatherOptions, which=1)
+    scatter = _delegated("scatter", 3, dist.ScatterOptions)
+    reduce = _delegated("reduce", 2, dist.ReduceOptions)
+    reduce_scatter = _delegated("reduce_scatter", 3, dist.ReduceScatterOptions)
+    reduce_scatter_tensor_coalesced = _delegated("reduce_scatter_tensor_coalesced", 3, dist.ReduceScatterOptions)
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    alltoall_base = _delegated("alltoall_base", 5, dist.AllToAllOptions, which=1)
+    all_to_all_single = alltoall_base
+    alltoall = _delegated("alltoall", 3, dist.AllToAllOptions, which=1)
+    send = _delegated("send", 3)
+    recv = _delegated("recv", 3)
+    recv_anysource = _delegated("recv_anysource", 2)
 
     def barrier(self, opts=None):
         self._check_live()
@@ -618,5 +451,4 @@ class LowBitProcessGroup(dist.ProcessGroup):
 
 
 def _storage(t: torch.Tensor) -> tuple:
-    """This rank's identity of a tensor's buffer: (address, numel, dtype)."""
     return (t.data_ptr(), t.numel(), t.dtype)

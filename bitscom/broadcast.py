@@ -1,14 +1,5 @@
-"""Start every rank from the same state: broadcast parameters, optimizer state, objects.
-
-Every function first checks, on all ranks together, that the ranks describe the same thing
-(names, shapes, dtypes), so a model with an extra layer on one rank is the same clear error
-everywhere before any data moves, not silent garbage or an abort.
-
-Trust: :func:`broadcast_object` and :func:`broadcast_optimizer_state` send pickles, and the
-agreement checks gather pickled descriptions; receivers unpickle what the peers send. That
-assumes every rank of the job is run by the same party (torch.distributed's own object
-collectives assume the same); see docs/reliability.md.
-"""
+"""Start every rank from the same state: broadcast parameters, optimizer state, objects, after
+checking that the ranks describe the same thing (peers' pickles: docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -42,12 +33,7 @@ def _check_root(root_rank, group) -> None:
 
 
 def broadcast_parameters(params: Any, root_rank: int = 0, process_group: Optional[Any] = None) -> None:
-    """Overwrite ``params`` on every rank with root's values, in place.
-
-    ``params`` is a ``state_dict()`` (parameters and buffers), ``named_parameters()`` or
-    any iterable of tensors or (name, tensor) pairs. ``root_rank`` is a global rank.
-
-    Example::
+    """Overwrite ``params`` (tensors, pairs or a state dict) in place with ``root_rank``'s. Example::
 
         bitscom.broadcast_parameters(model.state_dict(), root_rank=0)
     """
@@ -86,10 +72,7 @@ def _to_cpu(obj: Any) -> Any:
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_group: Optional[Any] = None) -> Any:
-    """Return root's ``obj`` (any picklable object) on every rank (unpickled on receipt: trust
-    your peers). ``name`` is accepted for Horovod compatibility and unused.
-
-    Example::
+    """Root's picklable ``obj`` on every rank (unpickled: trust your peers; ``name`` unused). Example::
 
         epoch = bitscom.broadcast_object(epoch, root_rank=0)
     """
@@ -106,15 +89,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0, model: Any = None,
                               process_group: Optional[Any] = None) -> None:
-    """Load root's optimizer state (moments, step counts, learning rates) on every rank.
-
-    Accepts a ``torch.optim.Optimizer`` or a :class:`bitscom.DistributedOptimizer` (whose
-    compressor state is per rank and is left alone). The whole state dict travels as one
-    pickle, so an optimizer that has not stepped yet needs no warm-up step (Horovod's) and
-    LBFGS works too. ``model`` is accepted for Horovod/ACP-SGD compatibility and unused.
-    Ranks whose optimizers differ (parameter count or shapes) get the same clear error.
-
-    Example::
+    """Load root's optimizer state everywhere (one pickle; per-rank compressor state left). Example::
 
         bitscom.broadcast_optimizer_state(optimizer, root_rank=0)
     """

@@ -1,13 +1,5 @@
-"""Bucket planning: which gradients travel together, and where each sits in the flat buffer.
-
-Pure functions of the parameter list (names, shapes, dtypes, devices) and the fusion
-threshold, so every rank computes the same plan and a test can check it without ranks.
-
-Why reverse registration order: backward produces the gradients of the last layers first,
-so packing parameters from the end of the model lets the first bucket become ready (and
-start communicating) while backward still works on earlier layers — DDP and ACP-SGD do the
-same. Parameters of different dtypes or devices never share a bucket.
-"""
+"""Bucket planning, pure, so every rank computes the same plan. Why reverse registration order:
+backward produces the last layers' gradients first, so the first bucket starts early (as DDP)."""
 
 from __future__ import annotations
 
@@ -21,17 +13,7 @@ __all__ = ["plan_buckets", "plan_groups", "FlatBucket"]
 
 
 def plan_buckets(params: Sequence[Tuple[str, torch.Tensor]], threshold_bytes: int) -> List[BucketLayout]:
-    """Plan buckets for ``params`` (name, tensor) given in registration order.
-
-    A bucket is closed when adding the next parameter would exceed ``threshold_bytes``
-    (a single larger parameter gets a bucket of its own); ``threshold_bytes=0`` gives one
-    parameter per bucket. Bucket indices follow the order in which buckets open, i.e. the
-    order in which backward is expected to fill them.
-
-    Example::
-
-        layouts = plan_buckets(list(model.named_parameters()), 25 * 2**20)
-    """
+    """Buckets of ``params`` up to ``threshold_bytes`` each (0: one parameter each)."""
     if threshold_bytes < 0:
         raise ValueError(f"fusion threshold must be >= 0 bytes, got {threshold_bytes}")
     open_buckets: Dict[tuple, list] = {}
@@ -53,17 +35,7 @@ def plan_buckets(params: Sequence[Tuple[str, torch.Tensor]], threshold_bytes: in
 
 
 def plan_groups(params: Sequence[Tuple[str, torch.Tensor]], groups) -> List[BucketLayout]:
-    """Buckets chosen by the user, Horovod's ``groups=`` (instead of a size threshold).
-
-    ``groups`` is a number ``n`` (the parameters, in reverse registration order, are cut into
-    ``n`` runs of nearly equal count) or a list of lists of parameters (each list travels
-    together; a parameter in no list travels alone). Parameters of different dtypes or
-    devices in one group are split, as in :func:`plan_buckets`.
-
-    Example::
-
-        layouts = plan_groups(list(model.named_parameters()), [[m.fc1.weight, m.fc2.weight]])
-    """
+    """Horovod's ``groups=``: ``n`` runs of nearly equal count, or lists that travel together."""
     rev = list(reversed(list(params)))
     if isinstance(groups, int):
         n = min(groups, len(rev)) or 1
@@ -81,8 +53,7 @@ def plan_groups(params: Sequence[Tuple[str, torch.Tensor]], groups) -> List[Buck
 
 
 def _listed_groups(rev: list, groups) -> List[list]:
-    """``groups=`` as lists of parameters: each list (in ``rev`` order) travels together, every
-    other parameter alone; first the bucket whose last gradient arrives earliest in backward."""
+    """``groups=`` lists travel together, others alone; earliest-ready bucket first."""
     position = {id(p): i for i, (_, p) in enumerate(rev)}
     chosen: List[list] = []
     taken: set = set()
@@ -117,12 +88,7 @@ def _layouts(order: List[list]) -> List[BucketLayout]:
 
 
 class FlatBucket:
-    """The preallocated flat buffer of one bucket plus views of each parameter's slot.
-
-    Gradients are copied in when ready and the reduced result copied back out; the buffer is
-    allocated once and reused every step. The bucket also tracks which slots were filled this
-    step (``filled``, ``pending``): it is ready to launch when ``pending`` reaches 0.
-    """
+    """One bucket's preallocated flat buffer, its slot views, and which slots this step filled."""
 
     def __init__(self, layout: BucketLayout, params: Sequence[torch.Tensor]):
         self.layout = layout

@@ -1,8 +1,5 @@
-"""Horovod's ``*_built()`` queries, answered from the torch build bitscom runs on.
-
-Horovod scripts branch on them (``if args.use_adasum and hvd.nccl_built(): ...``); bitscom's
-collectives are torch.distributed's, so the answer is what torch was built with.
-"""
+"""Horovod's ``*_built()`` queries, answered from the torch build bitscom runs on (bitscom's
+collectives are torch.distributed's), and bitscom's version."""
 
 import torch
 import torch.distributed as dist
@@ -14,9 +11,7 @@ __all__ = ["nccl_built", "gloo_built", "mpi_built", "cuda_built"]
 
 
 def nccl_built() -> bool:
-    """Whether torch.distributed has NCCL (collectives on CUDA tensors).
-
-    Example::
+    """Whether torch.distributed has NCCL (collectives on CUDA tensors). Example::
 
         backend = "nccl" if bitscom.nccl_built() and torch.cuda.is_available() else "gloo"
     """
@@ -24,31 +19,15 @@ def nccl_built() -> bool:
 
 
 def gloo_built() -> bool:
-    """Whether torch.distributed has gloo (collectives on CPU tensors).
-
-    Example::
-
-        assert bitscom.gloo_built()
-    """
+    """Whether torch.distributed has gloo (collectives on CPU tensors)."""
     return dist.is_available() and dist.is_gloo_available()
 
 
 def mpi_built() -> bool:
-    """Whether torch.distributed has its MPI backend (bitscom itself only needs mpi4py to
-    start under mpirun, see :func:`bitscom.init`).
-
-    Example::
-
-        print(bitscom.mpi_built())
-    """
+    """Whether torch.distributed has its MPI backend (bitscom only needs mpi4py under mpirun)."""
     return dist.is_available() and dist.is_mpi_available()
 
 
 def cuda_built() -> bool:
-    """Whether torch was built with CUDA.
-
-    Example::
-
-        print(bitscom.cuda_built())
-    """
+    """Whether torch was built with CUDA."""
     return torch.backends.cuda.is_built()

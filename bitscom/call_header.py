@@ -1,21 +1,5 @@
-"""The call header: what every low-bit collective all-gathers before its first payload byte,
-and the one op/dtype table of every header (this one, and the Horovod face's negotiation
-header, which adds shapes, scales, splits and the name hash, :mod:`bitscom.horovod.negotiation`).
-
-Why: ranks that call different collectives (float SUM on one, int SUM or MAX on another; fp32
-on one, fp16 of the same size on another) or pass different element counts would pair a
-low-bit round with an exact collective, exchange buffers of different sizes (gloo aborts or
-times out) or silently sum misaligned bytes. Two int64 per call, all-gathered on the call's
-own group in call order, turn each of these into the same clear error on every rank, and
-leave the group usable (every rank consumed the same collective). The ``lowbit``
-torch.distributed backend and :class:`bitscom.LowBitGroup` both use it: one check, one
-message, whichever face the call came through.
-
-Layout: ``[numel, kind | op << 2 | dtype << 6 | slot << 12]``: ``op`` a torch ``RedOpType``
-number, ``dtype`` 1 + its index in :data:`DTYPES` (0: another dtype), ``slot`` the backend's
-error-feedback state slot (0 for callers without slots). Two integers: the 16 bytes per call
-that ``bytes_sent`` reports.
-"""
+"""The call header every low-bit collective all-gathers first, and the one op/dtype table: two
+int64 per call (docs/design.md) turn mismatched calls into one clear error on every rank."""
 
 from __future__ import annotations
 
@@ -40,15 +24,12 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uin
 
 
 def _op_code(op) -> int:
-    """The RedOpType number of a reduce op (torch hands backends ``ReduceOp`` objects)."""
     return int(getattr(op, "op", op))
 
 
 @dataclass(frozen=True)
 class Call:
-    """What one rank called, as the header carries it: kind, op, dtype and element count.
-
-    Example::
+    """What one rank called, as the header carries it: kind, op, dtype and element count. Example::
 
         call = Call.of("all_reduce", dist.ReduceOp.SUM, torch.float32, 1024)
         call.describe()          # 'all_reduce SUM of 1024 torch.float32'
@@ -83,12 +64,7 @@ class Call:
 
 
 def check_calls(calls, label: str) -> None:
-    """The same error on every rank (they all see the same headers) unless all calls match.
-
-    Example::
-
-        check_calls([Call.of("all_reduce", op, t.dtype, t.numel())] * 2, "LowBitGroup")
-    """
+    """The same error on every rank (they all see the same headers) unless all calls match."""
     if any((c.kind, c.op, c.dtype) != (calls[0].kind, calls[0].op, calls[0].dtype) for c in calls):
         listing = ", ".join(f"rank {r}: {c.describe()}" for r, c in enumerate(calls))
         raise RuntimeError(f"{label}: ranks called different collectives ({listing}); every rank must "
@@ -100,14 +76,7 @@ def check_calls(calls, label: str) -> None:
 
 
 def agree_rounds(comm, call: Call, slot_code: int, device, label: str) -> Generator[Any, None, List[int]]:
-    """Round generator: all-gather every rank's header on ``comm`` and check it; returns every
-    rank's slot code (rank order).
-
-    Example::
-
-        codes = yield from agree_rounds(comm, Call.of("all_gather", dist.ReduceOp.SUM, x.dtype,
-                                                      x.numel()), 0, x.device, "LowBitGroup")
-    """
+    """Round generator: all-gather and check every rank's header; returns their slot codes."""
     if comm.size == 1:
         return [slot_code]
     mine = torch.tensor(call.header(slot_code), dtype=torch.int64, device=device)

@@ -1,24 +1,6 @@
-"""Channel: the one in-order queue of multi-round collectives, one per process group.
-
-Why one per group. Collectives on a group must be issued in the same order on every rank. A
-multi-round collective (PowerSGD's P then Q, low-bit's all-to-all then all-gather, a call
-header then its payload) issues its later rounds when earlier work *completes*, at different
-moments on different ranks. Two queues over one group (an optimizer and a DDP hook, two
-LowBitGroups, a Horovod call and a LowBitGroup) would interleave differently per rank. So
-every face submits to its group's Channel (:func:`bitscom.runtime.channel`), whose rule is:
-
-1. a work's first round is issued at :meth:`Channel.submit`, on ``group`` (submission order
-   is program order, the same on every rank);
-2. its later rounds go to ``later_group`` (see :class:`~bitscom.comm.Comm`), in submission
-   order too: work ``k`` issues a later round only once every work before it is *released*
-   (finished, or issued all of its declared ``total`` rounds);
-3. a failed round fails its work (whoever waits for it gets the error) and, unless the work
-   is ``keep_going`` (a call header's errors are raised on every rank in step), aborts every
-   work queued behind it: their rounds would pair with the wrong peers.
-
-``bytes_sent`` totals what its finished works sent. The ``lowbit`` backend, whose caller must
-not block, runs its channels with a driver thread (``driver=True``).
-"""
+"""Channel: the one in-order queue of multi-round collectives per process group. Later rounds go
+out when earlier work *completes*, at different moments per rank, so two queues over one group
+would interleave differently (the rule: docs/design.md)."""
 
 from __future__ import annotations
 
@@ -39,12 +21,7 @@ W = TypeVar("W", bound=Rounds)
 
 
 class Channel:
-    """The in-order queue of :class:`~bitscom.comm.Rounds` over one process group.
-
-    It holds its groups weakly (torch's registry, or the backend, owns them), so a destroyed
-    world really goes, and a face still holding the channel gets a clear error.
-
-    Example::
+    """The in-order queue of works over one group (held weakly); ``bytes_sent``: what they sent. Example::
 
         ch = bitscom.runtime.channel(group, later=True)
         comm = ch.comm()
@@ -81,32 +58,19 @@ class Channel:
                                "or dist.destroy_process_group()); build the face again after bitscom.init()")
         return ref()
 
-    @property
-    def group(self):
-        """The group first rounds go to."""
-        return self._get(0)
-
-    @property
-    def later_group(self):
-        """The group later rounds go to (None: the face's comms choose their groups)."""
-        return self._get(1)
+    group = property(lambda self: self._get(0), doc="The group first rounds go to.")
+    later_group = property(lambda self: self._get(1), doc="The group later rounds go to (None: the comms choose).")
 
     def set_later_group(self, later_group) -> None:
         """Give the channel its later group (runtime does, once, when a face first needs one)."""
         self._groups[1] = self._hold(later_group)
 
     def comm(self) -> Comm:
-        """A :class:`~bitscom.comm.Comm` for one work: first round on :attr:`group`, later
-        rounds on :attr:`later_group`."""
+        """A :class:`~bitscom.comm.Comm` for one work, on :attr:`group` then :attr:`later_group`."""
         return Comm(self.group, self.later_group, **self._comm_args)
 
     def submit(self, rounds: W, on_done: Optional[Callable[[Rounds], None]] = None, stream=None) -> W:
-        """Issue ``rounds``' first round now and queue the rest; returns ``rounds`` (the work).
-
-        An error up to the first round reaches the caller here; nothing is queued. With a
-        driver thread, ``on_done(rounds)`` runs there once the work finished (``rounds.error``
-        set on failure), inside ``stream`` when given.
-        """
+        """Issue ``rounds``' first round now, queue the rest (a driver thread then calls ``on_done``)."""
         rounds._seq, self._submitted = self._submitted, self._submitted + 1
         self._retired = []
         try:
@@ -123,14 +87,12 @@ class Channel:
         return rounds
 
     def poll(self, block: bool = False) -> bool:
-        """Advance queued works over completed rounds, in order (all of them with ``block``);
-        returns whether none is left. Errors stay with their works."""
+        """Advance queued works over completed rounds, in order; returns whether none is left."""
         self._drive(None, block)
         return not self._queue
 
     def wait(self, work: Optional[Rounds] = None) -> None:
-        """Finish ``work`` and every work submitted before it (every work when None), in
-        submission order; raises ``work``'s error if it failed."""
+        """Finish ``work`` and every work before it (every work when None); raise ``work``'s error."""
         if self._jobs is not None:
             raise RuntimeError("a driver-thread channel finishes its works itself; wait on the work's future")
         self._drive(work, True)
@@ -138,8 +100,7 @@ class Channel:
             raise work.error
 
     def abort(self, works: Optional[List[Rounds]] = None, cause: Optional[BaseException] = None) -> None:
-        """Forget ``works`` (every queued work when None) without waiting for them, after a
-        failure; waiting for one of them then raises instead of hanging."""
+        """Forget ``works`` (every queued work when None) after a failure; waiting on one raises."""
         drop = list(self._queue) if works is None else [w for w in works if w in self._queue]
         for w in drop:
             if not w.done:
@@ -159,9 +120,7 @@ class Channel:
         self._queue = [w for w in self._queue if not w.done]
 
     def _advance(self, limit: Optional[int], block: bool) -> List[Rounds]:
-        """Step the queued works in order, up to ``limit``, while each has released the group
-        (its next round may be issued after them); an error aborts the works behind it.
-        Returns the works stepped, which ``block`` then finishes."""
+        """Step queued works in order up to ``limit`` while each has released the group."""
         ahead: List[Rounds] = []
         for w in list(self._queue):
             if limit is not None and w._seq > limit:
@@ -183,16 +142,12 @@ class Channel:
         if not w._counted:
             w._counted = True
             self.bytes_sent += w.bytes_sent
-            # The channel, not torch's worker thread, drops a finished work's last handle, and
-            # only at the next submit: a gloo work whose last reference dies on its worker
-            # thread is destroyed there, which needs the GIL (torch keeps the caller's
-            # contextvars in it), and when that happens as the interpreter exits right after
-            # the last step the process aborts ("terminate called without an active exception").
+            # Keep a finished work's last handle until the next submit: dropped on torch's
+            # worker thread at interpreter exit, it aborts the process (docs/reliability.md).
             self._retired.append(w.retain())
 
 
 def _step(w: Rounds, block: bool) -> None:
-    """Advance ``w`` over completed rounds; with ``block`` wait for its current round first."""
     try:
         w.step() if block else Rounds.poll(w)
     except Exception as err:  # noqa: BLE001 — the work's error, raised to whoever waits for it
@@ -200,7 +155,6 @@ def _step(w: Rounds, block: bool) -> None:
 
 
 def _run(jobs: queue.Queue, lock: threading.Lock, channel: "weakref.ref") -> None:
-    """The driver thread: finishes each work in submission order (holds the channel weakly)."""
     while (item := jobs.get()) is not None:
         rounds, on_done, stream = item
         try:

@@ -1,12 +1,5 @@
-"""Low-bit collectives (kept as an import path): settings, state and round generators.
+"""Low-bit collectives' old import path: re-exports :mod:`bitscom.lowbit`. Example::
 
-The code lives in :mod:`bitscom.lowbit` (``config.py``, ``state.py``, ``rounds.py``,
-``all_reduce.py``, ``scatter_gather.py``, ``levelwise.py``); this module re-exports it so
-``from bitscom.collectives import LowBitConfig`` and the rest keep working.
-
-Example::
-
-    from bitscom.collectives import LowBitConfig, LowBitState, all_reduce_rounds
     drive(all_reduce_rounds(grad, Comm(group), LowBitConfig(bitwidth=4), LowBitState()))
 """
 

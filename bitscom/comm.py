@@ -1,25 +1,9 @@
-"""The communicator under every compressed reduction: one wrapper over torch.distributed.
-
-Three things live here, once:
-
-* the torch-version shims (torch 2.13 renamed ``all_gather_into_tensor`` /
-  ``reduce_scatter_tensor`` to ``all_gather_single`` / ``reduce_scatter_single``; the old names
-  warn there, and 2.11/2.12 only have the old ones): :data:`all_gather_flat`,
-  :data:`reduce_scatter_flat`;
-* :class:`Comm`: asynchronous collectives on behalf of one reduction, with byte counting; a
-  collective on a group of one member is a local copy (no traffic, nothing counted);
-* :class:`Rounds`: the one driver of a round generator (a compressor's ``reduce``, the
-  low-bit collectives): start it (issues its first round), poll it, wait for it; every face
-  submits them to its group's :class:`~bitscom.channel.Channel`.
-
-Where a :class:`Comm` issues is its *transport*: :class:`TorchTransport` (the
-``torch.distributed`` functions on a registered process group, the default) or the backend's
-transport over its inner gloo/NCCL backends.
-"""
+"""The communicator under every compressed reduction: the torch-version shims, :class:`Comm`
+(asynchronous collectives with byte counting) and :class:`Rounds` (the round driver)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,50 +11,25 @@ import torch.distributed as dist
 __all__ = ["all_gather_flat", "reduce_scatter_flat", "resolve_group", "is_sum_or_avg", "TorchTransport", "Comm",
            "Rounds", "drive", "wait", "is_completed", "gather_objects"]
 
+# torch 2.13 renamed these (the old names warn there; 2.11/2.12 have only the old ones)
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-"""``all_gather_single`` on torch >= 2.13, ``all_gather_into_tensor`` before."""
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-"""``reduce_scatter_single`` on torch >= 2.13, ``reduce_scatter_tensor`` before."""
 
 
 def resolve_group(group=None):
-    """The process group a face uses when given ``None``: torch's world group (what bitscom's
-    ``world_group()`` is), or ``None`` when torch.distributed is not initialized (one process).
-
-    Example::
-
-        self.process_group = resolve_group(process_group)
-    """
-    if group is not None:
-        return group
-    if dist.is_available() and dist.is_initialized():
+    """``group``, or torch's world group for ``None`` (``None`` without torch.distributed)."""
+    if group is None and dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
-    return None
+    return group
 
 
 def is_sum_or_avg(op) -> bool:
-    """Whether a reduce op is SUM or AVG (what the low-bit collectives compute).
-
-    Compared with ``==``: the ``ReduceOp`` objects torch hands a backend in its options are
-    equal to, but not the same objects as, ``dist.ReduceOp.SUM``, so ``op in (SUM, AVG)`` is
-    False for them.
-
-    Example::
-
-        is_sum_or_avg(dist.AllreduceOptions().reduceOp)   # True
-    """
+    """Whether a reduce op is SUM or AVG, by ``==`` (torch's option ops are equal, not the same)."""
     return op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG
 
 
 class TorchTransport:
-    """Issues asynchronous collectives through ``torch.distributed`` on a registered group.
-
-    Every method takes the group first and returns torch's work handle. Ranks are group ranks.
-
-    Example::
-
-        TorchTransport().all_reduce(group, tensor, dist.ReduceOp.SUM).wait()
-    """
+    """Issues asynchronous collectives through ``torch.distributed`` on a registered group."""
 
     def size(self, group) -> int:
         return dist.get_world_size(group) if dist.is_initialized() else 1
@@ -107,20 +66,8 @@ TORCH = TorchTransport()
 
 
 class Comm:
-    """Asynchronous collectives on behalf of one reduction, with byte accounting.
-
-    ``bytes_sent`` counts the payload this rank hands to the network: the size of the input
-    buffer of every collective (for all-reduce the whole buffer, for all-gather this rank's
-    contribution, for all-to-all this rank's whole send buffer; for broadcast only the root,
-    for reduce every rank but the root). It is the number a user compares against the fp32
-    cost of the same gradient. A group of one member sends nothing: its collectives are local
-    copies (or nothing) and are not counted.
-
-    Collectives issued before :meth:`enter_later_rounds` (which :class:`Rounds` calls after the
-    first round) go to ``group``, later ones to ``later_group`` when given (a
-    :class:`~bitscom.channel.Channel`'s comms: see there why).
-
-    Example::
+    """Asynchronous collectives of one reduction; ``bytes_sent`` is the input buffer of each (the
+    root's for broadcast, the others' for reduce; nothing for one member). Example::
 
         comm = Comm(group)
         work = comm.all_reduce(buf)     # asynchronous; counted in comm.bytes_sent
@@ -152,77 +99,51 @@ class Comm:
         """Add ``tensor``'s bytes to :attr:`bytes_sent`."""
         self.bytes_sent += tensor.numel() * tensor.element_size()
 
-    @property
-    def solo(self) -> bool:
-        """A group of one member (or no distributed run at all): every collective is local."""
-        return self.size == 1
+    solo = property(lambda self: self.size == 1, doc="A group of one member: every collective is local.")
+
+    def _issue(self, sent: Optional[torch.Tensor], name: str, *args, local: Optional[Callable[[], Any]] = None):
+        """Issue ``name`` on the current group counting ``sent``; one member runs ``local()`` instead."""
+        if self.solo:
+            if local is not None:
+                local()
+            return None
+        if sent is not None:
+            self.count(sent)
+        return getattr(self.transport, name)(self.current_group, *args)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM):
         """Sum (or ``op``) ``tensor`` in place over the group; returns the async work."""
-        if self.solo:
-            return None
-        self.count(tensor)
-        return self.transport.all_reduce(self.current_group, tensor, op)
+        return self._issue(tensor, "all_reduce", tensor, op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor):
         """``output`` (size × input.numel()) receives every rank's ``input``, in rank order."""
-        if self.solo:
-            output.view(-1).copy_(input.view(-1))
-            return None
-        self.count(input)
-        return self.transport.all_gather(self.current_group, output, input)
+        return self._issue(input, "all_gather", output, input, local=lambda: output.view(-1).copy_(input.view(-1)))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor):
         """Equal splits: chunk j of ``input`` goes to rank j; chunk j of ``output`` comes from j."""
-        if self.solo:
-            output.copy_(input)
-            return None
-        self.count(input)
-        return self.transport.all_to_all(self.current_group, output, input)
+        return self._issue(input, "all_to_all", output, input, local=lambda: output.copy_(input))
 
     def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_splits, input_splits):
-        """Uneven splits (first-dimension rows): ``input_splits[j]`` rows go to rank j,
-        ``output_splits[j]`` rows come from rank j (Horovod's ``alltoall(splits=)``)."""
-        if self.solo:
-            output.copy_(input)
-            return None
-        self.count(input)
-        return self.transport.all_to_all_v(self.current_group, output, input, list(output_splits),
-                                           list(input_splits))
+        """Uneven splits: ``input_splits[j]`` rows go to rank j, ``output_splits[j]`` come from it."""
+        return self._issue(input, "all_to_all_v", output, input, list(output_splits), list(input_splits),
+                           local=lambda: output.copy_(input))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM):
         """``output`` = this rank's chunk of the sum of every rank's ``input``."""
-        if self.solo:
-            output.view(-1).copy_(input.view(-1))
-            return None
-        self.count(input)
-        return self.transport.reduce_scatter(self.current_group, output, input, op)
+        return self._issue(input, "reduce_scatter", output, input, op,
+                           local=lambda: output.view(-1).copy_(input.view(-1)))
 
     def broadcast(self, tensor: torch.Tensor, group_src: int = 0):
-        """Broadcast from the rank with *group* rank ``group_src``."""
-        if self.solo:
-            return None
-        if self.rank == group_src:
-            self.count(tensor)
-        return self.transport.broadcast(self.current_group, tensor, group_src)
+        """Broadcast from the rank with *group* rank ``group_src`` (only the root sends)."""
+        return self._issue(tensor if self.rank == group_src else None, "broadcast", tensor, group_src)
 
     def reduce(self, tensor: torch.Tensor, group_dst: int = 0, op=dist.ReduceOp.SUM):
         """Sum ``tensor`` into the rank with group rank ``group_dst`` (others' buffers: undefined)."""
-        if self.solo:
-            return None
-        if self.rank != group_dst:
-            self.count(tensor)
-        return self.transport.reduce(self.current_group, tensor, group_dst, op)
+        return self._issue(None if self.rank == group_dst else tensor, "reduce", tensor, group_dst, op)
 
 
 def gather_objects(obj: Any, group, group_dst: int = 0) -> Optional[list]:
-    """Every rank's picklable ``obj`` on the rank with group rank ``group_dst`` (``None`` on the
-    others; ``[obj]`` for one process). Unpickles peer data: see docs/reliability.md.
-
-    Example::
-
-        pieces = gather_objects(my_pieces, group)      # a list on group rank 0
-    """
+    """Every rank's picklable ``obj`` on group rank ``group_dst`` (unpickles peer data)."""
     if group is None or dist.get_world_size(group) == 1:
         return [obj]
     me = dist.get_rank(group)
@@ -232,12 +153,7 @@ def gather_objects(obj: Any, group, group_dst: int = 0) -> Optional[list]:
 
 
 def is_completed(work) -> bool:
-    """True when every handle in ``work`` finished (a list/tuple of handles is allowed).
-
-    Example::
-
-        if is_completed(rounds.work): ...
-    """
+    """True when every handle in ``work`` (one, a list/tuple, or None) finished."""
     if work is None:
         return True
     if isinstance(work, (list, tuple)):
@@ -248,32 +164,16 @@ def is_completed(work) -> bool:
 
 
 def wait(work) -> None:
-    """Block until every handle in ``work`` finished, raising its error if any.
-
-    Example::
-
-        wait([comm.all_gather(out, inp), comm.all_reduce(buf)])
-    """
-    if work is None:
-        return
+    """Block until every handle in ``work`` (one, a list/tuple, or None) finished."""
     if isinstance(work, (list, tuple)):
         for w in work:
             wait(w)
-    else:
+    elif work is not None:
         work.wait()
 
 
 class Rounds:
-    """The one driver of a round generator.
-
-    A round generator issues asynchronous collectives through its :class:`Comm` objects,
-    yields their work handle(s) and is resumed once they completed; its return value is
-    :attr:`result`. :meth:`start` runs it up to (and including the issue of) its first round;
-    :meth:`poll` advances it through every round whose work completed (all of them with
-    ``block=True``); :meth:`wait` finishes it. After the first round every comm enters its
-    later rounds (:meth:`Comm.enter_later_rounds`).
-
-    Example::
+    """The one driver of a round generator (yields its collectives' work; returns :attr:`result`). Example::
 
         comm = Comm(group)
         r = Rounds(compressor.reduce(flat, layout, state, comm), [comm]).start()
@@ -299,8 +199,7 @@ class Rounds:
 
     @property
     def released(self) -> bool:
-        """Finished, or issued all of its ``total`` rounds: works queued behind it on a
-        :class:`~bitscom.channel.Channel` may issue their later rounds."""
+        """Finished, or issued all of its ``total`` rounds: works queued behind it may go on."""
         return self.done or (self.total is not None and self.issued >= self.total)
 
     def start(self) -> "Rounds":
@@ -330,17 +229,14 @@ class Rounds:
         return self.done
 
     def step(self) -> None:
-        """Wait for the current round and issue the next one (blocking; one round). Unlike
-        :meth:`poll` it does not ask the work whether it completed (some of torch's wrapped
-        works never say so)."""
+        """Wait for the current round and issue the next (without asking whether it completed)."""
         self.start()
         if not self.done:
             wait(self.work)
             self._advance()
 
     def wait(self, timeout=None) -> bool:
-        """Drive every remaining round to completion (``timeout`` is accepted, like torch's
-        ``Work.wait``, and not used: each collective has its group's timeout)."""
+        """Drive every remaining round to completion (``timeout`` unused: groups have theirs)."""
         self.poll(block=True)
         return True
 
@@ -348,23 +244,14 @@ class Rounds:
         return self.done
 
     def retain(self) -> Any:
-        """The finished work's last round handle, for a :class:`~bitscom.channel.Channel` to
-        keep until its next submit (see ``Channel._finished``)."""
+        """The finished work's last round handle (see ``Channel._finished``)."""
         return self._last_work
 
-    @property
-    def bytes_sent(self) -> int:
-        return sum(c.bytes_sent for c in self.comms)
+    bytes_sent = property(lambda self: sum(c.bytes_sent for c in self.comms))
 
 
 def drive(rounds: Iterator[Any], comm: Optional[Comm] = None) -> Any:
-    """Run a round generator to completion, synchronously; returns its result.
-
-    Example::
-
-        comm = Comm(group)
-        drive(compressor.reduce(flat, layout, state, comm), comm)
-    """
+    """Run a round generator to completion, synchronously; returns its result."""
     r = Rounds(rounds, [comm] if comm is not None else [])
     r.wait()
     return r.result

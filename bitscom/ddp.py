@@ -1,26 +1,6 @@
-"""A DDP communication hook that reduces each DDP bucket through any bitscom compressor.
-
-Why a scheduler and not one reduction per hook call: multi-round compressors (PowerSGD's P
-then Q, low-bit's all-to-all then all-gather) issue their later rounds when earlier work
-completes — at different moments on different ranks. The hook therefore drives compressors
-with the optimizer's own :class:`~bitscom.engine.Reducer` on the group's
-:class:`~bitscom.channel.Channel`: a bucket's first round starts when DDP hands the bucket over
-(so it overlaps the rest of backward), later rounds go to the channel's later group in bucket
-order, and the hook of the *last* bucket finishes them all
-and completes every bucket's future. DDP waits on the futures only after the last hook, so
-that final blocking costs nothing.
-
-Per-bucket compressor state (error residuals, P/Q memory, generators) is keyed by DDP's
-bucket index. DDP rebuilds its buckets after the first iteration (in the order gradients
-became ready); a bucket index whose parameters change gets a fresh state then. The state
-is checkpointable with :meth:`DDPCommState.state_dict` / :meth:`DDPCommState.load_state_dict`.
-
-The state is a :class:`~bitscom.face.Face`: settings are validated on every rank and then
-agreed, the hook raises a clear error after ``bitscom.shutdown()`` (instead of reducing over a
-dead group), checkpoints carry the envelope (another rank's error-feedback state or a stale
-iteration count on one rank is the same error on every rank at the next bucket), and
-``comm_stats()`` has the keys of every face.
-"""
+"""A DDP communication hook that reduces each DDP bucket through any bitscom compressor, with
+the optimizer's :class:`~bitscom.engine.Reducer` so later rounds keep one order on the group's
+channel; the last bucket's hook finishes them all (docs/api.md, "DDP comm hook")."""
 
 from __future__ import annotations
 
@@ -42,11 +22,7 @@ __all__ = ["ddp_comm_hook", "DDPCommState"]
 
 
 def _layout(bucket, index: int, names: Optional[Dict[int, str]] = None) -> BucketLayout:
-    """The bucket's layout from its gradients' shapes, so matrix compressors see matrices.
-
-    Slots are named ``ddp.bucket{index}.{j}`` (DDP's buckets carry no parameter names), or
-    after their parameters when the hook was given ``named_parameters`` (``names``: id -> name).
-    """
+    """The bucket's layout from its gradients' shapes (matrix compressors see matrices)."""
     flat = bucket.buffer()
     params = bucket.parameters() if names is not None else []
     slots, offset = [], 0
@@ -70,11 +46,7 @@ def _layout(bucket, index: int, names: Optional[Dict[int, str]] = None) -> Bucke
 
 
 class DDPCommState(Face):
-    """What the hook keeps between calls: compressor, groups, per-bucket state, in-flight work.
-
-    Build it with :func:`ddp_comm_hook` (every rank, at the same point: it agrees on the
-    settings). ``comm_stats()`` has every face's keys (:func:`bitscom.face.report`):
-    ``bytes_sent`` since construction, ``step_bytes_sent`` the last iteration. Example::
+    """What the hook keeps between calls (a Face); built by :func:`ddp_comm_hook`. Example::
 
         state, hook = bitscom.ddp_comm_hook(bitscom.compressors.get("topk", ratio=0.01))
         ddp_model.register_comm_hook(state, hook)
@@ -95,7 +67,7 @@ class DDPCommState(Face):
         assert compressor is not None
         self.compressor = compressor
         self._names = names                       # id(parameter) -> name, or None
-        # The core Reducer with layouts and states filled in lazily, per DDP bucket index.
+        # layouts and states filled in lazily, per DDP bucket index
         channel = runtime.channel(self.process_group, later=self._size > 1)
         self._reducer = Reducer(compressor, [], channel)
         self._keys: List[Optional[tuple]] = []
@@ -106,20 +78,13 @@ class DDPCommState(Face):
         self._iterations = 0
 
     def close(self) -> None:
-        """Forget the buckets in flight; the hook fails loudly if DDP calls it afterwards (the
-        later-round group is the process group's channel's, shared, made once by runtime).
-
-        Example::
-
-            state.close()
-        """
+        """Forget the buckets in flight; the hook fails loudly if DDP calls it afterwards."""
         self._face_close()
         self._reducer.abort()
 
     def _release_groups(self) -> None:
         self._reducer.abort()
 
-    # -- per-bucket state ----------------------------------------------------------------
     def _prepare(self, bucket) -> int:
         index = bucket.index()
         layout = _layout(bucket, index, self._names)
@@ -135,7 +100,6 @@ class DDPCommState(Face):
             self._keys[index] = key
         return index
 
-    # -- the hook body -------------------------------------------------------------------
     def _on_bucket(self, bucket) -> torch.futures.Future:
         future: torch.futures.Future = torch.futures.Future()
         try:
@@ -175,17 +139,10 @@ class DDPCommState(Face):
             if not future.done():
                 future.set_exception(RuntimeError(f"bitscom DDP hook failed: {err}"))
 
-    # -- public ----------------------------------------------------------------------------
-    @property
-    def bucket_states(self) -> list:
-        """The compressor state of each DDP bucket index seen so far (None: not seen yet)."""
-        return list(self._reducer.states)
+    bucket_states = property(lambda self: list(self._reducer.states), doc="Each DDP bucket's state (None: unseen).")
 
     def comm_stats(self) -> dict:
-        """Bytes this rank sent: ``bytes_sent`` / ``dense_bytes`` (fp32) since construction and
-        ``step_bytes_sent`` / ``step_dense_bytes`` for the last iteration, as on every face.
-
-        Example::
+        """Bytes this rank sent (:func:`bitscom.face.report`; a step is one iteration). Example::
 
             state.comm_stats()["compression_ratio"]
         """
@@ -203,12 +160,7 @@ class DDPCommState(Face):
                 "envelope": self._envelope(self._iterations)}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore :meth:`state_dict`'s output.
-
-        A bucket already seen with the same gradient shapes loads at once; otherwise the
-        saved state waits until DDP hands over a bucket of that index with those shapes (a
-        fresh DDP model builds its buckets during its first backward).
-        """
+        """Restore :meth:`state_dict`; a bucket not seen yet loads when DDP hands it over."""
         if canonical_fingerprint(str(state_dict.get("compressor"))) != self.compressor.fingerprint():
             raise ValueError(f"checkpoint compressor {state_dict.get('compressor')} differs from "
                              f"{self.compressor.fingerprint()}")
@@ -250,25 +202,10 @@ def _hook(state, bucket):       # no annotations: DDP checks them and these woul
 
 def ddp_comm_hook(compression="none", process_group=None, named_parameters=None, *,
                   compressor=None) -> tuple:
-    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
-
-    Every rank must call it (it checks that all ranks chose the same compressor settings, and
-    the group's channel may create its later-round group, with the ``timeout`` given to
-    :func:`bitscom.init`).
-
-    Args:
-        compression: a bitscom compressor (``bitscom.Compression.fp16``,
-            ``bitscom.compressors.PowerSGD(rank=2)``), a registry name, or a Horovod-style
-            codec class (``compress``/``decompress``; see :mod:`bitscom.compression`).
-            ``compressor=`` is its deprecated name (every face calls it ``compression=``).
-        process_group: the DDP model's process group (default: the world group).
-        named_parameters: ``model.named_parameters()`` of the DDP model: names the slots of
-            DDP's buckets after their parameters. Needed by compressors that match names
-            (:class:`~bitscom.compressors.Exclude`: a ValueError without it); otherwise slots
-            are named ``ddp.bucket{i}.{j}``. The names are those given: the DDP wrapper's
-            own carry a ``module.`` prefix, the wrapped module's do not.
-
-    Example::
+    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``; every rank must call
+    it (it agrees on the settings). ``compression``: a compressor, a registry name or a Horovod
+    codec (``compressor=`` is its deprecated name); ``named_parameters`` names DDP's bucket
+    slots after the parameters (which ``Exclude`` needs). Example::
 
         model = torch.nn.parallel.DistributedDataParallel(net)
         state, hook = bitscom.ddp_comm_hook(bitscom.compressors.get("signsgd"))

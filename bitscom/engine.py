@@ -1,12 +1,5 @@
-"""The reduction engine: drives each bucket's compressor rounds without blocking backward.
-
-Buckets are submitted, in bucket order, to the face's :class:`~bitscom.channel.Channel`: it
-issues each bucket's first round at launch (from backward hooks, in the same order on every
-rank) and its later rounds (PowerSGD's Q, low-bit's all-gather — possible only once earlier
-work *completed*, at different moments per rank) on the channel's later group, where bucket k
-issues a later round only once every bucket before it finished (see :mod:`bitscom.channel`).
-The engine keeps what is per face: the compressor, the layouts and each bucket's state.
-"""
+"""The reduction engine: each bucket's compressor rounds, submitted in bucket order to the
+face's :class:`~bitscom.channel.Channel`, without blocking backward."""
 
 from __future__ import annotations
 
@@ -24,22 +17,7 @@ __all__ = ["Reducer"]
 
 
 class Reducer:
-    """Runs one compressor over a fixed list of bucket layouts, step after step.
-
-    ``launch(i, flat)`` must be called in increasing ``i`` within a step (the optimizer
-    guarantees it); ``poll()`` advances buckets whose work completed; ``wait_all()``
-    finishes every bucket and returns the bytes this rank sent.
-
-    ``channel`` is the face's :class:`~bitscom.channel.Channel` (a process group, or None,
-    is resolved with :func:`bitscom.runtime.channel`).
-
-    Example::
-
-        reducer = Reducer(compressor, layouts, bitscom.runtime.channel(group, later=True))
-        for i, flat in enumerate(flats):
-            reducer.launch(i, flat)
-        sent = reducer.wait_all()
-    """
+    """Runs one compressor over bucket layouts: ``launch(i, flat)`` in order, ``wait_all()``."""
 
     def __init__(self, compressor: Compressor, layouts: Sequence[BucketLayout], channel=None):
         self.compressor = compressor
@@ -48,15 +26,10 @@ class Reducer:
         self.states: List[Any] = [compressor.init_state(l) for l in self.layouts]
         self._flights: List[Tuple[int, Rounds]] = []
 
-    @property
-    def later_group(self):
-        """The group later rounds go to (the channel's)."""
-        return self.channel.later_group
+    later_group = property(lambda self: self.channel.later_group, doc="The channel's later-round group.")
 
     def set_bucket(self, index: int, layout: BucketLayout, state: Optional[State] = None) -> State:
-        """Define (or redefine) bucket ``index``; for adapters that learn buckets lazily, like
-        DDP, which hands buckets over one by one and rebuilds them after the first iteration.
-        Returns the bucket's state (a fresh one unless ``state`` is given)."""
+        """Define (or redefine) bucket ``index`` for adapters that learn buckets lazily (DDP)."""
         while len(self.layouts) <= index:
             self.layouts.append(None)
             self.states.append(None)
@@ -70,13 +43,10 @@ class Reducer:
         self._flights = []
 
     def release(self) -> None:
-        """The world is gone: drop the work in flight (the channel holds its groups weakly, so
-        nothing here keeps the old world alive; see :func:`bitscom.face.release_all`)."""
+        """The world is gone: drop the work in flight."""
         self._flights = []
 
-    @property
-    def in_flight(self) -> bool:
-        return any(not r.done for _, r in self._flights)
+    in_flight = property(lambda self: any(not r.done for _, r in self._flights))
 
     def launch(self, index: int, flat: torch.Tensor) -> None:
         """Start bucket ``index``'s reduction: runs it up to (and issuing) its first round."""
@@ -90,16 +60,14 @@ class Reducer:
         self.channel.submit(rounds)
 
     def poll(self, block: bool = False) -> None:
-        """Advance buckets whose current work completed (all of them with ``block=True``), in
-        bucket order (the channel's rule)."""
+        """Advance buckets whose current work completed (all of them with ``block=True``)."""
         if block and self._flights:
             self.channel.wait(self._flights[-1][1])
         else:
             self.channel.poll()
 
     def wait_all(self) -> int:
-        """Finish every launched bucket; return the bytes sent and reset for the next step (a
-        failed bucket's error is raised, the others are forgotten)."""
+        """Finish every launched bucket; return the bytes sent (a failed bucket's error raised)."""
         failed: Optional[BaseException] = None
         try:
             self.poll(block=True)

@@ -1,37 +1,8 @@
 """Face: what every face of bitscom is, written once.
 
-A *face* is what a user holds: ``DistributedOptimizer``, ``ShardedOptimizer``, ``DiLoCo``,
-``OneBitAdam`` / ``ZeroOneAdam``, the DDP hook's state, the FSDP2 handle. Faces differ in their
-plan (which buckets, which compressor) and their step. Everything around that is the same
-policy, and every defect found in testing sat in a face that had its own copy of a piece of it
-or skipped one. So the policy lives here, and a face inherits it:
-
-1. **Group and membership** (:meth:`Face._face_init`): the group is ``process_group`` or the
-   world group; before ``bitscom.init()`` under a launcher it is a clear error (never a silent
-   one-process run); a non-member rank is a clear error.
-2. **Liveness** (:meth:`Face._check_live`): the face remembers the world it was built in. After
-   ``bitscom.shutdown()`` (or ``dist.destroy_process_group()``, or a new ``init()``) every use is
-   the same clear error on every rank: each rank decides locally, so none waits on a peer.
-   ``runtime`` also tells every live face to drop its groups when the world goes
-   (:func:`release_all`), so a face kept alive cannot keep the old world's store listening
-   (that made a later ``init()`` wait for a store that never closed).
-3. **Construction checks**: trainable parameters (:func:`check_trainable`),
-   a model already wrapped in DDP (its full-precision all-reduce would run underneath,
-   uncounted), all refused the same way on every face.
-4. **Agreement** (:meth:`Face._face_agree`): settings are validated on every rank and then
-   compared, so a bad value on one rank is the same error on every rank; the description names
-   the face, the world size, parameter names/shapes/dtypes and the settings.
-5. **The checkpoint envelope** (:meth:`Face._envelope`, :meth:`Face._check_envelope`,
-   :func:`own_entry`, :func:`load_all_or_nothing`): who saved it (rank, world) and after how
-   many steps, with a face's per-rank state under a key naming the rank (``rank<r>``), so a
-   checkpointer that keeps one copy of keys all ranks share (DCP) keeps every rank's. Another
-   rank's per-rank state is refused; in a multi-rank run the refusal is *deferred* to the next
-   step's agreement so that every rank raises it (a rank raising alone would leave the others
-   waiting in their next collective). A failed load leaves the face as it was.
-6. **Byte report** (:func:`report`, :class:`ByteLedger`): ``comm_stats()`` has one meaning on every face.
-7. ``close()`` bookkeeping.
-
-Example::
+A *face* is what a user holds (an optimizer, the DDP hook's state, ...). The policy around
+its plan and step is the same for every face, and every defect found in testing sat in a face
+with its own copy of a piece of it; so it lives here (docs/design.md, "The Face"). Example::
 
     class MyFace(Face):
         def __init__(self, named, process_group=None):
@@ -56,26 +27,18 @@ import torch
 import torch.distributed as dist
 
 from . import runtime
-from .agreement import PROBLEM, check_agreement, require_member
+from .agreement import PROBLEM, check_agreement
 from .comm import resolve_group
 
-__all__ = ["Face", "require_group", "check_trainable", "ddp_owner", "live_objects", "describe_parameters", "raise_problem", "load_all_or_nothing", "own_entry", "rank_key", "pack_entry", "unpack_entry", "release_all", "dense_bytes",
-           "report", "ByteLedger", "group_alive", "renamed"]
+__all__ = ["Face", "require_group", "check_trainable", "ddp_owner", "live_objects", "describe_parameters",
+           "raise_problem", "load_all_or_nothing", "own_entry", "rank_key", "pack_entry", "unpack_entry", "release_all",
+           "dense_bytes", "report", "ByteLedger", "group_alive", "renamed"]
 
 _live: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def release_all() -> None:
-    """Drop every live face's process groups: the world they were built in is gone.
-
-    Called by :mod:`bitscom.runtime` at ``shutdown()`` and when ``init()`` finds the recorded
-    world destroyed. A face (or anything under it) that still held the old world's groups would
-    keep that world's TCPStore listening, and the next rendezvous would wait on it.
-
-    Example::
-
-        bitscom.face.release_all()
-    """
+    """Drop every live face's process groups: the world is gone (runtime calls it)."""
     for face in list(_live):
         face._release_world()
 
@@ -84,42 +47,17 @@ runtime.on_world_gone(release_all)
 
 
 def describe_parameters(named: Sequence[Tuple[str, torch.Tensor]]) -> list:
-    """(name, shape, dtype) of each parameter: what every rank must agree on.
-
-    Example::
-
-        describe_parameters(list(model.named_parameters()))
-    """
+    """(name, shape, dtype) of each parameter: what every rank must agree on."""
     return [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
 
 
 def dense_bytes(numel: int) -> int:
-    """What ``numel`` fp32 gradient elements cost uncompressed: the one baseline every face's
-    ``compression_ratio`` divides by.
-
-    Example::
-
-        dense_bytes(1000)   # 4000
-    """
+    """What ``numel`` fp32 gradient elements cost uncompressed: every ``compression_ratio``'s baseline."""
     return int(numel) * 4
 
 
 def report(step_sent: int, step_dense: int, total_sent: int, total_dense: int, **extra) -> dict:
-    """The byte report of every face's ``comm_stats()``, with one meaning on every face.
-
-    * ``bytes_sent`` / ``dense_bytes`` / ``compression_ratio``: since construction, this rank:
-      the payload it handed to the network, what fp32 data parallelism (an exact all-reduce of
-      every gradient every step) would have sent for the same steps, and their quotient. A
-      whole-run number is the one that means the same for a face that communicates every step
-      and for one that communicates every few steps (DiLoCo, 0/1 Adam's local steps).
-      ``total_bytes_sent`` / ``total_dense_bytes`` are the same numbers under their older names.
-    * ``step_bytes_sent`` / ``step_dense_bytes``: the last step alone (0 sent for a step that
-      communicated nothing).
-
-    Example::
-
-        report(1000, 32000, 5000, 160000)["compression_ratio"]   # 32.0
-    """
+    """The byte report of every face's ``comm_stats()``: the whole run and the last step."""
     stats = dict(extra, bytes_sent=int(total_sent), dense_bytes=int(total_dense),
                  step_bytes_sent=int(step_sent), step_dense_bytes=int(step_dense),
                  total_bytes_sent=int(total_sent), total_dense_bytes=int(total_dense))
@@ -128,12 +66,7 @@ def report(step_sent: int, step_dense: int, total_sent: int, total_dense: int, *
 
 
 class ByteLedger:
-    """What a face sent: the open step, the last finished step and the whole run.
-
-    Example::
-
-        ledger = ByteLedger(); ledger.add(100, 400); ledger.end_step(); ledger.report()["bytes_sent"]  # 100
-    """
+    """What a face sent: the open step, the last finished step and the whole run."""
 
     def __init__(self) -> None:
         self.total_sent = self.total_dense = 0
@@ -156,13 +89,7 @@ class ByteLedger:
 
 def load_all_or_nothing(save: Callable[[], Any], load: Callable[[], None],
                         restore: Callable[[Any], None]) -> None:
-    """Run ``load()``; if it raises, put back what ``save()`` captured before and re-raise.
-
-    Example::
-
-        load_all_or_nothing(reducer.state_dict, lambda: reducer.load_state_dict(new),
-                            reducer.load_state_dict)
-    """
+    """Run ``load()``; if it raises, put back what ``save()`` captured before and re-raise."""
     backup = save()
     try:
         load()
@@ -172,14 +99,7 @@ def load_all_or_nothing(save: Callable[[], Any], load: Callable[[], None],
 
 
 def require_group(process_group, face: str, *, warn_single: bool = False):
-    """The group ``face`` reduces over (``process_group`` or the world group), or ``None`` for
-    one process; a clear error instead of a silent local run when a launcher started several
-    processes but torch.distributed is not initialized, or when this rank is not a member.
-
-    Example::
-
-        group = require_group(None, "ShardedOptimizer")
-    """
+    """The group ``face`` uses (or None for one process); a clear error instead of a silent local run."""
     if process_group is not None and not group_alive(process_group):
         raise RuntimeError(
             f"{face} was given a process_group of a world that has since been shut down "
@@ -190,7 +110,8 @@ def require_group(process_group, face: str, *, warn_single: bool = False):
         info = runtime.discover()
         if info.size > 1:
             raise RuntimeError(
-                f"{face} was used before bitscom.init() (or after bitscom.shutdown()): the launcher ({info.launcher}) started "
+                f"{face} was used before bitscom.init() (or after bitscom.shutdown()): the launcher "
+                f"({info.launcher}) started "
                 f"{info.size} processes but torch.distributed is not initialized, so it would run "
                 "each rank on its own and the replicas would diverge. Call bitscom.init() (or "
                 "torch.distributed.init_process_group) first.")
@@ -204,19 +125,11 @@ def require_group(process_group, face: str, *, warn_single: bool = False):
         raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of "
                          f"process_group (ranks {dist.get_process_group_ranks(group)}); build "
                          f"{face} on member ranks only")
-    require_member(group, face)
     return group
 
 
 def renamed(value, old_value, *, new: str, old: str, where: str):
-    """``value``, or ``old_value`` passed under the deprecated name ``old`` (with a
-    DeprecationWarning): one name per concept on every face (``process_group=``,
-    ``compression=``), the old spellings kept where they shipped.
-
-    Example::
-
-        process_group = renamed(process_group, group, new="process_group", old="group", where="DiLoCo")
-    """
+    """``value``, or ``old_value`` under its deprecated name ``old`` (with a DeprecationWarning)."""
     if old_value is None:
         return value
     if value is not None:
@@ -227,15 +140,7 @@ def renamed(value, old_value, *, new: str, old: str, where: str):
 
 
 def group_alive(group) -> bool:
-    """Whether ``group`` is one of torch's live process groups: ``destroy_process_group()``
-    (which ``bitscom.shutdown()`` runs) unregisters every group of the world, but a Python
-    reference keeps the object, and a custom backend (``lowbit``) would go on sending over its
-    inner connections in a world that is gone.
-
-    Example::
-
-        assert group_alive(dist.group.WORLD)
-    """
+    """Whether ``group`` is one of torch's live process groups."""
     if not isinstance(group, dist.ProcessGroup):     # e.g. NON_GROUP_MEMBER: membership decides
         return True
     return dist.is_initialized() and group in dist.distributed_c10d._world.pg_map
@@ -243,13 +148,7 @@ def group_alive(group) -> bool:
 
 def check_trainable(named: Sequence[Tuple[str, torch.Tensor]], face: str,
                     dtypes: Optional[Sequence[torch.dtype]] = None) -> None:
-    """Refuse parameters no face can reduce: meta tensors (no data), non-floating or complex
-    trainable parameters, sparse layouts, and (when ``dtypes`` is given) other dtypes.
-
-    Example::
-
-        check_trainable(list(model.named_parameters()), "DistributedOptimizer")
-    """
+    """Refuse parameters no face can reduce: meta, non-floating, complex, sparse, other dtypes."""
     for name, p in named:
         if p.is_meta:
             raise ValueError(f"parameter {name!r} is on the meta device (it has no data); "
@@ -271,15 +170,7 @@ def check_trainable(named: Sequence[Tuple[str, torch.Tensor]], face: str,
 
 
 def ddp_owner(params: Sequence[torch.Tensor], objects: Optional[list] = None) -> Optional[str]:
-    """The class name of a ``DistributedDataParallel`` module that owns any of ``params``, or
-    ``None``. A model already wrapped in DDP (e.g. by Accelerate's ``prepare()``) would be
-    reduced twice — DDP's full-precision all-reduce in backward, then ours — while
-    ``comm_stats()`` reported only ours; the faces refuse it.
-
-    Example::
-
-        assert ddp_owner(list(model.parameters())) is None
-    """
+    """The class of a DDP module that owns any of ``params`` (it would be reduced twice), or None."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     ours = {id(p) for p in params}
     for obj in (live_objects(DDP) if objects is None else objects):
@@ -289,18 +180,11 @@ def ddp_owner(params: Sequence[torch.Tensor], objects: Optional[list] = None) ->
 
 
 def live_objects(types) -> list:
-    """Every live object of ``types`` (one garbage-collector scan, at construction only): how a
-    face finds modules that own its parameters (a DDP wrapper, sparse embeddings) when the user
-    handed it only the parameters. Deprecated torch objects warn when inspected; silenced.
-
-    Example::
-
-        embeddings = live_objects((torch.nn.Embedding,))
-    """
+    """Every live object of ``types``: one garbage-collector scan, at construction only."""
     wanted: Dict[type, bool] = {}        # each type's answer once: the scan is one dict lookup per object
     found = []
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")   # deprecated torch objects warn when inspected
         for obj in gc.get_objects():
             cls = type(obj)
             hit = wanted.get(cls)
@@ -312,13 +196,7 @@ def live_objects(types) -> list:
 
 
 def raise_problem(description: Dict[str, Any]) -> None:
-    """After an agreement passed: every rank had the very same checkpoint problem (so the
-    descriptions agreed); raise it.
-
-    Example::
-
-        raise_problem({"checkpoint problem": None})    # nothing to raise
-    """
+    """After an agreement passed: raise the checkpoint problem every rank had alike."""
     if description.get(PROBLEM):
         raise RuntimeError(description[PROBLEM])
 
@@ -327,28 +205,12 @@ _RANK_KEY = re.compile(r"^rank(\d+)$")
 
 
 def rank_key(rank: int) -> str:
-    """The envelope key of rank ``rank``'s own state: ``"rank<r>"``.
-
-    Example::
-
-        rank_key(1)   # "rank1"
-    """
+    """The envelope key of rank ``rank``'s own state: ``"rank<r>"``."""
     return f"rank{int(rank)}"
 
 
 def own_entry(saved: Dict[str, Any], rank: int, map_location=None) -> Dict[str, Any]:
-    """The envelope ``saved`` as rank ``rank`` reads it: the fields shared by every rank (face,
-    world, steps) with this rank's own entry (``rank<r>``: its per-rank state and its rank)
-    laid over them. Where ``saved`` holds no entry of this rank (another rank's file, or a
-    store that kept only some ranks' keys), the lowest rank's entry, so the rank check
-    (:meth:`Face._check_envelope`) names whose state it is. An envelope written before the
-    per-rank keys (its payload beside ``rank``) is returned as it is. ``map_location``: where
-    the entry's tensors go (default: the device they were saved from, as ``torch.load``).
-
-    Example::
-
-        own_entry(opt.state_dict()["bitscom"], bitscom.rank())["reducer"]
-    """
+    """``saved`` with rank ``rank``'s ``rank<r>`` entry (else the lowest rank's) over shared fields."""
     ranked = {int(m.group(1)): key for key in saved if isinstance(key, str) and (m := _RANK_KEY.match(key))}
     if not ranked:
         return saved
@@ -357,30 +219,14 @@ def own_entry(saved: Dict[str, Any], rank: int, map_location=None) -> Dict[str, 
 
 
 def pack_entry(own: Dict[str, Any]) -> bytes:
-    """A rank's own state as one opaque value (``torch.save`` bytes).
-
-    Why opaque: a load template is usually a fresh face's ``state_dict()``, whose state is not
-    there yet (lazy residuals are ``None`` before the first step). A checkpointer that loads in
-    place by key (DCP) then finds tensors where the template has ``None`` and refuses; one
-    opaque entry per rank loads whatever it holds. Read back with ``torch.load(weights_only=True)``,
-    so a checkpoint loaded with that safety keeps it.
-
-    Example::
-
-        unpack_entry(pack_entry({"residual": torch.zeros(3)}))["residual"]
-    """
+    """A rank's own state as one opaque value: DCP refuses tensors where a template has None."""
     buffer = io.BytesIO()
     torch.save(own, buffer)
     return buffer.getvalue()
 
 
 def unpack_entry(entry: Any, map_location=None) -> Dict[str, Any]:
-    """The inverse of :func:`pack_entry` (DCP may hand back a ``BytesIO``; a dict passes).
-
-    Example::
-
-        unpack_entry(pack_entry({"steps": 3}))   # {"steps": 3}
-    """
+    """The inverse of :func:`pack_entry` (DCP may hand back a ``BytesIO``; a dict passes)."""
     if isinstance(entry, dict):
         return entry
     data = entry.getvalue() if isinstance(entry, io.BytesIO) else entry
@@ -391,28 +237,15 @@ def unpack_entry(entry: Any, map_location=None) -> Dict[str, Any]:
 
 
 class Face:
-    """The base of every face; see the module docstring for what it owns.
-
-    State it keeps: ``process_group`` (None for one process), ``_rank``, ``_size``,
-    ``_face_name``, ``_face_closed``, ``_face_problem`` (a checkpoint problem waiting for the
-    next agreement).
-
-    Example::
-
-        class MyFace(Face):
-            def __init__(self, named, process_group=None):
-                self._face_init("MyFace", process_group, named)
-    """
+    """The base of every face (see the module docstring)."""
 
     _face_name = "face"
     _face_closed = False
     _face_resumed = False     # a checkpoint was loaded: the ranks compare before the next collective
     _face_problem: Optional[str] = None
 
-    # -- construction --------------------------------------------------------------------------
     def _face_init(self, name: str, process_group, named: Optional[Sequence[Tuple[str, torch.Tensor]]] = None,
                    *, warn_single: bool = True, dtypes=None) -> None:
-        """Resolve the group (or a clear error), remember the world, check the parameters."""
         self._face_name = name
         group = require_group(process_group, name, warn_single=warn_single)
         self.process_group = group
@@ -428,13 +261,10 @@ class Face:
         _live.add(self)
 
     def _plan_requires_grad(self, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
-        """Remember which parameters train: plans (buckets, flat momentum) are made once."""
-        self._face_planned = [(n, p, p.requires_grad) for n, p in named]
+        self._face_planned = [(n, p, p.requires_grad) for n, p in named]   # plans are made once
 
     def _check_requires_grad(self) -> None:
-        """A parameter frozen or unfrozen since construction is the same clear error on every
-        face (the plan was made once: a frozen parameter would still move under a flat momentum
-        or an outer step, an unfrozen one would never be reduced)."""
+        """A parameter frozen or unfrozen since construction is an error (plans are made once)."""
         for name, p, planned in self._face_planned:
             if p.requires_grad != planned:
                 change = "unfrozen" if p.requires_grad else "frozen"
@@ -445,7 +275,6 @@ class Face:
                     "requires_grad")
 
     def _ddp_wrapped(self, params: Sequence[torch.Tensor], found: Optional[list] = None) -> Optional[str]:
-        """The DDP class owning any of ``params`` (multi-rank only: one process has no DDP)."""
         return ddp_owner(params, found) if self._size > 1 else None
 
     def _refuse_ddp(self, owner: Optional[str]) -> None:
@@ -462,8 +291,7 @@ class Face:
 
     def _face_agree(self, description: Dict[str, Any], error: Optional[BaseException] = None,
                     what: Optional[str] = None) -> None:
-        """Compare ``description`` across ranks; raise ``error`` (a local validation error) on
-        this rank only after every rank has seen it, so all ranks raise together."""
+        """Compare ``description`` across ranks; then raise ``error`` (on every rank alike)."""
         desc: Dict[str, Any] = {"settings error": None if error is None else f"{type(error).__name__}: {error}"}
         if error is None:
             desc.update({"face": self._face_name, "world size": self._size})
@@ -473,9 +301,7 @@ class Face:
         if error is not None:
             raise error
 
-    # -- liveness -------------------------------------------------------------------------------
     def _check_live(self) -> None:
-        """A clear error if this face was closed or its world is gone (decided locally)."""
         if self._face_closed:
             raise RuntimeError(f"this {self._face_name} was closed; build a new one")
         if self._size > 1 and runtime.world_token() != self._world:   # gone, or a new world
@@ -487,28 +313,14 @@ class Face:
                 "after bitscom.init()")
 
     def _release_world(self) -> None:
-        """The world is gone: drop the groups (see :func:`release_all`); uses then raise
-        (:meth:`_check_live` sees the world token change)."""
         self.process_group = None
         self._release_groups()
 
     def _release_groups(self) -> None:
         """Faces drop whatever else holds groups (their reducers, lifecycles); overridden."""
 
-    # -- the checkpoint envelope ---------------------------------------------------------------
     def _envelope(self, steps: int, own: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        """Who saved a checkpoint and when, with this rank's own state ``own`` (error-feedback
-        residuals, anything that differs between ranks) under :func:`rank_key`.
-
-        Why keyed by rank: a checkpointer that writes every rank's state dict into one store by
-        key path — ``torch.distributed.checkpoint.save({"optim": opt.state_dict()})``, as
-        Accelerate's and torchtitan's do — keeps one copy of a key that every rank has, so
-        per-rank state under a shared key would survive for one rank only, and the other ranks
-        could not resume. Under ``rank<r>`` each rank's state is a key of its own, which each
-        rank's load template (its own ``state_dict()``) asks for; one opaque value
-        (:func:`pack_entry`), so a fresh face's template fits it. ``rank`` beside it is kept
-        for readers of the older layout; :func:`own_entry` reads the entry, not it. Without
-        ``own`` (a face whose per-rank state lives elsewhere) the envelope is the older one."""
+        """Who saved a checkpoint and when, with this rank's state under :func:`rank_key` (DCP dedups)."""
         envelope: Dict[str, Any] = {"face": self._face_name, "rank": self._rank, "world": self._size,
                                     "steps": int(steps)}
         if own is not None:
@@ -516,15 +328,10 @@ class Face:
         return envelope
 
     def _own_entry(self, saved: Dict[str, Any]) -> Dict[str, Any]:
-        """``saved`` (an envelope) as this rank reads it: see :func:`own_entry`."""
         return own_entry(saved, self._rank)
 
     def _check_envelope(self, saved: Dict[str, Any], per_rank_state: bool) -> bool:
-        """Whether ``saved`` (an envelope) may be loaded here. A different world size is a
-        ValueError now (every rank sees the same mismatch). Another rank's per-rank state
-        (``per_rank_state``: error-feedback residuals) is a ValueError now for one process, and
-        otherwise a problem raised on every rank at the next agreement: returns False then, and
-        the caller loads nothing."""
+        """Whether ``saved`` may be loaded (another rank's state: a problem for every rank, False)."""
         world = saved.get("world", saved.get("world size"))
         if world is not None and world != self._size:
             raise ValueError(f"this checkpoint was saved by a {self._face_name} over {world} ranks; "
@@ -547,33 +354,24 @@ class Face:
         return False
 
     def _deferred_problem(self) -> Dict[str, Any]:
-        """The agreement entry that carries a deferred checkpoint problem to every rank (taken:
-        asked once per agreement). Ranks with and without a problem then disagree, which is the
-        same RuntimeError, naming the problem, on every rank."""
         problem, self._face_problem = self._face_problem, None
         return {PROBLEM: problem}
 
     def _mark_loaded(self) -> None:
-        """A checkpoint was loaded (or refused for later): :meth:`_agree_if_resumed` compares."""
         self._face_resumed = True
 
     def _agree_if_resumed(self, describe: Callable[[], Dict[str, Any]], what: str) -> None:
-        """At a face's next collective point (the same on every rank): after a load, the ranks
-        compare ``describe()`` and any deferred problem (:meth:`_agree_resumed`)."""
         if self._face_resumed:
             self._face_resumed = False
             self._agree_resumed(describe(), what)
 
     def _agree_resumed(self, description: Dict[str, Any], what: str) -> None:
-        """After a load, before the next collective: the ranks compare what they resumed
-        (``description``: step counters, state shapes) and any deferred checkpoint problem, so a
-        stale or foreign checkpoint on one rank is the same RuntimeError on every rank."""
+        """After a load: the ranks compare what they resumed and any deferred problem."""
         desc = dict(description, **self._deferred_problem())
         if self._size > 1:
             check_agreement(desc, self.process_group, what=what)
         raise_problem(desc)
 
-    # -- reporting, closing ------------------------------------------------------------------
     def _face_close(self) -> None:
         self._face_closed = True
         _live.discard(self)

@@ -1,27 +1,8 @@
 """AdamW whose second-moment estimate freezes after a warm-up: 1-bit Adam's idea, for any compressor.
 
-Why: Adam divides each coordinate by ``sqrt(v)``, a running mean of the *squared* gradient.
-Biased compressors (sign, top-k, low rank) with error feedback do not hand Adam the
-gradient: they hand it a delayed, bursty version (a coordinate is zero for some steps, then
-carries several steps at once). Averaged over steps that is the gradient — error feedback
-makes sure of it — but its square is not: bursts inflate ``v`` and the zeros deflate it, so
-the per-coordinate step sizes come out wrong and error feedback cannot repair it, because
-the update is not linear in the gradient. Tang et al. (1-bit Adam, ICML 2021) observed that
-``v`` settles early in training; they run plain Adam uncompressed for a warm-up, then freeze
-``v``. From then on the update ``m / sqrt(v_frozen)`` is momentum SGD with a fixed
-per-coordinate preconditioner: linear in the gradient, which is what error feedback needs.
-
-1-bit Adam also moves the compression from the gradient to the momentum. With ``v`` frozen
-the momentum is a linear function of the gradients, so bitscom keeps compressing gradients
-(through the compressor's own error feedback) and this optimizer only supplies the frozen
-variance. Pair it with a compressor whose warm-up ends when the variance freezes
-(``start_iter == freeze_step``) so that ``v`` is estimated from exact gradients.
-
-Before and at ``freeze_step`` the arithmetic is ``torch.optim.AdamW``'s single-tensor path,
-operation for operation (tested bitwise); after it, the bias correction of ``v`` stays at
-its ``freeze_step`` value, as ``v`` itself does.
-
-Example::
+Why: error feedback hands Adam a bursty gradient whose average is right but whose square is
+not; with ``v`` frozen (1-bit Adam, ICML 2021) the update is linear in the gradient. Pair it
+with a compressor warm-up of the same length (docs/api.md). Example::
 
     comp = bitscom.compressors.get("signsgd", start_iter=30)
     base = bitscom.FrozenVarianceAdamW(model.parameters(), lr=3e-3, freeze_step=30)
@@ -48,7 +29,6 @@ def _check(name, value, low, high=None, *, integer=False):
 
 
 def _check_group(group: dict) -> None:
-    """The settings of one parameter group (or the defaults); ValueError naming the value."""
     _check("lr", group["lr"], 0.0)
     _check("eps", group["eps"], 0.0)
     _check("weight_decay", group["weight_decay"], 0.0)
@@ -61,18 +41,8 @@ def _check_group(group: dict) -> None:
 
 
 class FrozenVarianceAdamW(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay) that stops updating ``exp_avg_sq`` after ``freeze_step``.
-
-    Args:
-        params: parameters or parameter groups, as for :class:`torch.optim.AdamW`.
-        lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW` (same defaults).
-        freeze_step: steps that update the variance; 0 freezes it at zero (rejected: the
-            update would divide by ``eps``), so it must be ≥ 1. Per parameter group.
-
-    The state keys are torch's (``step``, ``exp_avg``, ``exp_avg_sq``), so a checkpoint of
-    ``torch.optim.AdamW`` taken during the warm-up loads into this optimizer and continues.
-    Sparse gradients and ``amsgrad`` are not supported (a clear error, not a silent fallback).
-    """
+    """:class:`torch.optim.AdamW` (same arguments and state keys) that stops updating
+    ``exp_avg_sq`` after ``freeze_step`` steps, per parameter group (≥ 1: 0 would divide by ``eps``)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, freeze_step: int = 100):
@@ -82,17 +52,14 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
-        """torch's ``add_param_group``, then the group's settings are checked like the
-        constructor's (a group may set its own ``lr``, ``freeze_step``, …)."""
+        """torch's ``add_param_group``, with the group's settings checked like the constructor's."""
         if isinstance(param_group, dict):       # torch's own errors for anything else
             _check_group({**getattr(self, "defaults", {}), **param_group})
         super().add_param_group(param_group)
 
     def __setstate__(self, state: dict) -> None:
-        # Optimizer.load_state_dict hands over the saved groups (fresh copies): a
-        # torch.optim.AdamW checkpoint has no freeze_step (this optimizer's default applies),
-        # and one made with settings this class does not implement must not load silently.
-        # Checked before anything is replaced.
+        # A torch.optim.AdamW checkpoint has no freeze_step (the default applies); settings this
+        # class does not implement must not load silently. Checked before anything is replaced.
         defaults = state.get("defaults", getattr(self, "defaults", {}))
         for group in state.get("param_groups", ()):
             if "freeze_step" in defaults:
@@ -105,8 +72,7 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
         super().__setstate__(state)
 
     def variance_frozen(self) -> bool:
-        """True once every parameter's variance has stopped updating (each parameter has
-        taken its group's ``freeze_step`` steps)."""
+        """True once every parameter has taken its group's ``freeze_step`` steps."""
         steps = [(int(self.state[p]["step"]), g["freeze_step"]) for g in self.param_groups
                  for p in g["params"] if p in self.state]
         return bool(steps) and all(step >= freeze for step, freeze in steps)

@@ -1,17 +1,4 @@
-"""LowBitGroup: low-bit collectives for users who call collectives themselves.
-
-A thin adapter over :mod:`bitscom.collectives`: it holds one
-:class:`~bitscom.collectives.LowBitConfig`, one :class:`~bitscom.collectives.LowBitState` per
-key (error feedback, seeds) and drives the round generators through
-:class:`~bitscom.comm.Rounds`, synchronously or as a :class:`LowBitWork` whose ``wait()``
-drives the rounds still to come. The works of one process group are driven in call order,
-whatever order they are waited in (see :class:`LowBitWork`). Every call, low-bit or exact,
-first all-gathers the call header of :mod:`bitscom.call_header` (kind, reduce op, dtype,
-element count: two integers), the same check the ``lowbit`` backend makes, so ranks that
-called different collectives are the same clear error on every rank instead of a gloo abort,
-a timeout or a silently misaligned sum, and the group stays usable. Non-float tensors and
-reductions other than SUM/AVG take the exact ``torch.distributed`` collective after it.
-"""
+"""LowBitGroup: low-bit collectives for users who call collectives themselves (docs/lowbit.md)."""
 
 from __future__ import annotations
 
@@ -34,13 +21,7 @@ _LABEL = "LowBitGroup"
 
 
 class LowBitWork(Rounds):
-    """Handle of an asynchronous low-bit collective (a :class:`~bitscom.comm.Rounds`): its
-    first round (the call header) is in flight on return, the rest follow on the group's
-    :class:`~bitscom.channel.Channel` in call order. ``wait()`` / ``poll()`` drive the group's
-    works in call order up to this one, so any rank may wait in any order; an earlier work's
-    error is kept for that work's own ``wait()``. ``bytes_sent``: what this rank sent.
-
-    Example::
+    """An asynchronous low-bit collective; waits drive the group's works in call order up to it. Example::
 
         wa = lb.all_reduce(a, async_op=True, key="a"); wb = lb.all_reduce(b, async_op=True, key="b")
         wb.wait(); wa.wait()          # any order, on any rank
@@ -62,8 +43,7 @@ class LowBitWork(Rounds):
 
 
 def _handed(work, async_op: bool):
-    """``work`` for an asynchronous call; otherwise wait for it here and return ``None``
-    (torch's ``async_op`` contract)."""
+    """``work`` for an asynchronous call, else wait for it and return ``None``."""
     if async_op:
         return work
     work.wait()
@@ -78,22 +58,13 @@ def _chain(*gens):
 
 
 class LowBitGroup(Face):
-    """Low-bit all_reduce / reduce_scatter / all_gather over a process group.
-
-    A :class:`~bitscom.face.Face`: settings agreed on every rank at construction, a clear
-    error on every call after ``bitscom.shutdown()`` (instead of using a dead group),
-    ``state_dict()`` in the checkpoint envelope, ``comm_stats()`` and ``close()``.
+    """Low-bit all_reduce / reduce_scatter / all_gather over a process group (a Face).
 
     Args:
         bitwidth: first-stage width (1, 2, 4, 8, 12, 16; 32 = float32). The seed's first argument.
-        process_group: the group (default: the world group).
-        config: a :class:`~bitscom.collectives.LowBitConfig`; keyword settings (its field names:
-            ``error_feedback``, ``error_feedback_mode``, ``block_size``, ``stochastic_rounding``,
-            ``simulate_quantization``, ``stage2_bitwidth``, ``stage2_error_feedback``,
-            ``hadamard``, ``hierarchy``, ``intra_bitwidth``, ``local_quantize``, ``chunk_size``,
-            ``seed``) override it. State is kept per key: pass ``key=`` to each call (any
-            hashable, e.g. a parameter name); without it the key is the tensor's storage
-            address, which is only stable for persistent buffers.
+        config: a :class:`~bitscom.collectives.LowBitConfig`; keyword settings (its field
+            names) override it. State is kept per ``key=`` of each call (else per storage
+            address, which is only stable for persistent buffers).
         intra_group, inter_group: groups of the hierarchy (default: ``bitscom.intra_group()``
             and ``bitscom.inter_group()``); ``local_group`` is the seed's name of ``intra_group``.
 
@@ -120,8 +91,7 @@ class LowBitGroup(Face):
                 raise ValueError("pass intra_group or its seed name local_group, not both")
         except (TypeError, ValueError) as err:
             error = err
-        # Ranks with different settings would exchange bytes of different formats: fail here,
-        # on every rank, with what differs (a bad value on one rank: its error everywhere).
+        # different settings would exchange bytes of different formats: one error on every rank
         self._face_agree({} if error else {"settings": repr(self.config)}, error, what="LowBitGroup settings")
         self.intra_group = intra_group if intra_group is not None else local_group
         self.inter_group = inter_group
@@ -131,23 +101,11 @@ class LowBitGroup(Face):
         self._bytes = ByteLedger()              # a step: one finished call
         self._channel = runtime.channel(self.process_group, later=True)
 
-    @property
-    def bitwidth(self) -> int:
-        return self.config.bitwidth
+    bitwidth = property(lambda self: self.config.bitwidth)
+    simulate_quantization = property(lambda self: self.config.simulate_quantization)
+    rank = property(lambda self: dist.get_rank(self.process_group))
+    world_size = property(lambda self: dist.get_world_size(self.process_group))
 
-    @property
-    def simulate_quantization(self) -> bool:
-        return self.config.simulate_quantization
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.process_group)
-
-    @property
-    def world_size(self) -> int:
-        return dist.get_world_size(self.process_group)
-
-    # -- state --------------------------------------------------------------------------------
     def _state(self, op: str, key, tensor: torch.Tensor, cfg: LowBitConfig) -> tuple:
         keyed = cfg.error_feedback or cfg.stage2_error_feedback
         if key is None and not keyed:
@@ -163,15 +121,12 @@ class LowBitGroup(Face):
         return self._states[full], full
 
     def state_dict(self) -> dict:
-        """Per-key error-feedback state and the call counter (keys as given), in the checkpoint
-        envelope (who saved it, after how many calls)."""
+        """Per-key error-feedback state and the call counter, in the checkpoint envelope."""
         return {"calls": self._calls, "states": {k: s.state_dict() for k, s in self._states.items()},
                 "envelope": self._envelope(self._calls)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`. Another rank's error-feedback state, or counters that
-        differ between ranks (a stale file on one rank), are the same RuntimeError on every
-        rank at the next call; a failed load leaves the group as it was."""
+        """Restore :meth:`state_dict` (all or nothing; checked across ranks at the next call)."""
         if not self._check_envelope(state.get("envelope", {}), per_rank_state=bool(state["states"])):
             self._mark_loaded()
             return
@@ -190,10 +145,8 @@ class LowBitGroup(Face):
     def _restore(self, saved: tuple) -> None:
         self._calls, self._states = saved
 
-    # -- the face -------------------------------------------------------------------------------
     def _before_call(self) -> None:
-        """Every call: a clear error if the world is gone or the group closed; after a load, the
-        ranks compare what they resumed (so a foreign or stale checkpoint fails everywhere)."""
+        """Every call: a clear error if the group is dead; after a load, the ranks compare."""
         self._check_live()
         self._agree_if_resumed(lambda: {"calls": self._calls,
                                         "state steps": sorted(s.step for s in self._states.values())},
@@ -204,20 +157,12 @@ class LowBitGroup(Face):
         self.intra_group = self.inter_group = None
 
     def close(self) -> None:
-        """Forget the group's channel and state; calls afterwards raise.
-
-        Example::
-
-            lb.close()
-        """
+        """Forget the group's channel and state; calls afterwards raise."""
         self._face_close()
         self._release_groups()
 
     def comm_stats(self) -> dict:
-        """Bytes of the last finished call (``bytes_sent`` / ``dense_bytes``: fp32 elements
-        reduced) and since construction (``total_*``), on this rank.
-
-        Example::
+        """This rank's bytes (:func:`bitscom.face.report`; a step is one finished call). Example::
 
             lb.all_reduce(t); lb.comm_stats()["compression_ratio"]
         """
@@ -231,22 +176,18 @@ class LowBitGroup(Face):
         self._open = still
         return self._bytes.report()
 
-    # -- helpers ------------------------------------------------------------------------------
-    def _start(self, rounds, comms, async_op: bool, numel: int = 0):
-        work = LowBitWork(rounds, comms, self._channel)
+    def _start(self, call: Call, device, rounds, comms: list, async_op: bool, numel: int = 0):
+        """``rounds`` after the call header, submitted; ``numel``: fp32 elements to count."""
+        check = self._channel.comm()
+        work = LowBitWork(_chain(agree_rounds(check, call, 0, device, _LABEL), rounds), [check] + comms,
+                          self._channel)
         self._channel.submit(work)
         if numel:
             self._open.append((work, dense_bytes(numel)))
         return _handed(work, async_op)
 
-    def _checked(self, call: Call, device, rounds):
-        """``rounds`` after the call header on the whole group."""
-        check = self._channel.comm()
-        return _chain(agree_rounds(check, call, 0, device, _LABEL), rounds), check
-
     def _exact(self, call: Call, device, issue, async_op: bool, error: Optional[Exception] = None):
-        """An op low bit does not compute: the call header, then ``issue(comm)`` exactly (or
-        ``error``, raised on every rank once the header showed they all made this call)."""
+        """The call header, then ``issue(comm)`` exactly (or ``error``, raised on every rank)."""
         comm = self._channel.comm()
 
         def body():
@@ -254,22 +195,27 @@ class LowBitGroup(Face):
                 raise error
             yield issue(comm)
 
-        rounds, check = self._checked(call, device, body())
-        return self._start(rounds, [check, comm], async_op)
+        return self._start(call, device, body(), [comm], async_op)
 
-    # -- collectives --------------------------------------------------------------------------
+    def _call_config(self, hierarchical: bool, chunk_size: Optional[int], local_quantize: Optional[bool]):
+        cfg = self.config
+        changes: Dict[str, Any] = {}   # LowBitConfig settings by name
+        if chunk_size is not None:
+            changes["chunk_size"] = chunk_size
+        if hierarchical or cfg.hierarchy != "none":
+            changes["hierarchy"] = cfg.hierarchy if cfg.hierarchy != "none" else "leader"
+        if local_quantize is not None:
+            changes["local_quantize"] = local_quantize
+        return dataclasses.replace(cfg, **changes) if changes else cfg
+
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
                    local_group=None, inter_group=None, chunk_size: Optional[int] = None,
                    local_quantize: Optional[bool] = None, key=None):
         """Low-bit two-stage all-reduce of ``tensor`` in place (bitwise identical on every rank).
 
-        ``local_group``/``inter_group`` make it hierarchical (``hierarchy`` from the settings,
-        ``"leader"`` if that is ``"none"``); with one node it is one full-precision all-reduce.
-        ``chunk_size``/``local_quantize`` override the settings for this call. Returns a
-        :class:`LowBitWork` with ``async_op=True``, else ``None``. An integer tensor takes the
-        exact collective (SUM, MAX, ...); AVG of an integer tensor is an error.
-
-        Example::
+        ``local_group``/``inter_group`` make it hierarchical (``"leader"`` unless the settings
+        name a hierarchy); ``chunk_size``/``local_quantize`` override the settings for this call.
+        Integer tensors take the exact collective (AVG of one is an error). Example::
 
             work = lb.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True, key="t")
             work.wait()
@@ -284,17 +230,7 @@ class LowBitGroup(Face):
                 error = TypeError(f"LowBitGroup.all_reduce with op=AVG needs a floating tensor, got "
                                   f"{tensor.dtype}; use op=SUM and divide, or pass a float tensor")
             return self._exact(call, tensor.device, lambda comm: comm.all_reduce(tensor, op), async_op, error)
-        cfg = self.config
-        changes: Dict[str, Any] = {}   # LowBitConfig settings by name
-        if chunk_size is not None:
-            changes["chunk_size"] = chunk_size
-        hier_groups = local_group is not None or inter_group is not None
-        if hier_groups or cfg.hierarchy != "none":
-            changes["hierarchy"] = cfg.hierarchy if cfg.hierarchy != "none" else "leader"
-        if local_quantize is not None:
-            changes["local_quantize"] = local_quantize
-        if changes:
-            cfg = dataclasses.replace(cfg, **changes)
+        cfg = self._call_config(local_group is not None or inter_group is not None, chunk_size, local_quantize)
         average = op == dist.ReduceOp.AVG
         st, full_key = self._state("all_reduce", key, tensor, cfg)
         if cfg.hierarchy == "none":
@@ -306,15 +242,11 @@ class LowBitGroup(Face):
             comms = [Comm(intra), Comm(inter)]
             rounds = all_reduce_rounds(tensor, None, cfg, st, average=average, key=full_key,
                                        intra=comms[0], inter=comms[1])
-        rounds, check = self._checked(call, tensor.device, rounds)
-        return self._start(rounds, [check] + comms, async_op, tensor.numel())
+        return self._start(call, tensor.device, rounds, comms, async_op, tensor.numel())
 
     def reduce_scatter(self, output: torch.Tensor, input, op=dist.ReduceOp.SUM,
                        async_op: bool = False, key=None):
-        """``output`` = this rank's shard of the low-bit sum (or average) of ``input`` (P·k
-        elements, or the seed's list of P tensors of k elements).
-
-        Example::
+        """``output`` = this rank's shard of the low-bit sum of ``input`` (P·k, or P tensors). Example::
 
             lb.reduce_scatter(out, torch.cat(shards), op=dist.ReduceOp.SUM)
         """
@@ -330,14 +262,10 @@ class LowBitGroup(Face):
         average = op == dist.ReduceOp.AVG
         rounds = reduce_scatter_rounds(output, input, comm, self.config, st, average=average,
                                        key=full_key)
-        rounds, check = self._checked(call, output.device, rounds)
-        return self._start(rounds, [check, comm], async_op, input.numel())
+        return self._start(call, output.device, rounds, [comm], async_op, input.numel())
 
     def all_gather(self, output, input: torch.Tensor, async_op: bool = False, key=None):
-        """``output`` (P·k elements, or the seed's list of P tensors of k elements) receives
-        every rank's ``input`` (k), sent in low bit.
-
-        Example::
+        """``output`` (P·k, or P tensors) receives every rank's ``input`` (k), sent in low bit. Example::
 
             lb.all_gather(out, shard)
         """
@@ -360,26 +288,17 @@ class LowBitGroup(Face):
         st, full_key = self._state("all_gather", key, input, self.config)
         comm = self._channel.comm()
         rounds = all_gather_rounds(output, input, comm, self.config, st, key=full_key)
-        rounds, check = self._checked(call, input.device, rounds)
-        return self._start(rounds, [check, comm], async_op, output.numel())
+        return self._start(call, input.device, rounds, [comm], async_op, output.numel())
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
-        """Exact broadcast from global rank ``src`` (the seed's API; nothing to compress).
-
-        Example::
-
-            lb.broadcast(t, src=0)
-        """
+        """Exact broadcast from global rank ``src`` (the seed's API; nothing to compress)."""
         self._before_call()
         root = dist.get_group_rank(self.process_group, src) if self.process_group is not None else src
         call = Call.of("broadcast", dist.ReduceOp.SUM, tensor.dtype, tensor.numel())
         return self._exact(call, tensor.device, lambda comm: comm.broadcast(tensor, root), async_op)
 
-    # -- format helpers -----------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Quantized:
-        """Quantize ``tensor`` with this group's format (what one rank would send).
-
-        Example::
+        """Quantize ``tensor`` with this group's format (what one rank would send). Example::
 
             c = lb.compress(t); t2 = lb.decompress(c)
         """
@@ -390,10 +309,5 @@ class LowBitGroup(Face):
                         seed=seed, hadamard=cfg.hadamard)
 
     def decompress(self, c: Quantized) -> torch.Tensor:
-        """Inverse of :meth:`compress` (original shape and dtype).
-
-        Example::
-
-            t2 = lb.decompress(lb.compress(t))
-        """
+        """Inverse of :meth:`compress` (original shape and dtype)."""
         return dequantize(c)

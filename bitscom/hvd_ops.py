@@ -1,8 +1,4 @@
-"""Old home of Horovod's module-level collectives; they live in :mod:`bitscom.horovod` now.
-
-A thin re-export so ``bitscom.hvd_ops.X`` keeps importing.
-
-Example::
+"""Horovod's module-level collectives' old import path: re-exports :mod:`bitscom.horovod`. Example::
 
     from bitscom.hvd_ops import allreduce, synchronize
 """

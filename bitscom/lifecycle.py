@@ -1,25 +1,8 @@
-"""What every optimizer face shares: its group, its setup checks and the life of one step.
+"""What every hook-driven optimizer face shares: the life of one step.
 
-Why one module. ``DistributedOptimizer`` and ``ShardedOptimizer`` differ in what they do with
-a gradient (copy it into a bucket and hand back the average; move it into a bucket and keep
-only this rank's shard) but not in when: a post-accumulate-grad hook per parameter, passes
-counted to ``backward_passes_per_step``, the reduction completed when the backward pass that
-completes a step ends (the autograd engine's end-of-backward callback, as DDP does), a plan
-that every rank must agree on, ``requires_grad`` frozen at construction, a step counter that
-must agree after a resume, hooks and groups released by ``close()``. Each of these used to be
-written twice and drifted (a sharded optimizer that trained each rank alone before ``init()``,
-ignored ``requires_grad`` flips, resumed from stale files silently and leaked its groups); here
-it exists once, and a face only says what a gradient and the end of a step mean to it.
-
-The face implements three methods, called by :class:`StepLifecycle`:
-
-* ``_on_gradient(p, last_pass)``: ``p.grad`` was accumulated on this backward pass;
-  ``last_pass`` is True on the pass that completes the step;
-* ``_finish()``: complete the step's reduction (the end of the completing pass, or an early
-  ``synchronize()``);
-* ``_description()``: what every rank must agree on (a dict; compared across ranks).
-
-Example::
+The optimizer faces differ in what they do with a gradient, not in when (hooks, passes, the
+end of backward, agreement, close); written twice, these drifted. The face implements
+``_on_gradient(p, last_pass)``, ``_finish()`` and ``_description()``. Example::
 
     class MyFace(StepFace, torch.optim.Optimizer):
         def __init__(self, optimizer, named, process_group=None):
@@ -49,41 +32,19 @@ log = logging.getLogger("bitscom")
 ``logging.getLogger("bitscom").setLevel(logging.DEBUG)`` and a handler)."""
 
 
-def _hook(ref, param) -> None:
-    life = ref()
-    if life is not None:
-        life.on_hook(param)
-
-
-def _end_of_backward(ref) -> None:
-    life = ref()
-    if life is not None:
-        life.on_backward_end()
+def _weakly(ref, method: str, *args) -> None:
+    obj = ref()
+    if obj is not None:
+        getattr(obj, method)(*args)
 
 
 def _release(handles) -> None:
-    """Remove the hooks (close() or garbage collection); groups belong to runtime's channels."""
     for handle in handles:
         handle.remove()
 
 
 class StepLifecycle:
-    """The life of one face's steps: hooks, pass counting, end-of-backward completion, the
-    cross-rank agreement, ``requires_grad`` and step-counter checks, ``close()``.
-
-    State it keeps (read by the face, reset by :meth:`reset_step`): ``passes_done`` (backward
-    passes of this step), ``completed`` (the step's reduced gradients are in place),
-    ``began`` (the step's first collective — the join notice — was issued), ``steps`` (optimizer
-    steps taken; checkpointed and agreed on after a load).
-
-    Example::
-
-        life = StepLifecycle(face, "DistributedOptimizer", group, passes=2)
-        life.agree()
-        life.attach(params)
-        ...
-        life.close()
-    """
+    """The life of one face's steps (see the module docstring)."""
 
     def __init__(self, face, name: str, group, passes: int):
         self._face = weakref.ref(face)
@@ -91,37 +52,32 @@ class StepLifecycle:
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
         self.passes = passes
-        self.passes_done = 0
+        self.passes_done = 0          # backward passes of this step
         self.callback_queued = False
-        self.completed = False
-        self.began = False
+        self.completed = False        # the step's reduced gradients are in place
+        self.began = False            # the step's first collective (the join notice) was issued
         self.notice = None
         self.closed = False
-        self.steps = 0
+        self.steps = 0                # optimizer steps taken (checkpointed, agreed after a load)
         self.agreed = False
         self.check_state = False     # after a load: agree on step counters / compressor state
         self._handles: List[Any] = []
         self._finalizer = weakref.finalize(face, _release, self._handles)
         self._finalizer.atexit = False
 
-    # -- setup ---------------------------------------------------------------------------------
     def attach(self, params: Sequence[torch.Tensor], solo: bool = False, joinable: bool = True) -> None:
-        """Register the post-accumulate-grad hooks (held weakly: a face that is closed or
-        collected stops reducing) and make the face shadowable by :func:`bitscom.join`
-        (unless ``joinable=False``: a face that cannot take part in a step without data).
-        ``solo``: hook even in a single process (a face whose gradients live elsewhere)."""
+        """Register the hooks (held weakly); ``solo``: even in a single process."""
         if self.size == 1 and not solo:
             return
         this = weakref.ref(self)
         for p in params:
             self._handles.append(p.register_post_accumulate_grad_hook(
-                lambda param, this=this: _hook(this, param)))
+                lambda param, this=this: _weakly(this, "on_hook", param)))
         if self.size > 1 and joinable:
             uneven.register(self._face())
 
     def description(self, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        """What the ranks compare: the face's kind first, its own description, and after a
-        load the step counter (a stale checkpoint on one rank is an error, not drift)."""
+        """What the ranks compare; after a load also the step counter."""
         face = self._face()
         assert face is not None, "the face owns its lifecycle"
         desc: Dict[str, Any] = {"optimizer": self.name, "world size": self.size}
@@ -133,8 +89,7 @@ class StepLifecycle:
         return desc
 
     def agree(self, extra: Optional[Dict[str, Any]] = None) -> None:
-        """Every rank checks that every other rank built the same face with the same plan and
-        (after a load) resumed from the same step; the same RuntimeError everywhere if not."""
+        """Every rank checks that every rank built the same face and plan (and step, after a load)."""
         description = self.description(extra)
         if log.isEnabledFor(logging.DEBUG):
             rank = dist.get_rank(self.group) if self.group is not None else 0
@@ -151,7 +106,6 @@ class StepLifecycle:
             self.steps = int(steps)
         self.agreed, self.check_state = False, True
 
-    # -- one step --------------------------------------------------------------------------------
     def on_hook(self, p: torch.Tensor) -> None:
         if self.closed:
             return
@@ -167,7 +121,7 @@ class StepLifecycle:
             face._check_live()           # the step's first gradient: once per backward pass
             self.callback_queued = True
             this = weakref.ref(self)
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_of_backward(this))
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _weakly(this, "on_backward_end"))
         face._on_gradient(p, self.passes_done + 1 == self.passes)
 
     def on_backward_end(self) -> None:
@@ -179,9 +133,7 @@ class StepLifecycle:
             face._finish()
 
     def begin(self, notify: bool, state_description: Optional[Callable[[], Dict[str, Any]]] = None) -> None:
-        """The collectives every step starts with, in the same order on every rank: the join
-        notice (see :func:`bitscom.join`), then the agreement when a load or a setting change
-        asked for it."""
+        """The collectives every step starts with: the join notice, then any pending agreement."""
         if self.began:
             return
         self.began = True
@@ -198,29 +150,21 @@ class StepLifecycle:
 
     def check_requires_grad(self) -> None:
         """Buckets are planned once: a parameter frozen or unfrozen since is an error."""
-        face = self._face()
-        if face is not None:
-            face._check_requires_grad()
+        _weakly(self._face, "_check_requires_grad")
 
     def check_open(self) -> None:
-        """A clear error if the face was closed or its world is gone (see :class:`bitscom.face.Face`)."""
-        face = self._face()
-        if face is not None:
-            face._check_live()
+        """A clear error if the face was closed or its world is gone."""
+        _weakly(self._face, "_check_live")
 
     def release(self) -> None:
-        """The world is gone: forget its groups (they were destroyed with it) and the join
-        registration; nothing here may keep the old world's store alive."""
+        """The world is gone: forget its groups and the join registration."""
         self.group = None
         self.notice = None
         face = self._face()
         if face is not None:
             uneven.unregister(face)
 
-    @property
-    def in_step(self) -> bool:
-        """Whether a step has started (a backward pass ran or a collective was issued)."""
-        return bool(self.passes_done or self.began)
+    in_step = property(lambda self: bool(self.passes_done or self.began), doc="Whether a step has started.")
 
     def reset_collectives(self) -> None:
         """Forget this step's first collectives (the buckets were reset)."""
@@ -228,10 +172,9 @@ class StepLifecycle:
         self.notice = None
 
     def reset_step(self) -> None:
+        self.reset_collectives()
         self.passes_done = 0
         self.completed = False
-        self.began = False
-        self.notice = None
         self.callback_queued = False   # also after a backward that raised before its end
 
     def stepped(self) -> None:
@@ -247,15 +190,7 @@ class StepLifecycle:
 
 
 class StepFace(Face):
-    """What the hook-driven optimizer faces do alike around their :class:`StepLifecycle`
-    (``self._life``), their reducer (``self._reducer``: ``in_flight``, ``abort()``) and their
-    bucket cursor (``self._next_launch``, ``self._reset_buckets()``); the rest of a face's
-    duties come from :class:`~bitscom.face.Face`.
-
-    Example::
-
-        class MyFace(StepFace, torch.optim.Optimizer): ...
-    """
+    """What the hook-driven optimizer faces do alike around ``_life`` and ``_reducer``."""
 
     _life: StepLifecycle
     _reducer: Any
@@ -275,12 +210,10 @@ class StepFace(Face):
         raise NotImplementedError
 
     def _reset_step(self) -> None:
-        """Forget this step: in-flight work (after a failure), bucket fills, passes."""
         if self._reducer.in_flight:
             self._reducer.abort()
         self._reset_buckets()
         self._life.reset_step()
 
     def _mid_step(self) -> bool:
-        """Whether a step is under way (bitscom.join() refuses to start in one)."""
         return bool(self._life.in_step or self._next_launch or self._reducer.in_flight)

@@ -1,24 +1,5 @@
-"""DistributedOptimizer: Horovod's one-line data parallelism, with compressed, fused buckets.
-
-Data path of one step (what users may rely on is in ``docs/reliability.md``):
-
-1. ``loss.backward()`` accumulates into ``p.grad``; a post-accumulate-grad hook notes the
-   parameter. On the backward pass that completes a step (the ``backward_passes_per_step``-th)
-   it copies the gradient into its bucket's flat buffer.
-2. When every gradient of the next bucket (in plan order) is in, its first communication
-   round starts asynchronously while backward goes on; later rounds chain as earlier work
-   completes (see :mod:`bitscom.engine`).
-3. When that backward pass ends (the autograd engine's end-of-backward callback, as DDP
-   does), parameters that got no gradient count as zeros, every bucket is finished and the
-   reduced gradient is copied into each ``p.grad``. So whatever runs between ``backward()``
-   and ``step()`` — ``GradScaler`` unscaling and its inf check, clipping, inspection, custom
-   edits — sees reduced gradients, identical on every rank.
-4. ``step()`` runs the wrapped optimizer's own ``step`` on ``p.grad`` as it is.
-
-The returned object is an instance of a subclass of the wrapped optimizer's class (as with
-Horovod), so ``isinstance(opt, torch.optim.SGD)`` holds and LR schedulers, ``GradScaler``
-and Lightning-style loops see the optimizer they expect.
-"""
+"""DistributedOptimizer: Horovod's one-line data parallelism, with compressed, fused buckets
+(how a step runs: docs/api.md, reliability.md; why it subclasses the wrapped class: design.md)."""
 
 from __future__ import annotations
 
@@ -51,7 +32,6 @@ __all__ = ["DistributedOptimizer"]
 
 
 def _number(name: str, value, minimum: float, inclusive: bool) -> float:
-    """``value`` as a finite float >= (or >) ``minimum``; a clear error naming it otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
     value = float(value)
@@ -69,8 +49,7 @@ def _passes(value) -> int:
 
 
 def _check_momentum_free(optimizer, compression) -> None:
-    """A compressor that applies momentum itself (MomentumCorrection) needs an SGD with none:
-    momentum twice would train a different model, silently."""
+    """MomentumCorrection needs an SGD without momentum (twice would train another model)."""
     if not isinstance(optimizer, torch.optim.SGD):
         raise TypeError(f"compression={compression.fingerprint()} applies SGD momentum before "
                         f"compressing and needs torch.optim.SGD with momentum=0; got "
@@ -91,7 +70,6 @@ def _check_momentum_free(optimizer, compression) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _distributed_class(base: type) -> type:
-    """The class of ``DistributedOptimizer(base(...))``: a subclass of both, named like base."""
     class _Distributed(DistributedOptimizer, base):
         __doc__ = DistributedOptimizer.__doc__
     _Distributed.__name__ = base.__name__
@@ -102,49 +80,25 @@ def _distributed_class(base: type) -> type:
 class DistributedOptimizer(StepFace, torch.optim.Optimizer):
     """Wrap ``optimizer`` so its gradients are reduced (and compressed) across ranks.
 
-    The result is an instance of a subclass of ``type(optimizer)`` (``isinstance(opt,
-    torch.optim.SGD)`` and ``isinstance(opt, bitscom.DistributedOptimizer)`` both hold) that
-    takes over the wrapped optimizer's ``param_groups``, ``state`` and hooks; use it, not the
-    original object, from then on.
-
-    When the backward pass that completes a step returns, every ``p.grad`` holds the reduced
-    gradient; ``step()`` runs the wrapped optimizer on ``p.grad`` as it is.
+    The result subclasses ``type(optimizer)`` and takes over its ``param_groups``, ``state`` and
+    hooks; use it from then on. When the backward pass that completes a step returns, every
+    ``p.grad`` holds the reduced gradient. Every argument: docs/api.md; the trade-offs:
 
     Args:
-        optimizer: any ``torch.optim.Optimizer``.
-        named_parameters: ``model.named_parameters()``; names make error messages and the
-            cross-rank agreement check readable. Without it, parameters are numbered
-            (and :class:`~bitscom.compressors.Exclude`, which matches names, is refused).
-        compression: a compressor instance (``bitscom.Compression.fp16``,
-            ``bitscom.compressors.get("acpsgd", rank=4)``) or a registry name.
-        backward_passes_per_step: local accumulation: gradients of this many backward
-            passes are summed locally and reduced once, at the end of the last pass.
-        op: ``bitscom.Average`` (default) or ``bitscom.Sum``.
-        gradient_predivide_factor: with ``Average``, gradients are scaled by
-            ``1/f`` before the reduction and by ``f/size`` after it (Horovod's definition);
-            >1 keeps low-precision sums away from overflow.
-        fusion_threshold_mb: bucket size cap; larger buckets mean fewer, more efficient
-            collectives, smaller ones start communicating earlier. 0 = one tensor per bucket.
-            ``"auto"``: chosen once, at construction, from a short probe of the group's link
-            and the cost model (:func:`bitscom.cost.auto_fusion_threshold_mb`; the same on
-            every rank, which must all pass ``"auto"``).
-        process_group: the group to reduce over (default: the world group).
-        sparse_as_dense: reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense ones,
-            through the (compressed) buckets, and hand the average back as
-            ``p.grad.to_sparse()``, as Horovod does, so ``SparseAdam`` steps: sparse on every
-            rank when it was sparse on any (one small layout round per step decides; see
-            :mod:`bitscom.densified`). Without it (Horovod's default) they are reduced sparse,
-            as Horovod does: every rank's indices and values are all-gathered and summed into a
-            coalesced sparse ``p.grad``, bitwise the same on every rank; see
-            :mod:`bitscom.horovod.sparse`.
-        groups: Horovod's explicit fusion instead of ``fusion_threshold_mb``: a number of
-            buckets, or a list of lists of parameters that travel together.
-        num_groups: Horovod's older spelling of ``groups=<int>``.
+        named_parameters: names in errors and in the cross-rank check (else ``param.<i>``).
+        backward_passes_per_step: passes summed locally, then reduced once.
+        gradient_predivide_factor: with ``Average``, ``1/f`` before the sum and ``f/size``
+            after (Horovod's); >1 keeps low-precision sums from overflowing.
+        fusion_threshold_mb: bucket cap: bigger means fewer, more efficient collectives,
+            smaller starts communicating earlier (0: one tensor per bucket; ``"auto"``: chosen
+            at construction from a link probe and :mod:`bitscom.cost`, on every rank).
+        sparse_as_dense: sparse gradients through the (compressed) buckets, handed back as
+            ``p.grad.to_sparse()`` (:mod:`bitscom.densified`); without it they are reduced
+            sparse (:mod:`bitscom.horovod.sparse`), both as Horovod does.
+        groups, num_groups: Horovod's explicit fusion instead of ``fusion_threshold_mb``.
 
     Example::
 
-        bitscom.init()
-        model = Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1 * bitscom.size(), momentum=0.9)
         opt = bitscom.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                            compression=bitscom.Compression.fp16)
@@ -153,9 +107,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         for x, y in loader:
             opt.zero_grad()
             loss_fn(model(x), y).backward()    # p.grad now holds the reduced gradient
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-        opt.close()
     """
 
     def __new__(cls, *args, **kwargs):   # the real arguments: see __signature__ below
@@ -181,8 +133,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             fusion_threshold_mb = _number("fusion_threshold_mb", fusion_threshold_mb, 0, True)
         groups = _groups(groups, num_groups)
 
-        # Take over the wrapped optimizer (same param_groups list, state and hooks); a step
-        # wrapper an LR scheduler put on that instance stays with it.
+        # Take over the wrapped optimizer; a step wrapper an LR scheduler put on it stays there.
         self.__dict__.update({k: v for k, v in optimizer.__dict__.items()
                               if k not in ("step", "zero_grad")})
         self.compression = compression
@@ -195,7 +146,6 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         named = named_parameters_of(optimizer, named_parameters)
         self._face_init("DistributedOptimizer", process_group, named)
         process_group = self.process_group
-        self._named = named
         self._trainable = [(n, p) for n, p in named if p.requires_grad]
 
         self._layouts, fusion_threshold_mb = self._plan(groups, fusion_threshold_mb, auto_fusion, compression)
@@ -205,20 +155,16 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._densified = DensifiedGradients([p for _, p in self._trainable], self._layouts[0].device) \
             if (self.sparse_as_dense and self._size > 1 and self._layouts) else None
         self._scan_live_objects()
-        # Names this optimizer to the other ranks (bitscom.join): the same on every rank that
-        # built the same plan.
+        # Names this optimizer to the other ranks (bitscom.join): the same for the same plan.
         self._uid = zlib.crc32(repr(self._description()).encode()) & 0x3FFFFFFF
         self._bytes = ByteLedger()
         self._life = StepLifecycle(self, "DistributedOptimizer", process_group, backward_passes_per_step)
         self._life.agree()                      # every rank, before any other collective
         self._refuse_ddp(self._ddp)
         self._reducer = Reducer(compression, self._layouts, runtime.channel(process_group, later=self._size > 1))
-        # The hooks hold the optimizer weakly; when it is closed or collected they are removed
-        # and its group destroyed, so a replaced optimizer stops reducing.
         self._life.attach([p for _, p in self._trainable])
 
     def _build_buckets(self) -> None:
-        """The flat buckets of the plan, and where each parameter sits in them."""
         by_name = dict(self._trainable)
         self._buckets = [FlatBucket(l, [by_name[s.name] for s in l.slots]) for l in self._layouts]
         self._slot: Dict[int, tuple] = {}
@@ -229,9 +175,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._should_sync = True
 
     def _scan_live_objects(self) -> None:
-        """One scan of the live objects (at construction, multi-rank only) for the DDP-wrap
-        check and Horovod's sparse path (sparse_as_dense=False): the weights of sparse
-        embeddings, found now so that every rank agrees on them before the first step."""
+        """One scan for a DDP wrapper and sparse embeddings (multi-rank only)."""
         found = live_objects((DistributedDataParallel, torch.nn.Embedding, torch.nn.EmbeddingBag)) \
             if self._size > 1 else []
         self._ddp = self._ddp_wrapped([p for _, p in self._trainable], found)
@@ -240,8 +184,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
 
     @property
     def optimizer(self):
-        """This optimizer itself (it *is* the wrapped class now); kept for code written for
-        older bitscom that reached the wrapped optimizer through ``opt.optimizer``."""
+        """This optimizer itself (it *is* the wrapped class now), for code using ``opt.optimizer``."""
         return self.__dict__.get("optimizer", self)
 
     @optimizer.setter
@@ -260,10 +203,8 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         raise TypeError("a bitscom.DistributedOptimizer holds process groups and hooks and cannot "
                         "be pickled or copied; save opt.state_dict() instead")
 
-    # -- the backward hook and the end-of-backward callback ----------------------------------
     def _on_gradient(self, p: torch.Tensor, last_pass: bool) -> None:
-        """The lifecycle's per-gradient call: on the pass that completes the step, copy the
-        gradient into its bucket and launch every bucket that became ready, in plan order."""
+        """On the completing pass, copy the gradient into its bucket and launch the ready buckets."""
         grad = p.grad
         if self._densified is not None:
             if last_pass:                # earlier passes accumulate sparse, as in Horovod
@@ -285,31 +226,23 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             self._launch(self._next_launch)
             self._next_launch += 1
 
-    def _begin(self, notify: bool) -> None:
-        """The collectives every step starts with (the join notice, then the agreement check
-        after a load or a setting change), in the same order on every rank."""
-        self._life.begin(notify, self._state_description)
-
     def _state_description(self) -> dict:
-        """After a load: what the ranks' restored state must agree on (counters, shapes and
-        the wrapped optimizer's step counts — never residual values, which differ by design)."""
+        """After a load: what the ranks' restored state must agree on (never residual values)."""
         steps = sorted({int(s["step"]) for s in self.state.values() if "step" in s})
         return {"compressor state": [describe_state(s) for s in self._reducer.states],
                 "wrapped optimizer steps": steps}
 
     def _launch(self, b: int) -> None:
-        self._begin(notify=True)
+        self._life.begin(True, self._state_description)
         flat = self._buckets[b].flat
         if self.op is Average and self.gradient_predivide_factor != 1.0:
             flat.div_(self.gradient_predivide_factor)
         self._reducer.launch(b, flat)
 
     def _plan(self, groups, fusion_threshold_mb, auto_fusion: bool, compression):
-        """The bucket layouts and the fusion threshold they were planned with."""
         if self._size > 1:
-            # "auto" probes the link here, before the plan agreement below: every rank must
-            # know that every rank probes, or a rank that passed a number would meet the probe's
-            # collectives with its first step's (a hang). One small check of the setting first.
+            # "auto" probes the link here: the ranks agree that they all probe, or a rank that
+            # passed a number would meet the probe's collectives with its first step's (a hang).
             check_agreement({"optimizer": "DistributedOptimizer",
                              "fusion_threshold_mb": "auto" if auto_fusion else fusion_threshold_mb,
                              "groups": groups if groups is None or isinstance(groups, int) else "explicit lists"},
@@ -332,16 +265,13 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             "wrapped in DistributedDataParallel": self._ddp is not None,
             "sparse-gradient parameters": [] if self._sparse_grads is None else
             [n for n, _ in self._sparse_grads.params],
-            # True adds the layout round to every step: a rank without it would miss that round.
-            "sparse_as_dense": self.sparse_as_dense,
-            # SGD on one rank and AdamW on another would train apart silently. Not param_groups:
-            # Horovod's pattern builds with per-rank hyper-parameters (rank 0 resumed a
-            # checkpoint) and then calls broadcast_optimizer_state.
+            "sparse_as_dense": self.sparse_as_dense,      # True adds a round to every step
+            # Not param_groups: Horovod's pattern builds with per-rank hyper-parameters and
+            # then calls broadcast_optimizer_state.
             "wrapped optimizer": self._wrapped_name,
         }
 
     def _finish(self) -> None:
-        """Complete the step's reduction and write the reduced gradients into ``p.grad``."""
         self._life.check_open()
         self._life.check_requires_grad()
         try:
@@ -371,8 +301,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._bytes.end_step()
 
     def _reduce_all(self):
-        """Fill the slots still empty, launch every bucket (then, with ``sparse_as_dense=True``,
-        the layout round) and wait: (bytes sent, the parameters to hand back sparse)."""
+        """Launch every bucket (and the layout round) and wait: (bytes sent, sparse parameters)."""
         densified = self._densified
         if densified is not None:
             densified.dense_missing(self._buckets[self._next_launch:])
@@ -396,16 +325,14 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             densified.forget(self._reducer.channel)
 
     def _after_join(self, root_rank: int, group) -> None:
-        """bitscom.join(): take the last joiner's parameters and state (joined ranks did not step).
-        Here, not in :mod:`bitscom.uneven`: the broadcast belongs to the faces above the core."""
+        """bitscom.join(): take the last joiner's parameters and state (joined ranks did not step)."""
         broadcast_parameters([p for g in self.param_groups for p in g["params"]],
                              root_rank=root_rank, process_group=group)
         broadcast_optimizer_state(self, root_rank=root_rank, process_group=group)
 
     def shadow_step(self) -> None:
-        """Take part in one step of the other ranks with zero gradients (used by
-        :func:`bitscom.join` on a rank that ran out of data); not for direct use."""
-        self._begin(notify=False)
+        """Take part in one step of the other ranks with zero gradients (:func:`bitscom.join`)."""
+        self._life.begin(False, self._state_description)
         try:
             for b, bucket in enumerate(self._buckets):
                 bucket.flat.zero_()
@@ -418,13 +345,8 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         finally:
             self._reset_buckets()
 
-    # -- the public step API -----------------------------------------------------------------
     def synchronize(self) -> None:
-        """Finish this step's reduction now; a no-op when backward already did it.
-
-        Backward finishes it by itself on the pass that completes a step; call this only to
-        reduce early (e.g. after fewer than ``backward_passes_per_step`` passes), as Horovod
-        code does. Example::
+        """Finish this step's reduction now (Horovod's API; a no-op when backward already did it). Example::
 
             loss.backward()
             opt.synchronize()                      # no-op: already reduced
@@ -438,10 +360,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def skip_synchronize(self):
-        """Make ``step()`` use ``p.grad`` as it is even if this step was not reduced
-        (Horovod's API; with reduction at the end of backward it rarely matters).
-
-        Example::
+        """Make ``step()`` use ``p.grad`` as it is, even if this step was not reduced (Horovod's API). Example::
 
             with opt.skip_synchronize():
                 opt.step()
@@ -455,12 +374,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
     # Marked so torch's Optimizer._patch_step_function (run by load_state_dict) does not wrap
     # it: the wrapped optimizer's own step already runs the step hooks once.
     def step(self, closure=None, **kwargs):
-        """Run the wrapped optimizer's step on the reduced ``p.grad`` (reducing first if a
-        step's passes are still pending, e.g. after fewer backward passes than configured).
-
-        With a ``closure`` (LBFGS), each backward inside it is reduced on its own.
-
-        Example::
+        """The wrapped optimizer's step on the reduced ``p.grad`` (a ``closure``'s backwards reduced). Example::
 
             loss.backward()
             opt.step()
@@ -495,9 +409,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
     step.hooked = True  # type: ignore[attr-defined]
 
     def _solo_momentum(self) -> None:
-        """One process sends nothing, so it compresses nothing; but a MomentumCorrection
-        compressor still owes the momentum the SGD was built without: ``p.grad ← u = m·u + g``
-        (the velocity lives in the optimizer state, so it checkpoints with it)."""
+        """One process owes MomentumCorrection's ``p.grad ← u = m·u + g`` (u in the optimizer state)."""
         m = self.compression.momentum
         for group in self.param_groups:
             for p in group["params"]:
@@ -511,23 +423,12 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
                 p.grad.copy_(u)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero ``p.grad`` and forget this step's passes (also after a step ``GradScaler``
-        skipped).
-
-        Example::
-
-            opt.zero_grad()
-        """
+        """Zero ``p.grad`` and forget this step's passes (also after a skipped step)."""
         self._reset_step()
         super().zero_grad(set_to_none=set_to_none)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
-        """Change local accumulation between steps (Horovod's API); every rank must call it.
-
-        Example::
-
-            opt.set_backward_passes_per_step(4)
-        """
+        """Change local accumulation between steps (Horovod's API); every rank must call it."""
         if self._life.in_step or self._next_launch or self._life.completed:
             raise RuntimeError("set_backward_passes_per_step() was called in the middle of a step; "
                                "call it after step() or zero_grad()")
@@ -535,28 +436,15 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._life.agreed = False      # the ranks check the new setting together on the next step
 
     def close(self) -> None:
-        """Remove the gradient hooks and destroy the process group this optimizer created.
-
-        Also done when the optimizer is garbage collected; afterwards ``step()`` raises.
-        Example::
-
-            opt.close()
-        """
+        """Remove the gradient hooks (also done by garbage collection); ``step()`` then raises."""
         self._reducer.abort()
         self._life.close()
         self._face_close()
 
     def comm_stats(self) -> dict:
-        """Bytes this rank sent: ``bytes_sent`` / ``dense_bytes`` / ``compression_ratio`` since
-        construction, ``step_bytes_sent`` / ``step_dense_bytes`` for the last reduced step (one
-        meaning on every face: :func:`bitscom.face.report`), and ``buckets``.
-
-        Example::
+        """Bytes this rank sent, ``buckets``, and with ``compression="auto"`` the ``auto_plan``. Example::
 
             print(opt.comm_stats()["compression_ratio"])
-
-        With ``compression="auto"`` it also has ``auto_plan``: the compressor chosen for each
-        bucket (``None`` while a bucket is still being probed).
         """
         extra: Dict[str, Any] = {"buckets": len(self._buckets)}
         from .cost.auto import Auto
@@ -565,16 +453,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         return self._bytes.report(**extra)
 
     def state_dict(self) -> dict:
-        """torch's optimizer state dict (``state``, ``param_groups``) plus this rank's
-        compressor state under ``"bitscom"``; a plain optimizer loads it too.
-
-        The compressor state sits under ``["bitscom"]["rank<r>"]``: torch's state is the same on
-        every rank, the compressor's (error-feedback residuals) is not, and a checkpointer that
-        saves every rank's dict into one store by key (``torch.distributed.checkpoint.save``)
-        keeps one copy of shared keys; so each rank's own keys hold its own, and a plain
-        ``dcp.save({"optim": opt.state_dict()})`` / ``dcp.load`` resumes exactly.
-
-        Example::
+        """torch's state dict plus this rank's compressor state under ``["bitscom"]["rank<r>"]``. Example::
 
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
         """
@@ -583,13 +462,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load :meth:`state_dict`'s output, the older ``{"optimizer", "bitscom"}`` form, or a
-        plain optimizer state dict (compressor state then starts fresh).
-
-        Nothing is replaced unless everything loads; the ranks check on the next step that
-        their compressor states agree (a checkpoint of another step on one rank is an error).
-
-        Example::
+        """Load :meth:`state_dict`'s output (older forms and plain ones too), all or nothing. Example::
 
             opt.load_state_dict(torch.load(path)["opt"])
         """
@@ -613,29 +486,18 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             raise
         self._life.loaded(extra.get("steps") if extra is not None else None)
 
-    @property
-    def bucket_layouts(self):
-        """The planned buckets (read-only), for inspection and tests."""
-        return list(self._layouts)
-
-    @property
-    def compressor_states(self):
-        """Per-bucket compressor state objects (index = bucket index)."""
-        return list(self._reducer.states)
+    bucket_layouts = property(lambda self: list(self._layouts), doc="The planned buckets (a copy).")
+    compressor_states = property(lambda self: list(self._reducer.states), doc="Each bucket's compressor state.")
 
     def save_dcp(self, path, *, extra=None) -> None:
-        """Save through ``torch.distributed.checkpoint``; see :func:`bitscom.checkpointing.save`.
-
-        Example::
+        """Save through ``torch.distributed.checkpoint``; see :func:`bitscom.checkpointing.save`. Example::
 
             opt.save_dcp("ckpt/step100", extra={"model": model.state_dict()})
         """
         save_distributed(self, path, extra)
 
     def load_dcp(self, path, *, extra=None, reset_compressor_state: bool = False) -> None:
-        """Load a :meth:`save_dcp` checkpoint; see :func:`bitscom.checkpointing.load`.
-
-        Example::
+        """Load a :meth:`save_dcp` checkpoint; see :func:`bitscom.checkpointing.load`. Example::
 
             opt.load_dcp("ckpt/step100", extra={"model": model.state_dict()})
         """
@@ -649,7 +511,6 @@ DistributedOptimizer.__signature__ = _INIT.replace(  # type: ignore[attr-defined
 
 
 def _checked_compression(optimizer, compression, named_parameters):
-    """The compressor ``compression=`` names, refused where it cannot serve this optimizer."""
     if isinstance(compression, str) and compression.lower() == "auto":
         from .cost.auto import Auto, candidates_for
         compression = Auto(candidates=candidates_for(optimizer))   # safe for this optimizer
@@ -664,7 +525,6 @@ def _checked_compression(optimizer, compression, named_parameters):
 
 
 def _checked_op(op, gradient_predivide_factor) -> float:
-    """``gradient_predivide_factor``, checked together with ``op`` (Average or Sum only)."""
     if op is Adasum:
         raise NotImplementedError("op=Adasum is not supported by bitscom (Horovod's Adasum has no "
                                   "compressed counterpart here); use bitscom.Average or bitscom.Sum")
@@ -690,12 +550,8 @@ def _split_state_dict(state_dict):
 
 
 def _leaves(obj):
-    """Every non-container value in a nested dict/list state."""
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _leaves(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
+    if isinstance(obj, (dict, list, tuple)):
+        for v in (obj.values() if isinstance(obj, dict) else obj):
             yield from _leaves(v)
     else:
         yield obj

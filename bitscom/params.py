@@ -1,9 +1,5 @@
-"""Which parameters an optimizer trains, by name: the one validation both optimizers share.
-
-Why one place: ``DistributedOptimizer`` and ``ShardedOptimizer`` must reject the same mistakes
-(duplicate names, parameters missing from the optimizer or from ``named_parameters``) with the
-same words, and plan from the same registration order.
-"""
+"""Which parameters an optimizer trains, by name: the one validation both optimizers share
+(the same mistakes refused in the same words, plans from the same registration order)."""
 
 from __future__ import annotations
 
@@ -15,13 +11,7 @@ __all__ = ["named_parameters_of", "checked_pairs"]
 
 
 def checked_pairs(named_parameters) -> List[tuple]:
-    """``named_parameters`` as a list of ``(name, tensor)`` pairs with unique names
-    (TypeError / ValueError otherwise); the check every face that takes names shares.
-
-    Example::
-
-        pairs = checked_pairs(model.named_parameters())
-    """
+    """``named_parameters`` as ``(name, tensor)`` pairs with unique names."""
     named = list(named_parameters)
     for item in named:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
@@ -35,14 +25,7 @@ def checked_pairs(named_parameters) -> List[tuple]:
 
 
 def named_parameters_of(optimizer: torch.optim.Optimizer, named_parameters) -> List[tuple]:
-    """Validated (name, parameter) pairs of ``optimizer``'s parameters, in registration order.
-
-    Without ``named_parameters`` the parameters are numbered ``param.0``, ``param.1``, ….
-
-    Example::
-
-        pairs = named_parameters_of(opt, model.named_parameters())   # [("fc.weight", p), ...]
-    """
+    """Checked (name, parameter) pairs of ``optimizer``, registration order (else ``param.<i>``)."""
     opt_params, seen = [], set()
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -57,7 +40,6 @@ def named_parameters_of(optimizer: torch.optim.Optimizer, named_parameters) -> L
 
 
 def _check_same_parameters(named: List[tuple], opt_params: list, seen: set) -> None:
-    """Every trainable named parameter is in the optimizer, every optimizer parameter named."""
     by_id = {id(p): n for n, p in named}
     missing_from_opt = [n for n, p in named if id(p) not in seen and p.requires_grad]
     if missing_from_opt:

@@ -1,13 +1,6 @@
-"""The low-bit wire format (kept as an import path): quantize, pack, Hadamard, :class:`Codec`, seeds.
+"""The low-bit wire format's old import path: re-exports :mod:`bitscom.lowbit` (docs/format.md). Example::
 
-The code lives in :mod:`bitscom.lowbit` (``format.py``, ``codec.py``, ``hadamard.py``,
-``seeds.py``); this module re-exports it so ``from bitscom.quantization import ...`` keeps
-working. The format's specification is ``docs/format.md``.
-
-Example::
-
-    from bitscom.quantization import quantize, dequantize
-    x = dequantize(quantize(torch.randn(1000), 4))
+    x = bitscom.quantization.dequantize(bitscom.quantization.quantize(torch.randn(1000), 4))
 """
 
 from .lowbit.codec import Codec

@@ -1,19 +1,5 @@
 """Process-group setup: find who we are from the launcher, start torch.distributed, build groups.
-
-This is the one place in bitscom that reads environment variables, because launchers
-communicate only through them:
-
-* torchrun / torch.distributed.run: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-  MASTER_ADDR, MASTER_PORT;
-* Open MPI (mpirun): OMPI_COMM_WORLD_RANK/_SIZE/_LOCAL_RANK/_LOCAL_SIZE;
-* MPICH / Intel MPI (hydra): PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS;
-* Slurm (srun): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE /
-  SLURM_TASKS_PER_NODE, SLURM_NODELIST;
-* none of these: a single process (world size 1; every collective is a no-op).
-
-Under MPI without MASTER_ADDR, rank 0's address and a free port are shared with mpi4py, so
-``mpirun -np 8 python train.py`` needs nothing else.
-"""
+The one place that reads environment variables (the launchers: docs/api.md, "bitscom.init()")."""
 
 from __future__ import annotations
 
@@ -56,54 +42,50 @@ class LaunchInfo:
 
 
 def _int(env, *names, default=None, minimum=0):
-    """The first of ``names`` set in ``env`` as an int (Slurm's ``2(x3),1`` reads as 2), else
-    ``default``. A value that is no int >= ``minimum`` is a ValueError naming the variable
-    (``environment variable WORLD_SIZE must be an int >= 1, got 'abc'``), not int()'s
-    ``invalid literal`` that names neither the variable nor who set it."""
+    """The first of ``names`` set in ``env`` as an int (Slurm's ``2(x3),1``: 2), else ``default``."""
     for n in names:
         if n in env and env[n] != "":
             text = str(env[n]).split("(")[0].split(",")[0].strip()
             try:
-                value = int(text)
+                value: Any = int(text)
             except ValueError:            # no int: number() refuses the text, naming the variable
-                return number(f"environment variable {n}", env[n], minimum=minimum, integer=True)
+                value = env[n]
             return number(f"environment variable {n}", value, minimum=minimum, integer=True)
     return default
 
 
-def discover(env: Optional[Mapping[str, str]] = None) -> LaunchInfo:
-    """Read the launcher's environment (a dict for tests; ``os.environ`` by default).
+_LAUNCHERS = (   # launcher, the variables that identify it, rank, size, local rank, local size(s)
+    ("torchrun", ("RANK", "WORLD_SIZE"), "RANK", "WORLD_SIZE", "LOCAL_RANK", ("LOCAL_WORLD_SIZE",)),
+    ("mpi", ("OMPI_COMM_WORLD_RANK",), "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     "OMPI_COMM_WORLD_LOCAL_RANK", ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
+    ("mpi", ("PMI_RANK", "PMI_SIZE"), "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", ("MPI_LOCALNRANKS",)),
+    ("slurm", ("SLURM_PROCID", "SLURM_NTASKS"), "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+     ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")),
+)
 
-    Example::
+
+def discover(env: Optional[Mapping[str, str]] = None) -> LaunchInfo:
+    """Read the launcher's environment (a dict for tests; ``os.environ`` by default). Example::
 
         info = bitscom.runtime.discover()   # LaunchInfo(rank=0, size=1, ..., launcher='none')
     """
     env = os.environ if env is None else env
     addr = env.get("MASTER_ADDR")
     port = _int(env, "MASTER_PORT")
-    if "RANK" in env and "WORLD_SIZE" in env:
-        size = _int(env, "WORLD_SIZE", minimum=1)
-        return LaunchInfo(_int(env, "RANK"), size, _int(env, "LOCAL_RANK", default=0),
-                          _int(env, "LOCAL_WORLD_SIZE", default=size, minimum=1), "torchrun", addr, port)
-    if "OMPI_COMM_WORLD_RANK" in env:
-        size = _int(env, "OMPI_COMM_WORLD_SIZE", minimum=1)
-        return LaunchInfo(_int(env, "OMPI_COMM_WORLD_RANK"), size,
-                          _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", default=0),
-                          _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", default=size, minimum=1), "mpi", addr, port)
-    if "PMI_RANK" in env and "PMI_SIZE" in env:
-        size = _int(env, "PMI_SIZE", minimum=1)
-        return LaunchInfo(_int(env, "PMI_RANK"), size, _int(env, "MPI_LOCALRANKID", default=0),
-                          _int(env, "MPI_LOCALNRANKS", default=size, minimum=1), "mpi", addr, port)
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        size = _int(env, "SLURM_NTASKS", minimum=1)
-        local = _int(env, "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", default=size, minimum=1)
+    found = next((row for row in _LAUNCHERS if all(n in env for n in row[1])), None)
+    if found is None:
+        return LaunchInfo(0, 1, 0, 1, "none", addr, port)
+    launcher, _, rank_var, size_var, local_rank_var, local_size_vars = found
+    size = _int(env, size_var, minimum=1)
+    rank = _int(env, rank_var)
+    local_rank = _int(env, local_rank_var, default=0)
+    local_size = _int(env, *local_size_vars, default=size, minimum=1)
+    if launcher == "slurm":
         if addr is None and "SLURM_NODELIST" in env:
             addr = _first_slurm_host(env["SLURM_NODELIST"])
         if port is None:
             port = 29500 + _int(env, "SLURM_JOB_ID", default=0) % 20000
-        return LaunchInfo(_int(env, "SLURM_PROCID"), size, _int(env, "SLURM_LOCALID", default=0),
-                          local, "slurm", addr, port)
-    return LaunchInfo(0, 1, 0, 1, "none", addr, port)
+    return LaunchInfo(rank, size, local_rank, local_size, launcher, addr, port)
 
 
 def _first_slurm_host(nodelist: str) -> str:
@@ -129,77 +111,21 @@ def _mpi_rendezvous(info: LaunchInfo) -> tuple:
         raise RuntimeError("launched by mpirun without MASTER_ADDR/MASTER_PORT: install the "
                            "'mpi' extra (pip install bitscom[mpi]) so rank 0 can share its "
                            "address, or export MASTER_ADDR and MASTER_PORT") from err
-    payload = None
-    if info.rank == 0:
-        addr = info.master_addr or _my_address()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        payload = (addr, info.master_port or port)
+    payload = (info.master_addr or _my_address(), info.master_port or _free_port()) if info.rank == 0 else None
     return MPI.COMM_WORLD.bcast(payload, root=0)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 def _my_address() -> str:
-    host = socket.gethostname()
     try:
-        return socket.gethostbyname(host)
+        return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
-
-
-class _Runtime:
-    """What :func:`init` (or adoption) recorded about this process's world.
-
-    Groups are held through weak references: torch's registry owns them, and a group
-    ``dist.destroy_process_group()`` dropped must really go then (a gloo group kept alive past
-    it is torn down at interpreter exit instead, where its threads can abort the process).
-    """
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget everything (a fresh, uninitialized runtime)."""
-        self.info: Optional[LaunchInfo] = None
-        self.owns_pg = False
-        self.has_world = False        # a world group was recorded (its reference may have died)
-        self._world: Callable[[], Any] = _none
-        self._intra: Callable[[], Any] = _none
-        self._inter: Callable[[], Any] = _none
-        self.device = torch.device("cpu")
-        self.timeout: Optional[datetime.timedelta] = None
-        self.adopted = False          # info taken from a process group the user started
-
-    @property
-    def world(self):
-        return self._world()
-
-    @world.setter
-    def world(self, group) -> None:
-        self._world = _ref(group)
-        self.has_world = group is not None
-
-    @property
-    def intra(self):
-        return self._intra()
-
-    @intra.setter
-    def intra(self, group) -> None:
-        self._intra = _ref(group)
-
-    @property
-    def inter(self):
-        return self._inter()
-
-    @inter.setter
-    def inter(self, group) -> None:
-        self._inter = _ref(group)
-
-    def stale(self) -> bool:
-        """Whether the recorded world is no longer torch's default group (destroyed, or
-        replaced by one started since): then everything recorded about it is wrong."""
-        world = self._world()
-        return self.info is not None and (world is not _current_world() or (self.has_world and world is None))
 
 
 def _none():
@@ -210,64 +136,67 @@ def _ref(group) -> Callable[[], Any]:
     """A weak reference to a process group; a plain closure for None / NON_GROUP_MEMBER."""
     if isinstance(group, dist.ProcessGroup):
         return weakref.ref(group)
-    return lambda: group
+    return _none if group is None else lambda: group
+
+
+def _weak(name: str) -> Any:
+    return property(lambda self: getattr(self, name)(), lambda self, group: setattr(self, name, _ref(group)))
+
+
+class _Runtime:
+    """What :func:`init` (or adoption) recorded; groups held weakly (docs/reliability.md)."""
+
+    world = _weak("_world")
+    intra = _weak("_intra")
+    inter = _weak("_inter")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (a fresh, uninitialized runtime)."""
+        self.info: Optional[LaunchInfo] = None
+        self.owns_pg = False
+        self._world: Callable[[], Any] = _none
+        self._intra: Callable[[], Any] = _none
+        self._inter: Callable[[], Any] = _none
+        self.device = torch.device("cpu")
+        self.timeout: Optional[datetime.timedelta] = None
+        self.adopted = False          # info taken from a process group the user started
+
+    def stale(self) -> bool:
+        """Whether the recorded world is no longer torch's default group (destroyed or replaced)."""
+        world = self._world()
+        recorded = self._world is not _none      # a world group was recorded (it may have died since)
+        return self.info is not None and (world is not _current_world() or (recorded and world is None))
 
 
 def _current_world():
-    """torch's default process group now (None when torch.distributed is not running)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return None
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 _rt = _Runtime()
 _lowbit_registrar: list = []     # [bitscom.register_lowbit_backend], set by use_lowbit_backend()
-
-
-def use_lowbit_backend(register: Callable[..., Any]) -> None:
-    """Hand runtime the ``lowbit`` backend's registrar, which ``init(bitwidth=...)`` calls.
-
-    Why handed over, not imported: the backend is a face above runtime (it runs low-bit rounds
-    on the groups runtime makes), and nothing low imports anything high; ``bitscom/__init__``
-    wires the two once, at import.
-
-    Example::
-
-        bitscom.runtime.use_lowbit_backend(bitscom.register_lowbit_backend)
-    """
-    _lowbit_registrar[:] = [register]
 _worlds: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # world group -> serial
 _serials = itertools.count(1)
 _gone_callbacks: list = []
 
 
+def use_lowbit_backend(register: Callable[..., Any]) -> None:
+    """Hand runtime the ``lowbit`` registrar ``init(bitwidth=...)`` calls (runtime imports no face)."""
+    _lowbit_registrar[:] = [register]
+
+
 def world_token() -> Optional[int]:
-    """A number naming torch's current world (None when torch.distributed is not running):
-    a face compares the token it was built under with the current one to know its groups are
-    gone (after :func:`shutdown`, ``dist.destroy_process_group()`` or a new :func:`init`),
-    without a collective.
-
-    Example::
-
-        built = bitscom.runtime.world_token(); ...; assert bitscom.runtime.world_token() == built
-    """
+    """A number naming torch's current world (None when not running), to see groups gone."""
     world = _current_world()
-    if world is None:
-        return None
-    if world not in _worlds:
+    if world is not None and world not in _worlds:
         _worlds[world] = next(_serials)
-    return _worlds[world]
+    return None if world is None else _worlds[world]
 
 
 def on_world_gone(callback: Callable[[], None]) -> None:
-    """Call ``callback()`` when the world bitscom recorded is gone (:func:`shutdown`, or
-    :func:`init` finding it destroyed): the faces drop their groups then, so nothing keeps the
-    old world's store alive. Registered once per module by the layers above runtime.
-
-    Example::
-
-        bitscom.runtime.on_world_gone(release_everything)
-    """
+    """Call ``callback()`` when the recorded world is gone, so the layers above drop groups."""
     if callback not in _gone_callbacks:
         _gone_callbacks.append(callback)
 
@@ -278,8 +207,6 @@ def _world_gone() -> None:
 
 
 def _forget_if_stale() -> None:
-    """Forget a world that is gone (``dist.destroy_process_group()`` ran, or the user started
-    a new one), so :func:`init` starts or adopts again instead of answering for a dead group."""
     if _rt.stale():
         _world_gone()
         _rt.reset()
@@ -289,11 +216,9 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
          device: Optional[str] = None, bitwidth: Optional[int] = None, **lowbit_options) -> LaunchInfo:
     """Start torch.distributed from the launcher's environment and build bitscom's groups.
 
-    ``backend`` defaults to ``nccl`` when CUDA is available and ``gloo`` otherwise; the CUDA
-    device is set from the local rank. Calling ``init()`` again is harmless. If the process
-    group already exists (the user called ``init_process_group``), it is adopted; if the one
-    bitscom recorded is gone (``dist.destroy_process_group()`` or :func:`shutdown`), ``init()``
-    starts (or adopts) a new one.
+    ``backend`` defaults to ``nccl`` with CUDA, else ``gloo``. Calling ``init()`` again is
+    harmless; a process group the user started is adopted; after the recorded one is gone,
+    ``init()`` starts (or adopts) a new one.
 
     Example::
 
@@ -308,7 +233,10 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
         raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
     _rt.adopted = False
     if bitwidth is not None or lowbit_options:
-        backend = _lowbit_backend(bitwidth, lowbit_options)
+        if bitwidth is not None:
+            lowbit_options["bitwidth"] = bitwidth
+        _lowbit_registrar[0](**lowbit_options)   # the LowBitConfig settings, by name (or config=)
+        backend = "lowbit"
     info = discover()
     backend = _backend_and_device(backend, device, info)
     if dist.is_initialized():
@@ -328,18 +256,7 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
     return info
 
 
-def _lowbit_backend(bitwidth: Optional[int], lowbit_options: Dict[str, Any]) -> str:
-    """``init(bitwidth=...)`` / lowbit options: register the "lowbit" backend (the registrar
-    :func:`use_lowbit_backend` was handed) with those LowBitConfig settings; start on it."""
-    if bitwidth is not None:
-        lowbit_options["bitwidth"] = bitwidth
-    _lowbit_registrar[0](**lowbit_options)   # the LowBitConfig settings, by name (or config=)
-    return "lowbit"
-
-
 def _backend_and_device(backend: Optional[str], device: Optional[str], info: LaunchInfo) -> str:
-    """The backend to start (``nccl`` with CUDA, else ``gloo``, unless named), checked; sets
-    this rank's CUDA device from its local rank when CUDA is used."""
     use_cuda = (device == "cuda") or (device is None and torch.cuda.is_available())
     if backend is None:
         backend = "nccl" if use_cuda else "gloo"
@@ -352,16 +269,7 @@ def _backend_and_device(backend: Optional[str], device: Optional[str], info: Lau
 
 
 class _PreviousStore:
-    """This rank's client of the store the previous world rendezvoused on (ranks other than
-    0 only: on rank 0 it is the server, and holding it would keep it up).
-
-    Why: after ``shutdown()`` or ``dist.destroy_process_group()`` a rank that restarts
-    ``init()`` quickly can reach the same MASTER_PORT while rank 0 is still in the old world,
-    i.e. the *old* store server, read the old world's rendezvous keys and connect to sockets
-    that are about to close (seen under load: rank 0 then waits for a client that never comes,
-    "1/2 clients joined", and rank 1 fails with "Connection reset by peer"). So before a new
-    rendezvous, such a rank waits until the old server is gone.
-    """
+    """The old world's store, which ranks but 0 wait to see gone (docs/reliability.md)."""
 
     store: Any = None
     world_id: Optional[str] = None
@@ -369,13 +277,10 @@ class _PreviousStore:
 
     @classmethod
     def remember(cls, info: LaunchInfo) -> None:
-        """Name this world in its store (rank 0 writes a fresh id, the others read it) and, on
-        ranks other than 0, keep a client of the store. The id tells the old server from a new
-        one on the same port: rank 0 may already serve the *next* world there when another rank
-        looks (a check for "any server" then waited for a server that was the new one)."""
+        """Name this world in its store (rank 0 writes an id; the others read it, keep a client)."""
         cls.store, cls.world_id = None, None
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            return                    # torchrun's agent hosts a store that outlives every world
+            return
         getter = getattr(dist.distributed_c10d, "_get_default_store", None)
         try:
             store = getter() if getter is not None else None
@@ -415,8 +320,7 @@ class _PreviousStore:
 
 
 def _start(info: LaunchInfo, backend: str, timeout: Optional[datetime.timedelta]) -> None:
-    """``init_process_group`` from the launcher's rendezvous (env:// or tcp://), after the
-    previous world's store is gone (see :class:`_PreviousStore`)."""
+    """``init_process_group`` on the agreed port, else after the old store is gone."""
     port = _NextWorld.take()
     if port is None:                  # a new port needs no wait: the old server may live on
         _PreviousStore.wait_until_gone(timeout)
@@ -433,8 +337,7 @@ def _start(info: LaunchInfo, backend: str, timeout: Optional[datetime.timedelta]
         if info.launcher == "mpi" and (addr is None or port is None):
             addr, port = _mpi_rendezvous(info)
         if addr is None or port is None:
-            raise RuntimeError(f"launcher {info.launcher!r} gave no MASTER_ADDR/MASTER_PORT; "
-                               "export both")
+            raise RuntimeError(f"launcher {info.launcher!r} gave no MASTER_ADDR/MASTER_PORT; export both")
         kwargs["init_method"] = f"tcp://{addr}:{port}"
     dist.init_process_group(**kwargs)
     _rt.owns_pg = True
@@ -442,11 +345,7 @@ def _start(info: LaunchInfo, backend: str, timeout: Optional[datetime.timedelta]
 
 
 def _adopted_info(env_info: LaunchInfo) -> LaunchInfo:
-    """Who we are in a process group the user started with ``init_process_group``.
-
-    The launcher's local rank is kept when its world matches the group's; otherwise (e.g.
-    ``mp.spawn`` without launcher variables) the ranks are taken to share one node.
-    """
+    """Who we are in a group the user started (``mp.spawn``: every rank on one node)."""
     rank_, size_ = dist.get_rank(), dist.get_world_size()
     if env_info.size == size_ and env_info.rank == rank_:
         return LaunchInfo(rank_, size_, env_info.local_rank, env_info.local_size, env_info.launcher)
@@ -454,12 +353,7 @@ def _adopted_info(env_info: LaunchInfo) -> LaunchInfo:
 
 
 def _adopt() -> bool:
-    """Adopt a default process group the user already started, without any collective.
-
-    Why no collective: the first ``rank()`` may run on one rank only (``if dist.get_rank()
-    == 0: print(bitscom.size())``). Node groups need one, so they are built only by
-    :func:`init`, which every rank calls.
-    """
+    """Adopt a default group the user started, without a collective (node groups: :func:`init`)."""
     _forget_if_stale()
     if _rt.info is None and dist.is_available() and dist.is_initialized():
         _rt.info = _adopted_info(discover())
@@ -471,13 +365,7 @@ def _adopt() -> bool:
 
 
 def _build_node_groups(info: LaunchInfo, backend: str) -> None:
-    """Intra-node groups (ranks of one node) and inter-node groups (same local rank).
-
-    Ranks of a node must be contiguous (torchrun, ``mpirun --map-by slot``, Slurm block
-    distribution); this is checked, since wrong groups would silently mix bytes. The layout
-    travels as an int64 tensor (three numbers per rank, the third the build fingerprint), so
-    nothing a peer sends is unpickled.
-    """
+    """Intra- and inter-node groups, after checking the layout and the builds."""
     size, local = info.size, info.local_size
     if local < 1 or size % local != 0:
         raise RuntimeError(f"world size {size} is not a multiple of the local size {local}")
@@ -506,30 +394,14 @@ def _build_node_groups(info: LaunchInfo, backend: str) -> None:
 
 
 def node_layout(ranks: Iterable[int], local_size: int, rank: int) -> tuple:
-    """The one node-layout rule: ``ranks`` as contiguous nodes of ``local_size`` ranks (torchrun,
-    ``mpirun --map-by slot``, Slurm block distribution). Returns (the ranks of group rank
-    ``rank``'s node, the ranks with its local rank, one per node).
-
-    Example::
-
-        node_layout([0, 1, 2, 3], 2, 3)      # ([2, 3], [1, 3])
-    """
+    """The one node-layout rule: (``rank``'s node, the ranks sharing its local rank) in ``ranks``."""
     ranks = list(ranks)
     node, local = divmod(rank, local_size)
     return ranks[node * local_size:(node + 1) * local_size], ranks[local::local_size]
 
 
 def node_groups(group, local_size: int) -> tuple:
-    """(intra, inter) groups for this rank of ``group`` laid out by :func:`node_layout`: the
-    ones :func:`init` built when they are the ones asked for, else made once per rank list
-    and world by :func:`shared_group` and reused (a face that built its own per instance
-    would leak two groups each time, and a sub-group cannot be destroyed and made again under
-    its name). Only members call it.
-
-    Example::
-
-        intra, inter = bitscom.runtime.node_groups(dist.group.WORLD, 2)   # 4 ranks as 2 x 2
-    """
+    """(intra, inter) groups for this rank of ``group``: :func:`init`'s if they fit, else shared."""
     ranks = dist.get_process_group_ranks(group)
     if local_size < 1 or len(ranks) % local_size:
         raise ValueError(f"local_size={local_size} must divide the group size {len(ranks)}")
@@ -541,17 +413,7 @@ def node_groups(group, local_size: int) -> tuple:
 
 
 def build_fingerprint() -> int:
-    """A 56-bit digest of what decides the bytes on the wire: bitscom's version and the
-    source of its kernels (``kernels/quant_cpu.cpp``, ``kernels/quant.cu``).
-
-    Ranks that run different builds (a node with another checkout, a kernel edited while a
-    job starts) would quantize and pack differently and end with silently different replicas;
-    :func:`init` compares this number across ranks and refuses to start instead.
-
-    Example::
-
-        assert bitscom.runtime.build_fingerprint() == bitscom.runtime.build_fingerprint()
-    """
+    """A 56-bit digest of the version and kernel sources; :func:`init` refuses ranks that differ."""
     h = hashlib.sha256(__version__.encode())
     kernels = pathlib.Path(__file__).with_name("kernels")
     for name in ("quant_cpu.cpp", "quant.cu"):
@@ -561,7 +423,6 @@ def build_fingerprint() -> int:
 
 
 def _exchange_layout(info: LaunchInfo, backend: str) -> list:
-    """Every rank's ``(local_rank, local_size, build fingerprint)``, gathered on the world group."""
     dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     mine = torch.tensor([info.local_rank, info.local_size, build_fingerprint()], dtype=torch.int64, device=dev)
     everyone = [torch.empty_like(mine) for _ in range(info.size)]
@@ -570,10 +431,7 @@ def _exchange_layout(info: LaunchInfo, backend: str) -> list:
 
 
 def timeout() -> Optional[datetime.timedelta]:
-    """The ``timeout`` given to :func:`init` (None: torch's default, 30 minutes for gloo).
-
-    Every process group bitscom creates gets it, so a stalled peer fails the survivors within
-    the same time everywhere. Example::
+    """The ``timeout`` given to :func:`init` (None: torch's), which every group bitscom makes gets. Example::
 
         bitscom.init(timeout=datetime.timedelta(seconds=60))
         assert bitscom.runtime.timeout().total_seconds() == 60
@@ -583,17 +441,7 @@ def timeout() -> Optional[datetime.timedelta]:
 
 def new_group(ranks: Iterable[int], *, backend: Optional[str] = None, use_local_synchronization: bool = False,
               settle: bool = False) -> Any:
-    """``torch.distributed.new_group`` with the :func:`init` timeout: the one way bitscom
-    creates its own groups (the optimizer's later-round group, the DDP hook's, node groups).
-
-    ``settle=True`` runs one tiny all-reduce on the new group, so every member has finished
-    connecting before any member may destroy it again (a group destroyed while a peer is
-    still connecting breaks that peer's next group).
-
-    Example::
-
-        later = bitscom.runtime.new_group([0, 1], use_local_synchronization=True)
-    """
+    """``dist.new_group`` with :func:`init`'s timeout; ``settle``: all connected before any leaves."""
     kwargs: Dict[str, Any] = {"backend": backend, "use_local_synchronization": use_local_synchronization}
     if _rt.timeout is not None:
         kwargs["timeout"] = _rt.timeout
@@ -606,23 +454,11 @@ def new_group(ranks: Iterable[int], *, backend: Optional[str] = None, use_local_
 
 
 _shared: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # world -> {key: group}
+_channels: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # world -> {group: Channel}
 
 
 def shared_group(ranks: Iterable[int], *, tag: str, backend: Optional[str] = None) -> Any:
-    """A group of ``ranks`` made once per ``(tag, ranks, backend)`` in the current world and
-    then shared: for faces that need an extra group per group of the user (a payload group,
-    node groups of a sub-group), instead of keeping their own cache.
-
-    Only the members call it (``use_local_synchronization=True``). Held weakly and keyed by
-    the world: torch's registry owns the group, so ``dist.destroy_process_group()`` really
-    frees it, and after a restart the next call makes a new one. A cache holding groups
-    strongly would keep a destroyed world alive (its TCPStore still listening on the master
-    port, which stalls the next ``init_process_group``; its gloo threads torn down at exit).
-
-    Example::
-
-        payload = bitscom.runtime.shared_group(dist.get_process_group_ranks(group), tag="payload")
-    """
+    """A group of ``ranks`` made once per tag and world (members only), held weakly."""
     world = _current_world()
     if world is None:
         raise RuntimeError("shared_group() needs torch.distributed: call bitscom.init() first")
@@ -637,24 +473,8 @@ def shared_group(ranks: Iterable[int], *, tag: str, backend: Optional[str] = Non
     return group
 
 
-_channels: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # world -> {group: Channel}
-
-
 def channel(group, *, later: bool = False) -> Channel:
-    """The :class:`~bitscom.channel.Channel` of ``group``: one per group and world, shared by
-    every face on it, so all their multi-round collectives keep one order.
-
-    ``later=True`` gives it its later-round group on first need, made here (every member asks
-    at the same point of the program, e.g. in a face's constructor): over the whole world by
-    every rank; over a sub-group by its members only, and then never destroyed and made again
-    under its name (stale rendezvous keys hang). Keyed by the world and held weakly, like
-    :func:`shared_group`, so :func:`shutdown` drops channels and groups. ``None``, a group of
-    one rank or one this rank is not in gets a private channel (the face's checks decide).
-
-    Example::
-
-        ch = bitscom.runtime.channel(group, later=True)
-    """
+    """The one :class:`~bitscom.channel.Channel` of ``group`` (``later``: with its later group)."""
     world = _current_world()
     if group is None or world is None or dist.get_world_size(group) <= 1:    # -1: not a member
         return Channel(group)
@@ -670,10 +490,7 @@ def channel(group, *, later: bool = False) -> Channel:
 
 
 def shutdown() -> None:
-    """Destroy the process group bitscom created (if it created it and it is still the
-    default group) and forget the groups.
-
-    Example::
+    """Destroy the process group bitscom created (if still the default) and forget the groups. Example::
 
         bitscom.init(); train(); bitscom.shutdown()
     """
@@ -687,15 +504,7 @@ def shutdown() -> None:
 
 
 class _NextWorld:
-    """The port the next world started by :func:`init` in this process rendezvouses on.
-
-    Why: torch does not always free a destroyed world. Once ``torch._dynamo`` is imported
-    (creating any ``torch.optim`` optimizer imports it), the default group outlives
-    ``dist.destroy_process_group()``, and with it rank 0's store server keeps listening on
-    MASTER_PORT. A new world rendezvousing on the same port then meets the old server (rank 1
-    waited for it to close, rank 0 waited for rank 1: a hang). So :func:`shutdown`, which every
-    rank calls, agrees on a fresh port through the old store before it destroys the world.
-    """
+    """The port the next :func:`init` uses, agreed by :func:`shutdown` (docs/reliability.md)."""
 
     port: Optional[int] = None
     KEY = "bitscom/next-port"
@@ -708,9 +517,7 @@ class _NextWorld:
         try:
             store = dist.distributed_c10d._get_default_store()
             if info.rank == 0:
-                with socket.socket() as sock:
-                    sock.bind(("", 0))
-                    store.set(cls.KEY, str(sock.getsockname()[1]))
+                store.set(cls.KEY, str(_free_port()))
             port = int(store.get(cls.KEY))
             store.add(cls.KEY + "/read", 1)
             if info.rank == 0:               # keep the store up until every rank has read it
@@ -728,10 +535,7 @@ class _NextWorld:
 
 
 def is_initialized() -> bool:
-    """Whether :func:`init` ran in this process, or torch.distributed was started by the user
-    (then that default group is adopted, as Horovod-style scripts expect).
-
-    Example::
+    """Whether :func:`init` ran, or the user started torch.distributed (then it is adopted). Example::
 
         if not bitscom.is_initialized():
             bitscom.init()
@@ -757,9 +561,7 @@ def _node_group(which: str) -> Optional[dist.ProcessGroup]:
 
 
 def rank() -> int:
-    """This process's rank in the world.
-
-    Example::
+    """This process's rank in the world. Example::
 
         if bitscom.rank() == 0:
             torch.save(model.state_dict(), "ckpt.pt")
@@ -768,9 +570,7 @@ def rank() -> int:
 
 
 def size() -> int:
-    """Number of processes in the world.
-
-    Example::
+    """Number of processes in the world. Example::
 
         lr = 0.01 * bitscom.size()   # the usual linear scaling
     """
@@ -778,9 +578,7 @@ def size() -> int:
 
 
 def local_rank() -> int:
-    """Rank within this node (the CUDA device bitscom selected).
-
-    Example::
+    """Rank within this node (the CUDA device bitscom selected). Example::
 
         loader = make_loader(shard=bitscom.rank(), cache_dir=f"/tmp/cache{bitscom.local_rank()}")
     """
@@ -788,9 +586,7 @@ def local_rank() -> int:
 
 
 def local_size() -> int:
-    """Number of processes on this node.
-
-    Example::
+    """Number of processes on this node. Example::
 
         torch.set_num_threads(os.cpu_count() // bitscom.local_size())
     """
@@ -798,9 +594,7 @@ def local_size() -> int:
 
 
 def cross_rank() -> int:
-    """Index of this node (rank of this process among processes with its local rank).
-
-    Example::
+    """Index of this node (rank of this process among processes with its local rank). Example::
 
         print(f"node {bitscom.cross_rank()} of {bitscom.cross_size()}")
     """
@@ -809,9 +603,7 @@ def cross_rank() -> int:
 
 
 def cross_size() -> int:
-    """Number of nodes.
-
-    Example::
+    """Number of nodes. Example::
 
         hierarchical = bitscom.cross_size() > 1
     """
@@ -826,9 +618,7 @@ def world_group() -> Optional[dist.ProcessGroup]:
 
 
 def intra_group() -> Optional[dist.ProcessGroup]:
-    """The process group of this node's ranks (None for a single process).
-
-    Example::
+    """The process group of this node's ranks (None for a single process). Example::
 
         LowBit(bits=4, hierarchical="two_level", intra_group=bitscom.intra_group(),
                inter_group=bitscom.inter_group())
@@ -837,9 +627,7 @@ def intra_group() -> Optional[dist.ProcessGroup]:
 
 
 def inter_group() -> Optional[dist.ProcessGroup]:
-    """The process group of ranks with this local rank, one per node (None for a single process).
-
-    Example::
+    """The process group of ranks with this local rank, one per node (None for one process). Example::
 
         dist.all_reduce(node_sums, group=bitscom.inter_group())   # across nodes only
     """

@@ -1,7 +1,5 @@
-"""Buffers a compressor state reuses every step (:class:`Scratch`): allocating a bucket-sized
-buffer each step costs a page-faulting pass over it. Never checkpointed (contents undefined
-between steps). It imports nothing of bitscom, so every state type can hold one.
-"""
+"""Buffers a compressor state reuses every step: allocating a bucket-sized buffer each step
+costs a page-faulting pass over it. Never checkpointed; imports nothing of bitscom."""
 
 from __future__ import annotations
 
@@ -13,13 +11,7 @@ __all__ = ["Scratch"]
 
 
 class Scratch:
-    """Named buffers kept between steps, reallocated only when shape, dtype or device change.
-
-    Example::
-
-        scratch = Scratch()
-        buf = scratch.get("record", (1024,), torch.uint8, "cpu")   # the same tensor next step
-    """
+    """Named buffers kept between steps, reallocated only when shape, dtype or device change."""
 
     __slots__ = ("_buffers",)
 

@@ -1,9 +1,4 @@
-"""Close matches for a misspelled name: every "unknown X" error says what was probably meant.
-
-Example::
-
-    raise ValueError(f"unknown compressor {name!r}{did_you_mean(name, names())}; ...")
-"""
+"""Close matches for a misspelled name: every "unknown X" error says what was probably meant."""
 
 from __future__ import annotations
 
@@ -14,12 +9,7 @@ __all__ = ["did_you_mean"]
 
 
 def did_you_mean(word: str, options: Iterable[str]) -> str:
-    """``" (did you mean 'x'?)"`` for the closest of ``options`` to ``word``, or ``""``.
-
-    Example::
-
-        did_you_mean("powersdg", ["powersgd", "fp16"])   # " (did you mean 'powersgd'?)"
-    """
+    """``" (did you mean 'x'?)"`` for the closest of ``options`` to ``word``, or ``""``."""
     close = difflib.get_close_matches(str(word).lower(), [str(o) for o in options], n=2, cutoff=0.6)
     if not close:
         return ""

@@ -1,26 +1,6 @@
-"""Uneven inputs: ``bitscom.join()``, Horovod's ``hvd.join()`` for DistributedOptimizer steps.
-
-Why. When one rank has more batches than another, its extra step's bucket collectives meet
-whatever the other rank does next (a validation all-reduce, the next epoch's broadcast):
-mixed bytes or a hang. DDP has ``Join``, Horovod ``hvd.join()``.
-
-How. Every step of a multi-rank :class:`~bitscom.DistributedOptimizer` starts with a tiny
-asynchronous all-reduce, the *notice* ``[1, optimizer id]``, issued with its first bucket and
-waited for with its last one. A rank that ran out of data calls :func:`join`, which loops:
-
-1. all-reduce ``[0, 0]`` (this matches the notices of ranks still stepping);
-2. a zero count means every rank has joined: stop;
-3. otherwise ``sum(ids) / count`` names the optimizer the others are stepping; run that
-   optimizer's step with zero gradients (the same collectives, the same compressor rounds),
-   and go to 1.
-
-The joined rank's zeros count in the average (divided by the full group size, as DDP's
-``Join`` does by default). When every rank has joined, each optimizer's parameters and state
-are broadcast from the last rank to join, since the joined ranks reduced but did not step
-(model buffers such as BatchNorm statistics are not the optimizer's: broadcast them yourself
-from the returned rank if they matter). Only optimizer steps are shadowed: other collectives
-(metrics, validation, broadcasts) belong after ``join()`` returns, on every rank.
-"""
+"""Uneven inputs: ``bitscom.join()``, Horovod's ``hvd.join()``. A rank's extra step would meet
+whatever the others do next, so each step starts with a tiny all-reduce that joined ranks
+answer (docs/design.md, reliability.md)."""
 
 from __future__ import annotations
 
@@ -57,12 +37,7 @@ def _device(group) -> torch.device:
 
 
 def notify(optimizer):
-    """Issue the step's notice for ``optimizer``; returns the async work to wait on.
-
-    The notice lives in a buffer made once per optimizer and refilled on the device each step:
-    a fresh ``torch.tensor(..., device="cuda")`` would be a blocking host-to-device copy on
-    every step.
-    """
+    """Issue the step's notice (a buffer refilled on the device: no blocking copy)."""
     buffers = _notices.get(optimizer)
     if buffers is None:
         template = torch.tensor([1, optimizer._uid], dtype=torch.int64,
@@ -74,13 +49,10 @@ def notify(optimizer):
 
 
 def _same_group(a, b) -> bool:
-    if a is b:
-        return True
-    return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
+    return a is b or dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
 
 
 def _joining(group) -> Dict[int, Any]:
-    """This rank's live optimizers on ``group``, by id; none may be in the middle of a step."""
     mine: Dict[int, Any] = {}
     for opt in list(_live):
         if not opt._life.closed and _same_group(opt.process_group, group):
@@ -92,21 +64,11 @@ def _joining(group) -> Dict[int, Any]:
 
 
 def join(process_group=None) -> int:
-    """Wait for every rank of the group to join, stepping with zero gradients meanwhile.
-
-    Call it on every rank after its training loop (Horovod's ``hvd.join()``). While other
-    ranks still step a :class:`~bitscom.DistributedOptimizer`, this rank takes part in each
-    of their steps with zero gradients. Returns the rank that joined last (the highest such
-    rank when several ran the most steps).
-
-    Example::
+    """Wait for every rank to join, stepping with zero gradients meanwhile; returns the last. Example::
 
         for x, y in my_shard_of_the_data:          # ranks may have different counts
-            opt.zero_grad()
-            loss_fn(model(x), y).backward()
-            opt.step()
-        last = bitscom.join()
-        val_loss = evaluate(model)                 # collectives after join() line up again
+            opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+        last = bitscom.join()                      # collectives after it line up again
     """
     group = require_group(process_group, "bitscom.join")
     if group is None:
@@ -137,9 +99,7 @@ def join(process_group=None) -> int:
     counts = [int(c) for c in everyone]
     last = dist.get_global_rank(group, max(i for i, c in enumerate(counts) if c == min(counts)))
     if max(counts) > 0:
-        # The joined ranks reduced but did not step: give them the last joiner's parameters
-        # and optimizer state, so the replicas are identical again (DDP's Join does the same
-        # for the model).
+        # The joined ranks reduced but did not step: give them the last joiner's parameters and state.
         check_agreement({"optimizers": sorted(mine)}, group, "optimizers to synchronize after join")
         for uid in sorted(mine):
             mine[uid]._after_join(last, group)

@@ -1,7 +1,5 @@
-"""Checks of numbers, sequences of numbers, flags, choices and types in settings, written once:
-every error names the setting, the value and what is allowed (DESIGN.md, Reliability), in one
-wording. ``True`` is never a number here (though ``isinstance(True, int)``) and NaN never passes
-a bound."""
+"""Checks of settings, written once: every error names the setting, the value and what is
+allowed. ``True`` is never a number here and NaN never passes a bound."""
 
 from __future__ import annotations
 
@@ -33,13 +31,7 @@ def _closed(inclusive: Union[bool, Tuple[bool, bool]]) -> Tuple[bool, bool]:
 def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: Optional[float] = None,
            inclusive: Union[bool, Tuple[bool, bool]] = True, integer: bool = False,
            finite: bool = False) -> Any:
-    """``value`` if it is an int (``integer``) or a real number within the bounds, else a
-    ValueError ``"{name} must be an int >= 1, got 0"`` / ``"... a number in (0, 1], got 2"``.
-
-    Example::
-
-        number("TopK ratio", ratio, minimum=0, maximum=1, inclusive=(False, True))
-    """
+    """``value`` if an int (``integer``) or real number within the bounds, else a ValueError."""
     closed = _closed(inclusive)
     kind = "an int" if integer else ("a finite number" if finite else "a number")
     ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
@@ -54,16 +46,7 @@ def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: O
 def numbers(name: str, values: Any, *, nonempty: bool = False, minimum: Optional[float] = None,
             maximum: Optional[float] = None, inclusive: Union[bool, Tuple[bool, bool]] = True,
             integer: bool = False, finite: bool = False) -> tuple:
-    """``values`` as a tuple if it is a sequence (any iterable but a string, bytes or a mapping;
-    not empty with ``nonempty``) whose every item passes :func:`number` with these bounds.
-    Else a TypeError (not a sequence: ``'25'`` would read as ``('2', '5')``), a ValueError (empty)
-    or the first bad item's ValueError, named ``name[i]``:
-    ``candidates[0] must be a finite number > 0, got '25'``.
-
-    Example::
-
-        numbers("candidates", candidates, nonempty=True, minimum=0, inclusive=False, finite=True)
-    """
+    """``values`` as a tuple of :func:`number`-checked items (no string: ``'25'``; errors ``name[i]``)."""
     kinds = "ints" if integer else ("finite numbers" if finite else "numbers")
     what = f"{'non-empty ' if nonempty else ''}sequence of {kinds}{_bounds(minimum, maximum, _closed(inclusive))}"
     if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
@@ -78,32 +61,21 @@ def numbers(name: str, values: Any, *, nonempty: bool = False, minimum: Optional
 
 
 def flag(name: str, value: Any) -> bool:
-    """``value`` if it is a bool, else a TypeError (``'no'`` would read as True). Example::
-
-        flag("TopK per_tensor", per_tensor)
-    """
+    """``value`` if it is a bool, else a TypeError (``'no'`` would read as True)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
     return value
 
 
 def choice(name: str, value: Any, allowed: Sequence[Any]) -> Any:
-    """``value`` if it is one of ``allowed``, else a ValueError listing them. Example::
-
-        choice("TopK selection", selection, ("exact", "sampled"))
-    """
+    """``value`` if it is one of ``allowed``, else a ValueError listing them."""
     if not any(value == a and type(value) is type(a) for a in allowed):
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
     return value
 
 
 def instance(name: str, value: Any, types: Union[type, Tuple[type, ...]], allowed: str) -> Any:
-    """``value`` if it is an instance of ``types`` (a bool only where ``bool`` is named, never as
-    an int), else a TypeError naming the value, its type and ``allowed``, what to pass instead:
-    ``gradients must be a LowBitConfig or an int bit width ..., got 3.5 (float)``. Example::
-
-        instance("topo", topo, Topology, "a bitscom.cost.Topology")
-    """
+    """``value`` if an instance of ``types`` (a bool only where named), else a TypeError naming it."""
     kinds = types if isinstance(types, tuple) else (types,)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise TypeError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
