@@ -4,9 +4,7 @@ Why radon and not only ruff's C90: McCabe as ruff counts it ignores ``and`` / ``
 constructor of 32 radon branches passed CI. Radon counts every boolean operator. Why not
 ``xenon``: its ranks are radon's letters (C is 11-20), which cannot say "at most 15".
 
-``KNOWN`` lists functions that are over the limit and owned by work in flight elsewhere
-(issue 32); each may only get simpler, and a name that is no longer over the limit must leave
-the list (the check says so), so the list only shrinks.
+No exceptions: every function of the library is within the limit.
 
     python scripts/complexity.py            # what scripts/test.sh runs
 """
@@ -20,10 +18,6 @@ from radon.visitors import Class
 
 LIMIT = 15
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-KNOWN = {
-    # bitscom/group.py: the Face/Channel rework of LowBitGroup owns it.
-    "bitscom/group.py:LowBitGroup.all_reduce",
-}
 
 
 def blocks(path: pathlib.Path):
@@ -40,16 +34,11 @@ def blocks(path: pathlib.Path):
 
 
 def main() -> int:
-    over, seen = [], set()
+    over = []
     for path in sorted((ROOT / "bitscom").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        for name, score in blocks(path):
-            key = f"{rel}:{name}"
-            if score > LIMIT:
-                seen.add(key)
-                if key not in KNOWN:
-                    over.append(f"{key} has complexity {score} (at most {LIMIT}): split it into named steps")
-    over += [f"{key} is no longer over {LIMIT}: remove it from KNOWN in {__file__}" for key in sorted(KNOWN - seen)]
+        over += [f"{rel}:{name} has complexity {score} (at most {LIMIT}): split it into named steps"
+                 for name, score in blocks(path) if score > LIMIT]
     print("\n".join(over) or f"complexity: every function of bitscom/ is at most {LIMIT} (radon)")
     return 1 if over else 0
 
