@@ -1,18 +1,8 @@
-"""DCP checkpoints of :class:`~bitscom.DistributedOptimizer`.
+"""DCP checkpoints of :class:`~bitscom.DistributedOptimizer` (keys: docs/checkpoints.md).
 
-Layout (keys of the DCP checkpoint)::
-
-    bitscom/meta                 pickled: format, world, steps, the torch state's skeleton
-    bitscom/optimizer/<i>        torch's optimizer state tensors: the same on every rank, so
-                                 DCP saves them once (replicated, deduplicated)
-    bitscom/rank<r>/reducer      pickled: rank r's compressor-state skeleton + tensor digests
-    bitscom/rank<r>/reducer/<i>  rank r's compressor-state tensors (written by rank r)
-
-Loading on the same world size restores every rank's own compressor state: training goes on
-bitwise as if never stopped. On another world size the compressor state can only be kept when
-it was the same on every saving rank (the digests say so: PowerSGD/ACP-SGD factors without
-error feedback, or state that never diverged); per-rank state (error-feedback residuals) is a
-clear error unless ``reset_compressor_state=True``, which restarts it from zero.
+The same world size restores every rank's own compressor state (a bitwise resume); another
+keeps it only when it was the same on every saving rank (the digests say so), else per-rank
+state is an error unless ``reset_compressor_state=True`` restarts it from zero.
 """
 
 from __future__ import annotations

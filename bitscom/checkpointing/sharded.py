@@ -1,25 +1,9 @@
 """DCP checkpoints of :class:`~bitscom.ShardedOptimizer`, loadable on any world size.
 
-Each rank writes only what it owns, under keys that name the parameter and the flattened
-element range of its piece, so the checkpoint is the union of every rank's pieces::
-
-    bitscom.sharded/meta                          pickled: format, world, step, settings,
-                                                  parameter shapes, param-group hyperparameters
-    bitscom.sharded/master/<name>/<start>-<stop>  the fp32 master piece
-    bitscom.sharded/state/<name>/<key>/<start>-<stop>
-                                                  its optimizer state: elementwise (1-D, one
-                                                  entry per element), a 0-d scalar, or pickled
-    bitscom.sharded/replica/<name>                the parameter (identical on every rank: DCP
-                                                  saves it once)
-
-Loading reads the key list, and every rank of the new world fetches the saved pieces that
-overlap its own pieces and cuts them to size: any world size, any fusion threshold, no
-gathering on one rank (the consolidated path holds the whole model on rank 0).
-
-Why not ``ShardedTensor``/``DTensor``: ``DTensor`` shards evenly by ``torch.chunk`` and cannot
-express pieces cut by bucket boundaries; ``ShardedTensor`` can, but torch marks it deprecated
-("Please use DTensor instead") and building its global metadata needs every rank to know every
-other rank's state keys (one more collective). Plain tensors under per-piece keys need neither.
+Each rank writes only its pieces, under keys naming the parameter and the element range
+(docs/checkpoints.md, "Key layout"); loading, every rank of the new world fetches the saved
+pieces that overlap its own and cuts them to size: any world size or fusion threshold, and no
+rank ever holds the whole model. Why not ``ShardedTensor``/``DTensor``: docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """Hot loops of the low-bit format on flat float32 buffers, dispatched by device.
 
-Three implementations share one signature and produce identical bytes:
-
-* ``"torch"``  – eager torch ops (``torch_ref``): any device, the reference;
-* ``"native"`` – a fused C++ loop compiled with the system compiler on first use and loaded with
-  ctypes (``cpu_native``): the fast CPU path, falling back to ``"torch"`` if no compiler works;
-* ``"cuda"``   – CuPy RawKernels from ``*.cu`` (``cuda``), zero-copy via DLPack on the current
-  torch stream: the CUDA path, falling back to ``"torch"`` if CuPy is missing.
-
-``impl=None`` picks the fastest available for the tensor's device. The functions are shaped for
-the two-stage all-reduce: quantize each world-size shard of a flat buffer into rows of one send
-buffer (``index_offset`` keeps stochastic rounding keyed by the *global* element index, so the
-bytes do not depend on how the buffer is sharded), dequantize-and-sum the P received rows,
-requantize the reduced shard, and dequantize the gathered rows. Outputs can be preallocated
-(``payload=``, ``scales=``, ``out=``): views into a larger buffer are fine.
-
-Layout of one quantized shard of ``numel`` elements (sizes from :func:`payload_bytes`,
-:func:`num_blocks`; both depend only on (numel, bits, block_size)):
-
-* payload: uint8 ``[payload_bytes(numel, bits, block_size)]`` = ``nblocks * block_size * bits / 8``,
-  block k's codes at bytes ``[k * block_size * bits / 8, (k+1) * ...)``, bit order as in
-  ``bitscom.quantization``;
-* scales: bfloat16 ``[nblocks]``.
-
-The format's specification is ``docs/format.md``.
+Three implementations share one signature and write identical bytes: ``"torch"`` (eager ops,
+any device, the reference: ``torch_ref``), ``"native"`` (a fused C++ loop built on first use,
+the fast CPU path: ``cpu_native``) and ``"cuda"`` (CuPy RawKernels on torch's current stream:
+``cuda``); ``impl=None`` picks the fastest available for the device, falling back to
+``"torch"``. The functions are shaped for the two-stage all-reduce: quantize each shard into a
+row of one send buffer (``index_offset`` keys stochastic rounding by the *global* element
+index, so the bytes do not depend on the sharding), dequantize-and-sum the P received rows,
+requantize. Outputs can be preallocated views into a larger buffer (``payload=``, ``scales=``,
+``out=``). The format and a shard's layout (payload bytes, then bfloat16 scales): ``docs/format.md``.
 """
 from __future__ import annotations
 
@@ -51,6 +36,11 @@ def _cuda():
     return cuda if cuda.available() else None
 
 
+# impl -> (the device type it needs, its loader, how to get it when it is unavailable)
+_COMPILED = {"native": ("cpu", _native, "no working C++ compiler"),
+             "cuda": ("cuda", _cuda, "pip install cupy-cuda13x")}
+
+
 def implementation(device) -> str:
     """Name of the implementation ``impl=None`` uses for tensors on ``device``.
 
@@ -71,21 +61,15 @@ def _backend(impl, device):
     name = implementation(device) if impl is None else impl
     if name == "torch":
         return torch_ref
-    if name == "native":
-        if device.type != "cpu":
-            raise ValueError(f"impl='native' needs CPU tensors, got device {device}")
-        mod = _native()
-        if mod is None:
-            raise RuntimeError("impl='native' is unavailable (no working C++ compiler); use impl='torch'")
-        return mod
-    if name == "cuda":
-        if device.type != "cuda":
-            raise ValueError(f"impl='cuda' needs CUDA tensors, got device {device}")
-        mod = _cuda()
-        if mod is None:
-            raise RuntimeError("impl='cuda' is unavailable (pip install cupy-cuda13x); use impl='torch'")
-        return mod
-    raise ValueError(f"impl={impl!r} is not one of {IMPLEMENTATIONS} or None")
+    if name not in _COMPILED:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLEMENTATIONS} or None")
+    needs, load, fix = _COMPILED[name]
+    if device.type != needs:
+        raise ValueError(f"impl={name!r} needs {needs.upper()} tensors, got device {device}")
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"impl={name!r} is unavailable ({fix}); use impl='torch'")
+    return mod
 
 
 def _flat_f32(x, name="x"):
@@ -114,13 +98,23 @@ def _rows(t, width, dtype, name):
     return t
 
 
+def _received(payloads, scales, numel, bits, block_size):
+    """The checked P received rows: uint8 payloads and bfloat16 scales, the same P >= 1."""
+    fmt.check_bits(bits)
+    fmt.check_block_size(block_size)
+    payloads = _rows(payloads, payload_bytes(numel, bits, block_size), torch.uint8, "payloads")
+    scales = _rows(scales, num_blocks(numel, block_size), torch.bfloat16, "scales")
+    if payloads.shape[0] != scales.shape[0] or payloads.shape[0] < 1:
+        raise ValueError(f"payloads and scales need the same P >= 1 rows, got {payloads.shape[0]} and "
+                         f"{scales.shape[0]}")
+    return payloads, scales
+
+
 def quantize_pack(x, bits, block_size=128, *, stochastic=False, seed=0, index_offset=0,
                   payload=None, scales=None, impl=None):
-    """Fused blockwise quantize + bit-pack of a flat float32 tensor.
-
-    Returns ``(payload, scales)``: uint8 ``[payload_bytes(x.numel(), bits, block_size)]`` and
-    bfloat16 ``[num_blocks(x.numel(), block_size)]``, written into ``payload``/``scales`` when
-    given. Element ``i`` draws its stochastic-rounding number from (seed, index_offset + i).
+    """Fused blockwise quantize + bit-pack of a flat float32 tensor: ``(payload, scales)``, uint8
+    ``[payload_bytes(...)]`` and bfloat16 ``[num_blocks(...)]`` (into ``payload``/``scales`` when
+    given). Element ``i`` draws its stochastic-rounding number from (seed, index_offset + i).
 
     Example::
 
@@ -138,13 +132,7 @@ def quantize_pack(x, bits, block_size=128, *, stochastic=False, seed=0, index_of
     payload = _out_buf(payload, (payload_bytes(n, bits, block_size),), torch.uint8, x.device, "payload")
     scales = _out_buf(scales, (num_blocks(n, block_size),), torch.bfloat16, x.device, "scales")
     be = _backend(impl, x.device)
-    if be is torch_ref:
-        p, s = torch_ref.quantize_pack(x, bits, block_size, bool(stochastic), seed, index_offset)
-        payload.copy_(p)
-        scales.copy_(s)
-    else:
-        be.quantize_pack(x, bits, block_size, bool(stochastic), seed, index_offset, payload, scales)
-    return payload, scales
+    return be.quantize_pack(x, bits, block_size, bool(stochastic), seed, index_offset, payload, scales)
 
 
 def unpack_dequantize(payload, scales, numel, bits, block_size=128, *, out=None, impl=None):
@@ -163,11 +151,9 @@ def unpack_dequantize(payload, scales, numel, bits, block_size=128, *, out=None,
 
 def unpack_dequantize_accumulate(payloads, scales, numel, bits, block_size=128, *, out=None,
                                  accumulate=False, impl=None):
-    """Dequantize P peers' shards and sum them: ``out = [out +] v_0 + ... + v_{P-1}``.
-
-    ``payloads`` uint8 ``[P, >=payload_bytes]`` and ``scales`` bfloat16 ``[P, >=nblocks]`` (rows
-    may be views into a larger receive buffer). The sum is float32, added left to right in peer
-    order, so every rank and device gets the same bits. Returns float32 ``out`` ``[numel]``.
+    """Dequantize P peers' shards and sum them into float32 ``out = [out +] v_0 + ... + v_{P-1}``
+    (returned), left to right, so every rank and device gets the same bits. ``payloads`` uint8
+    ``[P, >=payload_bytes]`` and ``scales`` bfloat16 ``[P, >=nblocks]`` may be views of a buffer.
 
     Example::
 
@@ -178,28 +164,19 @@ def unpack_dequantize_accumulate(payloads, scales, numel, bits, block_size=128, 
         >>> bool((y - sum(xs)).abs().max() < 0.1)
         True
     """
-    fmt.check_bits(bits)
-    fmt.check_block_size(block_size)
-    payloads = _rows(payloads, payload_bytes(numel, bits, block_size), torch.uint8, "payloads")
-    scales = _rows(scales, num_blocks(numel, block_size), torch.bfloat16, "scales")
-    if payloads.shape[0] != scales.shape[0] or payloads.shape[0] < 1:
-        raise ValueError(f"payloads and scales need the same P >= 1 rows, got {payloads.shape[0]} and "
-                         f"{scales.shape[0]}")
+    payloads, scales = _received(payloads, scales, numel, bits, block_size)
     out = _out_buf(out, (numel,), torch.float32, payloads.device, "out")
-    be = _backend(impl, payloads.device)
-    return be.unpack_dequantize_accumulate(payloads, scales, numel, bits, block_size, out, bool(accumulate))
+    return _backend(impl, payloads.device).unpack_dequantize_accumulate(payloads, scales, numel, bits,
+                                                                        block_size, out, bool(accumulate))
 
 
 def dequantize_sum_requantize(payloads, scales, numel, bits, block_size=128, *, out_bits=None,
                               alpha=1.0, stochastic=False, seed=0, index_offset=0, payload=None,
                               out_scales=None, sum_out=None, impl=None):
-    """Fused reduce step of the two-stage all-reduce: dequantize P rows, sum, scale, requantize.
-
-    Steps: 1. ``acc = v_0 + ... + v_{P-1}`` in float32, left to right; 2. ``acc *= alpha`` (e.g.
-    1/world_size to average; skipped when 1.0); 3. quantize ``acc`` to ``out_bits`` (default
-    ``bits``) exactly as :func:`quantize_pack` would, with ``index_offset`` the shard's global
-    offset. ``sum_out`` (float32 ``[numel]``), when given, receives ``acc`` (e.g. for error
-    feedback). Returns ``(payload, scales)`` laid out like :func:`quantize_pack`'s.
+    """Fused reduce step of the two-stage all-reduce: ``acc = v_0 + ... + v_{P-1}`` (float32, left
+    to right), ``acc *= alpha`` (skipped when 1.0), then :func:`quantize_pack` of ``acc`` at
+    ``out_bits`` (default ``bits``); ``sum_out`` (float32 ``[numel]``), when given, receives ``acc``.
+    Returns ``(payload, scales)``.
 
     Example::
 
@@ -211,29 +188,15 @@ def dequantize_sum_requantize(payloads, scales, numel, bits, block_size=128, *, 
         (128, 2)
     """
     out_bits = bits if out_bits is None else out_bits
-    for b in (bits, out_bits):
-        fmt.check_bits(b)
-    fmt.check_block_size(block_size)
+    fmt.check_bits(out_bits)
     fmt.check_seed(seed)
     fmt.check_index_offset(index_offset)
-    payloads = _rows(payloads, payload_bytes(numel, bits, block_size), torch.uint8, "payloads")
-    scales = _rows(scales, num_blocks(numel, block_size), torch.bfloat16, "scales")
-    if payloads.shape[0] != scales.shape[0] or payloads.shape[0] < 1:
-        raise ValueError(f"payloads and scales need the same P >= 1 rows, got {payloads.shape[0]} and "
-                         f"{scales.shape[0]}")
+    payloads, scales = _received(payloads, scales, numel, bits, block_size)
     dev = payloads.device
     payload = _out_buf(payload, (payload_bytes(numel, out_bits, block_size),), torch.uint8, dev, "payload")
     out_scales = _out_buf(out_scales, (num_blocks(numel, block_size),), torch.bfloat16, dev, "out_scales")
     if sum_out is not None:
         sum_out = _out_buf(sum_out, (numel,), torch.float32, dev, "sum_out")
-    be = _backend(impl, dev)
-    if be is torch_ref:
-        p, s = torch_ref.dequantize_sum_requantize(payloads, scales, numel, bits, block_size, out_bits,
-                                                   float(alpha), bool(stochastic), seed, index_offset,
-                                                   sum_out)
-        payload.copy_(p)
-        out_scales.copy_(s)
-    else:
-        be.dequantize_sum_requantize(payloads, scales, numel, bits, block_size, out_bits, float(alpha),
-                                     bool(stochastic), seed, index_offset, payload, out_scales, sum_out)
-    return payload, out_scales
+    return _backend(impl, dev).dequantize_sum_requantize(payloads, scales, numel, bits, block_size, out_bits,
+                                                         float(alpha), bool(stochastic), seed, index_offset,
+                                                         payload, out_scales, sum_out)

@@ -1,27 +1,10 @@
 """The low-bit all-reduce, flat and hierarchical, as one round generator (:func:`all_reduce_rounds`).
 
-Two-stage all-reduce, for P ranks:
-
-1. pad the flat tensor to ``N = P * m`` (``m`` a multiple of ``block_size``), optionally
-   rotate it by a Hadamard transform, apply error feedback;
-2. quantize shard ``j`` (``bitwidth``; wire format: ``docs/format.md``,
-   :class:`~bitscom.lowbit.codec.Codec`) into row ``j`` of a send buffer and all-to-all it:
-   rank ``r`` receives shard ``r`` of every rank;
-3. dequantize the P rows and sum them in float32, in rank order (scale by ``1/P`` to average);
-4. requantize the reduced shard at ``stage2_bitwidth`` (its own setting: see
-   :data:`~bitscom.lowbit.config.DEFAULT_STAGE2_BITS`) and all-gather the bytes;
-5. every rank dequantizes *the gathered bytes*, its own shard included, so every rank ends
-   with bitwise-identical values.
-
-Hierarchical variants stack the same steps over an intra-node and an inter-node group (see
-:class:`~bitscom.lowbit.config.LowBitConfig`'s ``hierarchy``); ``chunk_size`` cuts the tensor
-into chunks run in lockstep, so chunk ``k``'s inter-node round is in flight together with chunk
-``k+1``'s intra-node round.
-
-Stochastic-rounding seeds are derived from (config seed, key, step, rank, stage) by
-:func:`~bitscom.lowbit.seeds.stage_seed`: different for every rank, stage and step, and
-reproducible from a checkpoint. Error feedback is
-:class:`~bitscom.lowbit.error_feedback.ErrorFeedback`, the same object every compressor uses.
+The two-stage algorithm (quantize P shards, all-to-all, sum in rank order, requantize the
+reduced shard, all-gather the bytes, every rank decodes the gathered bytes so all end bitwise
+identical) and its ``leader`` / ``two_level`` hierarchies are described in ``docs/lowbit.md``.
+Seeds come from :func:`~bitscom.lowbit.seeds.stage_seed`; error feedback is the
+:class:`~bitscom.lowbit.error_feedback.ErrorFeedback` every compressor uses.
 """
 
 from __future__ import annotations
@@ -75,11 +58,8 @@ class _Feedback:
             self.send = x.sub_(g_i)
             self.sent = torch.empty_like(self.send)
         self.e2 = state.stage2_residual.ensure(N // div, dev) if cfg.stage2_error_feedback else None
-        # EF21 without stage-2 feedback: the shard owners keep g exactly and requantize g itself.
-        # Adding requantized *increments* to g instead (what ef21_plus does, with stage-2 feedback
-        # to pay the rounding back) lets g drift from the mean of the g_i by the sum of every
-        # step's stage-2 rounding error: measured, the output error grew from 0.2 to 3.4
-        # (relative) over 400 steps and training diverged (docs/lowbit.md, "EF21").
+        # EF21 without stage-2 feedback: the shard owners keep g exactly and requantize g itself;
+        # adding requantized increments instead lets g drift (docs/lowbit.md, "EF21").
         self.anchors = state.estimate("global_shard", N // div, dev) \
             if cfg.error_feedback_mode == "ef21" else None
         self.pending: list = []
@@ -122,14 +102,12 @@ class _Feedback:
 def _chunk_rounds(hier, comm, intra, inter, cfg, fb: _Feedback, alpha, seeds, s, t
                   ) -> Generator[Any, None, torch.Tensor]:
     send, sent, stage2_ef, anchor = fb.chunk(s, t)
+    if hier == "leader":
+        return leader_rounds(send, intra, inter, cfg, alpha, seeds, s, sent, stage2_ef, anchor, fb.pending)
     c1 = cfg.codec(cfg.bitwidth)
+    levels = [(comm, c1)] if hier == "none" else [(intra, cfg.codec(cfg.intra_bitwidth)), (inter, c1)]
     c2 = cfg.codec(cfg.resolved_stage2_bitwidth)
-    if hier == "none":
-        return levels_rounds(send, [(comm, c1)], c2, alpha, seeds, s, sent, stage2_ef, anchor, fb.pending)
-    if hier == "two_level":
-        levels = [(intra, cfg.codec(cfg.intra_bitwidth)), (inter, c1)]
-        return levels_rounds(send, levels, c2, alpha, seeds, s, sent, stage2_ef, anchor, fb.pending)
-    return leader_rounds(send, intra, inter, cfg, alpha, seeds, s, sent, stage2_ef, anchor, fb.pending)
+    return levels_rounds(send, levels, c2, alpha, seeds, s, sent, stage2_ef, anchor, fb.pending)
 
 
 def _fast_flat(cfg: LowBitConfig, hier: str, flat: torch.Tensor, N: int, unit: int) -> bool:
@@ -151,10 +129,9 @@ def _fused_feedback(ef: ErrorFeedback, x: torch.Tensor, N: int, codec) -> bool:
 
 def _flat_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: LowBitState, alpha: float,
                  seeds, unit: int) -> Iterator:
-    """The flat two-stage all-reduce of :func:`levels_rounds` with one level, minus its copies:
-    a bucket that needs no padding is quantized straight from ``flat``, the byte rows live in
-    ``state``'s buffers, and the gathered rows decode straight into ``flat``. Same collectives,
-    same bytes, same result, same residual as the general path (tested bitwise)."""
+    """The flat two-stage all-reduce of :func:`levels_rounds` with one level, minus its copies
+    (no padding copy, byte rows in ``state``'s buffers, decoding straight into ``flat``): the
+    same collectives, bytes, result and residual as the general path (tested bitwise)."""
     n, P = flat.numel(), comm.size
     N = max(unit, -(-n // unit) * unit)
     x = flat.view(-1) if N == n else pad(flat, unit, cfg, state)
@@ -203,12 +180,11 @@ def _state_for(cfg: LowBitConfig, state: Optional[LowBitState]) -> LowBitState:
 
 def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Optional[LowBitState] = None,
                       *, average: bool = True, key=0, intra=None, inter=None) -> Iterator:
-    """Round generator: replace ``flat`` by the low-bit sum (or average) over ranks, in place.
+    """Round generator: replace ``flat`` by the low-bit sum (or average) over ranks, in place,
+    bitwise identical on every rank.
 
-    ``comm`` is the flat group; the hierarchies use ``intra`` and ``inter`` instead (with a
-    single node, ``inter.size == 1``, they take one full-precision all-reduce over ``intra``).
-    On exit ``flat`` is bitwise identical on every rank. ``state`` is required for error
-    feedback and reproducible stochastic rounding; it advances one step per call.
+    ``comm`` is the flat group; the hierarchies use ``intra`` and ``inter`` instead. ``state``
+    (needed for error feedback and reproducible rounding) advances one step per call.
 
     Example::
 
@@ -223,8 +199,7 @@ def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Option
     if n == 0 or world == 1:
         return
     alpha = 1.0 / world if average else 1.0
-    if hier == "single_node":
-        # Single node: one full-precision all-reduce (intra-node links are not the bottleneck).
+    if hier == "single_node":   # intra-node links are not the bottleneck: full precision
         yield intra.all_reduce(flat)
         if average:
             flat.div_(world)
@@ -265,10 +240,8 @@ def _pipelined(x, hier, comms, cfg, state, alpha, seeds, unit, sizes) -> Generat
 
 
 def wire_bytes_all_reduce(numel: int, world: int, cfg: LowBitConfig) -> int:
-    """Bytes one rank hands to the network for a flat low-bit all_reduce of ``numel`` elements.
-
-    All-to-all of P rows at ``bitwidth`` plus the all-gather of one row at ``stage2_bitwidth``
-    (what :class:`~bitscom.comm.Comm` counts: each collective's input buffer).
+    """Bytes one rank hands to the network for a flat low-bit all_reduce of ``numel`` elements:
+    the all-to-all's P rows plus the all-gather's one (what :class:`~bitscom.comm.Comm` counts).
 
     Example::
 

@@ -1,36 +1,17 @@
 """Level-wise low-bit reduce-scatter (SDP4Bit's two-level gradient quantization, TLq / TLq-HS).
 
-The ranks form a grid of *levels*, each a group in which this rank has one coordinate: for
-SDP4Bit the intra-node group (``L`` ranks, fast links) and the inter-node group (``M`` ranks,
-one per node, slow links). A flat buffer holds ``world = L * M`` shards of ``S`` elements each;
-every rank ends with one shard reduced over all ranks, and sends each level only its share:
+The ranks form a grid of *levels* (SDP4Bit: intra-node, then inter-node); a flat buffer holds
+``world`` shards and every rank ends with its shard reduced over all ranks (the algorithm:
+``docs/sharded.md``, "TLq"). Per level, this rank's data is split into one row per peer of the
+level, quantized with the level's :class:`~bitscom.lowbit.codec.Codec`, exchanged by one
+all-to-all and summed in float32 in peer order; a level of one rank sends nothing but still
+takes its round (yielding ``None``), so every chunk takes one round per level.
 
-1. (optional, TLq-HS) rotate the whole buffer by the orthonormal Hadamard transform over
-   32-element runs (:mod:`bitscom.lowbit.hadamard`); everything below happens rotated;
-2. per level, in order: this rank's data is split by the level's coordinate into one row per
-   peer (row ``p`` = every remaining shard owned by peer ``p``'s column), each row is quantized
-   with the level's :class:`~bitscom.lowbit.codec.Codec`, one all-to-all exchanges them, and the
-   ``P`` received rows are decoded and summed in float32, in peer order. SDP4Bit: intra-node at
-   ``bits_intra`` (8), then inter-node at ``bits_inter`` (4);
-3. the inverse Hadamard on the reduced shard, scale by ``alpha`` (``1/world`` to average).
-
-A level of one rank is skipped (nothing is quantized, nothing sent; it still takes one round,
-yielding ``None``, so every chunk takes exactly one round per level). ``chunks`` cuts every
-shard into pipeline chunks, each its own round generator: a driver issues chunk ``k+1``'s first
-level while chunk ``k``'s second is in flight.
-
-Shard order. Which shard a rank owns is its level coordinates read as a mixed-radix number;
-``order`` lists the levels from the most significant digit down. The default (last level most
-significant) makes shard ``r`` that of group rank ``r = node * L + local`` for levels
-``[intra, inter]``: the ZeRO / Megatron layout the sharded optimizer uses.
-
-Seeds: every rank, level and chunk has its own stochastic-rounding stream,
-``mix_seed(*seed_parts, chunk, level + 1)`` (:func:`~bitscom.lowbit.seeds.mix_seed`); a level's
-rows share it (each row is keyed from element 0): the rows go to different peers, and what a
-peer sums always comes from different ranks, hence different seeds.
-
-Collectives go through the levels' :class:`bitscom.comm.Comm` objects, which count the bytes;
-:func:`levelwise_wire_bytes` is the same count, analytically.
+Shard order: a rank owns the shard numbered by its level coordinates read as a mixed-radix
+number, ``order`` listing the levels from the most significant digit; the default (last level
+most significant) gives shard ``node * L + local``, the ZeRO / Megatron layout. Seeds:
+``mix_seed(*seed_parts, chunk, level + 1)`` per rank, level and chunk; a level's rows share it,
+as what a peer sums always comes from different ranks.
 """
 
 from __future__ import annotations
@@ -52,8 +33,7 @@ __all__ = ["levelwise_chunks", "levelwise_reduce_scatter_rounds", "levelwise_wir
 
 
 def default_order(levels: int) -> Tuple[int, ...]:
-    """The shard order where the last level is the most significant digit (see the module
-    docstring): ``(levels - 1, ..., 0)``.
+    """The shard order where the last level is the most significant digit: ``(levels - 1, ..., 0)``.
 
     Example::
 
@@ -63,7 +43,6 @@ def default_order(levels: int) -> Tuple[int, ...]:
 
 
 def _check_levels(levels) -> None:
-    """At least one level, each a (comm, Codec) pair."""
     if not levels:
         raise ValueError("levels must list at least one (comm, codec) pair")
     for _, codec in levels:
@@ -122,14 +101,12 @@ def levelwise_chunks(flat: torch.Tensor, out: torch.Tensor, levels: Sequence[Tup
                      hadamard_backend: str = "gemm", alpha: float = 1.0,
                      seed_parts: Sequence[int] = ()) -> List[Iterator]:
     """One round generator per pipeline chunk of a level-wise reduce-scatter of ``flat`` into
-    ``out`` (this rank's shard); each yields exactly once per level (see the module docstring).
+    ``out`` (this rank's shard); each yields exactly once per level.
 
     ``levels``: ``[(comm, codec), ...]`` in the order the rounds run (SDP4Bit: intra, inter).
-    ``flat`` holds ``prod(sizes)`` shards of ``out.numel()`` elements, shard ``i`` at
-    ``flat[i*S:(i+1)*S]``; it is converted to float32 (and rotated) once, here, so the
-    generators no longer read it. Drive the generators with :class:`bitscom.comm.Rounds`; per
-    level, issue chunk ``k``'s round only after every earlier chunk's (every rank must issue
-    the same collectives in the same order on each group), or let
+    ``flat`` holds ``prod(sizes)`` shards of ``out.numel()`` elements; it is converted to float32
+    (and rotated) here, so the generators no longer read it. Per level, issue chunk ``k``'s round
+    only after every earlier chunk's (the same order on every rank), or let
     :func:`levelwise_reduce_scatter_rounds` pipeline them.
 
     Example::
@@ -159,9 +136,8 @@ def levelwise_chunks(flat: torch.Tensor, out: torch.Tensor, levels: Sequence[Tup
 
 def levelwise_reduce_scatter_rounds(flat: torch.Tensor, out: torch.Tensor,
                                     levels: Sequence[Tuple[Comm, Codec]], **settings) -> Iterator:
-    """Round generator: the level-wise reduce-scatter of ``flat`` into ``out``, its chunks run in
-    lockstep by :func:`~bitscom.lowbit.rounds.pipeline` (chunk ``k+1``'s first level with chunk
-    ``k``'s second). ``settings`` are :func:`levelwise_chunks`'.
+    """Round generator: the level-wise reduce-scatter of ``flat`` into ``out``, its chunks
+    pipelined in lockstep; ``settings`` are :func:`levelwise_chunks`'.
 
     Example::
 
@@ -171,9 +147,9 @@ def levelwise_reduce_scatter_rounds(flat: torch.Tensor, out: torch.Tensor,
 
 
 def levelwise_wire_bytes(shard_numel: int, levels: Sequence[Tuple[int, Codec]], chunks: int = 1) -> int:
-    """Bytes one rank hands to the network for a level-wise reduce-scatter with shards of
-    ``shard_numel`` elements: per chunk and level of ``P > 1`` ranks, the all-to-all's whole send
-    buffer (``P`` rows of the level's codec). ``levels`` are ``(size, codec)`` pairs.
+    """Bytes one rank sends in a level-wise reduce-scatter with shards of ``shard_numel``
+    elements (per chunk and level of ``P > 1`` ranks, the all-to-all's ``P`` rows);
+    ``levels`` are ``(size, codec)`` pairs.
 
     Example::
 

@@ -1,25 +1,20 @@
 """The flat two-stage low-bit all-reduce, one block-aligned range at a time (:func:`range_rounds`).
 
-Why. :func:`~bitscom.lowbit.all_reduce_rounds` reduces a whole tensor at once, so it can start
-only when all of it is known. An optimizer that fills its flat buffer during backward (1-bit
-Adam's momentum, bucket by bucket) wants to send each part as soon as it is ready, *and* to get
-the very bits the whole-tensor call gives (same quantization blocks, same shard owner summing
-the same rows in the same order, same seeds, same residual slices, so a checkpoint of either
-resumes in the other). Every step of the whole-tensor algorithm is local to one ``block_size``
-block once the layout is fixed (pad to ``N = P * m``, shard ``j = [j*m, (j+1)*m)`` owned by
-rank ``j``), so a range of whole blocks inside one shard can run alone:
+Why: an optimizer that fills its flat buffer during backward (1-bit Adam's momentum, bucket by
+bucket; ``docs/onebit.md``) wants to send each part as soon as it is ready *and* get the very
+bits of :func:`~bitscom.lowbit.all_reduce_rounds` (same blocks, owners, summation order, seeds
+and residual slices, so a checkpoint of either resumes in the other). Once the layout is fixed
+(pad to ``N = P * m``, shard ``j`` owned by rank ``j``) every step is local to one block, so a
+range of whole blocks inside one shard runs alone:
 
-1. every rank adds its worker residual to its elements of the range, quantizes them (the
-   global element index keys the seed) and sends the bytes to the owner (``all_to_all_v``
-   with one non-empty split);
+1. every rank adds its worker residual to the range, quantizes it (keyed by the global element
+   index) and sends the bytes to the owner (``all_to_all_v`` with one non-empty split);
 2. the owner decodes the P rows, sums them in rank order, scales by ``1/P``, requantizes with
-   its server residual (its slice of the shard's) and broadcasts the bytes;
+   its slice of the server residual and broadcasts the bytes;
 3. every rank decodes the broadcast into the range.
 
-The bytes counted are the whole-tensor call's, summed over the ranges (the all-to-all's
-input is this rank's part; the broadcast counts on the owner only, as an all-gather counts one
-row per rank). Flat hierarchy, error-feedback mode ``"residual"`` or ``"none"``, no Hadamard:
-what 1-bit Adam uses (:func:`check_ranged` says so otherwise).
+Bytes counted sum to the whole-tensor call's (the broadcast counts on the owner only, as an
+all-gather counts one row per rank). Supported: what :func:`check_ranged` accepts.
 """
 
 from __future__ import annotations
@@ -65,11 +60,10 @@ def owner_ranges(numel: int, world: int, block_size: int, max_elements: int) -> 
 
 def range_rounds(flat: torch.Tensor, start: int, stop: int, owner: int, comm, cfg: LowBitConfig,
                  state: LowBitState, step: int) -> Iterator:
-    """Round generator: replace ``flat[start:stop]`` (padding beyond ``flat`` ignored) by the
-    low-bit average over ranks, bitwise what ``all_reduce_rounds(flat, comm, cfg, state)`` gives
-    there. ``(start, stop, owner)`` is one of :func:`owner_ranges`; ``step`` is the
-    whole-tensor call's ``state.step`` (the caller advances it once per all-reduce; call
-    ``state.bind(flat.numel())`` once too).
+    """Round generator: replace ``flat[start:stop]`` by the low-bit average over ranks, bitwise
+    what ``all_reduce_rounds(flat, comm, cfg, state)`` gives there. ``(start, stop, owner)`` is
+    one of :func:`owner_ranges`; ``step`` is the whole-tensor call's ``state.step`` (the caller
+    advances it and calls ``state.bind(flat.numel())`` once per all-reduce).
 
     Example::
 

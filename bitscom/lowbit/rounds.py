@@ -1,13 +1,9 @@
-"""Building blocks of the low-bit round generators, shared by :mod:`.all_reduce`,
-:mod:`.scatter_gather` and :mod:`.levelwise`.
+"""Building blocks of the low-bit round generators: one all-to-all stage, the reduce-then-gather
+ladder over levels of groups, lockstep pipelining of chunks, padding.
 
-A *round generator* issues asynchronous collectives through :class:`bitscom.comm.Comm`
-objects, yields their work handle(s) and continues once they completed (driven by
-:class:`bitscom.comm.Rounds`). The pieces here: one all-to-all stage (:func:`scatter`,
-:func:`scatter_reduce`), the reduce-then-gather ladder over levels of groups
-(:func:`levels_rounds`, :func:`leader_rounds`), lockstep pipelining of chunks
-(:func:`pipeline`) and padding. The cross-rank check of each call is :mod:`.call_header`.
-Names without ``__all__`` membership are package-internal.
+A *round generator* issues asynchronous collectives through :class:`bitscom.comm.Comm`, yields
+their work handle(s) and continues once they completed (driven by :class:`bitscom.comm.Rounds`).
+Names outside ``__all__`` are package-internal.
 """
 
 from __future__ import annotations
@@ -61,11 +57,11 @@ def scatter_reduce(x, comm, codec, seed, offset, sent=None, row_stride=None):
 def encode_with_feedback(x, codec, row, seed, offset, ef: Optional[ErrorFeedback]):
     """Encode ``x`` into ``row``; with ``ef``, encode ``x + e`` and keep ``e = x + e - D(C(x + e))``
     (NaN/Inf entries of the new residual dropped: that step's output shows them)."""
-    if ef is None:
-        codec.encode(x, row, seed, offset)
-        return
-    x = ef.compensate(x)
+    if ef is not None:
+        x = ef.compensate(x)
     codec.encode(x, row, seed, offset)
+    if ef is None:
+        return
     decoded = torch.empty_like(x)
     codec.decode(row, x.numel(), decoded)
     ef.update(decoded)
@@ -98,21 +94,18 @@ def levels_rounds(x, levels, out_codec, alpha, seeds, offset, sent=None, stage2_
     off += comm.rank * m
     R = out_codec.row_bytes(m)
     buf = torch.empty(R, dtype=torch.uint8, device=x.device)
-    if anchor is not None:
-        shard = torch.empty(m, dtype=torch.float32, device=x.device)
-        codec.decode_sum(recv, m, shard)
-        if alpha != 1.0:
-            shard.mul_(alpha)
-        out_codec.encode(anchor + shard, buf, seeds(len(levels)), off)
-        pending.append((anchor, shard))
-    elif stage2_ef is None:   # the fused dequantize-sum-scale-requantize kernel
+    if anchor is None and stage2_ef is None:   # the fused dequantize-sum-scale-requantize kernel
         codec.decode_sum_encode(recv, m, alpha, out_codec, buf, seeds(len(levels)), off)
     else:
         shard = torch.empty(m, dtype=torch.float32, device=x.device)
         codec.decode_sum(recv, m, shard)
         if alpha != 1.0:
             shard.mul_(alpha)
-        encode_with_feedback(shard, out_codec, buf, seeds(len(levels)), off, stage2_ef)
+        if anchor is not None:
+            out_codec.encode(anchor + shard, buf, seeds(len(levels)), off)
+            pending.append((anchor, shard))
+        else:
+            encode_with_feedback(shard, out_codec, buf, seeds(len(levels)), off, stage2_ef)
     for comm, _ in reversed(levels):
         gathered = torch.empty(comm.size * buf.numel(), dtype=torch.uint8, device=x.device)
         yield comm.all_gather(gathered, buf)
@@ -150,12 +143,10 @@ def leader_rounds(x, intra, inter, cfg, alpha, seeds, offset, sent=None, stage2_
 
 
 def pipeline(gens: Sequence[Iterator[Any]]) -> Generator[List[Any], None, List[Any]]:
-    """Run several round generators in lockstep, starting one more each round.
-
-    Round t advances chunk t (its first stage) together with chunk t-1 (its second stage) and
-    so on, so different stages of different chunks are in flight at once. Generators are
-    advanced in list order, which is the same on every rank: per group, collectives are issued
-    in the same order everywhere. Yields lists of work handles; returns the generators' results.
+    """Run several round generators in lockstep, starting one more each round: round t advances
+    chunk t's first stage with chunk t-1's second, and so on, in list order (the same on every
+    rank, so each group sees the same collective order). Yields lists of work handles; returns
+    the generators' results.
 
     Example::
 

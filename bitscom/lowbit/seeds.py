@@ -23,8 +23,7 @@ def _splitmix64(x: int) -> int:
 
 
 def mix_seed(*parts: int, start: int = 0) -> int:
-    """A 64-bit seed from integer parts (a splitmix64 chain from ``start``): different parts
-    give unrelated seeds, the same parts the same seed in every process.
+    """A 64-bit seed from integer parts (a splitmix64 chain from ``start``).
 
     Example::
 
@@ -37,8 +36,7 @@ def mix_seed(*parts: int, start: int = 0) -> int:
 
 
 def stage_seed(seed: int, key: int, step: int, rank: int, stage: int) -> int:
-    """The stochastic-rounding seed of one (key, step, rank, stage) of a collective: distinct for
-    every rank, stage and step, and reproducible from a checkpoint (a 64-bit splitmix chain).
+    """The stochastic-rounding seed of one (key, step, rank, stage) of a collective.
 
     Example::
 

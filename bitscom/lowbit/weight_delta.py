@@ -1,14 +1,10 @@
 """SDP4Bit's quantized weight differences (qWD): the one codec both sharded faces use.
 
-A rank that owns a shard sends ``Q(new - replica)``: its updated shard minus the copy of that
-shard every rank already holds, quantized with stochastic rounding (``Codec(bits, group_size,
-stochastic=True)``). Every rank, the owner included, decodes the same bytes and adds them to its
-copy (:func:`add_delta`), so the copies stay bitwise identical. Because the difference is taken
-against the *replica*, the error of one gather is part of the next one's difference: the
-replica never drifts from the exact values by more than one gather's quantization error.
-
-Used by :mod:`bitscom.sharded.weights` (the ShardedOptimizer's parameter all-gather) and
-:mod:`bitscom.fsdp.weights` (FSDP2's parameter all-gather).
+The owner of a shard sends ``Q(new - replica)``, the difference against the copy every rank
+already holds, so one gather's error is part of the next one's difference and the replicas
+never drift by more than one gather's error (``docs/sharded.md``, "qWD"); every rank decodes the
+same bytes (:func:`add_delta`), so the replicas stay bitwise identical. Used by
+:mod:`bitscom.sharded.weights` and :mod:`bitscom.fsdp.weights`.
 
 Example::
 
@@ -28,8 +24,7 @@ __all__ = ["delta_codec", "encode_delta", "add_delta"]
 
 
 def delta_codec(bits: int, group_size: int) -> Codec:
-    """The codec of the weight differences: ``bits`` wide, one scale per ``group_size``
-    elements, stochastic rounding (unbiased, so differences do not drift one way).
+    """The codec of the weight differences: stochastic rounding (unbiased, so they do not drift).
 
     Example::
 
@@ -39,8 +34,7 @@ def delta_codec(bits: int, group_size: int) -> Codec:
 
 
 def encode_delta(codec: Codec, new: torch.Tensor, replica: torch.Tensor, row: torch.Tensor, seed: int) -> None:
-    """Write ``Q(new - replica)`` (both flat, any float dtype; the difference in float32) into
-    the uint8 ``row`` (``codec.row_bytes(new.numel())`` bytes).
+    """Write ``Q(new - replica)`` (flat, any float dtype; subtracted in float32) into ``row``.
 
     Example::
 
@@ -50,8 +44,7 @@ def encode_delta(codec: Codec, new: torch.Tensor, replica: torch.Tensor, row: to
 
 
 def add_delta(replica: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """The new replica: ``replica + delta`` computed in ``replica``'s dtype promoted to at least
-    float32, returned in that wide dtype (the caller stores it in the parameter's dtype).
+    """``replica + delta`` in ``replica``'s dtype promoted to at least float32 (returned so).
 
     Example::
 
