@@ -36,9 +36,8 @@ def _cuda():
     return cuda if cuda.available() else None
 
 
-# impl -> (the device type it needs, its loader, how to get it when it is unavailable)
-_COMPILED = {"native": ("cpu", _native, "no working C++ compiler"),
-             "cuda": ("cuda", _cuda, "pip install cupy-cuda13x")}
+# impl -> (the device type it needs, how to get it when it is unavailable)
+_COMPILED = {"native": ("cpu", "no working C++ compiler"), "cuda": ("cuda", "pip install cupy-cuda13x")}
 
 
 def implementation(device) -> str:
@@ -46,8 +45,7 @@ def implementation(device) -> str:
 
     Example::
 
-        >>> implementation("cpu") in ("native", "torch")
-        True
+        implementation("cpu")   # 'native', or 'torch' without a C++ compiler
     """
     device = torch.device(device)
     if device.type == "cpu":
@@ -63,10 +61,10 @@ def _backend(impl, device):
         return torch_ref
     if name not in _COMPILED:
         raise ValueError(f"impl={impl!r} is not one of {IMPLEMENTATIONS} or None")
-    needs, load, fix = _COMPILED[name]
+    needs, fix = _COMPILED[name]
     if device.type != needs:
         raise ValueError(f"impl={name!r} needs {needs.upper()} tensors, got device {device}")
-    mod = load()
+    mod = _native() if name == "native" else _cuda()
     if mod is None:
         raise RuntimeError(f"impl={name!r} is unavailable ({fix}); use impl='torch'")
     return mod
@@ -118,10 +116,7 @@ def quantize_pack(x, bits, block_size=128, *, stochastic=False, seed=0, index_of
 
     Example::
 
-        >>> x = torch.randn(1000)
-        >>> p, s = quantize_pack(x, 4, 128, stochastic=True, seed=7, index_offset=0)
-        >>> p.numel(), s.numel()
-        (512, 8)
+        p, s = quantize_pack(torch.randn(1000), 4, 128, stochastic=True, seed=7)   # 512 and 8 elements
     """
     fmt.check_bits(bits)
     fmt.check_block_size(block_size)
@@ -140,10 +135,7 @@ def unpack_dequantize(payload, scales, numel, bits, block_size=128, *, out=None,
 
     Example::
 
-        >>> x = torch.randn(1000)
-        >>> y = unpack_dequantize(*quantize_pack(x, 8), 1000, 8)
-        >>> bool((y - x).abs().max() < 0.05)
-        True
+        y = unpack_dequantize(*quantize_pack(x, 8), x.numel(), 8)   # x to 8-bit precision
     """
     return unpack_dequantize_accumulate(payload.reshape(1, -1), scales.reshape(1, -1), numel, bits,
                                         block_size, out=out, impl=impl)
@@ -157,12 +149,7 @@ def unpack_dequantize_accumulate(payloads, scales, numel, bits, block_size=128, 
 
     Example::
 
-        >>> xs = [torch.randn(300) for _ in range(3)]
-        >>> qs = [quantize_pack(x, 8) for x in xs]
-        >>> P = torch.stack([q[0] for q in qs]); S = torch.stack([q[1] for q in qs])
-        >>> y = unpack_dequantize_accumulate(P, S, 300, 8)
-        >>> bool((y - sum(xs)).abs().max() < 0.1)
-        True
+        y = unpack_dequantize_accumulate(recv[:, :pb], recv[:, pb:].view(torch.bfloat16), m, 8)
     """
     payloads, scales = _received(payloads, scales, numel, bits, block_size)
     out = _out_buf(out, (numel,), torch.float32, payloads.device, "out")
@@ -180,12 +167,8 @@ def dequantize_sum_requantize(payloads, scales, numel, bits, block_size=128, *, 
 
     Example::
 
-        >>> xs = [torch.randn(256) for _ in range(4)]
-        >>> qs = [quantize_pack(x, 8) for x in xs]
-        >>> P = torch.stack([q[0] for q in qs]); S = torch.stack([q[1] for q in qs])
-        >>> p, s = dequantize_sum_requantize(P, S, 256, 8, alpha=0.25, out_bits=4)
-        >>> p.numel(), s.numel()
-        (128, 2)
+        p, s = dequantize_sum_requantize(recv[:, :pb], recv[:, pb:].view(torch.bfloat16), m, 8,
+                                         alpha=1 / world, out_bits=4, index_offset=rank * m)
     """
     out_bits = bits if out_bits is None else out_bits
     fmt.check_bits(out_bits)

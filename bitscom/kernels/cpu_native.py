@@ -7,6 +7,7 @@ communication threads keep going. Without a compiler, dispatch falls back to the
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -100,10 +101,8 @@ def _above_problem(st: os.stat_result) -> Optional[str]:
 
 def _make_private(path: pathlib.Path) -> os.stat_result:
     """``os.lstat(path)``, creating ``path`` with mode 0700 first when it is missing."""
-    try:
+    with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
     return os.lstat(path)
 
 
@@ -145,8 +144,7 @@ def cache_dir(root: Optional[pathlib.Path] = None) -> Optional[pathlib.Path]:
 
 
 def _sha256(path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
 
 def _trusted(lib: pathlib.Path, digest: pathlib.Path) -> bool:
@@ -242,9 +240,12 @@ def available() -> bool:
     return _lib() is not None
 
 
-def _check(rc):
-    if rc != 0:
+def _check(rc, flag: bool = False) -> bool:
+    """A kernel's status: 0 is fine, other codes raise; with ``flag``, 1 (returned True) means
+    some value was not finite."""
+    if rc != 0 and not (flag and rc == 1):
         raise RuntimeError(f"native quantization kernel failed with code {rc}")
+    return rc == 1
 
 
 def quantize_pack(x, bits, block_size, stochastic, seed, index_offset, payload, scales):
@@ -301,11 +302,9 @@ def sign_encode(x, counts, bits, scales, update, grad=None):
 def sign_decode_sum(rows, numel, nbytes, counts, out, divide=0) -> bool:
     """``out = Σ_r sign_r · scale_r`` over the rows of the gathered uint8 ``rows`` (rank order),
     then ``out /= divide`` when ``divide`` > 0 (fused); True when some scale is not finite."""
-    rc = _lib().bq_sign_decode_sum(rows.data_ptr(), rows.stride(0), rows.shape[0], numel, nbytes,
-                                   counts.data_ptr(), counts.numel(), out.data_ptr(), float(divide))
-    if rc not in (0, 1):
-        _check(rc)
-    return rc == 1
+    return _check(_lib().bq_sign_decode_sum(rows.data_ptr(), rows.stride(0), rows.shape[0], numel, nbytes,
+                                             counts.data_ptr(), counts.numel(), out.data_ptr(), float(divide)),
+                  flag=True)
 
 
 def has_scatter() -> bool:
@@ -317,12 +316,9 @@ def scatter(out, indices, values, subtract=False) -> bool:
     """``out[indices] += values`` (``-=`` with ``subtract``) for unique int32/int64 ``indices``,
     contiguous CPU tensors: the bits of ``index_put_`` without its temporaries. Returns whether
     some value was NaN or Inf (adding only; False when subtracting)."""
-    rc = _lib().bq_scatter(out.data_ptr(), out.numel(), indices.data_ptr(),
-                           int(indices.element_size() == 8), values.data_ptr(), values.numel(),
-                           int(subtract))
-    if rc not in (0, 1):
-        _check(rc)
-    return rc == 1
+    return _check(_lib().bq_scatter(out.data_ptr(), out.numel(), indices.data_ptr(),
+                                    int(indices.element_size() == 8), values.data_ptr(), values.numel(),
+                                    int(subtract)), flag=True)
 
 
 def has_topk() -> bool:

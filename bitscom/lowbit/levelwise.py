@@ -121,9 +121,7 @@ def levelwise_chunks(flat: torch.Tensor, out: torch.Tensor, levels: Sequence[Tup
     _check(flat, out, levels, chunks, order, hadamard, hadamard_backend)
     S = out.numel()
     world = math.prod(comm.size for comm, _ in levels)
-    x = flat.reshape(-1)
-    if x.dtype != torch.float32:
-        x = x.to(torch.float32)
+    x = flat.reshape(-1).to(torch.float32)
     if hadamard:
         x = _hadamard(x, backend=hadamard_backend)
     x = x.view(world, S)
@@ -156,9 +154,5 @@ def levelwise_wire_bytes(shard_numel: int, levels: Sequence[Tuple[int, Codec]], 
         levelwise_wire_bytes(4096, [(2, Codec(8, 512, True)), (2, Codec(4, 128, True))])
     """
     C = shard_numel // chunks
-    total = 0
-    for j, (size, codec) in enumerate(levels):
-        if size > 1:
-            rest = math.prod(s for s, _ in levels[j + 1:])
-            total += size * codec.row_bytes(rest * C)
-    return chunks * total
+    return chunks * sum(size * codec.row_bytes(math.prod(s for s, _ in levels[j + 1:]) * C)
+                        for j, (size, codec) in enumerate(levels) if size > 1)
