@@ -1,11 +1,6 @@
 """Checkpoints through ``torch.distributed.checkpoint`` (DCP): every rank saves in one call,
 in parallel, and a run of another world size can load where the state allows it (what loads
 where, and the key layout: docs/checkpoints.md).
-
-Example::
-
-    bitscom.checkpointing.save(opt, "ckpt/step100", extra={"model": model.state_dict()})
-    bitscom.checkpointing.load(opt, "ckpt/step100", extra={"model": model.state_dict()})
 """
 
 from __future__ import annotations

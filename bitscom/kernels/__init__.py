@@ -1,14 +1,10 @@
 """Hot loops of the low-bit format on flat float32 buffers, dispatched by device.
 
-Three implementations share one signature and write identical bytes: ``"torch"`` (eager ops,
-any device, the reference: ``torch_ref``), ``"native"`` (a fused C++ loop built on first use,
-the fast CPU path: ``cpu_native``) and ``"cuda"`` (CuPy RawKernels on torch's current stream:
-``cuda``); ``impl=None`` picks the fastest available for the device, falling back to
-``"torch"``. The functions are shaped for the two-stage all-reduce: quantize each shard into a
-row of one send buffer (``index_offset`` keys stochastic rounding by the *global* element
-index, so the bytes do not depend on the sharding), dequantize-and-sum the P received rows,
-requantize. Outputs can be preallocated views into a larger buffer (``payload=``, ``scales=``,
-``out=``). The format and a shard's layout (payload bytes, then bfloat16 scales): ``docs/format.md``.
+Three implementations write identical bytes (``docs/format.md``): ``"torch"`` (``torch_ref``,
+the reference), ``"native"`` (``cpu_native``) and ``"cuda"`` (``cuda``); ``impl=None`` picks the
+fastest available. Shaped for the two-stage all-reduce (``index_offset`` keys stochastic rounding
+by the *global* element index, so bytes do not depend on the sharding); outputs may be
+preallocated views into a larger buffer (``payload=``, ``scales=``, ``out=``).
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Eager torch implementation of the hot loops: the portable path and the byte-exact reference.
-
-Runs on any device. Every arithmetic step is an IEEE-exact or correctly rounded elementwise op
-(division, rint, floor, one multiply, additions in a fixed order), which is why the native CPU
-loop and the CUDA kernels can reproduce its bytes exactly. It is slow on CPU (a chain of
-kernels, each a pass over memory); ``cpu_native`` is the fast CPU path.
+"""Eager torch implementation of the hot loops: the portable path (any device; slow on CPU, one
+pass over memory per op) and the byte-exact reference. Every step is an IEEE-exact or correctly
+rounded elementwise op in a fixed order, so the native and CUDA kernels reproduce its bytes.
 """
 from __future__ import annotations
 
@@ -74,12 +71,9 @@ def _tree_sum(a: torch.Tensor) -> torch.Tensor:
 
 
 def _stored_scales(raw: torch.Tensor, amax: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-    """Round fp32 scales *up* to bfloat16 (int bit ops, so exact on every device).
-
-    Rounding up keeps |x| / scale <= qmax, so no code clips. Non-zero blocks get at least the
-    smallest bf16 subnormal; an overflow clamps to the largest finite bf16; non-finite -> NaN.
-    Returns int64 bf16 bit patterns.
-    """
+    """fp32 scales rounded *up* to bfloat16 (so no code clips) as int64 bit patterns, by integer
+    ops (exact everywhere): non-zero blocks at least the smallest subnormal, overflow to the
+    largest finite, non-finite to NaN."""
     raw = torch.where(finite, raw, torch.zeros_like(raw))
     b = raw.view(torch.int32).to(torch.int64)
     b = ((b + 0xFFFF) >> 16)

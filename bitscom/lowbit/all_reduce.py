@@ -1,11 +1,5 @@
-"""The low-bit all-reduce, flat and hierarchical, as one round generator (:func:`all_reduce_rounds`).
-
-The two-stage algorithm (quantize P shards, all-to-all, sum in rank order, requantize the
-reduced shard, all-gather the bytes, every rank decodes the gathered bytes so all end bitwise
-identical) and its ``leader`` / ``two_level`` hierarchies are described in ``docs/lowbit.md``.
-Seeds come from :func:`~bitscom.lowbit.seeds.stage_seed`; error feedback is the
-:class:`~bitscom.lowbit.error_feedback.ErrorFeedback` every compressor uses.
-"""
+"""The low-bit all-reduce, flat and hierarchical, as one round generator (:func:`all_reduce_rounds`;
+the two-stage algorithm and its hierarchies: ``docs/lowbit.md``)."""
 
 from __future__ import annotations
 
@@ -25,9 +19,8 @@ __all__ = ["all_reduce_rounds", "wire_bytes_all_reduce"]
 
 
 def _route(cfg: LowBitConfig, comm, intra, inter):
-    """What actually runs: (hierarchy, flat comm, level sizes, world size). ``"single_node"``
-    is one full-precision all-reduce over ``intra``; ``two_level`` with one rank per node is
-    the flat algorithm over ``inter``."""
+    """What actually runs: (hierarchy, flat comm, level sizes, world size); ``"single_node"`` is
+    one full-precision all-reduce over ``intra``, ``two_level`` with one rank per node flat."""
     hier = cfg.hierarchy
     if hier == "none":
         return hier, comm, [comm.size], comm.size
@@ -42,8 +35,8 @@ def _route(cfg: LowBitConfig, comm, intra, inter):
 
 
 class _Feedback:
-    """The error-feedback side of one all-reduce: what is sent, what the wire carried, the
-    stage-2 residual and the EF21 anchors, per chunk; and the update once the result is known."""
+    """The error-feedback side of one all-reduce: what is sent, what the wire carried, the stage-2
+    residual and the EF21 anchors, per chunk; the update once the result is known."""
 
     def __init__(self, cfg: LowBitConfig, state: LowBitState, x: torch.Tensor, div: int):
         N, dev = x.numel(), x.device
@@ -111,8 +104,8 @@ def _chunk_rounds(hier, comm, intra, inter, cfg, fb: _Feedback, alpha, seeds, s,
 
 
 def _fast_flat(cfg: LowBitConfig, hier: str, flat: torch.Tensor, N: int, unit: int) -> bool:
-    """The common flat case :func:`_flat_rounds` runs: one group, one chunk, low-bit stages, no
-    Hadamard, error feedback ``"none"`` or ``"residual"``, a contiguous float32 CPU tensor."""
+    """The common flat case :func:`_flat_rounds` runs (one group and chunk, low-bit stages, error
+    feedback ``"none"`` or ``"residual"``, a contiguous float32 CPU tensor)."""
     return (hier == "none" and not cfg.hadamard and not cfg.simulate_quantization
             and cfg.error_feedback_mode in ("none", "residual") and not cfg.stage2_error_feedback
             and not cfg.codec(cfg.bitwidth).raw and not cfg.codec(cfg.resolved_stage2_bitwidth).raw
@@ -121,8 +114,8 @@ def _fast_flat(cfg: LowBitConfig, hier: str, flat: torch.Tensor, N: int, unit: i
 
 
 def _fused_feedback(ef: ErrorFeedback, x: torch.Tensor, N: int, codec) -> bool:
-    """Whether the residual update can be fused into the quantizer (see ``Codec.encode_feedback``);
-    makes the residual (zeros) when absent, as ``compensate`` would."""
+    """Whether the residual update can be fused into the quantizer (making the residual, as
+    ``compensate`` would)."""
     e = ef.ensure(N, x.device)
     return ef.enabled and e.is_contiguous() and codec.fused_feedback(x)
 
@@ -181,15 +174,12 @@ def _state_for(cfg: LowBitConfig, state: Optional[LowBitState]) -> LowBitState:
 def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Optional[LowBitState] = None,
                       *, average: bool = True, key=0, intra=None, inter=None) -> Iterator:
     """Round generator: replace ``flat`` by the low-bit sum (or average) over ranks, in place,
-    bitwise identical on every rank.
-
-    ``comm`` is the flat group; the hierarchies use ``intra`` and ``inter`` instead. ``state``
-    (needed for error feedback and reproducible rounding) advances one step per call.
+    bitwise identical on every rank. ``comm`` is the flat group, ``intra``/``inter`` the
+    hierarchies'; ``state`` (needed for error feedback) advances one step per call.
 
     Example::
 
-        state = LowBitState()
-        drive(all_reduce_rounds(grad, Comm(group), LowBitConfig(bitwidth=4), state))
+        drive(all_reduce_rounds(grad, Comm(group), LowBitConfig(bitwidth=4), LowBitState()))
     """
     if not flat.is_floating_point():
         raise TypeError(f"low-bit all_reduce needs a floating tensor, got {flat.dtype}")
@@ -224,8 +214,8 @@ def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Option
 
 
 def _pipelined(x, hier, comms, cfg, state, alpha, seeds, unit, sizes) -> Generator[Any, Any, torch.Tensor]:
-    """Round generator over the padded ``x``: its chunks' rounds, pipelined; returns the reduced
-    (padded) result with error feedback applied. ``comms`` = (flat comm, intra, inter)."""
+    """Round generator: the padded ``x``'s chunks, pipelined; returns the reduced result, error
+    feedback applied. ``comms`` = (flat comm, intra, inter)."""
     comm, intra, inter = comms
     div = inter.size if hier == "leader" else math.prod(sizes)  # elements per final shard: N/div
     fb = _Feedback(cfg, state, x, div)

@@ -50,29 +50,15 @@ class LowBitConfig:
     """Settings of the low-bit collectives, one object for every face (``compressors.LowBit``,
     ``LowBitGroup``, the ``lowbit`` backend, ``bitscom.init(bitwidth=...)``: each takes
     ``config=`` or these names as keywords, :meth:`build`); every rank must use equal settings
-    (checked). What each setting means: ``docs/lowbit.md``, "Settings"; the trade-offs:
-
-    Attributes:
-        bitwidth: fewer bits = fewer bytes, more error (1 = scaled sign, 32 = float32).
-        stage2_bitwidth: costs as many bytes as stage 1 on a ring, but its error is not averaged
-            over ranks (``None``: :data:`DEFAULT_STAGE2_BITS`).
-        block_size: small blocks track magnitudes better; each costs 16 bits of scale.
-        stochastic_rounding: unbiased (errors average out over ranks and steps) at about twice
-            the per-element variance of round-to-nearest.
-        hadamard: spreads outliers so a block's scale fits its typical value (SDP4Bit); costs
-            two extra passes over memory.
-        error_feedback_mode: ``"residual"`` is unbiased over time for one extra buffer; ``"ef21"``
-            keeps two estimates and returns the estimate, not the raw average; ``"ef21_plus"``
-            adds ``stage2_error_feedback`` (one buffer of n/P). ``None`` follows the seed's switch
-            ``error_feedback`` (``True`` = ``"residual"``; afterwards it reads mode != ``"none"``).
-        hierarchy: ``"leader"`` has fewer inter-node flows, the local stage in full precision
-            unless ``local_quantize``; ``"two_level"`` has every rank use the inter-node links,
-            1/L of the data each, the intra-node stage at ``intra_bitwidth`` (fast links: 8 or 32).
-        chunk_size: smaller chunks overlap the stages better but launch more, smaller collectives.
-        simulate_quantization: the accuracy of a setting without its bandwidth saving (sends the
-            dequantized values as float32), for validation.
-        backend_ops: what the ``lowbit`` backend sends in low bit (the rest is forwarded
-            exactly); ``LowBitGroup`` and ``compressors.LowBit`` ignore it.
+    (checked). Each setting: ``docs/lowbit.md``, "Settings". Trade-offs: fewer ``bitwidth`` bits,
+    fewer bytes and more error; ``stage2_bitwidth`` costs as many bytes as stage 1 on a ring but
+    its error is not averaged over ranks; small ``block_size`` tracks magnitudes better at 16 bits
+    of scale each; ``stochastic_rounding`` is unbiased at about twice RTN's variance; ``hadamard``
+    spreads outliers for two extra passes over memory; error feedback ``"residual"`` is unbiased
+    over time for one buffer, ``"ef21"`` keeps two and returns the estimate, not the raw average;
+    ``hierarchy="leader"`` has fewer inter-node flows, ``"two_level"`` has every rank carry 1/L
+    of them; smaller ``chunk_size`` overlaps stages better in more, smaller collectives;
+    ``simulate_quantization`` gives a setting's accuracy without its bandwidth saving.
 
     Example::
 

@@ -1,9 +1,8 @@
 """Error feedback: the one residual every lossy compressor and the low-bit collectives share.
 
-Why: a biased compressor C (top-k, scaled sign, low-rank, low-bit) loses part of every
-gradient; error feedback (Seide et al. 2014; Karimireddy et al. 2019) keeps the loss in a
-residual ``e`` and adds it to the next gradient, so it is only delayed and biased compressors
-converge like SGD. Per bucket and step:
+Why: a biased compressor C loses part of every gradient; error feedback (Seide et al. 2014;
+Karimireddy et al. 2019) keeps it in a residual ``e`` for the next step, so it is only delayed
+and biased compressors converge like SGD. Per bucket and step:
 
 1. ``x = g + e``        (:meth:`ErrorFeedback.compensate`; the residual buffer *is* ``x``, so
                          a compressor must not modify it in place)
@@ -11,9 +10,8 @@ converge like SGD. Per bucket and step:
 3. ``e = x − D(C(x))``  (:meth:`~ErrorFeedback.update` dense, :meth:`~ErrorFeedback.update_sparse`
                          for values at indices)
 
-Tests check step 3 read backwards: ``g + e_old = D(C(x)) + e_new``. The residual is fp32 whatever
-the gradient dtype, so fp16/bf16 gradients keep their small leftovers. EF21 (each worker keeps
-``g_i`` and sends ``C(∇f_i − g_i)``) is a different algorithm, not this class.
+The residual is fp32 whatever the gradient dtype, so fp16/bf16 gradients keep their small
+leftovers. EF21 (sending ``C(∇f_i − g_i)``) is a different algorithm, not this class.
 """
 
 from __future__ import annotations
@@ -50,34 +48,19 @@ class ErrorFeedback:
 
     @classmethod
     def for_layout(cls: type[_EF], layout, enabled: bool = True) -> _EF:
-        """A zero residual shaped like ``layout``'s flat buffer.
-
-        Example::
-
-            state = ErrorFeedback.for_layout(layout, enabled=self.error_feedback)
-        """
+        """A zero residual shaped like ``layout``'s flat buffer."""
         return cls(layout.numel, layout.device, enabled)
 
     @classmethod
     def lazy(cls: type[_EF]) -> _EF:
-        """An enabled residual whose buffer the first :meth:`compensate` makes (zeros).
-
-        Example::
-
-            ef = ErrorFeedback.lazy(); x = ef.compensate(flat)
-        """
+        """An enabled residual whose buffer the first :meth:`compensate` makes (zeros)."""
         ef = cls(0, enabled=True)
         ef.residual = None
         return ef
 
     @classmethod
     def over(cls: type[_EF], residual: torch.Tensor) -> _EF:
-        """Error feedback whose residual *is* ``residual`` (e.g. one chunk's view of a larger one).
-
-        Example::
-
-            chunk_ef = ErrorFeedback.over(state.residual.ensure(n, dev)[s:t])
-        """
+        """Error feedback whose residual *is* ``residual`` (e.g. one chunk's view of a larger one)."""
         ef = cls(0, enabled=True)
         ef.residual = residual
         return ef

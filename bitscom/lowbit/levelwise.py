@@ -1,17 +1,12 @@
 """Level-wise low-bit reduce-scatter (SDP4Bit's two-level gradient quantization, TLq / TLq-HS).
 
-The ranks form a grid of *levels* (SDP4Bit: intra-node, then inter-node); a flat buffer holds
-``world`` shards and every rank ends with its shard reduced over all ranks (the algorithm:
-``docs/sharded.md``, "TLq"). Per level, this rank's data is split into one row per peer of the
-level, quantized with the level's :class:`~bitscom.lowbit.codec.Codec`, exchanged by one
-all-to-all and summed in float32 in peer order; a level of one rank sends nothing but still
-takes its round (yielding ``None``), so every chunk takes one round per level.
-
-Shard order: a rank owns the shard numbered by its level coordinates read as a mixed-radix
-number, ``order`` listing the levels from the most significant digit; the default (last level
-most significant) gives shard ``node * L + local``, the ZeRO / Megatron layout. Seeds:
-``mix_seed(*seed_parts, chunk, level + 1)`` per rank, level and chunk; a level's rows share it,
-as what a peer sums always comes from different ranks.
+The ranks form a grid of *levels* (SDP4Bit: intra-node, then inter-node); each level is one
+quantized all-to-all and a float32 sum in peer order (the algorithm: ``docs/sharded.md``, "TLq").
+A level of one rank sends nothing but still takes its round (yielding ``None``). A rank owns
+the shard numbered by its level coordinates read as a mixed-radix number, ``order`` listing the
+levels from the most significant digit (default: the last, giving ``node * L + local``, the ZeRO
+layout). Seeds: ``mix_seed(*seed_parts, chunk, level + 1)``, shared by a level's rows, as what
+a peer sums always comes from different ranks.
 """
 
 from __future__ import annotations
@@ -100,22 +95,16 @@ def levelwise_chunks(flat: torch.Tensor, out: torch.Tensor, levels: Sequence[Tup
                      chunks: int = 1, order: Optional[Sequence[int]] = None, hadamard: bool = False,
                      hadamard_backend: str = "gemm", alpha: float = 1.0,
                      seed_parts: Sequence[int] = ()) -> List[Iterator]:
-    """One round generator per pipeline chunk of a level-wise reduce-scatter of ``flat`` into
-    ``out`` (this rank's shard); each yields exactly once per level.
-
-    ``levels``: ``[(comm, codec), ...]`` in the order the rounds run (SDP4Bit: intra, inter).
-    ``flat`` holds ``prod(sizes)`` shards of ``out.numel()`` elements; it is converted to float32
-    (and rotated) here, so the generators no longer read it. Per level, issue chunk ``k``'s round
-    only after every earlier chunk's (the same order on every rank), or let
-    :func:`levelwise_reduce_scatter_rounds` pipeline them.
+    """One round generator per pipeline chunk of a level-wise reduce-scatter of ``flat`` (all
+    shards; read here, converted to float32 and rotated once) into ``out`` (this rank's shard),
+    each yielding once per level of ``levels``, ``[(comm, codec), ...]`` in round order. Per level,
+    issue chunk ``k``'s round only after every earlier chunk's, or use
+    :func:`levelwise_reduce_scatter_rounds`.
 
     Example::
 
-        intra, inter = Comm(intra_group), Comm(inter_group)
-        gens = levelwise_chunks(bucket, shard, [(intra, Codec(8, 512, True)),
-                                                (inter, Codec(4, 128, True))],
+        gens = levelwise_chunks(bucket, shard, [(intra, Codec(8, 512, True)), (inter, Codec(4, 128, True))],
                                 chunks=2, alpha=1 / world, seed_parts=(seed, step, rank, bucket_id))
-        for r in [Rounds(g, [intra, inter]).start() for g in gens]: r.wait()
     """
     order = default_order(len(levels)) if order is None else tuple(order)
     _check(flat, out, levels, chunks, order, hadamard, hadamard_backend)

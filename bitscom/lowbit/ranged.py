@@ -1,20 +1,12 @@
 """The flat two-stage low-bit all-reduce, one block-aligned range at a time (:func:`range_rounds`).
 
-Why: an optimizer that fills its flat buffer during backward (1-bit Adam's momentum, bucket by
-bucket; ``docs/onebit.md``) wants to send each part as soon as it is ready *and* get the very
-bits of :func:`~bitscom.lowbit.all_reduce_rounds` (same blocks, owners, summation order, seeds
-and residual slices, so a checkpoint of either resumes in the other). Once the layout is fixed
-(pad to ``N = P * m``, shard ``j`` owned by rank ``j``) every step is local to one block, so a
-range of whole blocks inside one shard runs alone:
-
-1. every rank adds its worker residual to the range, quantizes it (keyed by the global element
-   index) and sends the bytes to the owner (``all_to_all_v`` with one non-empty split);
-2. the owner decodes the P rows, sums them in rank order, scales by ``1/P``, requantizes with
-   its slice of the server residual and broadcasts the bytes;
-3. every rank decodes the broadcast into the range.
-
-Bytes counted sum to the whole-tensor call's (the broadcast counts on the owner only, as an
-all-gather counts one row per rank). Supported: what :func:`check_ranged` accepts.
+Why: 1-bit Adam fills its flat momentum during backward and sends each part when it is ready
+(``docs/onebit.md``), yet must get the very bits of :func:`~bitscom.lowbit.all_reduce_rounds`.
+Once the layout is fixed every step is local to one block, so a range of whole blocks inside
+one owner's shard runs alone: 1. every rank adds its residual, quantizes (keyed by the global
+index) and sends the bytes to the owner (``all_to_all_v``); 2. the owner sums the P rows in
+rank order, scales by ``1/P``, requantizes with its server residual and broadcasts; 3. every
+rank decodes the broadcast. The bytes counted sum to the whole-tensor call's.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Building blocks of the low-bit round generators: one all-to-all stage, the reduce-then-gather
-ladder over levels of groups, lockstep pipelining of chunks, padding.
-
-A *round generator* issues asynchronous collectives through :class:`bitscom.comm.Comm`, yields
-their work handle(s) and continues once they completed (driven by :class:`bitscom.comm.Rounds`).
-Names outside ``__all__`` are package-internal.
+"""Building blocks of the low-bit round generators (which issue asynchronous collectives through
+:class:`bitscom.comm.Comm`, yield the work handles and go on once they completed): one all-to-all
+stage, the reduce-then-gather ladder over levels, lockstep pipelining, padding. Names outside
+``__all__`` are package-internal.
 """
 
 from __future__ import annotations
@@ -23,12 +21,9 @@ __all__ = ["pipeline"]
 
 
 def scatter(x, comm, codec, seed, offset, sent=None, row_stride=None):
-    """Round: quantize x [P*m] in P shards and all-to-all them; returns the received rows
-    (row j = this rank's shard from rank j).
-
-    ``sent`` (optional, [P*m]) receives D(C(x)), what the wire actually carried (for EF).
-    Row ``j`` is keyed for stochastic rounding at element index ``offset + j * row_stride``
-    (``row_stride`` defaults to ``m``: every element keyed by its global position).
+    """Round: quantize x [P*m] in P shards and all-to-all them; returns the received rows (row j =
+    this rank's shard from rank j). ``sent`` ([P*m]) receives D(C(x)), what the wire carried (for
+    EF); row ``j`` is keyed at element ``offset + j * row_stride`` (default ``m``: global positions).
     """
     P = comm.size
     m = x.numel() // P
@@ -70,17 +65,13 @@ def encode_with_feedback(x, codec, row, seed, offset, ef: Optional[ErrorFeedback
 
 def levels_rounds(x, levels, out_codec, alpha, seeds, offset, sent=None, stage2_ef=None,
                   anchor=None, pending=None):
-    """Reduce ``x`` through ``levels`` [(comm, codec), ...] (outermost first), then gather back.
+    """Reduce ``x`` through ``levels`` [(comm, codec), ...] (outermost first) to one shard, scale
+    it by ``alpha``, requantize it with ``out_codec`` (``stage2_ef``'s feedback) and all-gather the
+    bytes back through the levels unchanged, so every rank decodes identical bytes.
 
-    After the last level this rank holds one fully reduced shard; it is scaled by ``alpha``,
-    requantized with ``out_codec`` (with ``stage2_ef``'s error feedback) and its bytes travel
-    back through the levels by all-gathers (intermediate ranks forward bytes, never re-encode),
-    so every rank decodes identical bytes.
-
-    ``anchor`` (EF21 without stage-2 feedback): this rank's exact fp32 shard of the global
-    estimate g. What is requantized is then ``anchor + shard`` (the new estimate itself, not
-    its increment), and ``(anchor, shard)`` is appended to ``pending`` so the caller adds the
-    increment once it knows the step was finite on every rank.
+    ``anchor`` (EF21 without stage-2 feedback), this rank's exact shard of the estimate g: then
+    ``anchor + shard`` (the new estimate) is requantized and ``(anchor, shard)`` appended to
+    ``pending``, for the caller to add once it knows the step was finite on every rank.
     """
     shard, off = x, offset
     for k, (comm, codec) in enumerate(levels[:-1]):
@@ -119,12 +110,9 @@ def levels_rounds(x, levels, out_codec, alpha, seeds, offset, sent=None, stage2_
 
 def leader_rounds(x, intra, inter, cfg, alpha, seeds, offset, sent=None, stage2_ef=None,
                   anchor=None, pending=None):
-    """Hierarchy "leader" (the seed's pipeline A): local reduce to the node leader -> low-bit
-    all-reduce among the leaders -> local broadcast.
-
-    Non-leaders yield ``None`` for each leader round so every chunk takes the same number of
-    rounds on every rank: the pipeline then issues collectives in the same order everywhere.
-    """
+    """Hierarchy "leader": local reduce to the node leader, low-bit all-reduce among the leaders,
+    local broadcast. Non-leaders yield ``None`` for each leader round, so every chunk takes as many
+    rounds on every rank and the pipeline issues collectives in the same order everywhere."""
     if cfg.local_quantize:
         local = cfg.codec(cfg.intra_bitwidth)
         y = yield from levels_rounds(x, [(intra, local)], local, 1.0, lambda s: seeds(10 + s), offset)

@@ -18,8 +18,7 @@ class LowBitState:
 
     Example::
 
-        state = LowBitState()
-        drive(all_reduce_rounds(grad, Comm(group), LowBitConfig(), state))
+        drive(all_reduce_rounds(grad, Comm(group), LowBitConfig(), state := LowBitState()))
     """
 
     _ESTIMATES = ("local_estimate", "global_estimate", "global_shard")

@@ -1,17 +1,6 @@
-"""SDP4Bit's quantized weight differences (qWD): the one codec both sharded faces use.
-
-The owner of a shard sends ``Q(new - replica)``, the difference against the copy every rank
-already holds, so one gather's error is part of the next one's difference and the replicas
-never drift by more than one gather's error (``docs/sharded.md``, "qWD"); every rank decodes the
-same bytes (:func:`add_delta`), so the replicas stay bitwise identical. Used by
-:mod:`bitscom.sharded.weights` and :mod:`bitscom.fsdp.weights`.
-
-Example::
-
-    codec = delta_codec(4, 2048)
-    row = torch.empty(codec.row_bytes(n), dtype=torch.uint8)
-    encode_delta(codec, new_shard, replica_shard, row, seed)
-    replica_shard = add_delta(replica_shard, codec.decode(row, n))
+"""SDP4Bit's quantized weight differences (qWD), the one codec both sharded faces use: the owner
+sends ``Q(new - replica)`` and every rank adds the same decoded bytes to its replica, so replicas
+stay bitwise identical and within one gather's error of the exact values (``docs/sharded.md``).
 """
 
 from __future__ import annotations
