@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import torch
 
@@ -113,8 +113,3 @@ def check_extra(extra) -> dict:
     if bad:
         raise ValueError(f"extra keys must be strings not starting with 'bitscom' (reserved), got {bad}")
     return extra
-
-
-def split_key(rest: str, parts: int) -> Tuple[str, ...]:
-    """Split ``name/.../span`` from the right (parameter names may hold '/')."""
-    return tuple(rest.rsplit("/", parts))

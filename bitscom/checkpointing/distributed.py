@@ -1,9 +1,5 @@
-"""DCP checkpoints of :class:`~bitscom.DistributedOptimizer` (keys: docs/checkpoints.md).
-
-The same world size restores every rank's own compressor state (a bitwise resume); another
-keeps it only when it was the same on every saving rank (the digests say so), else per-rank
-state is an error unless ``reset_compressor_state=True`` restarts it from zero.
-"""
+"""DCP checkpoints of :class:`~bitscom.DistributedOptimizer` (keys, and what loads on another
+world size: docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -62,8 +58,7 @@ def _source_rank(opt, saved_world: int, blobs: dict, reset: bool):
 
 
 def _fresh_reducer(opt) -> dict:
-    return {"states": [opt.compression.init_state(layout).state_dict()
-                       for layout in opt.bucket_layouts]}
+    return {"states": [opt.compression.init_state(layout).state_dict() for layout in opt.bucket_layouts]}
 
 
 def load_distributed(opt, path, extra=None, reset_compressor_state: bool = False) -> None:

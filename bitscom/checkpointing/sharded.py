@@ -1,10 +1,5 @@
-"""DCP checkpoints of :class:`~bitscom.ShardedOptimizer`, loadable on any world size.
-
-Each rank writes only its pieces, under keys naming the parameter and the element range
-(docs/checkpoints.md, "Key layout"); loading, every rank of the new world fetches the saved
-pieces that overlap its own and cuts them to size: any world size or fusion threshold, and no
-rank ever holds the whole model. Why not ``ShardedTensor``/``DTensor``: docs/checkpoints.md.
-"""
+"""DCP checkpoints of :class:`~bitscom.ShardedOptimizer`: each rank writes its pieces and reads
+the saved pieces overlapping its own, so any world size loads (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +8,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .common import blob, check_extra, load_dict, read_entries, save_dict, split_key, template, unblob
+from .common import blob, check_extra, load_dict, read_entries, save_dict, template, unblob
 
 __all__ = ["save_sharded", "load_sharded", "FORMAT"]
 
@@ -63,11 +58,11 @@ def _saved_pieces(entries: dict):
     states: Dict[tuple, Dict[str, str]] = defaultdict(dict)
     for k in entries:
         if k.startswith(_P + "master/"):
-            name, span = split_key(k[len(_P + "master/"):], 1)
+            name, span = k[len(_P + "master/"):].rsplit("/", 1)   # names may hold '/': split from the right
             start, stop = map(int, span.split("-"))
             masters[name].append((start, stop))
         elif k.startswith(_P + "state/"):
-            name, key, span = split_key(k[len(_P + "state/"):], 2)
+            name, key, span = k[len(_P + "state/"):].rsplit("/", 2)
             start, stop = map(int, span.split("-"))
             states[(name, start, stop)][key] = k
     return masters, states

@@ -1,10 +1,6 @@
-"""Hot loops of the low-bit format on flat float32 buffers, dispatched by device.
-
-Three implementations write identical bytes (``docs/format.md``): ``"torch"`` (``torch_ref``,
-the reference), ``"native"`` (``cpu_native``) and ``"cuda"`` (``cuda``); ``impl=None`` picks the
-fastest available. Shaped for the two-stage all-reduce (``index_offset`` keys stochastic rounding
-by the *global* element index, so bytes do not depend on the sharding); outputs may be
-preallocated views into a larger buffer (``payload=``, ``scales=``, ``out=``).
+"""Hot loops of the low-bit format on flat float32 buffers, in three implementations with
+identical bytes, dispatched by device (``docs/format.md``). ``index_offset`` keys stochastic
+rounding by the *global* element index, so the bytes do not depend on how a buffer is sharded.
 """
 from __future__ import annotations
 
@@ -66,15 +62,6 @@ def _backend(impl, device):
     return mod
 
 
-def _flat_f32(x, name="x"):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
-        raise TypeError(f"{name} must be a contiguous 1-D float32 tensor, got {x.dtype} shape "
-                        f"{tuple(x.shape)} (contiguous={x.is_contiguous()})")
-    return x
-
-
 def _out_buf(t, shape, dtype, device, name):
     if t is None:
         return torch.empty(shape, dtype=dtype, device=device)
@@ -118,7 +105,11 @@ def quantize_pack(x, bits, block_size=128, *, stochastic=False, seed=0, index_of
     fmt.check_block_size(block_size)
     fmt.check_seed(seed)
     fmt.check_index_offset(index_offset)
-    x = _flat_f32(x)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
+        raise TypeError(f"x must be a contiguous 1-D float32 tensor, got {x.dtype} shape "
+                        f"{tuple(x.shape)} (contiguous={x.is_contiguous()})")
     n = x.numel()
     payload = _out_buf(payload, (payload_bytes(n, bits, block_size),), torch.uint8, x.device, "payload")
     scales = _out_buf(scales, (num_blocks(n, block_size),), torch.bfloat16, x.device, "scales")

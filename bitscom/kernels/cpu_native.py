@@ -29,6 +29,8 @@ BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fn
               "-fno-trapping-math"]
 # -march=native first (vectorized rint/floor/div); plain -O3 if the compiler refuses it.
 FLAG_SETS: Tuple[List[str], ...] = (["-march=native"], [])
+TOPK_MAX_NUMEL = 2 ** 31 - 1     # the largest x topk() takes
+LOWRANK_MAX_RANK = 64            # the largest rank lowrank_project() takes
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -126,9 +128,6 @@ def cache_dir(root: Optional[pathlib.Path] = None) -> Optional[pathlib.Path]:
     ``docs/format.md``, "The kernel cache"). Deliberately no fallback to a shared temporary
     directory: a library planted there by another local user would run inside this process.
 
-    Example::
-
-        d = bitscom.kernels.cpu_native.cache_dir()
     """
     d = pathlib.Path.home() / ".cache" / "bitscom" if root is None else pathlib.Path(root)
     d = pathlib.Path(os.path.abspath(d))
@@ -196,12 +195,7 @@ def _build_and_load(cxx: str, flags: list, d: pathlib.Path):
 
 def load(root: Optional[pathlib.Path] = None):
     """Compile (once per machine) and load the native library from :func:`cache_dir`; None,
-    with a warning, when that is not possible.
-
-    Example::
-
-        lib = bitscom.kernels.cpu_native.load()
-    """
+    with a warning, when that is not possible."""
     if not SOURCE.exists():
         return None
     cxx = compiler()
@@ -326,9 +320,6 @@ def has_topk() -> bool:
     return available() and getattr(_lib(), "bq_topk", None) is not None
 
 
-TOPK_MAX_NUMEL = 2 ** 31 - 1
-
-
 def topk(x, k, subtract_from=None):
     """``(values, indices)`` of the ``k`` entries of largest ``|x|`` of the contiguous fp32 CPU
     ``x`` (``1 <= k <= x.numel() <= TOPK_MAX_NUMEL``), indices int64 ascending: the set of
@@ -343,9 +334,6 @@ def topk(x, k, subtract_from=None):
     _check(_lib().bq_topk(x.data_ptr(), x.numel(), k, indices.data_ptr(), values.data_ptr(),
                           None if subtract_from is None else subtract_from.data_ptr()))
     return values[:k], indices[:k]
-
-
-LOWRANK_MAX_RANK = 64
 
 
 def has_lowrank() -> bool:

@@ -1,9 +1,6 @@
-"""CUDA path: CuPy RawKernels from ``quant.cu``, compiled once per device, zero-copy via DLPack.
-
-CuPy is imported when a CUDA tensor first arrives. Kernels run on torch's current CUDA stream,
-so they order with the surrounding torch ops and NCCL calls without synchronizing; bfloat16
-scales travel as int16 views (DLPack consumers need not know bfloat16).
-"""
+"""CUDA path: CuPy RawKernels from ``quant.cu`` on torch's current stream, so they order with the
+surrounding ops and NCCL calls without synchronizing; bfloat16 scales travel as int16 views,
+which every DLPack consumer understands (``docs/format.md``)."""
 from __future__ import annotations
 
 import functools

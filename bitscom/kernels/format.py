@@ -24,11 +24,7 @@ def qmax(bits: int) -> int:
 
 def group(bits: int) -> tuple[int, int]:
     """(elements, bytes) of the smallest whole-byte group of codes: 8/b elems->1 byte, 12: 2->3, 16: 1->2."""
-    if bits <= 8:
-        return 8 // bits, 1
-    if bits == 12:
-        return 2, 3
-    return 1, 2
+    return (8 // bits, 1) if bits <= 8 else ((2, 3) if bits == 12 else (1, 2))
 
 
 def check_bits(bits) -> int:
@@ -39,11 +35,9 @@ def check_bits(bits) -> int:
 
 def check_block_size(block_size) -> int:
     if (isinstance(block_size, bool) or not isinstance(block_size, int)
-            or block_size < MIN_BLOCK_SIZE or block_size > MAX_BLOCK_SIZE
-            or block_size & (block_size - 1)):
-        raise ValueError(
-            f"block_size={block_size!r} is not allowed; use a power of two from {MIN_BLOCK_SIZE} "
-            f"to {MAX_BLOCK_SIZE} (e.g. 128)")
+            or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1)):
+        raise ValueError(f"block_size={block_size!r} is not allowed; use a power of two from {MIN_BLOCK_SIZE} "
+                         f"to {MAX_BLOCK_SIZE} (e.g. 128)")
     return block_size
 
 
@@ -82,8 +76,7 @@ def wire_bytes(numel: int, bits: int, block_size: int) -> int:
 
     Example::
 
-        >>> wire_bytes(1024, 4, 128)  # 512 payload + 8 scales * 2 bytes
-        528
+        wire_bytes(1024, 4, 128)   # 528: 512 payload + 8 scales * 2 bytes
     """
     check_bits(bits)
     check_block_size(block_size)

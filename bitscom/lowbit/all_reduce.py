@@ -11,7 +11,7 @@ import torch
 from .config import LowBitConfig
 from .error_feedback import ErrorFeedback
 from .hadamard import hadamard
-from .rounds import chunk_bounds, leader_rounds, levels_rounds, pad, pipeline, unit_size, world_rank
+from .rounds import chunk_bounds, leader_rounds, levels_rounds, pad, pipeline, world_rank
 from .seeds import key_id, stage_seed
 from .state import LowBitState
 
@@ -195,7 +195,7 @@ def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Option
             flat.div_(world)
         return
     state.bind(n)
-    unit = unit_size(sizes, cfg)
+    unit = math.prod(sizes) * cfg.block_size
     rank = world_rank(comm if hier == "none" else intra)
     step, kid = state.step, key_id(key)
     state.step += 1

@@ -100,9 +100,8 @@ class LowBitConfig:
         if self.local_quantize and self.hierarchy != "leader":
             raise ValueError("local_quantize=True applies to hierarchy='leader' only, "
                              f"got hierarchy={self.hierarchy!r}")
-        if self.chunk_size is not None and (isinstance(self.chunk_size, bool)
-                                            or not isinstance(self.chunk_size, int)
-                                            or self.chunk_size < 1):
+        c = self.chunk_size
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             raise ValueError(f"chunk_size={self.chunk_size!r} must be None or an int >= 1")
         kernels.format.check_seed(self.seed)
         self._resolve_backend_ops()
@@ -116,14 +115,11 @@ class LowBitConfig:
         if self.error_feedback and mode == "none":
             raise ValueError("error_feedback=True contradicts error_feedback_mode='none'; pass one "
                              f"of them (error_feedback=True means 'residual'; modes: {EF_MODES})")
-        stage2_ef = self.stage2_error_feedback
-        if mode == "ef21_plus":
-            stage2_ef = True
-        elif mode == "ef21" and stage2_ef:
+        if mode == "ef21" and self.stage2_error_feedback:
             mode = "ef21_plus"          # the same algorithm under its one name
         object.__setattr__(self, "error_feedback_mode", mode)
         object.__setattr__(self, "error_feedback", mode != "none")
-        object.__setattr__(self, "stage2_error_feedback", stage2_ef)
+        object.__setattr__(self, "stage2_error_feedback", self.stage2_error_feedback or mode == "ef21_plus")
 
     def _resolve_backend_ops(self) -> None:
         ops = self.backend_ops

@@ -1,11 +1,7 @@
-"""The one Hadamard transform of bitscom (SDP4Bit's smoothing), with two back ends.
-
-An orthonormal Walsh–Hadamard transform of every run of ``block`` elements (Sylvester order),
-symmetric and its own inverse: rotating a gradient before blockwise quantization spreads an
-outlier over its run, so a block's scale fits its typical value. ``"butterfly"`` (default) gives
-the same bits on CPU and GPU, so the collectives (whose replicas compare bytes) use it;
-``"gemm"`` (one ``x.view(-1, block) @ H``, ~10x faster on CPU, last bits BLAS-dependent: timings
-in ``docs/lowbit.md``) serves the sharded optimizer, where only the rotating rank reads them.
+"""The one Hadamard transform of bitscom (SDP4Bit's smoothing): rotating a gradient before
+blockwise quantization spreads an outlier over its run, so a block's scale fits its typical
+value. Two back ends, ``"butterfly"`` (the same bits on CPU and GPU) and ``"gemm"`` (faster,
+BLAS-dependent last bits): which serves what, and timings, in ``docs/lowbit.md``.
 """
 
 from __future__ import annotations

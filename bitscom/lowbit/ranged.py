@@ -1,12 +1,9 @@
 """The flat two-stage low-bit all-reduce, one block-aligned range at a time (:func:`range_rounds`).
 
-Why: 1-bit Adam fills its flat momentum during backward and sends each part when it is ready
-(``docs/onebit.md``), yet must get the very bits of :func:`~bitscom.lowbit.all_reduce_rounds`.
-Once the layout is fixed every step is local to one block, so a range of whole blocks inside
-one owner's shard runs alone: 1. every rank adds its residual, quantizes (keyed by the global
-index) and sends the bytes to the owner (``all_to_all_v``); 2. the owner sums the P rows in
-rank order, scales by ``1/P``, requantizes with its server residual and broadcasts; 3. every
-rank decodes the broadcast. The bytes counted sum to the whole-tensor call's.
+Why: 1-bit Adam sends each part of its flat momentum as soon as backward fills it, yet must
+get the very bits of :func:`~bitscom.lowbit.all_reduce_rounds` (``docs/onebit.md``). Every step
+of that algorithm is local to one block, so a range of whole blocks inside one owner's shard
+runs alone, its bytes summing to the whole-tensor call's.
 """
 
 from __future__ import annotations

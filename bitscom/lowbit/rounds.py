@@ -6,7 +6,6 @@ stage, the reduce-then-gather ladder over levels, lockstep pipelining, padding. 
 
 from __future__ import annotations
 
-import math
 from typing import Any, Generator, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -160,10 +159,6 @@ def pipeline(gens: Sequence[Iterator[Any]]) -> Generator[List[Any], None, List[A
         if works or active:
             yield works
     return results
-
-
-def unit_size(sizes: Sequence[int], cfg: LowBitConfig) -> int:
-    return math.prod(sizes) * cfg.block_size
 
 
 def pad(flat: torch.Tensor, unit: int, cfg: LowBitConfig, state: LowBitState) -> torch.Tensor:

@@ -13,12 +13,7 @@ __all__ = ["delta_codec", "encode_delta", "add_delta"]
 
 
 def delta_codec(bits: int, group_size: int) -> Codec:
-    """The codec of the weight differences: stochastic rounding (unbiased, so they do not drift).
-
-    Example::
-
-        delta_codec(4, 2048).row_bytes(4096)
-    """
+    """The codec of the weight differences: stochastic rounding (unbiased, so they do not drift)."""
     return Codec(bits, group_size, stochastic=True)
 
 
@@ -27,17 +22,13 @@ def encode_delta(codec: Codec, new: torch.Tensor, replica: torch.Tensor, row: to
 
     Example::
 
-        encode_delta(codec, master_shard, replica_shard, row, seed=mix_seed(0, step, rank))
+        encode_delta(delta_codec(4, 2048), master_shard, replica_shard, row, seed=mix_seed(0, step, rank))
+        replica_shard.copy_(add_delta(replica_shard, codec.decode(row, n)))
     """
     codec.encode(new.to(torch.float32) - replica.to(torch.float32), row, seed)
 
 
 def add_delta(replica: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """``replica + delta`` in ``replica``'s dtype promoted to at least float32 (returned so).
-
-    Example::
-
-        p.copy_(add_delta(p.reshape(-1), codec.decode(row, p.numel())).view(p.shape))
-    """
+    """``replica + delta`` in ``replica``'s dtype promoted to at least float32 (returned so)."""
     wide = torch.promote_types(replica.dtype, torch.float32)
     return replica.to(wide) + delta
