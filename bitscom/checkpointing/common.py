@@ -61,8 +61,8 @@ def join_tensors(skeleton: Any, tensors: Dict[int, torch.Tensor]) -> Any:
 
 
 def digest(tensor: torch.Tensor) -> str:
-    """A hash of a tensor's dtype, shape and bytes: whether a state tensor was the same on every
-    rank, found after the fact (no collective at save time)."""
+    """A hash of a tensor's dtype, shape and bytes: tells after the fact, with no collective at save
+    time, whether a state tensor was the same on every rank."""
     t = tensor.detach().cpu().contiguous().reshape(-1)
     h = hashlib.blake2b(f"{t.dtype}{tuple(tensor.shape)}".encode(), digest_size=16)
     if t.numel():

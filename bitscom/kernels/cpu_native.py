@@ -234,9 +234,19 @@ def available() -> bool:
     return _lib() is not None
 
 
+def _has(symbol: str) -> bool:
+    """True when the loaded library has the optional kernel ``symbol`` (the real source always does)."""
+    return available() and getattr(_lib(), symbol, None) is not None
+
+
+has_quantize_ef = functools.partial(_has, "bq_quantize_ef")   # quantize_ef()
+has_scatter = functools.partial(_has, "bq_scatter")           # scatter()
+has_topk = functools.partial(_has, "bq_topk")                 # topk()
+has_lowrank = functools.partial(_has, "bq_lr_product")        # lowrank_project(), lowrank_product()
+
+
 def _check(rc, flag: bool = False) -> bool:
-    """A kernel's status: 0 is fine, other codes raise; with ``flag``, 1 (returned True) means
-    some value was not finite."""
+    """Raise unless the kernel's status is 0 or, with ``flag``, 1 (some value was not finite: True)."""
     if rc != 0 and not (flag and rc == 1):
         raise RuntimeError(f"native quantization kernel failed with code {rc}")
     return rc == 1
@@ -247,11 +257,6 @@ def quantize_pack(x, bits, block_size, stochastic, seed, index_offset, payload, 
     _check(_lib().bq_quantize(x.data_ptr(), x.numel(), bits, block_size, int(stochastic), k1, k2,
                               index_offset, payload.data_ptr(), scales.data_ptr()))
     return payload, scales
-
-
-def has_quantize_ef() -> bool:
-    """True when the loaded library has :func:`quantize_ef`'s kernel (the real source always does)."""
-    return available() and getattr(_lib(), "bq_quantize_ef", None) is not None
 
 
 def quantize_ef(grad, residual, bits, block_size, stochastic, seed, index_offset, payload, scales):
@@ -301,11 +306,6 @@ def sign_decode_sum(rows, numel, nbytes, counts, out, divide=0) -> bool:
                   flag=True)
 
 
-def has_scatter() -> bool:
-    """True when the loaded library has :func:`scatter`'s kernel (the real source always does)."""
-    return available() and getattr(_lib(), "bq_scatter", None) is not None
-
-
 def scatter(out, indices, values, subtract=False) -> bool:
     """``out[indices] += values`` (``-=`` with ``subtract``) for unique int32/int64 ``indices``,
     contiguous CPU tensors: the bits of ``index_put_`` without its temporaries. Returns whether
@@ -313,11 +313,6 @@ def scatter(out, indices, values, subtract=False) -> bool:
     return _check(_lib().bq_scatter(out.data_ptr(), out.numel(), indices.data_ptr(),
                                     int(indices.element_size() == 8), values.data_ptr(), values.numel(),
                                     int(subtract)), flag=True)
-
-
-def has_topk() -> bool:
-    """True when the loaded library has :func:`topk`'s kernel (the real source always does)."""
-    return available() and getattr(_lib(), "bq_topk", None) is not None
 
 
 def topk(x, k, subtract_from=None):
@@ -334,11 +329,6 @@ def topk(x, k, subtract_from=None):
     _check(_lib().bq_topk(x.data_ptr(), x.numel(), k, indices.data_ptr(), values.data_ptr(),
                           None if subtract_from is None else subtract_from.data_ptr()))
     return values[:k], indices[:k]
-
-
-def has_lowrank() -> bool:
-    """True when the loaded library has the low-rank product kernels (the real source does)."""
-    return available() and getattr(_lib(), "bq_lr_product", None) is not None
 
 
 def lowrank_project(mat_ptr: int, n: int, m: int, factor, out, transpose: bool, subtract: bool,

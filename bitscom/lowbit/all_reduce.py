@@ -35,21 +35,18 @@ def _route(cfg: LowBitConfig, comm, intra, inter):
 
 
 class _Feedback:
-    """The error-feedback side of one all-reduce: what is sent, what the wire carried, the stage-2
-    residual and the EF21 anchors, per chunk; the update once the result is known."""
+    """The error-feedback side of one all-reduce: its buffers, per chunk, and the final update."""
 
     def __init__(self, cfg: LowBitConfig, state: LowBitState, x: torch.Tensor, div: int):
         N, dev = x.numel(), x.device
         self.cfg, self.state, self.div, self.N = cfg, state, div, N
-        self.send, self.sent = x, None
+        self.send = x
         if cfg.residual:
             state.residual.ensure(N, dev)
             self.send = state.residual.compensate(x)     # x + e, in the residual buffer
-            self.sent = torch.empty_like(self.send)      # receives D(C(send))
         elif cfg.ef21:
-            g_i = state.estimate("local_estimate", N, dev)
-            self.send = x.sub_(g_i)
-            self.sent = torch.empty_like(self.send)
+            self.send = x.sub_(state.estimate("local_estimate", N, dev))
+        self.sent = torch.empty_like(self.send) if cfg.residual or cfg.ef21 else None   # gets D(C(send))
         self.e2 = state.stage2_residual.ensure(N // div, dev) if cfg.stage2_error_feedback else None
         # EF21 without stage-2 feedback: the shard owners keep g exactly and requantize g itself;
         # adding requantized increments instead lets g drift (docs/lowbit.md, "EF21").
@@ -104,8 +101,7 @@ def _chunk_rounds(hier, comm, intra, inter, cfg, fb: _Feedback, alpha, seeds, s,
 
 
 def _fast_flat(cfg: LowBitConfig, hier: str, flat: torch.Tensor, N: int, unit: int) -> bool:
-    """The common flat case :func:`_flat_rounds` runs (one group and chunk, low-bit stages, error
-    feedback ``"none"`` or ``"residual"``, a contiguous float32 CPU tensor)."""
+    """Whether this is the common flat case :func:`_flat_rounds` runs."""
     return (hier == "none" and not cfg.hadamard and not cfg.simulate_quantization
             and cfg.error_feedback_mode in ("none", "residual") and not cfg.stage2_error_feedback
             and not cfg.codec(cfg.bitwidth).raw and not cfg.codec(cfg.resolved_stage2_bitwidth).raw
@@ -114,8 +110,7 @@ def _fast_flat(cfg: LowBitConfig, hier: str, flat: torch.Tensor, N: int, unit: i
 
 
 def _fused_feedback(ef: ErrorFeedback, x: torch.Tensor, N: int, codec) -> bool:
-    """Whether the residual update can be fused into the quantizer (making the residual, as
-    ``compensate`` would)."""
+    """Whether the residual update can be fused into the quantizer (making the residual if absent)."""
     e = ef.ensure(N, x.device)
     return ef.enabled and e.is_contiguous() and codec.fused_feedback(x)
 
@@ -163,14 +158,6 @@ def _flat_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: LowBitState
         ef.drop_nonfinite()
 
 
-def _state_for(cfg: LowBitConfig, state: Optional[LowBitState]) -> LowBitState:
-    if state is not None:
-        return state
-    if cfg.error_feedback or cfg.stage2_error_feedback:
-        raise ValueError("error feedback needs a LowBitState (pass state=...)")
-    return LowBitState()
-
-
 def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Optional[LowBitState] = None,
                       *, average: bool = True, key=0, intra=None, inter=None) -> Iterator:
     """Round generator: replace ``flat`` by the low-bit sum (or average) over ranks, in place,
@@ -183,7 +170,10 @@ def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Option
     """
     if not flat.is_floating_point():
         raise TypeError(f"low-bit all_reduce needs a floating tensor, got {flat.dtype}")
-    state = _state_for(cfg, state)
+    if state is None:
+        if cfg.error_feedback or cfg.stage2_error_feedback:
+            raise ValueError("error feedback needs a LowBitState (pass state=...)")
+        state = LowBitState()
     hier, comm, sizes, world = _route(cfg, comm, intra, inter)
     n = flat.numel()
     if n == 0 or world == 1:
@@ -214,8 +204,7 @@ def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Option
 
 
 def _pipelined(x, hier, comms, cfg, state, alpha, seeds, unit, sizes) -> Generator[Any, Any, torch.Tensor]:
-    """Round generator: the padded ``x``'s chunks, pipelined; returns the reduced result, error
-    feedback applied. ``comms`` = (flat comm, intra, inter)."""
+    """Round generator: the padded ``x``'s chunks, pipelined; returns the result, feedback applied."""
     comm, intra, inter = comms
     div = inter.size if hier == "leader" else math.prod(sizes)  # elements per final shard: N/div
     fb = _Feedback(cfg, state, x, div)
@@ -238,6 +227,5 @@ def wire_bytes_all_reduce(numel: int, world: int, cfg: LowBitConfig) -> int:
         wire_bytes_all_reduce(1 << 20, 4, LowBitConfig(bitwidth=4))
     """
     unit = world * cfg.block_size
-    N = max(unit, -(-numel // unit) * unit)
-    m = N // world
+    m = max(unit, -(-numel // unit) * unit) // world
     return world * cfg.codec(cfg.bitwidth).row_bytes(m) + cfg.codec(cfg.resolved_stage2_bitwidth).row_bytes(m)

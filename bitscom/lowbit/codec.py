@@ -62,8 +62,7 @@ class Codec:
                               seed=seed, index_offset=offset, payload=payload, scales=scales)
 
     def fused_feedback(self, x: torch.Tensor) -> bool:
-        """Whether :meth:`encode_feedback` runs for ``x`` (a low-bit stage, ``x`` contiguous float32 on
-        CPU, the native kernel loaded); else the caller takes the separate steps."""
+        """Whether :meth:`encode_feedback` can run for ``x``; else the caller takes the separate steps."""
         from ..kernels import cpu_native
         return (not self.raw and x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
                 and kernels.implementation(x.device) == "native" and cpu_native.has_quantize_ef())

@@ -70,13 +70,9 @@ def range_rounds(flat: torch.Tensor, start: int, stop: int, owner: int, comm, cf
     x = torch.zeros(length, dtype=torch.float32, device=dev)
     if hi > start:
         x[:hi - start].copy_(flat[start:hi])
-    if cfg.residual:
-        x = state.residual.ensure(N, dev)[start:stop].add_(x)     # x + e, in the residual
     send = torch.empty(r1, dtype=torch.uint8, device=dev)
-    c1.encode(x, send, stage_seed(cfg.seed, kid, step, rank, 0), start)
-    if cfg.residual:                                               # e = x + e - D(C(x + e))
-        x.sub_(c1.decode(send, length))
-        torch.nan_to_num_(x, nan=0.0, posinf=0.0, neginf=0.0)
+    ef = ErrorFeedback.over(state.residual.ensure(N, dev)[start:stop]) if cfg.residual else None
+    encode_with_feedback(x, c1, send, stage_seed(cfg.seed, kid, step, rank, 0), start, ef)
     mine = comm.rank == owner
     recv = torch.empty(P * r1 if mine else 0, dtype=torch.uint8, device=dev)
     yield comm.all_to_all_v(recv, send, [r1 if mine else 0] * P, [r1 if j == owner else 0 for j in range(P)])
@@ -85,10 +81,8 @@ def range_rounds(flat: torch.Tensor, start: int, stop: int, owner: int, comm, cf
         shard = torch.empty(length, dtype=torch.float32, device=dev)
         c1.decode_sum(recv.view(P, r1), length, shard)
         shard.mul_(1.0 / P)
-        ef = None
-        if cfg.stage2_error_feedback:
-            e2 = state.stage2_residual.ensure(m, dev)
-            ef = ErrorFeedback.over(e2[start - owner * m:stop - owner * m])
+        e2 = state.stage2_residual.ensure(m, dev) if cfg.stage2_error_feedback else None
+        ef = None if e2 is None else ErrorFeedback.over(e2[start - owner * m:stop - owner * m])
         encode_with_feedback(shard, c2, row, stage_seed(cfg.seed, kid, step, rank, 1), start, ef)
     yield comm.broadcast(row, owner)
     if hi > start:

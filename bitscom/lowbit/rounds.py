@@ -146,13 +146,12 @@ def pipeline(gens: Sequence[Iterator[Any]]) -> Generator[List[Any], None, List[A
         if pending:
             active.append(pending.pop(0))
         works = []
-        for item in list(active):
-            i, g = item
+        for i, g in list(active):
             try:
                 w = next(g)
             except StopIteration as stop:
                 results[i] = stop.value
-                active.remove(item)
+                active.remove((i, g))
                 continue
             if w is not None:
                 works.append(w)

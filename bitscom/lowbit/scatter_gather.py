@@ -18,8 +18,7 @@ __all__ = ["reduce_scatter_rounds", "all_gather_rounds"]
 
 def _begin(kind: str, full, full_name: str, part, part_name: str, comm, cfg: LowBitConfig,
            state: Optional[LowBitState], key, rows: int):
-    """The checks both collectives share; then ``(state, m, seed)``: ``m`` the part's size padded
-    to whole blocks, the state bound to ``rows * m`` elements and advanced one step."""
+    """The checks both collectives share; ``(state advanced one step, padded part size, seed)``."""
     P, k = comm.size, part.numel()
     if full.numel() != P * k:
         raise ValueError(f"{kind} {full_name} has {full.numel()} elements; it needs world size "

@@ -34,8 +34,7 @@ class LowBitState:
         self._scratch = Scratch()   # buffers reused every step (not checkpointed)
 
     def scratch(self, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-        """A buffer kept between steps (contents undefined): allocating a bucket-sized buffer each
-        step costs a page-faulting pass."""
+        """A buffer kept between steps (contents undefined): a fresh one would page-fault each step."""
         return self._scratch.get(name, shape, dtype, device)
 
     def workspace(self, numel: int, device) -> torch.Tensor:
