@@ -55,11 +55,7 @@ _OPTIONAL = {"bq_quantize_ef": [_P, _P, _I64, _I32, _I32, _I32, _U32, _U32, _U64
 
 def compiler():
     """The C++ compiler the native kernels are built with (None: none found)."""
-    for name in ("c++", "g++", "clang++"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
+    return next(filter(None, map(shutil.which, ("c++", "g++", "clang++"))), None)
 
 
 def _cpu_id() -> str:

@@ -210,8 +210,7 @@ def canonical_fingerprint(text: str) -> str:
 
     Example::
 
-        canonical_fingerprint("LowBitConfig(..., error_feedback_mode='legacy', ...)")
-        # "LowBitConfig(..., error_feedback_mode='residual', ...)"
+        canonical_fingerprint("LowBitConfig(..., error_feedback_mode='legacy', ...)")   # ...='residual'...
     """
     for alias, name in EF_MODE_ALIASES.items():
         text = text.replace(f"error_feedback_mode={alias!r}", f"error_feedback_mode={name!r}")
