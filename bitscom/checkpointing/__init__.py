@@ -1,20 +1,6 @@
 """Checkpoints through ``torch.distributed.checkpoint`` (DCP): every rank saves in one call,
-in parallel, and a run of another world size can load (see docs/checkpoints.md).
-
-* :class:`~bitscom.ShardedOptimizer`: each rank writes its own pieces; any world size loads
-  them back, each rank reading only the pieces that overlap its own.
-* :class:`~bitscom.DistributedOptimizer`: torch's (replicated) optimizer state is written once;
-  each rank's compressor state under its own key. Same world size: exact resume. Another
-  world size: compressor state that was the same on every rank (PowerSGD factors without
-  error feedback) loads; per-rank state (error-feedback residuals) is an error unless
-  ``reset_compressor_state=True``.
-
-The torch-format ``state_dict()`` / ``consolidated_state_dict()`` paths are unchanged.
-
-Example::
-
-    bitscom.checkpointing.save(opt, "ckpt/step100", extra={"model": model.state_dict()})
-    bitscom.checkpointing.load(opt, "ckpt/step100", extra={"model": model.state_dict()})
+in parallel, and a run of another world size can load where the state allows it (what loads
+where, and the key layout: docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -24,8 +10,7 @@ from typing import Any, Dict
 
 __all__ = ["save", "load"]
 
-# Options of one face only, and why the other refuses them (same words as before the faces
-# took over their own payload).
+# Options of one face only, and why the other refuses them.
 _ONLY_FOR = {
     "reset_compressor_state": "reset_compressor_state applies to DistributedOptimizer; a "
                               "ShardedOptimizer has no compressor state to reset",
@@ -45,8 +30,7 @@ def _face(opt, what: str):
 
 def save(opt, path, *, extra=None) -> None:
     """Save ``opt`` (and ``extra``, e.g. ``{"model": model.state_dict()}``) to the DCP checkpoint
-    directory ``path``. Every rank of the optimizer's group calls it with the same path on
-    storage all ranks share.
+    directory ``path``, which every rank of the optimizer's group calls with, on shared storage.
 
     Example::
 
@@ -57,12 +41,10 @@ def save(opt, path, *, extra=None) -> None:
 
 def load(opt, path, *, extra=None, reset_compressor_state: bool = False,
          load_replicas: bool = True) -> None:
-    """Load a :func:`save` checkpoint into ``opt``; ``extra`` (the same keys as saved) is loaded
-    in place. Every rank calls it.
-
-    ``reset_compressor_state`` (DistributedOptimizer): start the compressor state from zero
-    instead of loading it — needed to load per-rank error-feedback state on another world
-    size. ``load_replicas`` (ShardedOptimizer): also set the model's parameters.
+    """Load a :func:`save` checkpoint into ``opt`` (and ``extra``, the same keys, in place); every
+    rank calls it. ``reset_compressor_state`` (DistributedOptimizer): start the compressor state
+    from zero, needed to load per-rank error-feedback state on another world size.
+    ``load_replicas`` (ShardedOptimizer): also set the model's parameters.
 
     Example::
 

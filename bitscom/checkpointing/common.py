@@ -1,15 +1,7 @@
-"""What both optimizers' DCP checkpoints share: calling ``torch.distributed.checkpoint`` over
-the optimizer's group, reading a checkpoint's key list, and splitting a nested state into
-tensors (one DCP entry each) and a pickled *skeleton* (one opaque entry).
-
-Why a skeleton: DCP flattens nested dicts and lists itself and wants the same structure back
-as the load template; optimizer state has integer keys, tuples and ``None`` whose template a
-fresh optimizer cannot build. Keeping the non-tensor structure as one pickled blob and every
-tensor as its own flat key gives DCP only plain tensors (saved in parallel, deduplicated when
-replicated) and makes the load template a function of the checkpoint's metadata alone.
-
-Trust: loading unpickles the skeletons, as ``torch.load(weights_only=False)`` (and DCP itself
-for non-tensor values) does; load checkpoints you wrote.
+"""What both optimizers' DCP checkpoints share: DCP calls over the optimizer's group, a
+checkpoint's key list, and splitting a nested state into tensors (one DCP entry each) and a
+pickled *skeleton* (why: docs/checkpoints.md, "Key layout"). Loading unpickles the skeletons,
+as ``torch.load(weights_only=False)`` does: load checkpoints you wrote.
 """
 
 from __future__ import annotations
@@ -17,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import torch
 
@@ -29,8 +21,7 @@ _MARK = "__bitscom_tensor__"
 
 def _dcp():
     """``torch.distributed.checkpoint``, imported on first use: it pulls in DTensor and sympy
-    (about 2 s of CPU), which every ``import bitscom`` (each rank of every job) would otherwise pay
-    for checkpoints it may never write."""
+    (about 2 s of CPU) that every ``import bitscom`` would otherwise pay."""
     import torch.distributed.checkpoint as dcp
     return dcp
 
@@ -70,8 +61,8 @@ def join_tensors(skeleton: Any, tensors: Dict[int, torch.Tensor]) -> Any:
 
 
 def digest(tensor: torch.Tensor) -> str:
-    """A hash of a tensor's dtype, shape and bytes: tells, after the fact, whether a state
-    tensor was the same on every rank (no collective at save time)."""
+    """A hash of a tensor's dtype, shape and bytes: tells after the fact, with no collective at save
+    time, whether a state tensor was the same on every rank."""
     t = tensor.detach().cpu().contiguous().reshape(-1)
     h = hashlib.blake2b(f"{t.dtype}{tuple(tensor.shape)}".encode(), digest_size=16)
     if t.numel():
@@ -80,16 +71,14 @@ def digest(tensor: torch.Tensor) -> str:
 
 
 def read_entries(path) -> Dict[str, Any]:
-    """Key -> storage metadata of the DCP checkpoint in directory ``path`` (a file read on
-    each rank, no collective)."""
+    """Key -> storage metadata of the DCP checkpoint in ``path`` (a file read, no collective)."""
     if not os.path.isdir(os.fspath(path)):
         raise FileNotFoundError(f"no DCP checkpoint directory at {os.fspath(path)!r}")
     return dict(_dcp().FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
 def template(meta: Any) -> Any:
-    """An empty load target for one checkpoint entry: a CPU tensor of the saved shape and
-    dtype, or ``b""`` for a pickled value."""
+    """An empty load target for one entry: a CPU tensor of its shape and dtype, or ``b""``."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
     if isinstance(meta, TensorStorageMetadata):
         return torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
@@ -124,8 +113,3 @@ def check_extra(extra) -> dict:
     if bad:
         raise ValueError(f"extra keys must be strings not starting with 'bitscom' (reserved), got {bad}")
     return extra
-
-
-def split_key(rest: str, parts: int) -> Tuple[str, ...]:
-    """Split ``name/.../span`` from the right (parameter names may hold '/')."""
-    return tuple(rest.rsplit("/", parts))

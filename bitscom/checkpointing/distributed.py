@@ -1,19 +1,5 @@
-"""DCP checkpoints of :class:`~bitscom.DistributedOptimizer`.
-
-Layout (keys of the DCP checkpoint)::
-
-    bitscom/meta                 pickled: format, world, steps, the torch state's skeleton
-    bitscom/optimizer/<i>        torch's optimizer state tensors: the same on every rank, so
-                                 DCP saves them once (replicated, deduplicated)
-    bitscom/rank<r>/reducer      pickled: rank r's compressor-state skeleton + tensor digests
-    bitscom/rank<r>/reducer/<i>  rank r's compressor-state tensors (written by rank r)
-
-Loading on the same world size restores every rank's own compressor state: training goes on
-bitwise as if never stopped. On another world size the compressor state can only be kept when
-it was the same on every saving rank (the digests say so: PowerSGD/ACP-SGD factors without
-error feedback, or state that never diverged); per-rank state (error-feedback residuals) is a
-clear error unless ``reset_compressor_state=True``, which restarts it from zero.
-"""
+"""DCP checkpoints of :class:`~bitscom.DistributedOptimizer` (keys, and what loads on another
+world size: docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -72,8 +58,7 @@ def _source_rank(opt, saved_world: int, blobs: dict, reset: bool):
 
 
 def _fresh_reducer(opt) -> dict:
-    return {"states": [opt.compression.init_state(layout).state_dict()
-                       for layout in opt.bucket_layouts]}
+    return {"states": [opt.compression.init_state(layout).state_dict() for layout in opt.bucket_layouts]}
 
 
 def load_distributed(opt, path, extra=None, reset_compressor_state: bool = False) -> None:

@@ -1,26 +1,5 @@
-"""DCP checkpoints of :class:`~bitscom.ShardedOptimizer`, loadable on any world size.
-
-Each rank writes only what it owns, under keys that name the parameter and the flattened
-element range of its piece, so the checkpoint is the union of every rank's pieces::
-
-    bitscom.sharded/meta                          pickled: format, world, step, settings,
-                                                  parameter shapes, param-group hyperparameters
-    bitscom.sharded/master/<name>/<start>-<stop>  the fp32 master piece
-    bitscom.sharded/state/<name>/<key>/<start>-<stop>
-                                                  its optimizer state: elementwise (1-D, one
-                                                  entry per element), a 0-d scalar, or pickled
-    bitscom.sharded/replica/<name>                the parameter (identical on every rank: DCP
-                                                  saves it once)
-
-Loading reads the key list, and every rank of the new world fetches the saved pieces that
-overlap its own pieces and cuts them to size: any world size, any fusion threshold, no
-gathering on one rank (the consolidated path holds the whole model on rank 0).
-
-Why not ``ShardedTensor``/``DTensor``: ``DTensor`` shards evenly by ``torch.chunk`` and cannot
-express pieces cut by bucket boundaries; ``ShardedTensor`` can, but torch marks it deprecated
-("Please use DTensor instead") and building its global metadata needs every rank to know every
-other rank's state keys (one more collective). Plain tensors under per-piece keys need neither.
-"""
+"""DCP checkpoints of :class:`~bitscom.ShardedOptimizer`: each rank writes its pieces and reads
+the saved pieces overlapping its own, so any world size loads (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -29,7 +8,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .common import blob, check_extra, load_dict, read_entries, save_dict, split_key, template, unblob
+from .common import blob, check_extra, load_dict, read_entries, save_dict, template, unblob
 
 __all__ = ["save_sharded", "load_sharded", "FORMAT"]
 
@@ -79,11 +58,11 @@ def _saved_pieces(entries: dict):
     states: Dict[tuple, Dict[str, str]] = defaultdict(dict)
     for k in entries:
         if k.startswith(_P + "master/"):
-            name, span = split_key(k[len(_P + "master/"):], 1)
+            name, span = k[len(_P + "master/"):].rsplit("/", 1)   # names may hold '/': split from the right
             start, stop = map(int, span.split("-"))
             masters[name].append((start, stop))
         elif k.startswith(_P + "state/"):
-            name, key, span = split_key(k[len(_P + "state/"):], 2)
+            name, key, span = k[len(_P + "state/"):].rsplit("/", 2)
             start, stop = map(int, span.split("-"))
             states[(name, start, stop)][key] = k
     return masters, states

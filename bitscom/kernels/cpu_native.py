@@ -1,14 +1,13 @@
 """Fast CPU path: ``quant_cpu.cpp`` compiled once with the system C++ compiler, loaded by ctypes.
 
-Why this and not torch.compile or numba: it needs no extra package (a compiler only, which
-torch.compile's CPU backend needs too), builds in a few seconds once per machine (cached in the private
-directory ``~/.cache/bitscom``, keyed by source, flags, compiler and CPU, and loaded only after
-its owner, mode and content hash check out; see :func:`cache_dir`), has no first-call tracing cost
-per shape, and ctypes releases the GIL while it runs, so communication threads keep going. If no
-compiler works, :func:`available` is False and dispatch falls back to the eager torch path.
+Why not torch.compile or numba: no extra package (a compiler only, which torch.compile's CPU
+backend needs too), a few seconds' build once per machine (cached, keyed by source, flags,
+compiler and CPU: :func:`cache_dir`), no tracing cost per shape, and ctypes releases the GIL, so
+communication threads keep going. Without a compiler, dispatch falls back to the torch path.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -30,22 +29,33 @@ BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fn
               "-fno-trapping-math"]
 # -march=native first (vectorized rint/floor/div); plain -O3 if the compiler refuses it.
 FLAG_SETS: Tuple[List[str], ...] = (["-march=native"], [])
+TOPK_MAX_NUMEL = 2 ** 31 - 1     # the largest x topk() takes
+LOWRANK_MAX_RANK = 64            # the largest rank lowrank_project() takes
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _I32 = ctypes.c_int
 _U32 = ctypes.c_uint32
 _U64 = ctypes.c_uint64
+_F32 = ctypes.c_float
+# Argument types of the kernels (each returns an int status). _OPTIONAL ones may be missing from
+# a library built from another source, which then still loads (see the has_* functions).
+_REQUIRED = {"bq_quantize": [_P, _I64, _I32, _I32, _I32, _U32, _U32, _U64, _P, _P],
+             "bq_dequant_acc": [_P, _I64, _P, _I64, _I32, _I64, _I32, _I32, _P, _I32],
+             "bq_dsr": [_P, _I64, _P, _I64, _I32, _I64, _I32, _I32, _I32, _F32, _I32, _U32, _U32, _U64, _P, _P, _P],
+             "bq_sign_encode": [_P, _P, _I64, _P, _I64, _P, _P, _I32],
+             "bq_sign_decode_sum": [_P, _I64, _I32, _I64, _I64, _P, _I64, _P, _F32]}
+_OPTIONAL = {"bq_quantize_ef": [_P, _P, _I64, _I32, _I32, _I32, _U32, _U32, _U64, _P, _P],
+             "bq_scatter": [_P, _I64, _P, _I32, _P, _I64, _I32],
+             "bq_lr_project_p": [_P, _I64, _I64, _P, _I32, _P, _I32, _P],
+             "bq_lr_project_q": [_P, _I64, _I64, _P, _I32, _P, _I32, _P],
+             "bq_lr_product": [_P, _I64, _I64, _P, _P, _I32],
+             "bq_topk": [_P, _I64, _I64, _P, _P, _P]}
 
 
 def compiler():
-    """The C++ compiler the native kernels are built with (None: none found); ``python -m
-    bitscom`` reports it."""
-    for name in ("c++", "g++", "clang++"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
+    """The C++ compiler the native kernels are built with (None: none found)."""
+    return next(filter(None, map(shutil.which, ("c++", "g++", "clang++"))), None)
 
 
 def _cpu_id() -> str:
@@ -73,11 +83,8 @@ def _problem(st: os.stat_result, kind: str) -> Optional[str]:
 
 
 def _above_problem(st: os.stat_result) -> Optional[str]:
-    """Why a directory above the cache (from ``os.lstat``) must not be trusted, or None.
-
-    Root's and this user's directories are fine; one others can write to is fine only when
-    it is root's and sticky (``/tmp``): there nobody may rename or remove what they do not own.
-    """
+    """Why a directory above the cache (from ``os.lstat``) must not be trusted, or None. One others
+    can write to is fine only when root's and sticky (``/tmp``): nobody may rename what is not theirs."""
     if stat.S_ISLNK(st.st_mode):
         return "it is a symbolic link"      # only seen if it is swapped in while we look
     if not stat.S_ISDIR(st.st_mode):
@@ -92,20 +99,15 @@ def _above_problem(st: os.stat_result) -> Optional[str]:
 
 def _make_private(path: pathlib.Path) -> os.stat_result:
     """``os.lstat(path)``, creating ``path`` with mode 0700 first when it is missing."""
-    try:
+    with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
     return os.lstat(path)
 
 
 def _walk(d: pathlib.Path) -> tuple:
-    """Create and check every directory from ``/`` down to the cache ``d``.
-
-    Returns ``(resolved path, problem or None)``. Symbolic links above the cache are resolved
-    once, up front, and the resolved path is what gets checked and used from then on, so a
-    link changed afterwards points nowhere bitscom looks.
-    """
+    """Create and check every directory from ``/`` down to the cache ``d``: ``(resolved path,
+    problem or None)``. Links above the cache are resolved once, up front, and only the resolved
+    path is checked and used, so a link changed afterwards points nowhere bitscom looks."""
     parent = pathlib.Path(os.path.realpath(d.parent))
     for p in [*reversed(parent.parents), parent]:
         problem = _above_problem(_make_private(p))
@@ -116,20 +118,12 @@ def _walk(d: pathlib.Path) -> tuple:
 
 
 def cache_dir(root: Optional[pathlib.Path] = None) -> Optional[pathlib.Path]:
-    """The private directory compiled kernels live in (``~/.cache/bitscom`` by default).
+    """The private directory compiled kernels live in (``~/.cache/bitscom`` by default), created
+    with mode 0700, symbolic links above it resolved; None, with a warning (the torch path is used
+    instead), when it or a directory above it could be replaced by another user (the rules:
+    ``docs/format.md``, "The kernel cache"). Deliberately no fallback to a shared temporary
+    directory: a library planted there by another local user would run inside this process.
 
-    Created with mode 0700 (missing parents too); refused (None, with a warning: the torch
-    path is used instead) unless it is a real directory owned by this user and not writable
-    by group or others, and every directory above it, from ``/`` down, is owned by this user
-    or root and not writable by group or others (a root-owned sticky one like ``/tmp`` is
-    fine). A directory above it that another user can write to would let that user replace
-    the cache. There is deliberately no fallback to a shared temporary directory: a library
-    planted there by another local user would run inside this process. Returns the path with
-    symbolic links above it resolved.
-
-    Example::
-
-        d = bitscom.kernels.cpu_native.cache_dir()
     """
     d = pathlib.Path.home() / ".cache" / "bitscom" if root is None else pathlib.Path(root)
     d = pathlib.Path(os.path.abspath(d))
@@ -145,13 +139,11 @@ def cache_dir(root: Optional[pathlib.Path] = None) -> Optional[pathlib.Path]:
 
 
 def _sha256(path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
 
 def _trusted(lib: pathlib.Path, digest: pathlib.Path) -> bool:
-    """Whether the cached library is ours and intact: both files private to this user and
-    the library's content hash equal to the one recorded when it was built."""
+    """Whether the cached library is ours and intact (both files private, the hash recorded)."""
     try:
         if _problem(os.lstat(lib), "file") or _problem(os.lstat(digest), "file"):
             return False
@@ -180,9 +172,7 @@ def _build_and_load(cxx: str, flags: list, d: pathlib.Path):
     digest = d / f"bitscom_quant_cpu_{key}.sha256"
     if _trusted(lib, digest):
         return ctypes.CDLL(str(lib))
-    # Compile into a file only this process created (mkstemp: O_EXCL, mode 0600), load that
-    # very file, then publish it: hash first, library by atomic rename, so a concurrent rank
-    # sees either the old pair, a mismatch (it rebuilds) or the new pair; never half a file.
+    # Build into a file only this process created (mkstemp), load it, then publish it (docs/format.md).
     fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".so", dir=d)
     os.close(fd)
     try:
@@ -200,13 +190,8 @@ def _build_and_load(cxx: str, flags: list, d: pathlib.Path):
 
 
 def load(root: Optional[pathlib.Path] = None):
-    """Compile (once per machine) and load the native library from the private cache
-    (:func:`cache_dir`); None, with a warning, when that is not possible.
-
-    Example::
-
-        lib = bitscom.kernels.cpu_native.load()
-    """
+    """Compile (once per machine) and load the native library from :func:`cache_dir`; None,
+    with a warning, when that is not possible."""
     if not SOURCE.exists():
         return None
     cxx = compiler()
@@ -227,34 +212,10 @@ def load(root: Optional[pathlib.Path] = None):
         warnings.warn("bitscom: building the native CPU quantization loop failed; using the slow eager "
                       "torch path. Compiler output:\n" + "\n".join(errors)[-2000:])
         return None
-    lib.bq_quantize.argtypes = [_P, _I64, _I32, _I32, _I32, _U32, _U32, _U64, _P, _P]
-    lib.bq_dequant_acc.argtypes = [_P, _I64, _P, _I64, _I32, _I64, _I32, _I32, _P, _I32]
-    lib.bq_dsr.argtypes = [_P, _I64, _P, _I64, _I32, _I64, _I32, _I32, _I32, ctypes.c_float, _I32, _U32,
-                           _U32, _U64, _P, _P, _P]
-    lib.bq_sign_encode.argtypes = [_P, _P, _I64, _P, _I64, _P, _P, _I32]
-    lib.bq_sign_decode_sum.argtypes = [_P, _I64, _I32, _I64, _I64, _P, _I64, _P, ctypes.c_float]
-    for f in (lib.bq_quantize, lib.bq_dequant_acc, lib.bq_dsr, lib.bq_sign_encode, lib.bq_sign_decode_sum):
-        f.restype = _I32
-    ef_fn = getattr(lib, "bq_quantize_ef", None)      # optional, like bq_scatter
-    if ef_fn is not None:
-        ef_fn.argtypes = [_P, _P, _I64, _I32, _I32, _I32, _U32, _U32, _U64, _P, _P]
-        ef_fn.restype = _I32
-    scatter_fn = getattr(lib, "bq_scatter", None)     # optional: a library without it still loads
-    if scatter_fn is not None:
-        scatter_fn.argtypes = [_P, _I64, _P, _I32, _P, _I64, _I32]
-        scatter_fn.restype = _I32
-    lowrank = {"bq_lr_project_p": [_P, _I64, _I64, _P, _I32, _P, _I32, _P],   # optional, likewise
-               "bq_lr_project_q": [_P, _I64, _I64, _P, _I32, _P, _I32, _P],
-               "bq_lr_product": [_P, _I64, _I64, _P, _P, _I32]}
-    for name, argtypes in lowrank.items():
-        fn = getattr(lib, name, None)
+    for name, argtypes in {**_REQUIRED, **_OPTIONAL}.items():
+        fn = getattr(lib, name) if name in _REQUIRED else getattr(lib, name, None)
         if fn is not None:
-            fn.argtypes = argtypes
-            fn.restype = _I32
-    topk_fn = getattr(lib, "bq_topk", None)           # optional, like bq_scatter
-    if topk_fn is not None:
-        topk_fn.argtypes = [_P, _I64, _I64, _P, _P, _P]
-        topk_fn.restype = _I32
+            fn.argtypes, fn.restype = argtypes, _I32
     return lib
 
 
@@ -269,9 +230,22 @@ def available() -> bool:
     return _lib() is not None
 
 
-def _check(rc):
-    if rc != 0:
+def _has(symbol: str) -> bool:
+    """True when the loaded library has the optional kernel ``symbol`` (the real source always does)."""
+    return available() and getattr(_lib(), symbol, None) is not None
+
+
+has_quantize_ef = functools.partial(_has, "bq_quantize_ef")   # quantize_ef()
+has_scatter = functools.partial(_has, "bq_scatter")           # scatter()
+has_topk = functools.partial(_has, "bq_topk")                 # topk()
+has_lowrank = functools.partial(_has, "bq_lr_product")        # lowrank_project(), lowrank_product()
+
+
+def _check(rc, flag: bool = False) -> bool:
+    """Raise unless the kernel's status is 0 or, with ``flag``, 1 (some value was not finite: True)."""
+    if rc != 0 and not (flag and rc == 1):
         raise RuntimeError(f"native quantization kernel failed with code {rc}")
+    return rc == 1
 
 
 def quantize_pack(x, bits, block_size, stochastic, seed, index_offset, payload, scales):
@@ -281,17 +255,10 @@ def quantize_pack(x, bits, block_size, stochastic, seed, index_offset, payload, 
     return payload, scales
 
 
-def has_quantize_ef() -> bool:
-    """True when the loaded library has :func:`quantize_ef`'s kernel (the real source always does)."""
-    return available() and getattr(_lib(), "bq_quantize_ef", None) is not None
-
-
 def quantize_ef(grad, residual, bits, block_size, stochastic, seed, index_offset, payload, scales):
-    """Error feedback fused into :func:`quantize_pack`, one pass: ``x = residual + grad``,
-    ``C(x)`` into ``payload``/``scales``, then ``residual = x - D(C(x))`` with NaN/Inf set to 0.
-    The same bits as ``residual.add_(grad)``, ``quantize_pack(residual)``,
-    ``residual.sub_(unpack_dequantize(...))``, ``nan_to_num_(residual, 0, 0, 0)``; all contiguous
-    CPU tensors, ``grad`` and ``residual`` float32 of the same size."""
+    """Error feedback fused into :func:`quantize_pack`, one pass: ``x = residual + grad``, ``C(x)``
+    into ``payload``/``scales``, ``residual = x - D(C(x))`` with NaN/Inf set to 0 (the same bits
+    as those four steps apart); contiguous CPU tensors, ``grad``/``residual`` float32 alike."""
     if grad.numel() != residual.numel():
         raise ValueError(f"quantize_ef: grad has {grad.numel()} elements, residual {residual.numel()}")
     k1, k2 = fmt.seed_keys(seed)
@@ -319,11 +286,9 @@ def dequantize_sum_requantize(payloads, scales, numel, bits, block_size, out_bit
 
 
 def sign_encode(x, counts, bits, scales, update, grad=None):
-    """SignSGD's record of the contiguous fp32 ``x`` in one pass: sign bits into the zeroed
-    uint8 ``bits``, one fp32 scale per segment of the int64 ``counts`` into the uint8 ``scales``;
-    with ``update``, ``x -= sign * scale`` (error feedback, ``x`` being the residual). ``grad``
-    (contiguous fp32, like ``x``), when given, is added into ``x`` first (``x += grad``: error
-    feedback's compensate, fused)."""
+    """SignSGD's record of the contiguous fp32 ``x`` in one pass: sign bits into the zeroed uint8
+    ``bits``, one fp32 scale per segment of the int64 ``counts`` into the uint8 ``scales``; first
+    ``x += grad`` when ``grad`` is given, and ``x -= sign * scale`` with ``update`` (error feedback)."""
     _check(_lib().bq_sign_encode(x.data_ptr(), None if grad is None else grad.data_ptr(), x.numel(),
                                  counts.data_ptr(), counts.numel(), bits.data_ptr(), scales.data_ptr(),
                                  int(update)))
@@ -332,48 +297,26 @@ def sign_encode(x, counts, bits, scales, update, grad=None):
 def sign_decode_sum(rows, numel, nbytes, counts, out, divide=0) -> bool:
     """``out = Σ_r sign_r · scale_r`` over the rows of the gathered uint8 ``rows`` (rank order),
     then ``out /= divide`` when ``divide`` > 0 (fused); True when some scale is not finite."""
-    rc = _lib().bq_sign_decode_sum(rows.data_ptr(), rows.stride(0), rows.shape[0], numel, nbytes,
-                                   counts.data_ptr(), counts.numel(), out.data_ptr(), float(divide))
-    if rc not in (0, 1):
-        _check(rc)
-    return rc == 1
-
-
-def has_scatter() -> bool:
-    """True when the loaded library has :func:`scatter`'s kernel (the real source always does)."""
-    return available() and getattr(_lib(), "bq_scatter", None) is not None
+    return _check(_lib().bq_sign_decode_sum(rows.data_ptr(), rows.stride(0), rows.shape[0], numel, nbytes,
+                                             counts.data_ptr(), counts.numel(), out.data_ptr(), float(divide)),
+                  flag=True)
 
 
 def scatter(out, indices, values, subtract=False) -> bool:
-    """``out[indices] += values`` (``-=`` with ``subtract``) for unique int32/int64 ``indices``
-    and fp32 ``values``, all contiguous CPU tensors: the same bits as
-    ``out.index_put_((indices,), out[indices] + values)``, without its temporaries. Returns
-    whether some value was NaN or Inf (adding only; False when subtracting)."""
-    rc = _lib().bq_scatter(out.data_ptr(), out.numel(), indices.data_ptr(),
-                           int(indices.element_size() == 8), values.data_ptr(), values.numel(),
-                           int(subtract))
-    if rc not in (0, 1):
-        _check(rc)
-    return rc == 1
-
-
-def has_topk() -> bool:
-    """True when the loaded library has :func:`topk`'s kernel (the real source always does)."""
-    return available() and getattr(_lib(), "bq_topk", None) is not None
-
-
-TOPK_MAX_NUMEL = 2 ** 31 - 1
+    """``out[indices] += values`` (``-=`` with ``subtract``) for unique int32/int64 ``indices``,
+    contiguous CPU tensors: the bits of ``index_put_`` without its temporaries. Returns whether
+    some value was NaN or Inf (adding only; False when subtracting)."""
+    return _check(_lib().bq_scatter(out.data_ptr(), out.numel(), indices.data_ptr(),
+                                    int(indices.element_size() == 8), values.data_ptr(), values.numel(),
+                                    int(subtract)), flag=True)
 
 
 def topk(x, k, subtract_from=None):
     """``(values, indices)`` of the ``k`` entries of largest ``|x|`` of the contiguous fp32 CPU
-    ``x`` (``1 <= k <= x.numel() <= TOPK_MAX_NUMEL``): indices int64 in ascending order, values
-    ``x[indices]``. The same set as ``x.abs().topk(k)`` (NaN counts as the largest magnitude);
-    among equal magnitudes the lower index is chosen. Exact, deterministic, and about one
-    pass over ``x`` (a sampled threshold, then a selection among the ~1.25 k entries above it;
-    see ``bq_topk`` in quant_cpu.cpp). With ``subtract_from`` (contiguous fp32 of ``x``'s size,
-    possibly ``x`` itself), ``subtract_from[indices] -= values`` in the same pass: the same bits
-    as ``index_put_`` (error feedback's sparse update)."""
+    ``x`` (``1 <= k <= x.numel() <= TOPK_MAX_NUMEL``), indices int64 ascending: the set of
+    ``x.abs().topk(k)`` (NaN largest; ties to the lower index), exact and deterministic in about
+    one pass (see ``bq_topk`` in quant_cpu.cpp). With ``subtract_from`` (fp32 of ``x``'s size,
+    possibly ``x``), ``subtract_from[indices] -= values`` in the same pass, as ``index_put_``."""
     import torch
     if subtract_from is not None and subtract_from.numel() != x.numel():
         raise ValueError(f"topk: subtract_from has {subtract_from.numel()} elements, x {x.numel()}")
@@ -384,32 +327,20 @@ def topk(x, k, subtract_from=None):
     return values[:k], indices[:k]
 
 
-LOWRANK_MAX_RANK = 64
-
-
-def has_lowrank() -> bool:
-    """True when the loaded library has the low-rank product kernels (the real source does)."""
-    return available() and getattr(_lib(), "bq_lr_product", None) is not None
-
-
 def lowrank_project(mat_ptr: int, n: int, m: int, factor, out, transpose: bool, subtract: bool,
                     grad_ptr: Optional[int] = None) -> None:
     """One matrix of a low-rank group: ``out = M @ factor`` (P = M Q) or, with ``transpose``,
-    ``out = Mᵀ @ factor`` (Q = Mᵀ P); with ``subtract``, then ``M -= P Qᵀ`` (error feedback,
-    the same pass while each row is in cache). ``mat_ptr`` is the address of the row-major
-    n × m fp32 matrix (a slot of a contiguous bucket); ``factor``/``out`` are contiguous fp32
-    (·, r) tensors, 1 <= r <= LOWRANK_MAX_RANK. With ``grad_ptr`` (another such matrix), M
-    first becomes ``M + grad`` in place (error feedback's compensate, fused; the same bits as
-    ``add_``). Local results (FMA, partial sums): the bits may differ from BLAS's and between
-    CPU models."""
+    ``out = Mᵀ @ factor`` (Q = Mᵀ P); first ``M += grad`` with ``grad_ptr``, then ``M -= P Qᵀ`` with
+    ``subtract`` (error feedback, while each row is in cache). ``mat_ptr`` addresses a row-major
+    n × m fp32 matrix; ``factor``/``out`` are contiguous fp32 (·, r), 1 <= r <= LOWRANK_MAX_RANK.
+    Local results (FMA, partial sums): the bits may differ from BLAS's and between CPU models."""
     fn = _lib().bq_lr_project_q if transpose else _lib().bq_lr_project_p
     _check(fn(mat_ptr, n, m, factor.data_ptr(), factor.shape[-1], out.data_ptr(), int(subtract),
               grad_ptr))
 
 
 def lowrank_product(out_ptr: int, n: int, m: int, p, q) -> None:
-    """``out = P Qᵀ`` for one row-major n × m fp32 matrix at ``out_ptr`` from contiguous fp32
-    ``p`` (n × r) and ``q`` (m × r): each element ``p_i0 q_k0 + p_i1 q_k1 + …`` left to right,
-    rounded after each multiply and add (no FMA), so every CPU writes the same bits from the
-    same factors (what keeps replicas identical)."""
+    """``out = P Qᵀ`` for one row-major n × m fp32 matrix at ``out_ptr`` from contiguous fp32 ``p``
+    (n × r) and ``q`` (m × r), summed left to right without FMA, so every CPU writes the same bits
+    from the same factors (what keeps replicas identical)."""
     _check(_lib().bq_lr_product(out_ptr, n, m, p.data_ptr(), q.data_ptr(), p.shape[-1]))

@@ -1,15 +1,12 @@
-"""CUDA path: CuPy RawKernels from ``quant.cu``, compiled once per device, zero-copy via DLPack.
-
-CuPy is imported only when a CUDA tensor arrives. Kernels run on torch's current CUDA stream
-(wrapped as a CuPy ``ExternalStream``), so they order correctly with the surrounding torch ops
-and NCCL calls without synchronizing. bfloat16 scales travel as int16 views (DLPack consumers
-need not know bfloat16). The bytes equal the torch reference's; see ``quant.cu`` for why.
-"""
+"""CUDA path: CuPy RawKernels from ``quant.cu`` on torch's current stream, so they order with the
+surrounding ops and NCCL calls without synchronizing; bfloat16 scales travel as int16 views,
+which every DLPack consumer understands (``docs/format.md``)."""
 from __future__ import annotations
 
 import functools
 import pathlib
 
+import numpy as np
 import torch
 
 from . import format as fmt
@@ -55,13 +52,7 @@ def _launch(name, device, grid, args):
             kern((grid,), (THREADS,), tuple(conv), stream=stream)
 
 
-def _np():
-    import numpy as np
-    return np
-
-
 def quantize_pack(x, bits, block_size, stochastic, seed, index_offset, payload, scales):
-    np = _np()
     nb = fmt.num_blocks(x.numel(), block_size)
     if nb == 0:
         return payload, scales
@@ -76,7 +67,6 @@ def quantize_pack(x, bits, block_size, stochastic, seed, index_offset, payload, 
 
 
 def unpack_dequantize_accumulate(payloads, scales, numel, bits, block_size, out, accumulate):
-    np = _np()
     if numel == 0:
         return out
     g = fmt.group(bits)[0]
@@ -91,7 +81,6 @@ def unpack_dequantize_accumulate(payloads, scales, numel, bits, block_size, out,
 
 def dequantize_sum_requantize(payloads, scales, numel, bits, block_size, out_bits, alpha, stochastic, seed,
                               index_offset, payload, out_scales, sum_out):
-    np = _np()
     nb = fmt.num_blocks(numel, block_size)
     if nb == 0:
         return payload, out_scales

@@ -1,12 +1,9 @@
 """Constants, sizes, validation and the counter hash shared by every kernel implementation.
 
-Everything that decides *bytes* lives here once, so the torch reference, the native CPU loop and
-the CUDA kernels cannot drift apart: code ranges, packing groups, wire sizes and the
-stochastic-rounding key schedule. See ``bitscom.quantization`` for the format description.
+Everything that decides *bytes* lives here once (code ranges, packing groups, wire sizes, the
+stochastic-rounding key schedule), so the implementations cannot drift apart (``docs/format.md``).
 """
 from __future__ import annotations
-
-import math
 
 SUPPORTED_BITS = (1, 2, 4, 8, 12, 16)
 MIN_BLOCK_SIZE = 32
@@ -21,20 +18,13 @@ SEED_SALT_HI = 0x85A308D3
 
 
 def qmax(bits: int) -> int:
-    """Largest signed level of a width: codes are ``q + qmax`` with ``q`` in ``[-qmax, qmax]``.
-
-    For 1 bit there is no zero level; it returns 1 (levels -1 and +1).
-    """
+    """Largest signed level of a width: codes are ``q + qmax``, ``q`` in ``[-qmax, qmax]`` (1 bit: 1)."""
     return 1 if bits == 1 else (1 << (bits - 1)) - 1
 
 
 def group(bits: int) -> tuple[int, int]:
     """(elements, bytes) of the smallest whole-byte group of codes: 8/b elems->1 byte, 12: 2->3, 16: 1->2."""
-    if bits <= 8:
-        return 8 // bits, 1
-    if bits == 12:
-        return 2, 3
-    return 1, 2
+    return (8 // bits, 1) if bits <= 8 else ((2, 3) if bits == 12 else (1, 2))
 
 
 def check_bits(bits) -> int:
@@ -45,24 +35,24 @@ def check_bits(bits) -> int:
 
 def check_block_size(block_size) -> int:
     if (isinstance(block_size, bool) or not isinstance(block_size, int)
-            or block_size < MIN_BLOCK_SIZE or block_size > MAX_BLOCK_SIZE
-            or block_size & (block_size - 1)):
-        raise ValueError(
-            f"block_size={block_size!r} is not allowed; use a power of two from {MIN_BLOCK_SIZE} "
-            f"to {MAX_BLOCK_SIZE} (e.g. 128)")
+            or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1)):
+        raise ValueError(f"block_size={block_size!r} is not allowed; use a power of two from {MIN_BLOCK_SIZE} "
+                         f"to {MAX_BLOCK_SIZE} (e.g. 128)")
     return block_size
 
 
+def _check_uint(name: str, value, bits: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** bits:
+        raise ValueError(f"{name}={value!r} must be an int in [0, 2**{bits})")
+    return value
+
+
 def check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
-        raise ValueError(f"seed={seed!r} must be an int in [0, 2**64)")
-    return seed
+    return _check_uint("seed", seed, 64)
 
 
 def check_index_offset(index_offset) -> int:
-    if isinstance(index_offset, bool) or not isinstance(index_offset, int) or not 0 <= index_offset < 2 ** 62:
-        raise ValueError(f"index_offset={index_offset!r} must be an int in [0, 2**62)")
-    return index_offset
+    return _check_uint("index_offset", index_offset, 62)
 
 
 def num_blocks(numel: int, block_size: int) -> int:
@@ -71,10 +61,8 @@ def num_blocks(numel: int, block_size: int) -> int:
 
 
 def payload_bytes(numel: int, bits: int, block_size: int) -> int:
-    """Packed code bytes for ``numel`` elements: whole blocks, ``block_size * bits / 8`` bytes each.
-
-    Always even (block_size >= 32), so a bfloat16 scale array placed right after it stays aligned.
-    """
+    """Packed code bytes for ``numel`` elements: whole blocks of ``block_size * bits / 8`` bytes,
+    always even (block_size >= 32), so bfloat16 scales placed right after stay aligned."""
     return num_blocks(numel, block_size) * block_size * bits // 8
 
 
@@ -88,8 +76,7 @@ def wire_bytes(numel: int, bits: int, block_size: int) -> int:
 
     Example::
 
-        >>> wire_bytes(1024, 4, 128)  # 512 payload + 8 scales * 2 bytes
-        528
+        wire_bytes(1024, 4, 128)   # 528: 512 payload + 8 scales * 2 bytes
     """
     check_bits(bits)
     check_block_size(block_size)
@@ -115,15 +102,7 @@ def fmix32(h: int) -> int:
 
 
 def seed_keys(seed: int) -> tuple[int, int]:
-    """Two 32-bit keys from a 64-bit seed; element ``i`` then draws
-
-    ``h = fmix32(fmix32(lo32(i) ^ k1) ^ hi32(i) ^ k2)``, ``r = h >> 8`` (24 uniform bits),
-    so the random number depends only on (seed, global index): reproducible on any device,
-    any sharding, and no generator state is touched.
-    """
+    """Two 32-bit keys from a 64-bit seed; element ``i`` then draws ``r = h >> 8`` (24 uniform bits),
+    ``h = fmix32(fmix32(lo32(i) ^ k1) ^ hi32(i) ^ k2)``: a function of (seed, global index) only."""
     seed = check_seed(seed)
     return fmix32((seed & MASK32) ^ SEED_SALT_LO), fmix32((seed >> 32) ^ SEED_SALT_HI)
-
-
-def log2(n: int) -> int:
-    return int(math.log2(n))

@@ -1,9 +1,6 @@
-"""Eager torch implementation of the hot loops: the portable path and the byte-exact reference.
-
-Runs on any device. Every arithmetic step is an IEEE-exact or correctly rounded elementwise op
-(division, rint, floor, one multiply, additions in a fixed order), which is why the native CPU
-loop and the CUDA kernels can reproduce its bytes exactly. It is slow on CPU (a chain of
-kernels, each a pass over memory); ``cpu_native`` is the fast CPU path.
+"""Eager torch implementation of the hot loops: the portable path (any device; slow on CPU, one
+pass over memory per op) and the byte-exact reference. Every step is an IEEE-exact or correctly
+rounded elementwise op in a fixed order, so the native and CUDA kernels reproduce its bytes.
 """
 from __future__ import annotations
 
@@ -74,12 +71,9 @@ def _tree_sum(a: torch.Tensor) -> torch.Tensor:
 
 
 def _stored_scales(raw: torch.Tensor, amax: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-    """Round fp32 scales *up* to bfloat16 (int bit ops, so exact on every device).
-
-    Rounding up keeps |x| / scale <= qmax, so no code clips. Non-zero blocks get at least the
-    smallest bf16 subnormal; an overflow clamps to the largest finite bf16; non-finite -> NaN.
-    Returns int64 bf16 bit patterns.
-    """
+    """fp32 scales rounded *up* to bfloat16 (so no code clips) as int64 bit patterns, by integer
+    ops (exact everywhere): non-zero blocks at least the smallest subnormal, overflow to the
+    largest finite, non-finite to NaN."""
     raw = torch.where(finite, raw, torch.zeros_like(raw))
     b = raw.view(torch.int32).to(torch.int64)
     b = ((b + 0xFFFF) >> 16)
@@ -88,9 +82,9 @@ def _stored_scales(raw: torch.Tensor, amax: torch.Tensor, finite: torch.Tensor) 
     return torch.where(finite, b, torch.full_like(b, 0x7FC0))
 
 
-def quantize_pack(x: torch.Tensor, bits: int, block_size: int, stochastic: bool, seed: int,
-                  index_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat float32 ``x`` -> (payload uint8 [payload_bytes], scales bfloat16 [nblocks])."""
+def quantize_pack(x: torch.Tensor, bits: int, block_size: int, stochastic: bool, seed: int, index_offset: int,
+                  payload: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat float32 ``x`` into ``payload`` (uint8 [payload_bytes]) and ``scales`` (bfloat16 [nblocks])."""
     n = x.numel()
     nb = fmt.num_blocks(n, block_size)
     xp = F.pad(x.reshape(-1).to(torch.float32), (0, nb * block_size - n)).view(nb, block_size)
@@ -98,22 +92,18 @@ def quantize_pack(x: torch.Tensor, bits: int, block_size: int, stochastic: bool,
     ax = xp.abs()
     amax = ax.amax(dim=1) if nb else ax.sum(dim=1)
     qm = fmt.qmax(bits)
-    if bits == 1 and not stochastic:
-        raw = _tree_sum(ax) / block_size
-    else:
-        raw = amax / qm
-    sbits = _stored_scales(raw, amax, finite)
+    sign = bits == 1 and not stochastic          # scaled sign: mean |x| scale, code 1 = negative
+    sbits = _stored_scales(_tree_sum(ax) / block_size if sign else amax / qm, amax, finite)
     s = (sbits << 16).to(torch.int32).view(torch.float32)
     live = (finite & (sbits > 0)).unsqueeze(1)
-    if bits == 1 and not stochastic:
+    if sign:
         u = (xp < 0).to(torch.int64)
     else:
         y = xp / s.unsqueeze(1)
         if stochastic:
             r = uniform24(seed, index_offset, nb * block_size, x.device).view(nb, block_size)
         if bits == 1:
-            t = (1.0 - y) * 0.5
-            u = (r < t * 16777216.0).to(torch.int64)
+            u = (r < (1.0 - y) * 0.5 * 16777216.0).to(torch.int64)
         else:
             if stochastic:
                 fl = torch.floor(y)
@@ -121,52 +111,38 @@ def quantize_pack(x: torch.Tensor, bits: int, block_size: int, stochastic: bool,
             else:
                 q = torch.round(y)
             u = q.clamp(-qm, qm).to(torch.int64) + qm
-    zero = 0 if bits == 1 else qm
-    u = torch.where(live, u, torch.full_like(u, zero))
-    payload = pack_codes(u, bits)
-    scales = sbits.to(torch.int16).view(torch.bfloat16)
+    u = torch.where(live, u, torch.full_like(u, 0 if bits == 1 else qm))
+    payload.copy_(pack_codes(u, bits))
+    scales.copy_(sbits.to(torch.int16).view(torch.bfloat16))
     return payload, scales
 
 
 def dequantize_rows(payloads: torch.Tensor, scales: torch.Tensor, numel: int, bits: int,
                     block_size: int) -> torch.Tensor:
     """[P, bytes] payloads and [P, nblocks] scales -> float32 [P, numel] values."""
-    nb = fmt.num_blocks(numel, block_size)
-    P = payloads.shape[0]
+    nb, P = fmt.num_blocks(numel, block_size), payloads.shape[0]
     pb = fmt.payload_bytes(numel, bits, block_size)
-    codes = unpack_codes(payloads[:, :pb].reshape(-1), bits, P * nb * block_size)
-    codes = codes.view(P, nb, block_size)
+    codes = unpack_codes(payloads[:, :pb].reshape(-1), bits, P * nb * block_size).view(P, nb, block_size)
     s = scales[:, :nb].to(torch.float32).unsqueeze(2)
-    if bits == 1:
-        v = (1 - 2 * codes).to(torch.float32) * s
-    else:
-        v = (codes - fmt.qmax(bits)).to(torch.float32) * s
+    v = ((1 - 2 * codes) if bits == 1 else (codes - fmt.qmax(bits))).to(torch.float32) * s
     return v.view(P, nb * block_size)[:, :numel]
-
-
-def unpack_dequantize(payload, scales, numel, bits, block_size, out):
-    v = dequantize_rows(payload.reshape(1, -1), scales.reshape(1, -1), numel, bits, block_size)[0]
-    out.copy_(v)
-    return out
 
 
 def unpack_dequantize_accumulate(payloads, scales, numel, bits, block_size, out, accumulate):
     """out = [out +] v_0 + v_1 + ... + v_{P-1}, added left to right in float32."""
     v = dequantize_rows(payloads, scales, numel, bits, block_size)
-    start = 0
     if not accumulate:
         out.copy_(v[0])
-        start = 1
-    for p in range(start, v.shape[0]):
+    for p in range(0 if accumulate else 1, v.shape[0]):
         out.add_(v[p])
     return out
 
 
 def dequantize_sum_requantize(payloads, scales, numel, bits, block_size, out_bits, alpha,
-                              stochastic, seed, index_offset, sum_out):
+                              stochastic, seed, index_offset, payload, out_scales, sum_out):
     """Sum of P dequantized shards (left to right), times alpha, requantized to ``out_bits``."""
     acc = sum_out if sum_out is not None else torch.empty(numel, dtype=torch.float32, device=payloads.device)
     unpack_dequantize_accumulate(payloads, scales, numel, bits, block_size, acc, False)
     if alpha != 1.0:
         acc.mul_(alpha)
-    return quantize_pack(acc, out_bits, block_size, stochastic, seed, index_offset)
+    return quantize_pack(acc, out_bits, block_size, stochastic, seed, index_offset, payload, out_scales)

@@ -1,23 +1,6 @@
-"""The low-bit algorithm of bitscom, in one package.
-
-Where the code lives (imports flow downward, nothing here imports a face)::
-
-    config.py          LowBitConfig: the settings of every low-bit face (frozen, validated)
-    state.py           LowBitState: step counter, residuals, EF21 estimates (checkpointable)
-    error_feedback.py  ErrorFeedback: the one residual-feedback piece every lossy compressor uses
-    rounds.py          building blocks of the round generators (all-to-all stage, level ladder,
-                       pipeline, padding)
-    call_header.py     the call header LowBitGroup and the lowbit backend check before each call
-    all_reduce.py      all_reduce_rounds: flat, "leader" and "two_level" hierarchies
-    scatter_gather.py  reduce_scatter_rounds, all_gather_rounds
-    levelwise.py       the level-wise reduce-scatter (SDP4Bit's gradient rounds: intra then inter)
-    format.py          the wire format: quantize / dequantize, pack / unpack, signs
-    codec.py           Codec: one stage's byte row (low-bit payload + scales, or float32)
-    hadamard.py        the one Hadamard transform (butterfly and GEMM back ends)
-    seeds.py           mix_seed, the one seed mixer; stage_seed, key_id
-
-The hot loops (quantize-pack, unpack-dequantize, fused reduce) are :mod:`bitscom.kernels`.
-The older module paths ``bitscom.collectives``, ``bitscom.quantization`` and
+"""The low-bit algorithm of bitscom, in one package (imports flow downward; nothing here imports
+a face). Which file holds what: ``docs/lowbit.md``, "Where the code lives"; the hot loops are
+:mod:`bitscom.kernels`. ``bitscom.collectives``, ``bitscom.quantization`` and
 ``bitscom.error_feedback`` re-export these names unchanged.
 
 Example::

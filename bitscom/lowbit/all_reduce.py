@@ -1,28 +1,5 @@
-"""The low-bit all-reduce, flat and hierarchical, as one round generator (:func:`all_reduce_rounds`).
-
-Two-stage all-reduce, for P ranks:
-
-1. pad the flat tensor to ``N = P * m`` (``m`` a multiple of ``block_size``), optionally
-   rotate it by a Hadamard transform, apply error feedback;
-2. quantize shard ``j`` (``bitwidth``; wire format: ``docs/format.md``,
-   :class:`~bitscom.lowbit.codec.Codec`) into row ``j`` of a send buffer and all-to-all it:
-   rank ``r`` receives shard ``r`` of every rank;
-3. dequantize the P rows and sum them in float32, in rank order (scale by ``1/P`` to average);
-4. requantize the reduced shard at ``stage2_bitwidth`` (its own setting: see
-   :data:`~bitscom.lowbit.config.DEFAULT_STAGE2_BITS`) and all-gather the bytes;
-5. every rank dequantizes *the gathered bytes*, its own shard included, so every rank ends
-   with bitwise-identical values.
-
-Hierarchical variants stack the same steps over an intra-node and an inter-node group (see
-:class:`~bitscom.lowbit.config.LowBitConfig`'s ``hierarchy``); ``chunk_size`` cuts the tensor
-into chunks run in lockstep, so chunk ``k``'s inter-node round is in flight together with chunk
-``k+1``'s intra-node round.
-
-Stochastic-rounding seeds are derived from (config seed, key, step, rank, stage) by
-:func:`~bitscom.lowbit.seeds.stage_seed`: different for every rank, stage and step, and
-reproducible from a checkpoint. Error feedback is
-:class:`~bitscom.lowbit.error_feedback.ErrorFeedback`, the same object every compressor uses.
-"""
+"""The low-bit all-reduce, flat and hierarchical, as one round generator (:func:`all_reduce_rounds`;
+the two-stage algorithm and its hierarchies: ``docs/lowbit.md``)."""
 
 from __future__ import annotations
 
@@ -34,7 +11,7 @@ import torch
 from .config import LowBitConfig
 from .error_feedback import ErrorFeedback
 from .hadamard import hadamard
-from .rounds import chunk_bounds, leader_rounds, levels_rounds, pad, pipeline, unit_size, world_rank
+from .rounds import chunk_bounds, leader_rounds, levels_rounds, pad, pipeline, world_rank
 from .seeds import key_id, stage_seed
 from .state import LowBitState
 
@@ -42,9 +19,8 @@ __all__ = ["all_reduce_rounds", "wire_bytes_all_reduce"]
 
 
 def _route(cfg: LowBitConfig, comm, intra, inter):
-    """What actually runs: (hierarchy, flat comm, level sizes, world size). ``"single_node"``
-    is one full-precision all-reduce over ``intra``; ``two_level`` with one rank per node is
-    the flat algorithm over ``inter``."""
+    """What actually runs: (hierarchy, flat comm, level sizes, world size); ``"single_node"`` is
+    one full-precision all-reduce over ``intra``, ``two_level`` with one rank per node flat."""
     hier = cfg.hierarchy
     if hier == "none":
         return hier, comm, [comm.size], comm.size
@@ -59,27 +35,21 @@ def _route(cfg: LowBitConfig, comm, intra, inter):
 
 
 class _Feedback:
-    """The error-feedback side of one all-reduce: what is sent, what the wire carried, the
-    stage-2 residual and the EF21 anchors, per chunk; and the update once the result is known."""
+    """The error-feedback side of one all-reduce: its buffers, per chunk, and the final update."""
 
     def __init__(self, cfg: LowBitConfig, state: LowBitState, x: torch.Tensor, div: int):
         N, dev = x.numel(), x.device
         self.cfg, self.state, self.div, self.N = cfg, state, div, N
-        self.send, self.sent = x, None
+        self.send = x
         if cfg.residual:
             state.residual.ensure(N, dev)
             self.send = state.residual.compensate(x)     # x + e, in the residual buffer
-            self.sent = torch.empty_like(self.send)      # receives D(C(send))
         elif cfg.ef21:
-            g_i = state.estimate("local_estimate", N, dev)
-            self.send = x.sub_(g_i)
-            self.sent = torch.empty_like(self.send)
+            self.send = x.sub_(state.estimate("local_estimate", N, dev))
+        self.sent = torch.empty_like(self.send) if cfg.residual or cfg.ef21 else None   # gets D(C(send))
         self.e2 = state.stage2_residual.ensure(N // div, dev) if cfg.stage2_error_feedback else None
-        # EF21 without stage-2 feedback: the shard owners keep g exactly and requantize g itself.
-        # Adding requantized *increments* to g instead (what ef21_plus does, with stage-2 feedback
-        # to pay the rounding back) lets g drift from the mean of the g_i by the sum of every
-        # step's stage-2 rounding error: measured, the output error grew from 0.2 to 3.4
-        # (relative) over 400 steps and training diverged (docs/lowbit.md, "EF21").
+        # EF21 without stage-2 feedback: the shard owners keep g exactly and requantize g itself;
+        # adding requantized increments instead lets g drift (docs/lowbit.md, "EF21").
         self.anchors = state.estimate("global_shard", N // div, dev) \
             if cfg.error_feedback_mode == "ef21" else None
         self.pending: list = []
@@ -122,19 +92,16 @@ class _Feedback:
 def _chunk_rounds(hier, comm, intra, inter, cfg, fb: _Feedback, alpha, seeds, s, t
                   ) -> Generator[Any, None, torch.Tensor]:
     send, sent, stage2_ef, anchor = fb.chunk(s, t)
+    if hier == "leader":
+        return leader_rounds(send, intra, inter, cfg, alpha, seeds, s, sent, stage2_ef, anchor, fb.pending)
     c1 = cfg.codec(cfg.bitwidth)
+    levels = [(comm, c1)] if hier == "none" else [(intra, cfg.codec(cfg.intra_bitwidth)), (inter, c1)]
     c2 = cfg.codec(cfg.resolved_stage2_bitwidth)
-    if hier == "none":
-        return levels_rounds(send, [(comm, c1)], c2, alpha, seeds, s, sent, stage2_ef, anchor, fb.pending)
-    if hier == "two_level":
-        levels = [(intra, cfg.codec(cfg.intra_bitwidth)), (inter, c1)]
-        return levels_rounds(send, levels, c2, alpha, seeds, s, sent, stage2_ef, anchor, fb.pending)
-    return leader_rounds(send, intra, inter, cfg, alpha, seeds, s, sent, stage2_ef, anchor, fb.pending)
+    return levels_rounds(send, levels, c2, alpha, seeds, s, sent, stage2_ef, anchor, fb.pending)
 
 
 def _fast_flat(cfg: LowBitConfig, hier: str, flat: torch.Tensor, N: int, unit: int) -> bool:
-    """The common flat case :func:`_flat_rounds` runs: one group, one chunk, low-bit stages, no
-    Hadamard, error feedback ``"none"`` or ``"residual"``, a contiguous float32 CPU tensor."""
+    """Whether this is the common flat case :func:`_flat_rounds` runs."""
     return (hier == "none" and not cfg.hadamard and not cfg.simulate_quantization
             and cfg.error_feedback_mode in ("none", "residual") and not cfg.stage2_error_feedback
             and not cfg.codec(cfg.bitwidth).raw and not cfg.codec(cfg.resolved_stage2_bitwidth).raw
@@ -143,18 +110,16 @@ def _fast_flat(cfg: LowBitConfig, hier: str, flat: torch.Tensor, N: int, unit: i
 
 
 def _fused_feedback(ef: ErrorFeedback, x: torch.Tensor, N: int, codec) -> bool:
-    """Whether the residual update can be fused into the quantizer (see ``Codec.encode_feedback``);
-    makes the residual (zeros) when absent, as ``compensate`` would."""
+    """Whether the residual update can be fused into the quantizer (making the residual if absent)."""
     e = ef.ensure(N, x.device)
     return ef.enabled and e.is_contiguous() and codec.fused_feedback(x)
 
 
 def _flat_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: LowBitState, alpha: float,
                  seeds, unit: int) -> Iterator:
-    """The flat two-stage all-reduce of :func:`levels_rounds` with one level, minus its copies:
-    a bucket that needs no padding is quantized straight from ``flat``, the byte rows live in
-    ``state``'s buffers, and the gathered rows decode straight into ``flat``. Same collectives,
-    same bytes, same result, same residual as the general path (tested bitwise)."""
+    """The flat two-stage all-reduce of :func:`levels_rounds` with one level, minus its copies
+    (no padding copy, byte rows in ``state``'s buffers, decoding straight into ``flat``): the
+    same collectives, bytes, result and residual as the general path (tested bitwise)."""
     n, P = flat.numel(), comm.size
     N = max(unit, -(-n // unit) * unit)
     x = flat.view(-1) if N == n else pad(flat, unit, cfg, state)
@@ -193,44 +158,34 @@ def _flat_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: LowBitState
         ef.drop_nonfinite()
 
 
-def _state_for(cfg: LowBitConfig, state: Optional[LowBitState]) -> LowBitState:
-    if state is not None:
-        return state
-    if cfg.error_feedback or cfg.stage2_error_feedback:
-        raise ValueError("error feedback needs a LowBitState (pass state=...)")
-    return LowBitState()
-
-
 def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Optional[LowBitState] = None,
                       *, average: bool = True, key=0, intra=None, inter=None) -> Iterator:
-    """Round generator: replace ``flat`` by the low-bit sum (or average) over ranks, in place.
-
-    ``comm`` is the flat group; the hierarchies use ``intra`` and ``inter`` instead (with a
-    single node, ``inter.size == 1``, they take one full-precision all-reduce over ``intra``).
-    On exit ``flat`` is bitwise identical on every rank. ``state`` is required for error
-    feedback and reproducible stochastic rounding; it advances one step per call.
+    """Round generator: replace ``flat`` by the low-bit sum (or average) over ranks, in place,
+    bitwise identical on every rank. ``comm`` is the flat group, ``intra``/``inter`` the
+    hierarchies'; ``state`` (needed for error feedback) advances one step per call.
 
     Example::
 
-        state = LowBitState()
-        drive(all_reduce_rounds(grad, Comm(group), LowBitConfig(bitwidth=4), state))
+        drive(all_reduce_rounds(grad, Comm(group), LowBitConfig(bitwidth=4), LowBitState()))
     """
     if not flat.is_floating_point():
         raise TypeError(f"low-bit all_reduce needs a floating tensor, got {flat.dtype}")
-    state = _state_for(cfg, state)
+    if state is None:
+        if cfg.error_feedback or cfg.stage2_error_feedback:
+            raise ValueError("error feedback needs a LowBitState (pass state=...)")
+        state = LowBitState()
     hier, comm, sizes, world = _route(cfg, comm, intra, inter)
     n = flat.numel()
     if n == 0 or world == 1:
         return
     alpha = 1.0 / world if average else 1.0
-    if hier == "single_node":
-        # Single node: one full-precision all-reduce (intra-node links are not the bottleneck).
+    if hier == "single_node":   # intra-node links are not the bottleneck: full precision
         yield intra.all_reduce(flat)
         if average:
             flat.div_(world)
         return
     state.bind(n)
-    unit = unit_size(sizes, cfg)
+    unit = math.prod(sizes) * cfg.block_size
     rank = world_rank(comm if hier == "none" else intra)
     step, kid = state.step, key_id(key)
     state.step += 1
@@ -249,8 +204,7 @@ def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Option
 
 
 def _pipelined(x, hier, comms, cfg, state, alpha, seeds, unit, sizes) -> Generator[Any, Any, torch.Tensor]:
-    """Round generator over the padded ``x``: its chunks' rounds, pipelined; returns the reduced
-    (padded) result with error feedback applied. ``comms`` = (flat comm, intra, inter)."""
+    """Round generator: the padded ``x``'s chunks, pipelined; returns the result, feedback applied."""
     comm, intra, inter = comms
     div = inter.size if hier == "leader" else math.prod(sizes)  # elements per final shard: N/div
     fb = _Feedback(cfg, state, x, div)
@@ -265,16 +219,13 @@ def _pipelined(x, hier, comms, cfg, state, alpha, seeds, unit, sizes) -> Generat
 
 
 def wire_bytes_all_reduce(numel: int, world: int, cfg: LowBitConfig) -> int:
-    """Bytes one rank hands to the network for a flat low-bit all_reduce of ``numel`` elements.
-
-    All-to-all of P rows at ``bitwidth`` plus the all-gather of one row at ``stage2_bitwidth``
-    (what :class:`~bitscom.comm.Comm` counts: each collective's input buffer).
+    """Bytes one rank hands to the network for a flat low-bit all_reduce of ``numel`` elements:
+    the all-to-all's P rows plus the all-gather's one (what :class:`~bitscom.comm.Comm` counts).
 
     Example::
 
         wire_bytes_all_reduce(1 << 20, 4, LowBitConfig(bitwidth=4))
     """
     unit = world * cfg.block_size
-    N = max(unit, -(-numel // unit) * unit)
-    m = N // world
+    m = max(unit, -(-numel // unit) * unit) // world
     return world * cfg.codec(cfg.bitwidth).row_bytes(m) + cfg.codec(cfg.resolved_stage2_bitwidth).row_bytes(m)

@@ -1,9 +1,4 @@
-"""How one stage of a low-bit collective puts a shard into a byte row and back (:class:`Codec`).
-
-A row is the low-bit payload followed by the bfloat16 scales (``docs/format.md``), or raw
-float32 for a full-precision stage (or simulated quantization). Rows are views into one uint8
-send/receive buffer, so each stage of a collective is a single collective call.
-"""
+"""How one stage of a low-bit collective puts a shard into a byte row and back (:class:`Codec`)."""
 
 from __future__ import annotations
 
@@ -20,16 +15,10 @@ __all__ = ["Codec"]
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    """How one stage of a collective puts a shard of ``m`` float32 values into a byte row and back.
-
-    ``bits=32`` sends raw float32; otherwise the row is the low-bit payload followed by the
-    bfloat16 scales (``wire_bytes(m, bits, block_size)`` bytes). Rows are views into one uint8
-    send/receive buffer, so each stage is a single collective. ``index_offset`` (the shard's
-    global position) keys stochastic rounding, so the bytes do not depend on the sharding.
-
-    ``simulate=True`` (``simulate_quantization``): the row carries the *dequantized* values as
-    float32 (``4 * m`` bytes). Every rank then computes exactly what the low-bit wire would
-    have given it, with every setting honoured, while the network carries full precision.
+    """How one stage of a collective puts a shard of ``m`` float32 values into a byte row and back:
+    the low-bit payload then the bfloat16 scales, or raw float32 for ``bits=32`` (the layout,
+    and ``simulate=True``, which sends the dequantized values as float32: ``docs/format.md``).
+    Rows are views into one uint8 send/receive buffer, so each stage is a single collective.
 
     Example::
 
@@ -73,18 +62,16 @@ class Codec:
                               seed=seed, index_offset=offset, payload=payload, scales=scales)
 
     def fused_feedback(self, x: torch.Tensor) -> bool:
-        """Whether :meth:`encode_feedback` runs for ``x``: a low-bit stage, ``x`` a contiguous
-        float32 CPU tensor and the native kernel loaded (else the caller takes the separate steps)."""
+        """Whether :meth:`encode_feedback` can run for ``x``; else the caller takes the separate steps."""
         from ..kernels import cpu_native
         return (not self.raw and x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
                 and kernels.implementation(x.device) == "native" and cpu_native.has_quantize_ef())
 
     def encode_feedback(self, x: torch.Tensor, residual: torch.Tensor, row: torch.Tensor, seed: int,
                         offset: int = 0) -> None:
-        """Residual error feedback and :meth:`encode` in one native pass (see :meth:`fused_feedback`):
-        ``v = residual + x`` is encoded into ``row`` and ``residual`` becomes ``v - decode(row)``,
-        NaN/Inf zeroed. Why: the separate steps (compensate, encode, decode, subtract, drop
-        non-finite) each pass over the whole bucket; the bits are the same (tested)."""
+        """Residual error feedback and :meth:`encode` in one native pass: ``v = residual + x`` is
+        encoded into ``row`` and ``residual`` becomes ``v - decode(row)``, NaN/Inf zeroed; the bits
+        of the five separate steps (tested), each of which would pass over the whole bucket."""
         from ..kernels import cpu_native
         payload, scales = self._split(row, x.numel())
         cpu_native.quantize_ef(x, residual, self.bits, self.block_size, self.stochastic, seed, offset,
@@ -99,8 +86,8 @@ class Codec:
         return kernels.unpack_dequantize(payload, scales, m, self.bits, self.block_size, out=out)
 
     def decode_prefix(self, row: torch.Tensor, m: int, out: torch.Tensor) -> torch.Tensor:
-        """The first ``out.numel()`` (<= ``m``) values of a row of ``m`` (e.g. the part of the last
-        shard that is not padding), written into ``out``; the same bits as ``decode(row, m)[:k]``."""
+        """The first ``out.numel()`` (<= ``m``) values of a row of ``m`` (e.g. the last shard without
+        its padding) into ``out``: the bits of ``decode(row, m)[:k]``."""
         k = out.numel()
         if self.raw:
             return out.copy_(row.view(torch.float32)[:k])
@@ -108,8 +95,7 @@ class Codec:
         return kernels.unpack_dequantize(payload, scales, k, self.bits, self.block_size, out=out)
 
     def decode_sum(self, rows: torch.Tensor, m: int, out: torch.Tensor) -> torch.Tensor:
-        """``out = row_0 + row_1 + ...`` decoded, summed left to right (same bits everywhere);
-        returns ``out``."""
+        """``out = row_0 + row_1 + ...`` decoded, summed left to right (same bits everywhere)."""
         if self.raw:
             vals = rows.view(torch.float32)
             out.copy_(vals[0])
@@ -117,16 +103,12 @@ class Codec:
                 out.add_(vals[j])
             return out
         payloads, scales = self._split(rows, m)
-        return kernels.unpack_dequantize_accumulate(payloads, scales, m, self.bits, self.block_size,
-                                                    out=out)
-
-
+        return kernels.unpack_dequantize_accumulate(payloads, scales, m, self.bits, self.block_size, out=out)
     def decode_sum_encode(self, rows: torch.Tensor, m: int, alpha: float, out: "Codec",
                           row: torch.Tensor, seed: int, offset: int) -> None:
-        """The reduce step of the two-stage all-reduce: decode and sum ``rows`` (this codec),
-        scale by ``alpha``, encode into ``row`` with codec ``out``. One fused kernel pass
-        (``kernels.dequantize_sum_requantize``) when both are low-bit; the same bytes as
-        :meth:`decode_sum`, ``*= alpha``, ``out.encode`` (tested)."""
+        """The reduce step of the two-stage all-reduce: decode and sum ``rows``, scale by ``alpha``,
+        encode into ``row`` with codec ``out``; one fused kernel pass when both are low-bit (the
+        bytes of the separate steps, tested)."""
         if self.raw or out.raw or self.block_size != out.block_size:
             acc = torch.empty(m, dtype=torch.float32, device=rows.device)
             self.decode_sum(rows, m, acc)

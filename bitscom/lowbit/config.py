@@ -1,21 +1,17 @@
 """Settings of the low-bit collectives: :class:`LowBitConfig`, one frozen object for every face.
 
-Vocabulary. Error feedback on the first-stage quantization keeps a *residual* ``e`` (send
-``C(x + e)``, keep ``e = x + e - D(C(x + e))``); its mode is called ``"residual"``. The seed
-project called it ``"legacy"``, and that spelling is still accepted everywhere (an exact alias,
-:data:`EF_MODE_ALIASES`): the config stores the canonical name, so two configs that differ only
-in the spelling are equal and have the same fingerprint on every rank.
+The config stores canonical names (the seed's mode ``"legacy"`` is stored as ``"residual"``),
+so configs that differ only in spelling are equal and fingerprint alike on every rank.
 """
 
 from __future__ import annotations
-
-from ..suggest import did_you_mean
 
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 from .. import kernels
+from ..suggest import did_you_mean
 from .codec import Codec
 from .format import FULL_PRECISION, SUPPORTED_BITS
 
@@ -34,15 +30,9 @@ ALIASES = {"bits": "bitwidth", "stage2_bits": "stage2_bitwidth", "intra_bits": "
 """Exact aliases :meth:`LowBitConfig.build` accepts for a setting (older bitscom names)."""
 
 DEFAULT_STAGE2_BITS = {1: 4, 2: 4, 4: 4, 8: 8, 12: 12, 16: 16, 32: 32}
-"""Default width of the requantized reduced shard, per first-stage width: never below 4.
-
-Measured (docs/lowbit.md; ``scripts/collective_compare.py``): requantizing a reduced
-shard at 1 or 2 bits has a relative error of 0.6-1.1 *by itself* (a ternary or sign code
-keeps little of a near-Gaussian sum, and stochastic rounding at 2 bits is worse than sending
-nothing), while 4 bits costs ~0.12 and 8 bits ~0.007. Stage 2 is not averaged over ranks,
-so a 1- or 2-bit first stage is paired with a 4-bit second stage; pass ``stage2_bitwidth=8``
-when accuracy matters more than the all-gather's bytes.
-"""
+"""Default width of the requantized reduced shard, per first-stage width: never below 4, since
+stage 2 is not averaged over ranks and alone costs 0.6-1.1 relative error at 1-2 bits, ~0.12 at
+4 (measured: docs/lowbit.md, "Stage-2 width")."""
 
 _WIDTHS = tuple(SUPPORTED_BITS) + (FULL_PRECISION,)
 
@@ -57,57 +47,18 @@ def _check_width(name, value, allow_none=False):
 
 @dataclass(frozen=True)
 class LowBitConfig:
-    """Settings of the low-bit collectives, one object for every face; every rank must use equal
-    settings (checked).
-
-    The same settings, by the same names, configure :class:`bitscom.compressors.LowBit`,
-    :class:`bitscom.LowBitGroup`, :func:`bitscom.register_lowbit_backend` and
-    ``bitscom.init(bitwidth=...)``: each takes ``config=`` or these names as keywords
-    (:meth:`build`).
-
-    Attributes:
-        bitwidth: first-stage width (what each rank sends in the all-to-all; in ``two_level`` the
-            inter-node all-to-all): 1, 2, 4, 8, 12, 16, or 32 (float32). Fewer bits = fewer bytes,
-            more error; 1 = scaled sign.
-        stage2_bitwidth: width of the requantized reduced shard that is all-gathered. It costs
-            as many bytes as stage 1 on a ring, but its error is not averaged over ranks; ``None``
-            takes :data:`DEFAULT_STAGE2_BITS` (max(bitwidth, 4)).
-        block_size: elements per scale (power of two, 32..65536). Small blocks track magnitudes
-            better, each block costs 16 bits of scale.
-        stochastic_rounding: unbiased rounding (errors average out over ranks and steps) at about
-            twice the per-element variance of round-to-nearest.
-        hadamard: rotate 32-element runs by an orthonormal Hadamard transform before quantizing
-            (SDP4Bit): spreads outliers so a block's scale fits its typical value; costs two
-            extra passes over memory.
-        error_feedback: the seed's switch: ``True`` means ``error_feedback_mode="residual"``.
-            After construction it reads ``error_feedback_mode != "none"``.
-        error_feedback_mode: ``"none"``; ``"residual"`` (the seed's ``"legacy"``, accepted as
-            an alias) keeps the residual of the first-stage quantization and adds it to the next
-            input (unbiased over time, one extra buffer);
-            ``"ef21"`` keeps an estimate ``g_i`` per rank, sends ``C(x - g_i)`` and maintains the
-            aggregate estimate (two extra buffers; the output is the estimate, not the raw
-            average); ``"ef21_plus"`` is ``"ef21"`` plus ``stage2_error_feedback``. ``None``
-            (default) follows ``error_feedback``.
-        stage2_error_feedback: keep the residual of the stage-2 requantization of this rank's
-            reduced shard and add it back next step; one buffer of n/P. Implied by ``ef21_plus``.
-        hierarchy: ``"none"`` (flat over one group), ``"leader"`` (the seed's pipeline A: local
-            reduce to the node leader -> low-bit all-reduce among the leaders -> local broadcast:
-            fewer inter-node flows, the local stage in full precision unless ``local_quantize``)
-            or ``"two_level"`` (SDP4Bit: intra-node all-to-all at ``intra_bitwidth`` ->
-            inter-node all-to-all at ``bitwidth`` -> all-gathers: every rank uses the inter-node
-            links, 1/L of the data each).
-        intra_bitwidth: width of the intra-node stage (``two_level``; ``leader`` with
-            ``local_quantize``). Intra-node links are fast, so 8 bits or 32 (full) is typical.
-        local_quantize: ``leader`` only: quantize the local stage at ``intra_bitwidth``.
-        chunk_size: elements per pipelined chunk (``None`` = one chunk). Smaller chunks overlap
-            the stages better but launch more, smaller collectives.
-        seed: base of the stochastic-rounding seeds.
-        simulate_quantization: compute exactly what the low-bit wire would give (every setting
-            above honoured) but send the dequantized values as float32: the accuracy of a
-            setting without its bandwidth saving, for validation.
-        backend_ops: which collectives the ``lowbit`` backend sends in low bit: any of
-            :data:`BACKEND_OPS`; the others are forwarded exactly. :class:`~bitscom.LowBitGroup`
-            and :class:`~bitscom.compressors.LowBit` ignore it (their methods say what they do).
+    """Settings of the low-bit collectives, one object for every face (``compressors.LowBit``,
+    ``LowBitGroup``, the ``lowbit`` backend, ``bitscom.init(bitwidth=...)``: each takes
+    ``config=`` or these names as keywords, :meth:`build`); every rank must use equal settings
+    (checked). Each setting: ``docs/lowbit.md``, "Settings". Trade-offs: fewer ``bitwidth`` bits,
+    fewer bytes and more error; ``stage2_bitwidth`` costs as many bytes as stage 1 on a ring but
+    its error is not averaged over ranks; small ``block_size`` tracks magnitudes better at 16 bits
+    of scale each; ``stochastic_rounding`` is unbiased at about twice RTN's variance; ``hadamard``
+    spreads outliers for two extra passes over memory; error feedback ``"residual"`` is unbiased
+    over time for one buffer, ``"ef21"`` keeps two and returns the estimate, not the raw average;
+    ``hierarchy="leader"`` has fewer inter-node flows, ``"two_level"`` has every rank carry 1/L
+    of them; smaller ``chunk_size`` overlaps stages better in more, smaller collectives;
+    ``simulate_quantization`` gives a setting's accuracy without its bandwidth saving.
 
     Example::
 
@@ -149,16 +100,14 @@ class LowBitConfig:
         if self.local_quantize and self.hierarchy != "leader":
             raise ValueError("local_quantize=True applies to hierarchy='leader' only, "
                              f"got hierarchy={self.hierarchy!r}")
-        if self.chunk_size is not None and (isinstance(self.chunk_size, bool)
-                                            or not isinstance(self.chunk_size, int)
-                                            or self.chunk_size < 1):
+        c = self.chunk_size
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             raise ValueError(f"chunk_size={self.chunk_size!r} must be None or an int >= 1")
         kernels.format.check_seed(self.seed)
         self._resolve_backend_ops()
 
     def _resolve_error_feedback(self) -> None:
-        """Store the canonical mode (aliases resolved, ``ef21`` + stage-2 feedback = ``ef21_plus``)
-        and the switches it implies."""
+        """Store the canonical mode (``ef21`` + stage-2 feedback = ``ef21_plus``) and its switches."""
         mode = self.error_feedback_mode
         if mode is None:
             mode = "residual" if self.error_feedback else "none"
@@ -166,14 +115,11 @@ class LowBitConfig:
         if self.error_feedback and mode == "none":
             raise ValueError("error_feedback=True contradicts error_feedback_mode='none'; pass one "
                              f"of them (error_feedback=True means 'residual'; modes: {EF_MODES})")
-        stage2_ef = self.stage2_error_feedback
-        if mode == "ef21_plus":
-            stage2_ef = True
-        elif mode == "ef21" and stage2_ef:
+        if mode == "ef21" and self.stage2_error_feedback:
             mode = "ef21_plus"          # the same algorithm under its one name
         object.__setattr__(self, "error_feedback_mode", mode)
         object.__setattr__(self, "error_feedback", mode != "none")
-        object.__setattr__(self, "stage2_error_feedback", stage2_ef)
+        object.__setattr__(self, "stage2_error_feedback", self.stage2_error_feedback or mode == "ef21_plus")
 
     def _resolve_backend_ops(self) -> None:
         ops = self.backend_ops
@@ -203,8 +149,7 @@ class LowBitConfig:
             name = ALIASES.get(key, key)
             if name not in names:
                 raise TypeError(f"unknown low-bit setting {key!r}{did_you_mean(key, list(names) + list(ALIASES))}; "
-                                f"the settings are {names} "
-                                f"(aliases: {ALIASES})")
+                                f"the settings are {names} (aliases: {ALIASES})")
             if name in values:
                 raise TypeError(f"setting {name!r} given twice (as {key!r} and by its other name)")
             values[name] = value
@@ -243,8 +188,8 @@ class LowBitConfig:
 
 
 def canonical_ef_mode(mode) -> str:
-    """The canonical name of an error-feedback mode (:data:`EF_MODES`), resolving
-    :data:`EF_MODE_ALIASES`; anything else is a ``ValueError`` listing the modes.
+    """The canonical name of an error-feedback mode (:data:`EF_MODE_ALIASES` resolved); anything
+    but :data:`EF_MODES` is a ``ValueError`` listing them.
 
     Example::
 
@@ -260,14 +205,12 @@ def canonical_ef_mode(mode) -> str:
 
 
 def canonical_fingerprint(text: str) -> str:
-    """A settings fingerprint (``repr`` of a :class:`LowBitConfig`, or text containing one) with
-    the seed's mode spelling replaced by the canonical one: what a checkpoint written before the
-    rename compares equal to.
+    """A settings fingerprint (text holding a :class:`LowBitConfig` ``repr``) with the seed's mode
+    spelling made canonical: what a checkpoint written before the rename compares equal to.
 
     Example::
 
-        canonical_fingerprint("LowBitConfig(..., error_feedback_mode='legacy', ...)")
-        # "LowBitConfig(..., error_feedback_mode='residual', ...)"
+        canonical_fingerprint("LowBitConfig(..., error_feedback_mode='legacy', ...)")   # ...='residual'...
     """
     for alias, name in EF_MODE_ALIASES.items():
         text = text.replace(f"error_feedback_mode={alias!r}", f"error_feedback_mode={name!r}")

@@ -1,31 +1,17 @@
-"""Error feedback: the one reusable piece every lossy compressor shares.
+"""Error feedback: the one residual every lossy compressor and the low-bit collectives share.
 
-Why: a biased compressor C (top-k, scaled sign, low-rank, low-bit) loses part of every
-gradient. Error feedback (Seide et al. 2014; Karimireddy et al. 2019; Stich et al. 2018)
-keeps what was lost in a residual ``e`` and adds it to the next gradient, so nothing is lost
-for good, only delayed; with it biased compressors converge like SGD.
+Why: a biased compressor C loses part of every gradient; error feedback (Seide et al. 2014;
+Karimireddy et al. 2019) keeps it in a residual ``e`` for the next step, so it is only delayed
+and biased compressors converge like SGD. Per bucket and step:
 
-The algorithm, per bucket and step:
+1. ``x = g + e``        (:meth:`ErrorFeedback.compensate`; the residual buffer *is* ``x``, so
+                         a compressor must not modify it in place)
+2. send ``C(x)``        (the compressor's business)
+3. ``e = x − D(C(x))``  (:meth:`~ErrorFeedback.update` dense, :meth:`~ErrorFeedback.update_sparse`
+                         for values at indices)
 
-1. ``x = g + e``                      (:meth:`ErrorFeedback.compensate`)
-2. send ``C(x)``                      (the compressor's business)
-3. ``e = x − D(C(x))``                (:meth:`ErrorFeedback.update` for a dense decoded
-                                       tensor, :meth:`ErrorFeedback.update_sparse` for
-                                       values at indices)
-
-The invariant tests check is step 3 read backwards: ``g + e_old = D(C(x)) + e_new`` to float
-precision. The residual lives in fp32 whatever the gradient dtype, so fp16/bf16 gradients do
-not lose their small leftovers to rounding.
-
-The residual buffer *is* ``x`` between steps 1 and 3 (no extra allocation): a compressor
-must not modify the tensor :meth:`compensate` returns in place. The object is a
-:class:`~bitscom.compressors.base.State`, so it checkpoints on its own or inside a
-compressor's state (see :meth:`state_dict`). It sits below the compressors and the low-bit
-collectives (it imports only bitscom.scratch, which imports nothing), so both use this one implementation; it is
-re-exported as ``bitscom.compressors.ErrorFeedback``.
-
-EF21 (each worker keeps ``g_i`` and sends ``C(∇f_i − g_i)``) is a different algorithm and is
-not what this class does.
+The residual is fp32 whatever the gradient dtype, so fp16/bf16 gradients keep their small
+leftovers. EF21 (sending ``C(∇f_i − g_i)``) is a different algorithm, not this class.
 """
 
 from __future__ import annotations
@@ -42,13 +28,9 @@ _EF = TypeVar("_EF", bound="ErrorFeedback")
 
 
 class ErrorFeedback:
-    """The residual ``e`` of one flat buffer (one bucket, or one tensor of it).
-
-    Args:
-        numel: elements of the buffer the residual shadows.
-        device: where the residual lives (the gradient's device).
-        enabled: ``False`` makes :meth:`compensate` return the gradient itself and the
-            updates no-ops, so a compressor can be written once for both settings.
+    """The residual ``e`` of one flat buffer of ``numel`` elements on ``device`` (one bucket, or
+    one tensor of it). ``enabled=False`` makes :meth:`compensate` return the gradient and the
+    updates no-ops, so a compressor is written once for both settings.
 
     Example::
 
@@ -66,36 +48,19 @@ class ErrorFeedback:
 
     @classmethod
     def for_layout(cls: type[_EF], layout, enabled: bool = True) -> _EF:
-        """A zero residual shaped like ``layout``'s flat buffer.
-
-        Example::
-
-            state = ErrorFeedback.for_layout(layout, enabled=self.error_feedback)
-        """
+        """A zero residual shaped like ``layout``'s flat buffer."""
         return cls(layout.numel, layout.device, enabled)
 
     @classmethod
     def lazy(cls: type[_EF]) -> _EF:
-        """An enabled residual whose buffer is made (zeros) by the first :meth:`compensate`:
-        for callers that learn the size and device only with the first tensor.
-
-        Example::
-
-            ef = ErrorFeedback.lazy(); x = ef.compensate(flat)
-        """
+        """An enabled residual whose buffer the first :meth:`compensate` makes (zeros)."""
         ef = cls(0, enabled=True)
         ef.residual = None
         return ef
 
     @classmethod
     def over(cls: type[_EF], residual: torch.Tensor) -> _EF:
-        """Error feedback whose residual *is* ``residual`` (e.g. one chunk's view of a larger
-        residual), so several chunks can each run the algorithm on their part.
-
-        Example::
-
-            chunk_ef = ErrorFeedback.over(state.residual.ensure(n, dev)[s:t])
-        """
+        """Error feedback whose residual *is* ``residual`` (e.g. one chunk's view of a larger one)."""
         ef = cls(0, enabled=True)
         ef.residual = residual
         return ef
@@ -112,10 +77,7 @@ class ErrorFeedback:
         return r
 
     def compensate(self, grad: torch.Tensor) -> torch.Tensor:
-        """Return ``x = grad + e`` in fp32 (the residual buffer itself when enabled).
-
-        Disabled: ``grad`` as fp32 (no copy if it already is fp32).
-        """
+        """``x = grad + e`` in fp32 (the residual buffer itself); disabled: ``grad`` as fp32."""
         if not self.enabled:
             return grad if grad.dtype == torch.float32 else grad.float()
         if self.residual is None:
@@ -131,23 +93,17 @@ class ErrorFeedback:
             self._compensated("update").sub_(decoded.reshape(-1))
 
     def drop_nonfinite(self) -> None:
-        """Zero the residual entries that are NaN/Inf: a step AMP skips for overflow must not
-        poison every later step (the low-bit collectives' policy; others :meth:`reset`)."""
+        """Zero the NaN/Inf entries: a step AMP skips must not poison every later step."""
         if self.enabled and self.residual is not None:
             torch.nan_to_num_(self.residual, nan=0.0, posinf=0.0, neginf=0.0)
 
     def update_sparse(self, indices: torch.Tensor, values: torch.Tensor) -> None:
-        """``e = x − D(C(x))`` for ``D(C(x))`` that is ``values`` at ``indices``, zero elsewhere.
-
-        Indices must be unique (top-k's are). Entries sent at full fp32 precision end exactly 0.
-        """
+        """``e = x − D(C(x))`` for ``D(C(x))`` = ``values`` at the unique ``indices``, 0 elsewhere."""
         if self.enabled:
             residual = self._compensated("update_sparse")
             residual.index_put_((indices,), residual[indices] - values)
 
     def _compensated(self, what: str) -> torch.Tensor:
-        """The residual an enabled update works on: :meth:`compensate` made it (a RuntimeError
-        naming ``what`` if a lazy residual was updated before any compensate)."""
         if self.residual is None:
             raise RuntimeError(f"error feedback: {what}() before compensate(): this lazy residual has no "
                                "buffer yet")
@@ -179,8 +135,7 @@ class ErrorFeedback:
 
 class SteppedErrorFeedback(ErrorFeedback):
     """:class:`ErrorFeedback` plus the bucket's step count, for compressors with a warm-up
-    (``start_iter`` plain all-reduce steps before compressing). The count checkpoints with the
-    residual, so a resumed run neither repeats nor skips its warm-up.
+    (``start_iter``): it checkpoints with the residual, so a resume neither repeats nor skips it.
 
     Example::
 

@@ -1,51 +1,8 @@
 """The low-bit wire format: blockwise quantization, bit packing, stochastic rounding.
 
-The row layout the collectives send is :class:`~bitscom.lowbit.codec.Codec`, their
-stochastic-rounding seeds :mod:`bitscom.lowbit.seeds`, the Hadamard transform
-:mod:`bitscom.lowbit.hadamard`. The specification is ``docs/format.md``; this docstring
-summarizes it.
-
-Format
-------
-A tensor is flattened (row-major) and cut into blocks of ``block_size`` elements (a power of two,
-32..65536, default 128); the last block is zero-padded. Each block stores one scale ``s`` and
-``block_size`` codes of ``bits`` bits.
-
-Codes, for ``b`` in ``SUPPORTED_BITS = (1, 2, 4, 8, 12, 16)``:
-
-* ``b >= 2``: symmetric signed levels ``q`` in ``[-qmax, qmax]``, ``qmax = 2**(b-1) - 1``, stored as
-  the unsigned code ``u = q + qmax`` in ``[0, 2**b - 2]`` (code ``2**b - 1`` is never written);
-  value = ``q * s``, ``s = max|x| / qmax`` of the block. 2 bits is ternary {-s, 0, s}; 16 bits
-  has 65535 levels.
-* ``b == 1``: scaled sign, code 1 = negative: value = ``(1 - 2u) * s`` with ``s`` = mean ``|x|``
-  of the block (the L2-optimal scale for signs), so the sign always survives (0 maps to +s).
-  With stochastic rounding, 1 bit uses ``s = max|x|`` and P(negative) = ``(1 - x/s) / 2``, which
-  is unbiased.
-
-Bit order: codes form a little-endian bit stream; code ``i`` occupies stream bits
-``[i*b, (i+1)*b)`` and stream bit ``k`` is bit ``k % 8`` (LSB = 0) of byte ``k // 8``. So at
-4 bits element 0 is the low nibble of byte 0; at 12 bits elements 0, 1 fill bytes 0..2 as
-``b0 = u0 & 0xff, b1 = (u0 >> 8) | (u1 & 0xf) << 4, b2 = u1 >> 4``; at 16 bits each code is a
-little-endian uint16.
-
-Scales are bfloat16, rounded *up* from the float32 ``max|x|/qmax``: bfloat16 has float32's
-exponent range, so block magnitudes from 1e-38 to 3e38 neither underflow nor overflow (fp16
-underflows below 6e-8 — a 1e-12 gradient at 4 bits needs a scale of 1.4e-13 — and overflows at
-65504), in 2 bytes instead of fp32's 4. Codes are computed against the stored scale, and rounding
-up guarantees ``|x| / s <= qmax``, so nothing clips. A block of zeros gets ``s = 0`` and decodes to
-zeros; a block containing NaN or ±Inf gets ``s = NaN`` and decodes to NaN everywhere, so AMP's
-GradScaler sees the overflow instead of finite garbage.
-
-Rounding: round-to-nearest-even (error <= s/2) or stochastic rounding, ``q = floor(y) + [r < frac(y)]``
-with ``y = x / s`` and ``r`` 24 uniform bits from a counter hash of (seed, element index)
-(MurmurHash3 finalizer, see ``kernels.format.seed_keys``): unbiased to 2**-24 of a step, the same
-bytes for the same seed on every run and device, and the global RNG is never touched.
-
-Wire cost: ``wire_bytes(numel, bits, block_size) = nblocks * (block_size * bits / 8 + 2)``, i.e.
-``bits + 16 / block_size`` bits per element (4-bit, 128-blocks: 4.125).
-
-Optional Hadamard smoothing (SDP4Bit): an orthonormal Walsh–Hadamard transform over each run of
-32 elements before quantization spreads outliers across the block; ``dequantize`` inverts it.
+The specification (codes, bit order, bfloat16 scales rounded up, NaN blocks, the counter-hash
+rounding, wire cost) is ``docs/format.md``; rows of the collectives are
+:class:`~bitscom.lowbit.codec.Codec`, their seeds :mod:`bitscom.lowbit.seeds`.
 """
 from __future__ import annotations
 
@@ -57,7 +14,7 @@ from .. import kernels
 from ..kernels import format as fmt
 from ..kernels import torch_ref
 from ..kernels.format import SUPPORTED_BITS, HADAMARD_BLOCK, wire_bytes, bits_per_element
-from .hadamard import hadamard as _hadamard
+from .hadamard import check_float_tensor, hadamard as _hadamard
 
 __all__ = ["SUPPORTED_BITS", "FULL_PRECISION", "HADAMARD_BLOCK", "Quantized", "quantize", "dequantize",
            "quantize_tensor", "dequantize_tensor", "pack", "unpack", "pack_signs", "unpack_signs",
@@ -69,11 +26,8 @@ FULL_PRECISION = 32
 
 @dataclasses.dataclass(frozen=True)
 class Quantized:
-    """A quantized tensor: what goes on the wire plus the metadata to rebuild it.
-
-    ``payload``: uint8 [nblocks * block_size * bits / 8]; ``scales``: bfloat16 [nblocks];
-    ``nbytes``: the exact wire bytes (payload + scales), equal to ``wire_bytes(numel, bits, block_size)``.
-    """
+    """A quantized tensor: the wire bytes (uint8 ``payload``, bfloat16 ``scales``; ``nbytes`` =
+    :func:`wire_bytes`) plus the metadata to rebuild it."""
     payload: torch.Tensor
     scales: torch.Tensor
     numel: int
@@ -95,35 +49,19 @@ class Quantized:
         return dequantize(self, out=out)
 
 
-def _check_float_tensor(tensor, name="tensor"):
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.layout != torch.strided:
-        raise TypeError(f"{name} must be dense (strided), got layout {tensor.layout}")
-    if not tensor.dtype.is_floating_point:
-        raise TypeError(f"{name} has dtype {tensor.dtype}; allowed: floating dtypes (float32, float16, "
-                        f"bfloat16, float64)")
-
-
 def quantize(tensor, bits, block_size=128, stochastic_rounding=False, seed=0, hadamard=False) -> Quantized:
     """Quantize a floating tensor of any shape to ``bits`` per element with one scale per block.
 
-    Args:
-        bits: code width, one of ``SUPPORTED_BITS``; fewer bits = fewer bytes, more error.
-        block_size: elements per scale (power of two, 32..65536); smaller blocks track local
-            magnitude better but pay 16 bits per block.
-        stochastic_rounding: unbiased rounding (what error-free averaging over ranks needs)
-            at about twice the RTN variance.
-        seed: keys the counter hash; same seed -> same bytes. Vary it per step and bucket.
-        hadamard: rotate each 32-element run first (smooths outliers; SDP4Bit).
+    Fewer ``bits`` = fewer bytes, more error; smaller ``block_size`` (power of two, 32..65536)
+    tracks local magnitude better but pays 16 bits per block; ``stochastic_rounding`` is unbiased
+    at about twice the RTN variance; the same ``seed`` gives the same bytes (vary it per step and
+    bucket); ``hadamard`` rotates each 32-element run first (smooths outliers; SDP4Bit).
 
     Example::
 
-        >>> q = quantize(torch.randn(3, 100), 4)
-        >>> q.nbytes, dequantize(q).shape
-        (198, torch.Size([3, 100]))
+        quantize(torch.randn(3, 100), 4).nbytes   # 198: 3 blocks of 64 bytes + 3 bf16 scales
     """
-    _check_float_tensor(tensor)
+    check_float_tensor(tensor, "tensor")
     fmt.check_bits(bits)
     fmt.check_block_size(block_size)
     fmt.check_seed(seed)
@@ -141,14 +79,9 @@ def quantize_tensor(tensor, bitwidth, *, block_size=128, stochastic_rounding=Fal
                     hadamard=False) -> Quantized:
     """The seed's name for :func:`quantize` (``bitwidth`` = ``bits``): the same bytes.
 
-    Unlike the seed's per-tensor ``(codes, scale)`` pair it returns a :class:`Quantized`
-    (blockwise scales, packed payload); :func:`dequantize_tensor` inverts it.
-
     Example::
 
-        >>> q = quantize_tensor(torch.randn(1000), 4, stochastic_rounding=True)
-        >>> dequantize_tensor(q).shape
-        torch.Size([1000])
+        dequantize_tensor(quantize_tensor(torch.randn(1000), 4, stochastic_rounding=True))
     """
     return quantize(tensor, bitwidth, block_size, stochastic_rounding=stochastic_rounding, seed=seed,
                     hadamard=hadamard)
@@ -159,8 +92,7 @@ def dequantize_tensor(q: Quantized, out=None) -> torch.Tensor:
 
     Example::
 
-        >>> dequantize_tensor(quantize_tensor(torch.ones(8), 8)).tolist() == [1.0] * 8
-        True
+        dequantize_tensor(quantize_tensor(torch.ones(8), 8))   # eight 1.0
     """
     return dequantize(q, out=out)
 
@@ -170,19 +102,15 @@ def dequantize(q: Quantized, out=None) -> torch.Tensor:
 
     Example::
 
-        >>> x = torch.randn(10, dtype=torch.bfloat16)
-        >>> dequantize(quantize(x, 16)).dtype
-        torch.bfloat16
+        dequantize(quantize(torch.randn(10, dtype=torch.bfloat16), 16)).dtype   # torch.bfloat16
     """
     if not isinstance(q, Quantized):
         raise TypeError(f"q must be a Quantized, got {type(q).__name__}")
     n = q.numel
+    padded = fmt.num_blocks(n, q.block_size) * q.block_size if q.hadamard else n
+    v = kernels.unpack_dequantize(q.payload, q.scales, padded, q.bits, q.block_size)
     if q.hadamard:
-        padded = fmt.num_blocks(n, q.block_size) * q.block_size
-        v = kernels.unpack_dequantize(q.payload, q.scales, padded, q.bits, q.block_size)
         v = _hadamard(v, HADAMARD_BLOCK)[:n]   # its own inverse
-    else:
-        v = kernels.unpack_dequantize(q.payload, q.scales, n, q.bits, q.block_size)
     if out is None:
         return v.view(q.shape).to(q.dtype)
     if not isinstance(out, torch.Tensor) or out.numel() != n:
@@ -196,8 +124,7 @@ def pack(codes, bits) -> torch.Tensor:
 
     Example::
 
-        >>> pack(torch.tensor([1, 2, 3]), 4)
-        tensor([33,  3], dtype=torch.uint8)
+        pack(torch.tensor([1, 2, 3]), 4)   # tensor([33, 3], dtype=torch.uint8): 0x21, 0x03
     """
     fmt.check_bits(bits)
     if not isinstance(codes, torch.Tensor) or codes.dtype.is_floating_point or codes.dtype.is_complex \
@@ -215,8 +142,7 @@ def unpack(payload, bits, count) -> torch.Tensor:
 
     Example::
 
-        >>> unpack(torch.tensor([33, 3], dtype=torch.uint8), 4, 3)
-        tensor([1, 2, 3], dtype=torch.int32)
+        unpack(torch.tensor([33, 3], dtype=torch.uint8), 4, 3)   # tensor([1, 2, 3], dtype=torch.int32)
     """
     fmt.check_bits(bits)
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
@@ -236,8 +162,7 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 
     Example::
 
-        >>> pack_signs(torch.tensor([-1., 2., 3., 4., 5., 6., 7., -8.]))
-        tensor([129], dtype=torch.uint8)
+        pack_signs(torch.tensor([-1., 2., 3., 4., 5., 6., 7., -8.]))   # tensor([129], dtype=torch.uint8)
     """
     return torch_ref.pack_codes(x.reshape(-1).lt(0), 1)
 
@@ -247,8 +172,7 @@ def unpack_signs(packed: torch.Tensor, numel: int, dtype=torch.float32) -> torch
 
     Example::
 
-        >>> unpack_signs(torch.tensor([129], dtype=torch.uint8), 8).tolist()
-        [-1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, -1.0]
+        unpack_signs(torch.tensor([129], dtype=torch.uint8), 8)   # -1, six +1, -1
     """
     codes = torch_ref.unpack_codes(packed, 1, numel)
     return 1 - 2 * codes.to(dtype)

@@ -1,18 +1,7 @@
-"""The one Hadamard transform of bitscom (SDP4Bit's smoothing), with two back ends.
-
-An orthonormal fast Walsh–Hadamard transform of every consecutive run of ``block`` elements
-(natural / Sylvester order). It is symmetric and its own inverse. Rotating a gradient before
+"""The one Hadamard transform of bitscom (SDP4Bit's smoothing): rotating a gradient before
 blockwise quantization spreads an outlier over its run, so a block's scale fits its typical
-value; sums are taken in the rotated domain and the inverse is applied once at the end.
-
-Two back ends compute the same transform:
-
-* ``"butterfly"`` (default): log2(block) passes of elementwise adds. It gives the same bits on
-  CPU and GPU, so it is what the low-bit collectives use (their replicas compare bytes).
-* ``"gemm"``: one matrix product ``x.view(-1, block) @ H``. Measured about 10x faster on one CPU
-  thread (1M float32: 12.9 ms butterfly, 1.2 ms GEMM; ``docs/lowbit.md``); its last bits depend
-  on the BLAS, which is fine where only one rank rotates a tensor and the others receive bytes
-  (the sharded optimizer's gradient reduce-scatter).
+value. Two back ends, ``"butterfly"`` (the same bits on CPU and GPU) and ``"gemm"`` (faster,
+BLAS-dependent last bits): which serves what, and timings, in ``docs/lowbit.md``.
 """
 
 from __future__ import annotations
@@ -30,14 +19,19 @@ HADAMARD_BACKENDS = ("butterfly", "gemm")
 """The ways :func:`hadamard` can compute the transform (same values, see the module docstring)."""
 
 
-def _check(x, block, backend) -> None:
+def check_float_tensor(x, name: str) -> None:
+    """A TypeError unless ``x`` is a dense floating tensor (naming it ``name``)."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.layout != torch.strided:
-        raise TypeError(f"x must be dense (strided), got layout {x.layout}")
+        raise TypeError(f"{name} must be dense (strided), got layout {x.layout}")
     if not x.dtype.is_floating_point:
-        raise TypeError(f"x has dtype {x.dtype}; allowed: floating dtypes (float32, float16, "
+        raise TypeError(f"{name} has dtype {x.dtype}; allowed: floating dtypes (float32, float16, "
                         "bfloat16, float64)")
+
+
+def _check(x, block, backend) -> None:
+    check_float_tensor(x, "x")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block & (block - 1):
         raise ValueError(f"block={block!r} must be a power of two (e.g. 32)")
     if x.numel() % block:
@@ -78,25 +72,18 @@ def _butterfly(v: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def hadamard(x: torch.Tensor, block: int = HADAMARD_BLOCK, *, backend: str = "butterfly") -> torch.Tensor:
-    """Orthonormal Walsh–Hadamard transform of each consecutive run of ``block`` elements of ``x``.
-
-    ``x.numel()`` must be a multiple of ``block`` (a power of two); shape and dtype are kept
-    (computed in float32 for 16-bit inputs, float64 for float64). Returns a new tensor.
-    ``backend`` picks the computation (:data:`HADAMARD_BACKENDS`; see the module docstring).
+    """Orthonormal Walsh–Hadamard transform of each run of ``block`` (a power of two dividing
+    ``x.numel()``) elements of ``x``: a new tensor of ``x``'s shape and dtype (computed in float32,
+    float64 for float64); ``backend`` is one of :data:`HADAMARD_BACKENDS`.
 
     Example::
 
-        >>> x = torch.randn(64)
-        >>> torch.allclose(inverse_hadamard(hadamard(x)), x, atol=1e-6)
-        True
+        y = hadamard(torch.randn(64))          # two runs of 32, each rotated
     """
     _check(x, block, backend)
     dt = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     v = x.reshape(-1, block).to(dt)
-    if backend == "gemm":
-        v = v @ hadamard_matrix(block, dt, x.device)
-    else:
-        v = _butterfly(v, block)
+    v = v @ hadamard_matrix(block, dt, x.device) if backend == "gemm" else _butterfly(v, block)
     return v.reshape(x.shape).to(x.dtype)
 
 
@@ -105,8 +92,6 @@ def inverse_hadamard(x: torch.Tensor, block: int = HADAMARD_BLOCK, *, backend: s
 
     Example::
 
-        >>> x = torch.randn(32)
-        >>> torch.allclose(hadamard(inverse_hadamard(x)), x, atol=1e-6)
-        True
+        x = inverse_hadamard(hadamard(x))      # x again, to float rounding
     """
     return hadamard(x, block, backend=backend)

@@ -1,36 +1,12 @@
 """Level-wise low-bit reduce-scatter (SDP4Bit's two-level gradient quantization, TLq / TLq-HS).
 
-The ranks form a grid of *levels*, each a group in which this rank has one coordinate: for
-SDP4Bit the intra-node group (``L`` ranks, fast links) and the inter-node group (``M`` ranks,
-one per node, slow links). A flat buffer holds ``world = L * M`` shards of ``S`` elements each;
-every rank ends with one shard reduced over all ranks, and sends each level only its share:
-
-1. (optional, TLq-HS) rotate the whole buffer by the orthonormal Hadamard transform over
-   32-element runs (:mod:`bitscom.lowbit.hadamard`); everything below happens rotated;
-2. per level, in order: this rank's data is split by the level's coordinate into one row per
-   peer (row ``p`` = every remaining shard owned by peer ``p``'s column), each row is quantized
-   with the level's :class:`~bitscom.lowbit.codec.Codec`, one all-to-all exchanges them, and the
-   ``P`` received rows are decoded and summed in float32, in peer order. SDP4Bit: intra-node at
-   ``bits_intra`` (8), then inter-node at ``bits_inter`` (4);
-3. the inverse Hadamard on the reduced shard, scale by ``alpha`` (``1/world`` to average).
-
-A level of one rank is skipped (nothing is quantized, nothing sent; it still takes one round,
-yielding ``None``, so every chunk takes exactly one round per level). ``chunks`` cuts every
-shard into pipeline chunks, each its own round generator: a driver issues chunk ``k+1``'s first
-level while chunk ``k``'s second is in flight.
-
-Shard order. Which shard a rank owns is its level coordinates read as a mixed-radix number;
-``order`` lists the levels from the most significant digit down. The default (last level most
-significant) makes shard ``r`` that of group rank ``r = node * L + local`` for levels
-``[intra, inter]``: the ZeRO / Megatron layout the sharded optimizer uses.
-
-Seeds: every rank, level and chunk has its own stochastic-rounding stream,
-``mix_seed(*seed_parts, chunk, level + 1)`` (:func:`~bitscom.lowbit.seeds.mix_seed`); a level's
-rows share it (each row is keyed from element 0): the rows go to different peers, and what a
-peer sums always comes from different ranks, hence different seeds.
-
-Collectives go through the levels' :class:`bitscom.comm.Comm` objects, which count the bytes;
-:func:`levelwise_wire_bytes` is the same count, analytically.
+The ranks form a grid of *levels* (SDP4Bit: intra-node, then inter-node); each level is one
+quantized all-to-all and a float32 sum in peer order (the algorithm: ``docs/sharded.md``, "TLq").
+A level of one rank sends nothing but still takes its round (yielding ``None``). A rank owns
+the shard numbered by its level coordinates read as a mixed-radix number, ``order`` listing the
+levels from the most significant digit (default: the last, giving ``node * L + local``, the ZeRO
+layout). Seeds: ``mix_seed(*seed_parts, chunk, level + 1)``, shared by a level's rows, as what
+a peer sums always comes from different ranks.
 """
 
 from __future__ import annotations
@@ -52,8 +28,7 @@ __all__ = ["levelwise_chunks", "levelwise_reduce_scatter_rounds", "levelwise_wir
 
 
 def default_order(levels: int) -> Tuple[int, ...]:
-    """The shard order where the last level is the most significant digit (see the module
-    docstring): ``(levels - 1, ..., 0)``.
+    """The shard order where the last level is the most significant digit: ``(levels - 1, ..., 0)``.
 
     Example::
 
@@ -63,7 +38,6 @@ def default_order(levels: int) -> Tuple[int, ...]:
 
 
 def _check_levels(levels) -> None:
-    """At least one level, each a (comm, Codec) pair."""
     if not levels:
         raise ValueError("levels must list at least one (comm, codec) pair")
     for _, codec in levels:
@@ -121,32 +95,22 @@ def levelwise_chunks(flat: torch.Tensor, out: torch.Tensor, levels: Sequence[Tup
                      chunks: int = 1, order: Optional[Sequence[int]] = None, hadamard: bool = False,
                      hadamard_backend: str = "gemm", alpha: float = 1.0,
                      seed_parts: Sequence[int] = ()) -> List[Iterator]:
-    """One round generator per pipeline chunk of a level-wise reduce-scatter of ``flat`` into
-    ``out`` (this rank's shard); each yields exactly once per level (see the module docstring).
-
-    ``levels``: ``[(comm, codec), ...]`` in the order the rounds run (SDP4Bit: intra, inter).
-    ``flat`` holds ``prod(sizes)`` shards of ``out.numel()`` elements, shard ``i`` at
-    ``flat[i*S:(i+1)*S]``; it is converted to float32 (and rotated) once, here, so the
-    generators no longer read it. Drive the generators with :class:`bitscom.comm.Rounds`; per
-    level, issue chunk ``k``'s round only after every earlier chunk's (every rank must issue
-    the same collectives in the same order on each group), or let
-    :func:`levelwise_reduce_scatter_rounds` pipeline them.
+    """One round generator per pipeline chunk of a level-wise reduce-scatter of ``flat`` (all
+    shards; read here, converted to float32 and rotated once) into ``out`` (this rank's shard),
+    each yielding once per level of ``levels``, ``[(comm, codec), ...]`` in round order. Per level,
+    issue chunk ``k``'s round only after every earlier chunk's, or use
+    :func:`levelwise_reduce_scatter_rounds`.
 
     Example::
 
-        intra, inter = Comm(intra_group), Comm(inter_group)
-        gens = levelwise_chunks(bucket, shard, [(intra, Codec(8, 512, True)),
-                                                (inter, Codec(4, 128, True))],
+        gens = levelwise_chunks(bucket, shard, [(intra, Codec(8, 512, True)), (inter, Codec(4, 128, True))],
                                 chunks=2, alpha=1 / world, seed_parts=(seed, step, rank, bucket_id))
-        for r in [Rounds(g, [intra, inter]).start() for g in gens]: r.wait()
     """
     order = default_order(len(levels)) if order is None else tuple(order)
     _check(flat, out, levels, chunks, order, hadamard, hadamard_backend)
     S = out.numel()
     world = math.prod(comm.size for comm, _ in levels)
-    x = flat.reshape(-1)
-    if x.dtype != torch.float32:
-        x = x.to(torch.float32)
+    x = flat.reshape(-1).to(torch.float32)
     if hadamard:
         x = _hadamard(x, backend=hadamard_backend)
     x = x.view(world, S)
@@ -159,9 +123,8 @@ def levelwise_chunks(flat: torch.Tensor, out: torch.Tensor, levels: Sequence[Tup
 
 def levelwise_reduce_scatter_rounds(flat: torch.Tensor, out: torch.Tensor,
                                     levels: Sequence[Tuple[Comm, Codec]], **settings) -> Iterator:
-    """Round generator: the level-wise reduce-scatter of ``flat`` into ``out``, its chunks run in
-    lockstep by :func:`~bitscom.lowbit.rounds.pipeline` (chunk ``k+1``'s first level with chunk
-    ``k``'s second). ``settings`` are :func:`levelwise_chunks`'.
+    """Round generator: the level-wise reduce-scatter of ``flat`` into ``out``, its chunks
+    pipelined in lockstep; ``settings`` are :func:`levelwise_chunks`'.
 
     Example::
 
@@ -171,18 +134,14 @@ def levelwise_reduce_scatter_rounds(flat: torch.Tensor, out: torch.Tensor,
 
 
 def levelwise_wire_bytes(shard_numel: int, levels: Sequence[Tuple[int, Codec]], chunks: int = 1) -> int:
-    """Bytes one rank hands to the network for a level-wise reduce-scatter with shards of
-    ``shard_numel`` elements: per chunk and level of ``P > 1`` ranks, the all-to-all's whole send
-    buffer (``P`` rows of the level's codec). ``levels`` are ``(size, codec)`` pairs.
+    """Bytes one rank sends in a level-wise reduce-scatter with shards of ``shard_numel``
+    elements (per chunk and level of ``P > 1`` ranks, the all-to-all's ``P`` rows);
+    ``levels`` are ``(size, codec)`` pairs.
 
     Example::
 
         levelwise_wire_bytes(4096, [(2, Codec(8, 512, True)), (2, Codec(4, 128, True))])
     """
     C = shard_numel // chunks
-    total = 0
-    for j, (size, codec) in enumerate(levels):
-        if size > 1:
-            rest = math.prod(s for s, _ in levels[j + 1:])
-            total += size * codec.row_bytes(rest * C)
-    return chunks * total
+    return chunks * sum(size * codec.row_bytes(math.prod(s for s, _ in levels[j + 1:]) * C)
+                        for j, (size, codec) in enumerate(levels) if size > 1)

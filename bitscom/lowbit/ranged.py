@@ -1,25 +1,9 @@
 """The flat two-stage low-bit all-reduce, one block-aligned range at a time (:func:`range_rounds`).
 
-Why. :func:`~bitscom.lowbit.all_reduce_rounds` reduces a whole tensor at once, so it can start
-only when all of it is known. An optimizer that fills its flat buffer during backward (1-bit
-Adam's momentum, bucket by bucket) wants to send each part as soon as it is ready, *and* to get
-the very bits the whole-tensor call gives (same quantization blocks, same shard owner summing
-the same rows in the same order, same seeds, same residual slices, so a checkpoint of either
-resumes in the other). Every step of the whole-tensor algorithm is local to one ``block_size``
-block once the layout is fixed (pad to ``N = P * m``, shard ``j = [j*m, (j+1)*m)`` owned by
-rank ``j``), so a range of whole blocks inside one shard can run alone:
-
-1. every rank adds its worker residual to its elements of the range, quantizes them (the
-   global element index keys the seed) and sends the bytes to the owner (``all_to_all_v``
-   with one non-empty split);
-2. the owner decodes the P rows, sums them in rank order, scales by ``1/P``, requantizes with
-   its server residual (its slice of the shard's) and broadcasts the bytes;
-3. every rank decodes the broadcast into the range.
-
-The bytes counted are the whole-tensor call's, summed over the ranges (the all-to-all's
-input is this rank's part; the broadcast counts on the owner only, as an all-gather counts one
-row per rank). Flat hierarchy, error-feedback mode ``"residual"`` or ``"none"``, no Hadamard:
-what 1-bit Adam uses (:func:`check_ranged` says so otherwise).
+Why: 1-bit Adam sends each part of its flat momentum as soon as backward fills it, yet must
+get the very bits of :func:`~bitscom.lowbit.all_reduce_rounds` (``docs/onebit.md``). Every step
+of that algorithm is local to one block, so a range of whole blocks inside one owner's shard
+runs alone, its bytes summing to the whole-tensor call's.
 """
 
 from __future__ import annotations
@@ -65,11 +49,10 @@ def owner_ranges(numel: int, world: int, block_size: int, max_elements: int) -> 
 
 def range_rounds(flat: torch.Tensor, start: int, stop: int, owner: int, comm, cfg: LowBitConfig,
                  state: LowBitState, step: int) -> Iterator:
-    """Round generator: replace ``flat[start:stop]`` (padding beyond ``flat`` ignored) by the
-    low-bit average over ranks, bitwise what ``all_reduce_rounds(flat, comm, cfg, state)`` gives
-    there. ``(start, stop, owner)`` is one of :func:`owner_ranges`; ``step`` is the
-    whole-tensor call's ``state.step`` (the caller advances it once per all-reduce; call
-    ``state.bind(flat.numel())`` once too).
+    """Round generator: replace ``flat[start:stop]`` by the low-bit average over ranks, bitwise
+    what ``all_reduce_rounds(flat, comm, cfg, state)`` gives there. ``(start, stop, owner)`` is
+    one of :func:`owner_ranges`; ``step`` is the whole-tensor call's ``state.step`` (the caller
+    advances it and calls ``state.bind(flat.numel())`` once per all-reduce).
 
     Example::
 
@@ -87,13 +70,9 @@ def range_rounds(flat: torch.Tensor, start: int, stop: int, owner: int, comm, cf
     x = torch.zeros(length, dtype=torch.float32, device=dev)
     if hi > start:
         x[:hi - start].copy_(flat[start:hi])
-    if cfg.residual:
-        x = state.residual.ensure(N, dev)[start:stop].add_(x)     # x + e, in the residual
     send = torch.empty(r1, dtype=torch.uint8, device=dev)
-    c1.encode(x, send, stage_seed(cfg.seed, kid, step, rank, 0), start)
-    if cfg.residual:                                               # e = x + e - D(C(x + e))
-        x.sub_(c1.decode(send, length))
-        torch.nan_to_num_(x, nan=0.0, posinf=0.0, neginf=0.0)
+    ef = ErrorFeedback.over(state.residual.ensure(N, dev)[start:stop]) if cfg.residual else None
+    encode_with_feedback(x, c1, send, stage_seed(cfg.seed, kid, step, rank, 0), start, ef)
     mine = comm.rank == owner
     recv = torch.empty(P * r1 if mine else 0, dtype=torch.uint8, device=dev)
     yield comm.all_to_all_v(recv, send, [r1 if mine else 0] * P, [r1 if j == owner else 0 for j in range(P)])
@@ -102,10 +81,8 @@ def range_rounds(flat: torch.Tensor, start: int, stop: int, owner: int, comm, cf
         shard = torch.empty(length, dtype=torch.float32, device=dev)
         c1.decode_sum(recv.view(P, r1), length, shard)
         shard.mul_(1.0 / P)
-        ef = None
-        if cfg.stage2_error_feedback:
-            e2 = state.stage2_residual.ensure(m, dev)
-            ef = ErrorFeedback.over(e2[start - owner * m:stop - owner * m])
+        e2 = state.stage2_residual.ensure(m, dev) if cfg.stage2_error_feedback else None
+        ef = None if e2 is None else ErrorFeedback.over(e2[start - owner * m:stop - owner * m])
         encode_with_feedback(shard, c2, row, stage_seed(cfg.seed, kid, step, rank, 1), start, ef)
     yield comm.broadcast(row, owner)
     if hi > start:

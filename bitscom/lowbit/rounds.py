@@ -1,18 +1,11 @@
-"""Building blocks of the low-bit round generators, shared by :mod:`.all_reduce`,
-:mod:`.scatter_gather` and :mod:`.levelwise`.
-
-A *round generator* issues asynchronous collectives through :class:`bitscom.comm.Comm`
-objects, yields their work handle(s) and continues once they completed (driven by
-:class:`bitscom.comm.Rounds`). The pieces here: one all-to-all stage (:func:`scatter`,
-:func:`scatter_reduce`), the reduce-then-gather ladder over levels of groups
-(:func:`levels_rounds`, :func:`leader_rounds`), lockstep pipelining of chunks
-(:func:`pipeline`) and padding. The cross-rank check of each call is :mod:`.call_header`.
-Names without ``__all__`` membership are package-internal.
+"""Building blocks of the low-bit round generators (which issue asynchronous collectives through
+:class:`bitscom.comm.Comm`, yield the work handles and go on once they completed): one all-to-all
+stage, the reduce-then-gather ladder over levels, lockstep pipelining, padding. Names outside
+``__all__`` are package-internal.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Generator, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -27,12 +20,9 @@ __all__ = ["pipeline"]
 
 
 def scatter(x, comm, codec, seed, offset, sent=None, row_stride=None):
-    """Round: quantize x [P*m] in P shards and all-to-all them; returns the received rows
-    (row j = this rank's shard from rank j).
-
-    ``sent`` (optional, [P*m]) receives D(C(x)), what the wire actually carried (for EF).
-    Row ``j`` is keyed for stochastic rounding at element index ``offset + j * row_stride``
-    (``row_stride`` defaults to ``m``: every element keyed by its global position).
+    """Round: quantize x [P*m] in P shards and all-to-all them; returns the received rows (row j =
+    this rank's shard from rank j). ``sent`` ([P*m]) receives D(C(x)), what the wire carried (for
+    EF); row ``j`` is keyed at element ``offset + j * row_stride`` (default ``m``: global positions).
     """
     P = comm.size
     m = x.numel() // P
@@ -61,11 +51,11 @@ def scatter_reduce(x, comm, codec, seed, offset, sent=None, row_stride=None):
 def encode_with_feedback(x, codec, row, seed, offset, ef: Optional[ErrorFeedback]):
     """Encode ``x`` into ``row``; with ``ef``, encode ``x + e`` and keep ``e = x + e - D(C(x + e))``
     (NaN/Inf entries of the new residual dropped: that step's output shows them)."""
-    if ef is None:
-        codec.encode(x, row, seed, offset)
-        return
-    x = ef.compensate(x)
+    if ef is not None:
+        x = ef.compensate(x)
     codec.encode(x, row, seed, offset)
+    if ef is None:
+        return
     decoded = torch.empty_like(x)
     codec.decode(row, x.numel(), decoded)
     ef.update(decoded)
@@ -74,17 +64,13 @@ def encode_with_feedback(x, codec, row, seed, offset, ef: Optional[ErrorFeedback
 
 def levels_rounds(x, levels, out_codec, alpha, seeds, offset, sent=None, stage2_ef=None,
                   anchor=None, pending=None):
-    """Reduce ``x`` through ``levels`` [(comm, codec), ...] (outermost first), then gather back.
+    """Reduce ``x`` through ``levels`` [(comm, codec), ...] (outermost first) to one shard, scale
+    it by ``alpha``, requantize it with ``out_codec`` (``stage2_ef``'s feedback) and all-gather the
+    bytes back through the levels unchanged, so every rank decodes identical bytes.
 
-    After the last level this rank holds one fully reduced shard; it is scaled by ``alpha``,
-    requantized with ``out_codec`` (with ``stage2_ef``'s error feedback) and its bytes travel
-    back through the levels by all-gathers (intermediate ranks forward bytes, never re-encode),
-    so every rank decodes identical bytes.
-
-    ``anchor`` (EF21 without stage-2 feedback): this rank's exact fp32 shard of the global
-    estimate g. What is requantized is then ``anchor + shard`` (the new estimate itself, not
-    its increment), and ``(anchor, shard)`` is appended to ``pending`` so the caller adds the
-    increment once it knows the step was finite on every rank.
+    ``anchor`` (EF21 without stage-2 feedback), this rank's exact shard of the estimate g: then
+    ``anchor + shard`` (the new estimate) is requantized and ``(anchor, shard)`` appended to
+    ``pending``, for the caller to add once it knows the step was finite on every rank.
     """
     shard, off = x, offset
     for k, (comm, codec) in enumerate(levels[:-1]):
@@ -98,21 +84,18 @@ def levels_rounds(x, levels, out_codec, alpha, seeds, offset, sent=None, stage2_
     off += comm.rank * m
     R = out_codec.row_bytes(m)
     buf = torch.empty(R, dtype=torch.uint8, device=x.device)
-    if anchor is not None:
-        shard = torch.empty(m, dtype=torch.float32, device=x.device)
-        codec.decode_sum(recv, m, shard)
-        if alpha != 1.0:
-            shard.mul_(alpha)
-        out_codec.encode(anchor + shard, buf, seeds(len(levels)), off)
-        pending.append((anchor, shard))
-    elif stage2_ef is None:   # the fused dequantize-sum-scale-requantize kernel
+    if anchor is None and stage2_ef is None:   # the fused dequantize-sum-scale-requantize kernel
         codec.decode_sum_encode(recv, m, alpha, out_codec, buf, seeds(len(levels)), off)
     else:
         shard = torch.empty(m, dtype=torch.float32, device=x.device)
         codec.decode_sum(recv, m, shard)
         if alpha != 1.0:
             shard.mul_(alpha)
-        encode_with_feedback(shard, out_codec, buf, seeds(len(levels)), off, stage2_ef)
+        if anchor is not None:
+            out_codec.encode(anchor + shard, buf, seeds(len(levels)), off)
+            pending.append((anchor, shard))
+        else:
+            encode_with_feedback(shard, out_codec, buf, seeds(len(levels)), off, stage2_ef)
     for comm, _ in reversed(levels):
         gathered = torch.empty(comm.size * buf.numel(), dtype=torch.uint8, device=x.device)
         yield comm.all_gather(gathered, buf)
@@ -126,12 +109,9 @@ def levels_rounds(x, levels, out_codec, alpha, seeds, offset, sent=None, stage2_
 
 def leader_rounds(x, intra, inter, cfg, alpha, seeds, offset, sent=None, stage2_ef=None,
                   anchor=None, pending=None):
-    """Hierarchy "leader" (the seed's pipeline A): local reduce to the node leader -> low-bit
-    all-reduce among the leaders -> local broadcast.
-
-    Non-leaders yield ``None`` for each leader round so every chunk takes the same number of
-    rounds on every rank: the pipeline then issues collectives in the same order everywhere.
-    """
+    """Hierarchy "leader": local reduce to the node leader, low-bit all-reduce among the leaders,
+    local broadcast. Non-leaders yield ``None`` for each leader round, so every chunk takes as many
+    rounds on every rank and the pipeline issues collectives in the same order everywhere."""
     if cfg.local_quantize:
         local = cfg.codec(cfg.intra_bitwidth)
         y = yield from levels_rounds(x, [(intra, local)], local, 1.0, lambda s: seeds(10 + s), offset)
@@ -150,12 +130,10 @@ def leader_rounds(x, intra, inter, cfg, alpha, seeds, offset, sent=None, stage2_
 
 
 def pipeline(gens: Sequence[Iterator[Any]]) -> Generator[List[Any], None, List[Any]]:
-    """Run several round generators in lockstep, starting one more each round.
-
-    Round t advances chunk t (its first stage) together with chunk t-1 (its second stage) and
-    so on, so different stages of different chunks are in flight at once. Generators are
-    advanced in list order, which is the same on every rank: per group, collectives are issued
-    in the same order everywhere. Yields lists of work handles; returns the generators' results.
+    """Run several round generators in lockstep, starting one more each round: round t advances
+    chunk t's first stage with chunk t-1's second, and so on, in list order (the same on every
+    rank, so each group sees the same collective order). Yields lists of work handles; returns
+    the generators' results.
 
     Example::
 
@@ -168,23 +146,18 @@ def pipeline(gens: Sequence[Iterator[Any]]) -> Generator[List[Any], None, List[A
         if pending:
             active.append(pending.pop(0))
         works = []
-        for item in list(active):
-            i, g = item
+        for i, g in list(active):
             try:
                 w = next(g)
             except StopIteration as stop:
                 results[i] = stop.value
-                active.remove(item)
+                active.remove((i, g))
                 continue
             if w is not None:
                 works.append(w)
         if works or active:
             yield works
     return results
-
-
-def unit_size(sizes: Sequence[int], cfg: LowBitConfig) -> int:
-    return math.prod(sizes) * cfg.block_size
 
 
 def pad(flat: torch.Tensor, unit: int, cfg: LowBitConfig, state: LowBitState) -> torch.Tensor:

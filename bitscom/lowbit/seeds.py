@@ -1,9 +1,7 @@
-"""The one seed mixer of bitscom: stochastic-rounding seeds from integer parts.
-
-Every stochastic-rounding seed of every face (the low-bit collectives, the sharded optimizer's
-gradient and weight rounds) comes from :func:`mix_seed`, a splitmix64 chain: different parts
-give unrelated seeds, the same parts the same seed in every process, so a resumed run repeats
-its bytes and no two ranks, stages or steps share a stream.
+"""The one seed mixer of bitscom: every stochastic-rounding seed of every face comes from
+:func:`mix_seed`, a splitmix64 chain. Different parts give unrelated seeds, the same parts the
+same seed in every process, so a resumed run repeats its bytes and no two ranks, stages or steps
+share a stream.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ def _splitmix64(x: int) -> int:
 
 
 def mix_seed(*parts: int, start: int = 0) -> int:
-    """A 64-bit seed from integer parts (a splitmix64 chain from ``start``): different parts
-    give unrelated seeds, the same parts the same seed in every process.
+    """A 64-bit seed from integer parts (a splitmix64 chain from ``start``).
 
     Example::
 
@@ -37,8 +34,7 @@ def mix_seed(*parts: int, start: int = 0) -> int:
 
 
 def stage_seed(seed: int, key: int, step: int, rank: int, stage: int) -> int:
-    """The stochastic-rounding seed of one (key, step, rank, stage) of a collective: distinct for
-    every rank, stage and step, and reproducible from a checkpoint (a 64-bit splitmix chain).
+    """The stochastic-rounding seed of one (key, step, rank, stage) of a collective.
 
     Example::
 

@@ -1,5 +1,4 @@
-"""Mutable state of one stream of low-bit reductions (:class:`LowBitState`): step counter,
-error-feedback residuals, EF21 estimates; checkpointable."""
+"""Mutable, checkpointable state of one stream of low-bit reductions (:class:`LowBitState`)."""
 
 from __future__ import annotations
 
@@ -12,18 +11,14 @@ __all__ = ["LowBitState"]
 
 
 class LowBitState:
-    """Mutable state of one stream of reductions (one bucket, or one user key).
-
-    ``step`` advances once per reduction and keys the stochastic-rounding seeds; ``residual``
-    (mode ``"residual"``) and ``stage2_residual`` (``stage2_error_feedback``) are
-    :class:`~bitscom.lowbit.error_feedback.ErrorFeedback` residuals, ``local_estimate`` /
-    ``global_estimate`` the EF21 estimates g_i and g; tensors are created on first use, in the
-    transformed domain when ``hadamard`` is on.
+    """Mutable state of one stream of reductions (one bucket, or one user key): ``step`` (advanced
+    once per reduction, keys the seeds), the :class:`~bitscom.lowbit.error_feedback.ErrorFeedback`
+    residuals ``residual`` and ``stage2_residual``, the EF21 estimates ``local_estimate`` (g_i)
+    and ``global_estimate`` (g); tensors are made on first use (rotated when ``hadamard`` is on).
 
     Example::
 
-        state = LowBitState()
-        drive(all_reduce_rounds(grad, Comm(group), LowBitConfig(), state))
+        drive(all_reduce_rounds(grad, Comm(group), LowBitConfig(), state := LowBitState()))
     """
 
     _ESTIMATES = ("local_estimate", "global_estimate", "global_shard")
@@ -39,8 +34,7 @@ class LowBitState:
         self._scratch = Scratch()   # buffers reused every step (not checkpointed)
 
     def scratch(self, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-        """A buffer ``name`` of ``shape`` and ``dtype`` kept between steps (contents
-        undefined): allocating a bucket-sized buffer each step costs a page-faulting pass."""
+        """A buffer kept between steps (contents undefined): a fresh one would page-fault each step."""
         return self._scratch.get(name, shape, dtype, device)
 
     def workspace(self, numel: int, device) -> torch.Tensor:
