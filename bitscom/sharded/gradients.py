@@ -1,22 +1,10 @@
-"""Gradient reduce-scatter of one bucket: exact, or SDP4Bit's two-level quantized scheme.
+"""Gradient reduce-scatter of one bucket: exact, or SDP4Bit's two-level quantized scheme
+(:mod:`bitscom.lowbit.levelwise`, intra-node then inter-node; a level of one rank is skipped).
 
-Ranks are laid out as ``M`` nodes x ``L`` ranks per node, process-group rank ``r = node * L +
-local``, and rank ``r`` owns shard ``r`` (``S`` elements) of every bucket.
-
-Exact: one ``reduce_scatter`` of the bucket over the process group (:meth:`bitscom.comm.Comm.reduce_scatter`).
-
-Two-level (TLq, TLq-HS): the low-bit level-wise reduce-scatter
-(:mod:`bitscom.lowbit.levelwise`) over two levels, intra-node at ``bits_intra`` /
-``gq_group_size_intra`` then inter-node at ``bits_inter`` / ``gq_group_size_inter``, Hadamard
-optional, ``gradient_alltoall_pipeline`` chunks per bucket. A level of one rank (one node, or
-one rank per node) is skipped.
-
-This module builds those round generators and submits them, in launch order, to the group's
-:class:`~bitscom.channel.Channel` with their round count: every chunk's intra-node round is
-issued at launch, chunk ``k``'s inter-node round once every earlier chunk issued its own. Each
+Ranks are ``M`` nodes x ``L`` ranks per node, rank ``r = node * L + local`` owns shard ``r``.
+The round generators go to the group's :class:`~bitscom.channel.Channel` in launch order. Each
 group carries one kind of round (intra: first rounds; inter: later ones; the process group:
-the exact reduce-scatters), so no later group is needed, and chunk ``k+1``'s intra-node
-all-to-all overlaps chunk ``k``'s inter-node one. Bytes are counted by the Comms.
+the exact reduce-scatters), so no later group is needed.
 """
 
 from __future__ import annotations
@@ -92,14 +80,7 @@ def _exact_rounds(out: torch.Tensor, flat: torch.Tensor, comm: Comm, divide_by: 
 
 @dataclass
 class GradientReducer:
-    """Reduce-scatters buckets, launched in bucket order, without blocking backward.
-
-    Example::
-
-        reducer = GradientReducer(cfg, topo)
-        reducer.launch(0, bucket_flat, master_grad_slice, step=0)
-        sent = reducer.wait_all(step=0)
-    """
+    """Reduce-scatters buckets, launched in bucket order, without blocking backward."""
 
     cfg: ShardedConfig
     topo: Topology
@@ -143,9 +124,8 @@ class GradientReducer:
         self._flights.append(self.channel.submit(Rounds(gen, comms, total=total)))
 
     def poll(self, step: int, block: bool = False) -> None:
-        """Advance whatever completed; later rounds are issued in launch order (see the module
-        docstring). ``block=True`` finishes everything. ``step`` is kept for callers; the seeds
-        were fixed at :meth:`launch`."""
+        """Advance whatever completed; ``block=True`` finishes everything (``step`` is unused:
+        the seeds were fixed at :meth:`launch`)."""
         if block and self._flights:
             self.channel.wait(self._flights[-1])
         else:
@@ -153,7 +133,7 @@ class GradientReducer:
 
     def wait_all(self, step: int) -> int:
         """Finish every launched bucket; returns the bytes sent this step and resets (also when
-        a collective failed: the error propagates, the in-flight work is forgotten)."""
+        a collective failed)."""
         try:
             self.poll(step, block=True)
             failed = [f.error for f in self._flights if f.error is not None]

@@ -1,16 +1,8 @@
 """Shard planning: which bucket each parameter sits in and which slice of it each rank owns.
 
-Pure functions of (names, shapes, world size, settings), so every rank computes the same plan
-and a test can check it without ranks.
-
-Layout. Parameters are packed into buckets in reverse registration order (the last layers'
-gradients are ready first, as in DDP), each bucket up to the fusion threshold. Bucket ``b`` of
-``n_b`` elements is padded to ``world * S_b`` elements and rank ``r`` owns the contiguous slice
-``[r * S_b, (r + 1) * S_b)`` of it — Megatron's distributed optimizer shards each bucket the
-same way, so each bucket's reduce-scatter can start while backward still runs. ``S_b`` is a
-multiple of ``32 * pipeline`` so pipeline chunks and Hadamard runs never straddle a boundary.
-A parameter can span several ranks' shards; each rank keeps a 1-D *piece* (its part of the
-parameter) in the flat master shard.
+Pure functions of (names, shapes, world size, settings): every rank computes the same plan.
+Rank ``r`` owns ``[r * S_b, (r + 1) * S_b)`` of each bucket (as Megatron's distributed
+optimizer), so each bucket's reduce-scatter starts while backward runs (docs/sharded.md).
 """
 
 from __future__ import annotations

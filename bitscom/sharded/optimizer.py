@@ -1,25 +1,16 @@
 """ShardedOptimizer: ZeRO-style sharded data parallelism with SDP4Bit's communication quantization.
 
-Data path of one step, for ``W`` ranks:
-
-1. ``loss.backward()``: a post-accumulate-grad hook moves each gradient into its bucket's flat
-   buffer (adding it with ``backward_passes_per_step > 1``) and sets ``p.grad = None`` — the
-   full-size local gradient is not kept. When every gradient of the next bucket is in, its
-   reduce-scatter starts asynchronously while backward goes on (exact, or two-level quantized:
-   :mod:`bitscom.sharded.gradients`).
-2. ``synchronize()`` (called by ``step()``) zero-fills parameters that got no gradient, waits for
-   every bucket and leaves the reduced gradient of *this rank's shard* in the master shard's
-   gradient. ``clip_grad_norm_`` computes the global norm over all shards.
-3. ``step()`` runs the wrapped optimizer on the fp32 master shard only (its state is 1/W of the
-   unsharded optimizer's), then all-gathers the parameters (exact, or quantized weight
-   differences: :mod:`bitscom.sharded.weights`). Afterwards every replica holds bitwise
-   identical parameters.
+Backward hooks move each gradient into its bucket (``p.grad = None``) and start the bucket's
+reduce-scatter (:mod:`.gradients`); ``step()`` updates this rank's fp32 master shard and
+all-gathers the parameters (:mod:`.weights`), after which every replica is bitwise identical.
+The whole data path: docs/sharded.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import zlib
 from collections import defaultdict
@@ -49,9 +40,7 @@ ELEMENTWISE_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in (
     "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD",
     "Rprop") if hasattr(torch.optim, n))
 """Optimizers whose update of an element depends only on that element's gradient and state, so
-running them on a 1-D slice of a parameter is the same as running them on the whole parameter.
-Others (LAMB, LARS, Adafactor, Shampoo: per-tensor norms or factored shapes) would silently
-compute something else; pass ``elementwise=True`` only if you know yours is elementwise."""
+running them on a 1-D slice of a parameter equals running them on the whole parameter."""
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -137,45 +126,21 @@ def _check_optimizer(optimizer, elementwise: bool) -> None:
                         "if every update of an element depends only on that element")
 
 
+def _delegated(name: str) -> Any:
+    """A property read from and written to the wrapped optimizer's attribute ``name``."""
+    return property(lambda self: getattr(self.optimizer, name),
+                    lambda self, value: setattr(self.optimizer, name, value))
+
+
 class ShardedOptimizer(StepFace, torch.optim.Optimizer):
     """Shard ``optimizer``'s state over ranks (ZeRO / Megatron distributed optimizer) and
     optionally quantize its communication the SDP4Bit way.
 
-    Each rank owns a contiguous slice of every bucket of the flattened parameters, keeps an
-    fp32 master copy of only that slice, and the wrapped optimizer is re-pointed at it (its
-    ``param_groups`` list this rank's pieces, with the user's hyperparameters), so optimizer
-    state takes about 1/world of the memory. Gradients are reduce-scattered during backward;
-    after the shard update the parameters are all-gathered, and every replica ends bitwise
-    identical.
-
-    Gradient semantics: the reduced gradient exists only as shards. When backward returns,
-    ``p.grad`` is ``None`` (the hook moved it into the reduction); use :meth:`clip_grad_norm_`
-    (the global norm over all shards, identical on every rank) instead of
-    ``torch.nn.utils.clip_grad_norm_(model.parameters())``, which would see no gradients.
-    AMP's ``GradScaler`` is refused with a ``RuntimeError`` at ``scaler.step(opt)`` (its per-rank
-    inf checks would see different shards).
-
-    Args:
-        optimizer: an elementwise ``torch.optim`` optimizer (see :data:`ELEMENTWISE_OPTIMIZERS`)
-            over the model's parameters. It is taken over: afterwards it optimizes this rank's
-            shard (existing state is sliced to it; an LR scheduler built on it keeps working).
-        named_parameters: ``model.named_parameters()``; names appear in errors, checks and
-            consolidated checkpoints.
-        process_group: the ranks to shard over (default: the world group).
-        quantized_weights ... gradient_alltoall_pipeline, fusion_threshold_mb: the SDP4Bit
-            settings, see :class:`~bitscom.sharded.ShardedConfig`.
-        backward_passes_per_step: local gradient accumulation before one reduce-scatter.
-        op: ``bitscom.Average`` (default) or ``bitscom.Sum``.
-        intra_group, inter_group: this node's ranks / the ranks with this local rank, for the
-            two-level gradient scheme (default: :func:`bitscom.intra_group` and
-            :func:`bitscom.inter_group` when ``bitscom.init()`` built them).
-        local_size: ranks per node; builds the intra/inter groups here instead (every rank
-            calls ``new_group`` for each). Without groups or local_size: one node.
-        elementwise: skip the elementwise-optimizer check (you vouch for your optimizer).
-        seed: base of the stochastic-rounding seeds.
-
-    Parameters are broadcast from rank 0 of ``process_group`` at construction (like DDP), so
-    replicas start identical.
+    Each rank keeps an fp32 master copy of its slice of every bucket and the wrapped optimizer
+    is re-pointed at it (existing state is sliced; an LR scheduler keeps working), so optimizer
+    state takes about 1/world of the memory. The reduced gradient exists only as shards: after
+    backward ``p.grad`` is ``None``, so clip with :meth:`clip_grad_norm_`. The arguments are
+    :class:`~bitscom.sharded.ShardedConfig`'s plus the node groups (docs/sharded.md, Settings).
 
     Example::
 
@@ -199,19 +164,11 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                  fusion_threshold_mb: float = 25, backward_passes_per_step: int = 1,
                  op: ReduceOp = Average, intra_group=None, inter_group=None,
                  local_size: Optional[int] = None, elementwise: bool = False, seed: int = 0):
+        settings = locals()          # every ShardedConfig field is a keyword argument of that name
         _check_optimizer(optimizer, elementwise)
         _check_local_size(local_size)
         _check_threshold(fusion_threshold_mb)
-        self.config = ShardedConfig(
-            quantized_weights=quantized_weights, weight_quantization_bits=weight_quantization_bits,
-            wq_group_size=wq_group_size, quantized_gradients=quantized_gradients,
-            gradient_quantization_bits_intra=gradient_quantization_bits_intra,
-            gq_group_size_intra=gq_group_size_intra,
-            gradient_quantization_bits_inter=gradient_quantization_bits_inter,
-            gq_group_size_inter=gq_group_size_inter, hadamard_transform=hadamard_transform,
-            gradient_alltoall_pipeline=gradient_alltoall_pipeline,
-            fusion_threshold_mb=fusion_threshold_mb, backward_passes_per_step=backward_passes_per_step,
-            op=op, seed=seed)
+        self.config = ShardedConfig(**{f.name: settings[f.name] for f in dataclasses.fields(ShardedConfig)})
         named = named_parameters_of(optimizer, named_parameters)
         self._face_init("ShardedOptimizer", process_group, named, warn_single=False, dtypes=_DTYPES)
         self._trainable = _trainable_of(named)
@@ -259,8 +216,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
     # -- construction helpers ---------------------------------------------------------------
     def _build_master(self, device) -> None:
-        """This rank's master shard, its gradient, and the pieces the wrapped optimizer now
-        works on (views of the shard, filled from the parameters)."""
+        """This rank's master shard, its gradient, and the pieces (views) the optimizer works on."""
         self._master = torch.zeros(self.plan.master_numel, dtype=self._master_dtype, device=device)
         self._master_grad = torch.zeros_like(self._master)
         self._pieces: List[torch.Tensor] = []
@@ -318,42 +274,19 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                 for k in pieces_of[i]:
                     piece, tensor = self.plan.pieces[k], self._pieces[k]
                     new_params.append(tensor)
-                    st = old_state.get(p)
+                    st = {key: piece_state(self._names[i], key, v, p.numel())
+                          for key, v in old_state.get(p, {}).items()}
                     if st:
-                        entry = {"master": p.detach(), "state": {}, "element_keys": []}
-                        for key, v in st.items():
-                            kind, val = piece_state(self._names[i], key, v, p.numel())
-                            entry["state"][key] = val
-                            if kind == "elements":
-                                entry["element_keys"].append(key)
+                        entry = {"master": p.detach(), "state": {key: v for key, (_, v) in st.items()},
+                                 "element_keys": [key for key, (kind, _) in st.items() if kind == "elements"]}
                         new_state[tensor] = split_state(entry, piece.start, piece.stop)
             group["params"] = new_params
         optimizer.state = new_state
 
     # -- delegation so schedulers see a normal optimizer --------------------------------------
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self.optimizer.state = value
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self.optimizer.defaults = value
+    param_groups = _delegated("param_groups")
+    state = _delegated("state")
+    defaults = _delegated("defaults")
 
     def add_param_group(self, param_group):
         raise RuntimeError("ShardedOptimizer plans its shards once; add every parameter group to the "
@@ -369,8 +302,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         return self._life.steps
 
     def _on_gradient(self, p: torch.Tensor, last_pass: bool) -> None:
-        """Move ``p.grad`` into its bucket (adding on later passes), drop the full-size local
-        gradient, and on the step's last pass launch every bucket that became ready."""
+        """Move ``p.grad`` into its bucket and, on the step's last pass, launch the ready buckets."""
         bi, slot = self._where[id(p)]
         if p.grad is None:
             return
@@ -407,9 +339,8 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             self._next_launch += 1
 
     def _finish(self) -> None:
-        """Complete the reduce-scatter (the end of the completing backward pass, or an early
-        :meth:`synchronize`): this rank's master gradient holds its shard of the reduced
-        gradient; parameters without a gradient count as zeros."""
+        """Complete the reduce-scatter (end of backward, or an early :meth:`synchronize`) into the
+        master gradient; parameters without a gradient count as zeros."""
         self._life.check_open()
         self._life.check_requires_grad()
         try:
@@ -443,9 +374,8 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             self._life.reset_collectives()
 
     def shadow_step(self) -> None:
-        """Take part in one step of the other ranks with zero gradients (bitscom.join() on a
-        rank that ran out of data). Unlike a replicated optimizer, this rank *does* step: it
-        owns a shard of the parameters, which the others' all-gather needs updated."""
+        """Join the other ranks' step with zero gradients (bitscom.join()); this rank *does* step:
+        the others' all-gather needs its shard updated."""
         for bucket in self._buckets:
             bucket.zero_()
         self._life.begin(notify=False)     # join's all-reduce took the place of the notice
@@ -453,14 +383,11 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._apply_step()
 
     def _after_join(self, root_rank: int, group) -> None:
-        """Nothing to resynchronize: every rank stepped its own shard, and the all-gather of
-        each step left the replicas identical."""
+        """Nothing to resynchronize: every step's all-gather left the replicas identical."""
 
     # -- the public step API -----------------------------------------------------------------
     def synchronize(self) -> None:
-        """Finish this step's reduce-scatter now; a no-op when backward already did it (the
-        backward pass that completes a step finishes it). Parameters without a gradient count
-        as zeros.
+        """Finish this step's reduce-scatter now; a no-op when backward already did it.
 
         Example::
 
@@ -483,12 +410,9 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Clip the reduced gradient by its global norm over all shards (what
-        ``torch.nn.utils.clip_grad_norm_`` computes on an unsharded model, for any
-        ``norm_type`` including ``inf``, ``-inf`` and ``0``); returns the norm, identical on
-        every rank. Norms of order 2, 1, inf and -inf come from the step's own reduction
-        (no extra collective, so it also works while another rank is in :func:`bitscom.join`);
-        other orders cost one all-reduce.
+        """Clip the reduced gradient by its global norm over all shards (torch's
+        ``clip_grad_norm_`` on the unsharded model, any ``norm_type``); returns the norm,
+        identical on every rank.
 
         Example::
 
@@ -507,15 +431,13 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             g.mul_(coef.to(g.dtype))
         return total.to(torch.float32)
 
-    # GradScaler hands optimizers that declare this its scale and inf flag instead of unscaling
-    # p.grad itself; step() uses that hand-over to refuse AMP loudly (see the class docstring).
+    # GradScaler then hands over its scale and inf flag: step() uses that to refuse AMP loudly.
     _step_supports_amp_scaling = True
 
     def _refuse_grad_scaler(self) -> None:
-        """GradScaler's unscale and inf check would see only this rank's shard. Refuse it —
-        leaving the optimizer usable: the step's reduction is completed (every rank reaches the
-        same point) and the attributes GradScaler set are removed (it deletes them only after
-        a step that returns)."""
+        """Refuse GradScaler (its inf check would see only this rank's shard), leaving the
+        optimizer usable: the step's reduction completes on every rank and GradScaler's
+        attributes are removed (it deletes them only after a step that returns)."""
         if "grad_scale" not in self.__dict__ and "found_inf" not in self.__dict__:
             return
         self.__dict__.pop("grad_scale", None)
@@ -561,8 +483,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop this step's gradients (a reduction already completed at the end of backward is
-        discarded, as a plain optimizer's zero_grad discards ``p.grad``).
+        """Drop this step's gradients, a reduction completed by backward included.
 
         Example::
 
@@ -573,8 +494,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             p.grad = None
 
     def close(self) -> None:
-        """Remove the gradient hooks (the node groups are shared per layout and stay); later
-        steps raise.
+        """Remove the gradient hooks; later steps raise.
 
         Example::
 
@@ -586,11 +506,8 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
     # -- statistics ------------------------------------------------------------------------
     def comm_stats(self) -> dict:
-        """Bytes this rank sent (each collective's input buffer) against exact fp32 sharded DP:
-        ``bytes_sent`` / ``dense_bytes`` / ``compression_ratio`` since construction,
-        ``step_bytes_sent`` / ``step_dense_bytes`` for the last step (one meaning on every face:
-        :func:`bitscom.face.report`), and the last step's ``gradient_bytes`` / ``weight_bytes``
-        (with their ``dense_`` counterparts).
+        """Bytes this rank sent against exact fp32 sharded DP (:func:`bitscom.face.report`), plus
+        the last step's ``gradient_bytes`` / ``weight_bytes`` and their ``dense_`` counterparts.
 
         Example::
 
@@ -605,11 +522,8 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
             opt.memory_stats()["optimizer_state_bytes"]
         """
-        state = 0
-        for st in self.optimizer.state.values():
-            for v in st.values():
-                if isinstance(v, torch.Tensor):
-                    state += v.numel() * v.element_size()
+        state = sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
+                    for v in st.values() if isinstance(v, torch.Tensor))
         nbytes = self._master.numel() * self._master.element_size()
         return {"optimizer_state_bytes": state, "master_bytes": nbytes, "master_grad_bytes": nbytes,
                 "bucket_bytes": sum(b.numel() * b.element_size() for b in self._buckets)}
@@ -621,9 +535,8 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's shard: the wrapped optimizer's state, the master shard and the step
-        counter. Loads only into the same world size and plan; see
-        :meth:`consolidated_state_dict` for a portable checkpoint.
+        """This rank's shard (optimizer state, master shard, step); loads only into the same
+        world size and plan (:meth:`consolidated_state_dict` is portable).
 
         Example::
 
@@ -663,8 +576,8 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._life.loaded(int(sh["step"]))   # the ranks compare their steps before the next one
 
     def consolidated_state_dict(self, to_rank: int = 0) -> Optional[dict]:
-        """Gather a world-size-independent checkpoint on rank ``to_rank`` (``None`` elsewhere).
-        Every rank must call it. Holds masters, optimizer state, replicas, hyperparameters.
+        """Gather a world-size-independent checkpoint on rank ``to_rank`` (``None`` elsewhere);
+        every rank must call it.
 
         Example::
 
@@ -690,8 +603,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                 "optimizer": type(self.optimizer).__name__, "params": params, "param_groups": groups}
 
     def _my_pieces(self) -> Dict[str, list]:
-        """This rank's part of a consolidated checkpoint: per parameter, each owned piece's
-        (start, stop, master, replica, optimizer state), on the CPU."""
+        """Per parameter, each owned piece's (start, stop, master, replica, state), on the CPU."""
         mine: Dict[str, list] = defaultdict(list)
         for piece, tensor in zip(self.plan.pieces, self._pieces):
             p = self._params[piece.index]
@@ -717,8 +629,8 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                                  f"model shape {tuple(p.shape)}")
 
     def load_consolidated_state_dict(self, state_dict: dict, load_replicas: bool = True) -> None:
-        """Load a :meth:`consolidated_state_dict` (from any world size). Every rank calls it with
-        the same dict; each keeps its own pieces. ``load_replicas`` also sets the parameters.
+        """Load a :meth:`consolidated_state_dict` of any world size (every rank, the same dict);
+        ``load_replicas`` also sets the parameters.
 
         Example::
 
@@ -773,8 +685,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         save_sharded(self, path, extra)
 
     def load_dcp(self, path, *, extra=None, load_replicas: bool = True) -> None:
-        """Load a :meth:`save_dcp` checkpoint of any world size; see
-        :func:`bitscom.checkpointing.load`.
+        """Load a :meth:`save_dcp` checkpoint of any world size (:func:`bitscom.checkpointing.load`).
 
         Example::
 

@@ -1,15 +1,6 @@
-"""Parameter all-gather after the shard update: exact, or quantized weight differences (qWD).
-
-Exact: each rank sends its updated master shard in the parameters' dtype; every rank copies
-the gathered buckets into its parameters.
-
-qWD (SDP4Bit): the owner of a shard sends ``Q(master - replica)``, the difference between its
-updated master shard and the current replica of that shard (identical on every rank), quantized
-at ``weight_quantization_bits`` with ``wq_group_size`` elements per scale and stochastic
-rounding. Every rank, the owner included, decodes the same bytes and adds them to its replica,
-so replicas stay bitwise identical. Taking the difference against the *replica* (rather than
-against the previous master) means the replica never drifts from the master by more than one
-step's quantization error: the error of step t is part of the difference sent at step t+1.
+"""Parameter all-gather after the shard update: exact (the master shard in the parameters'
+dtype), or quantized weight differences ``Q(master - replica)`` (qWD), decoded and added by
+every rank alike, so replicas stay bitwise identical (docs/sharded.md, The two quantizations).
 """
 
 from __future__ import annotations
@@ -43,12 +34,7 @@ def weight_wire_bytes(cfg: ShardedConfig, topo: Topology, shard_numel: int, para
 
 
 def replica_shard(plan: ShardPlan, bucket: int, params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """This rank's shard of bucket ``bucket`` as it stands in the replicas (float32, zero-padded).
-
-    Example::
-
-        d = master_slice - replica_shard(plan, 0, params)
-    """
+    """This rank's shard of bucket ``bucket`` as it stands in the replicas (float32, zero-padded)."""
     b = plan.buckets[bucket]
     out = torch.zeros(b.shard_numel, dtype=torch.float32, device=params[0].device)
     lo = b.master_offset
@@ -107,13 +93,7 @@ def _gather_rounds(cfg, topo, plan, master, params, step, comm: Comm):
 
 def gather_parameters(cfg: ShardedConfig, topo: Topology, plan: ShardPlan, master: torch.Tensor,
                       params: List[torch.Tensor], step: int) -> int:
-    """Bring every replica up to date from the owners' master shards; returns bytes sent
-    (counted by the :class:`~bitscom.comm.Comm` that issues the all-gathers).
-
-    Example::
-
-        sent = gather_parameters(cfg, topo, plan, master, params, step)
-    """
+    """Bring every replica up to date from the owners' master shards; returns bytes sent."""
     comm = Comm(topo.group, rank=topo.rank, size=topo.world)
     drive(_gather_rounds(cfg, topo, plan, master, params, step, comm), comm)
     return comm.bytes_sent
