@@ -1,25 +1,7 @@
-"""What ``bitscom.fsdp.compress(weights=...)`` accepts: the settings of the parameter all-gather.
-
-Two schemes (:attr:`WeightConfig.mode`):
-
-* ``"blockwise"`` (default; ZeRO++'s qwZ): every rank quantizes its parameter shard blockwise
-  (``bitwidth`` 8, one bfloat16 scale per ``block_size`` 128 elements, round to nearest) and the
-  all-gather carries those bytes; every rank, the shard's owner included, computes with the
-  dequantized values. Stateless and deterministic: the same shard gives the same bytes, so
-  FSDP's backward re-gather (``reshard_after_forward=True``) reproduces the forward's weights.
-* ``"difference"`` (SDP4Bit's qWD): the owner sends ``Q(shard - replica)`` at ``bitwidth`` 4
-  with one scale per ``block_size`` 2048 and stochastic rounding, against the copy of the
-  unsharded parameters every rank kept from the previous gather; every rank adds the same
-  decoded difference. The first gather sends the parameters exactly (there is no copy yet).
-
-Shards of fewer than ``min_numel`` elements per rank (biases, norms) and non-floating
-parameters travel exactly, in their own dtype.
-
-Example::
-
-    WeightConfig()                                  # 8-bit blockwise (qwZ)
-    WeightConfig(mode="difference")                 # 4-bit differences, groups of 2048 (SDP4Bit)
-    weight_config(8)                                # the same as WeightConfig(bitwidth=8)
+"""What ``bitscom.fsdp.compress(weights=...)`` accepts: the settings of the parameter all-gather,
+``"blockwise"`` (ZeRO++'s qwZ: stateless, so FSDP's backward re-gather reproduces the forward's
+weights) or ``"difference"`` (SDP4Bit's qWD against the kept replica; the first gather is
+exact). Small shards and non-floating parameters travel exactly.
 """
 
 from __future__ import annotations
@@ -80,8 +62,7 @@ class WeightConfig:
         return self.mode == "difference"
 
     def codec(self) -> Codec:
-        """The byte format of a quantized shard: round to nearest (blockwise), or SDP4Bit's
-        stochastic-rounding difference codec (:func:`bitscom.lowbit.weight_delta.delta_codec`)."""
+        """The byte format of a quantized shard: round to nearest, or SDP4Bit's difference codec."""
         bits, block = self.bitwidth, self.block_size
         assert bits is not None and block is not None      # resolved in __post_init__
         return delta_codec(bits, block) if self.difference else Codec(bits, block)
