@@ -1,24 +1,5 @@
-"""DiLoCo's hyper-parameters: one frozen dataclass, validated once, compared across ranks.
-
-Why each setting matters (measured sensitivity: ``docs/diloco.md``):
-
-* ``sync_every`` (H): inner steps between synchronizations. Bytes fall as 1/H; past a point
-  the replicas drift too far apart and the outer step averages models that disagree.
-* ``outer_lr`` / ``outer_momentum`` / ``nesterov``: the outer SGD applied to the averaged
-  pseudo-gradient. DiLoCo's 0.7 / 0.9 / Nesterov; ``outer_lr=1, outer_momentum=0`` is plain
-  periodic model averaging (local SGD).
-* ``warmup_steps`` (W): post-local SGD (Lin et al. 2020, torch's ``PostLocalSGDOptimizer``):
-  the first W steps reduce the *gradient* every step (through the same compressor) before the
-  inner step, so the inner optimizer's moments start from global statistics; the local phase
-  (H inner steps per synchronization) begins after step W. On short AdamW runs the early,
-  fast-moving phase is where local steps cost most.
-* ``fragments`` (F): Streaming DiLoCo. The parameters are cut into F fragments synchronized
-  at staggered steps, so each synchronization sends 1/F of the model and peak bandwidth falls
-  by F at the same total bytes.
-* ``delay`` (τ) and ``mix`` (α): Streaming DiLoCo's overlap. A fragment's pseudo-gradient
-  reduction starts at its step and runs while the next τ inner steps compute; its outer update
-  lands τ steps later, and the local fragment becomes α·θ_local + (1 − α)·θ_global. τ = 0 is
-  synchronous DiLoCo; a larger τ hides more communication but applies an older update.
+"""DiLoCo's hyper-parameters: one frozen dataclass, validated once, compared across ranks. What
+each trades, and its measured sensitivity: docs/diloco.md, Hyper-parameters.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
-"""DiLoCo: local inner steps, then compressed pseudo-gradients and an outer Nesterov SGD.
-
-The algorithm (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of
-Language Models"; streaming from Douillard et al. 2025, "Streaming DiLoCo"), per fragment f
-of the parameters (one fragment = the whole model unless ``fragments > 1``):
-
-1. Every rank keeps θ_global (identical on every rank) and trains its own θ_local with the
-   inner optimizer (e.g. AdamW) on its own data, with no communication.
-2. After inner step t with ``(t - offset_f) % sync_every == 0``, every rank forms the
-   pseudo-gradient Δ = θ_global − θ_local of fragment f and reduces its average over the
-   ranks through a bitscom compressor — the same :class:`~bitscom.engine.Reducer`, bucket
-   planner and per-bucket compressor state (error feedback included) that
-   ``DistributedOptimizer`` uses, so any registered compressor works and its bytes are counted
-   the same way.
-3. The outer optimizer (torch SGD, Nesterov momentum) steps θ_global with Δ as its gradient;
-   every rank copies the new θ_global into its model. Replicas are then bitwise identical in
-   that fragment (the reducer's result is bitwise identical on every rank).
-
-The inner optimizer's state (Adam moments) is never reset or communicated, as in DiLoCo.
-
-With ``delay=τ > 0`` (Streaming DiLoCo's overlap) step 2's reduction is only *launched* after
-inner step t; the next τ inner steps run while it travels, and step 3 happens after inner step
-t + τ, where the local fragment becomes α·θ_local + (1 − α)·θ_global (``mix=α``; α = 0 replaces
-it). ``delay=0`` is the synchronous algorithm above, bitwise.
+"""DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025): every rank trains θ_local with no
+communication; every ``sync_every`` steps (per fragment) the pseudo-gradient θ_global − θ_local
+is averaged through a bitscom compressor (the same :class:`~bitscom.engine.Reducer`, planner
+and per-bucket state as ``DistributedOptimizer``) and an outer Nesterov SGD steps θ_global,
+which every rank copies. ``delay``/``mix``: the reduction overlaps the next inner steps. The
+algorithm step by step: docs/diloco.md.
 """
 
 from __future__ import annotations
@@ -49,9 +31,8 @@ from .streaming import Flight, FragmentReducers, saved_flights
 __all__ = ["DiLoCo", "DEFAULT_COMPRESSION"]
 
 DEFAULT_COMPRESSION = LowBit(bitwidth=4, error_feedback=True)
-"""4-bit blockwise low-bit all-reduce with error feedback: the recommended pseudo-gradient
-compressor (Streaming DiLoCo sends 4-bit pseudo-gradients; the residual keeps what rounding
-dropped for the next synchronization)."""
+"""4-bit low-bit all-reduce with error feedback: Streaming DiLoCo sends 4-bit pseudo-gradients,
+and the residual keeps what rounding dropped for the next synchronization."""
 
 
 def _inner_checked(inner) -> torch.optim.Optimizer:
@@ -76,38 +57,19 @@ class DiLoCo(Face, torch.optim.Optimizer):
     """Wrap a local ``inner_optimizer`` into DiLoCo: ``sync_every`` local steps, then one
     compressed pseudo-gradient reduction and an outer Nesterov SGD step.
 
-    Use it like any optimizer (``loss.backward(); opt.step(); opt.zero_grad()``) with LOCAL
-    gradients (no ``DistributedOptimizer``, no DDP): ``p.grad`` is never reduced. Call
-    ``step()`` on every rank every iteration — the step counter decides when the ranks
-    communicate. Under ``torch.amp.GradScaler`` a step whose gradients overflowed on one rank
-    skips that rank's inner update but still counts, so the ranks stay in step.
+    Use it like any optimizer with LOCAL gradients (no ``DistributedOptimizer``, no DDP) and
+    call ``step()`` on every rank every iteration: the step counter decides when the ranks
+    communicate. Under ``GradScaler`` an overflowed step skips the inner update but counts.
 
     Args:
         inner_optimizer: a plain local ``torch.optim.Optimizer`` (AdamW in DiLoCo).
-        named_parameters: ``model.named_parameters()`` (names for error messages and the
-            cross-rank agreement; without it parameters are numbered).
-        sync_every: H, inner steps between synchronizations; bytes fall as 1/H, drift grows
-            with H (DiLoCo uses 500 on LLMs; small models here like 8–32).
-        compression: a bitscom compressor or registry name for the pseudo-gradient; default
-            :data:`DEFAULT_COMPRESSION` (4-bit low-bit, error feedback); ``None`` = exact fp32.
-        outer_lr, outer_momentum, nesterov: the outer SGD (0.7 / 0.9 / Nesterov as in DiLoCo;
-            ``outer_lr=1, outer_momentum=0, nesterov=False`` is periodic model averaging).
-        fragments: F > 1 = Streaming DiLoCo: F contiguous fragments synchronized at steps
-            staggered by H/F (each sync sends 1/F of the model).
-        process_group: the process group (default: the world group); ``group=`` is its
-            deprecated name.
-        fusion_threshold_mb: bucket size cap of the pseudo-gradient reduction (as in
-            ``DistributedOptimizer``).
-        warmup_steps: W steps of S-SGD first (post-local SGD): the gradient is reduced
-            through ``compression`` every step before the inner step; local steps start after
-            step W (default 0).
-        delay: τ, Streaming DiLoCo's overlap (0 <= τ < sync_every, default 0 = synchronous): a
-            fragment's pseudo-gradient reduction runs during the next τ inner steps and its
-            outer update lands after them. Hides up to τ steps of compute behind the
-            reduction; the update applied is τ steps old. Same bytes.
-        mix: α in [0, 1] (needs ``delay > 0``; default 0): when a delayed update lands, the
-            local fragment becomes α·θ_local + (1 − α)·θ_global, keeping a share α of what the
-            τ overlapped steps (and the interval before) learned locally; 0 replaces it.
+        named_parameters: ``model.named_parameters()`` (names in errors and the agreement).
+        compression: a bitscom compressor or registry name for the pseudo-gradient (default
+            :data:`DEFAULT_COMPRESSION`; ``None`` = exact fp32).
+        process_group: default the world group (``group=``: its deprecated name).
+        fusion_threshold_mb: bucket size cap of the pseudo-gradient reduction.
+        sync_every, outer_lr, outer_momentum, nesterov, fragments, warmup_steps, delay, mix:
+            :class:`~bitscom.diloco.DiLoCoConfig`'s.
 
     Example::
 
@@ -141,8 +103,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         group = renamed(process_group, group, new="process_group", old="group", where="DiLoCo")
         self._face_init("DiLoCo", group)
         group = self._group = self.process_group
-        # Settings are validated on every rank, then compared: a bad value on one rank only
-        # becomes the same error on every rank (never one rank raising while the others wait).
+        # Validated on every rank, then compared: a bad value on one rank is an error on every rank.
         error: Optional[Exception] = None
         try:
             self._setup(inner_optimizer, named_parameters, sync_every, compression,
@@ -206,14 +167,12 @@ class DiLoCo(Face, torch.optim.Optimizer):
         cfg = self.config
         self.outer_optimizer = torch.optim.SGD(self._global, lr=cfg.outer_lr,
                                                momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
-        # one reducer per fragment (each waited for on its own when reductions overlap steps),
-        # on the group's one channel; overlapping needs its later group (see FragmentReducers)
+        # one reducer per fragment, on the group's channel; overlapping needs its later group
         channel = runtime.channel(self._group, later=cfg.delay > 0)
         self._reducer = FragmentReducers(self.compression, self._layouts, self._members, channel)
         self._flights: Dict[int, Flight] = {}
         self._fresh = [True] * cfg.fragments     # θ_local = θ_global in this fragment
-        # the warm-up reduces gradients: its own per-bucket state (error feedback of gradients
-        # is not that of pseudo-gradients), same compressor, same group
+        # the warm-up's own state: error feedback of gradients is not that of pseudo-gradients
         self._warmup_reducer = Reducer(self.compression, self._layouts, self._group)
         self._counters = {"inner_steps": 0, "skipped_inner_steps": 0, "syncs": 0,
                           "fragment_syncs": 0, "bytes_sent": 0, "nonfinite_syncs": 0,
@@ -223,12 +182,8 @@ class DiLoCo(Face, torch.optim.Optimizer):
 
     # -- the step --------------------------------------------------------------------------
     def _inner_step(self, closure):
-        """Run the inner optimizer unless GradScaler found Inf/NaN in this rank's gradients.
-
-        With ``_step_supports_amp_scaling`` GradScaler calls ``step()`` every iteration and
-        hands over ``found_inf`` and ``grad_scale`` (the scale still applied to ``p.grad``
-        unless ``scaler.unscale_(opt)`` ran); unscaling here multiplies by the same float32
-        reciprocal GradScaler would use, so the result equals the plain AMP loop's."""
+        """Run the inner optimizer unless GradScaler found Inf/NaN in this rank's gradients,
+        unscaling by the same float32 reciprocal GradScaler would use (the plain AMP loop's result)."""
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and float(found_inf) != 0.0:
             self._counters["skipped_inner_steps"] += 1
@@ -299,19 +254,9 @@ class DiLoCo(Face, torch.optim.Optimizer):
                     torch.mul(p.grad, inv.to(p.grad.device), out=view)
 
     def sync(self) -> None:
-        """Bring θ_global up to date now, off the schedule, and make the model θ_global: call
-        it on every rank after the last ``step()`` so the model you evaluate or save includes
-        the last, partial interval (up to H − 1 inner steps otherwise left out of θ_global).
-
-        1. The ranks check that they call it after the same step (else the same RuntimeError
-           on every rank, never one rank waiting in a reduction the others skip).
-        2. Every reduction in flight (``delay > 0``) lands now: outer update, then the merge
-           with ``mix`` — or replacement, when no inner step ran since it started.
-        3. Every fragment that ran inner steps since its last synchronization is synchronized
-           (pseudo-gradient reduction + outer step) and replaced by θ_global.
-
-        Right after a synchronization of every fragment it sends nothing and changes nothing.
-        Its bytes are counted; the schedule of later steps is unchanged.
+        """Bring θ_global up to date now, off the schedule, and make the model θ_global: call it
+        on every rank after the last ``step()`` so the model you evaluate or save includes the
+        last, partial interval. Reductions in flight land first; the schedule is unchanged.
 
         Example::
 
@@ -336,14 +281,9 @@ class DiLoCo(Face, torch.optim.Optimizer):
             self._land(stale, replace=stale)
 
     def _warmup_step(self, closure):
-        """Post-local-SGD warm-up: reduce this step's gradient through the compressor, then
-        step the inner optimizer on the average on every rank (S-SGD); θ_global follows.
-
-        The closure (if any) runs first, so its gradients are the ones reduced. A missing
-        ``p.grad`` counts as zeros (every rank must hand the same buckets to the collective).
-        Under GradScaler each rank unscales its own gradients first; if the reduced average
-        holds Inf/NaN (an overflow on any rank) every rank skips the inner step and the
-        warm-up compressor state is reset, so the skip is the same everywhere."""
+        """Post-local-SGD warm-up: step the inner optimizer on the reduced gradient (S-SGD);
+        θ_global follows. An Inf/NaN average skips the step and resets the warm-up state on
+        every rank alike."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -458,11 +398,8 @@ class DiLoCo(Face, torch.optim.Optimizer):
 
     # -- the rest of the optimizer API -----------------------------------------------------
     def comm_stats(self) -> dict:
-        """Whole-run bytes: ``bytes_sent`` (what this rank handed to the network for every
-        pseudo-gradient so far), ``dense_bytes`` (what an exact fp32 gradient all-reduce every
-        step would have sent over the same inner steps), their ratio, and the counters
-        ``inner_steps``, ``skipped_inner_steps``, ``syncs``, ``fragment_syncs``,
-        ``nonfinite_syncs``.
+        """Whole-run ``bytes_sent`` against an exact fp32 gradient all-reduce every step
+        (``dense_bytes``), their ratio and the step and sync counters.
 
         Example::
 
@@ -488,8 +425,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         return [list(m) for m in self._members]
 
     def close(self) -> None:
-        """Refuse further steps (DiLoCo holds no hooks or groups of its own). Reductions still
-        in flight (``delay > 0``) are not waited for: call :meth:`sync` on every rank first.
+        """Refuse further steps; reductions in flight are not waited for (:meth:`sync` first).
 
         Example::
 
@@ -499,12 +435,8 @@ class DiLoCo(Face, torch.optim.Optimizer):
 
     def state_dict(self) -> dict:  # type: ignore[override]
         """The inner optimizer's state dict plus, under ``"diloco"``, θ_global, the outer SGD,
-        the compressor state (this rank's error feedback) and the counters: resuming from it
-        (mid-interval too) reproduces the uninterrupted run bitwise. Save it on every rank.
-
-        With ``delay > 0`` a reduction may be in flight: ``state_dict()`` waits for it (so call
-        it on every rank at the same step, as for any checkpoint) and stores its reduced
-        pseudo-gradient, which the resumed run applies at the step the uninterrupted run does.
+        this rank's compressor state, the counters and any reduction in flight (waited for):
+        resuming reproduces the uninterrupted run bitwise. Save it on every rank.
 
         Example::
 
@@ -526,8 +458,8 @@ class DiLoCo(Face, torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
-        """Load :meth:`state_dict`'s output (this rank's own); the ranks check on the next
-        step that they resumed the same step. Load the model's state dict too.
+        """Load this rank's own :meth:`state_dict` (and the model's); the ranks check on the next
+        step that they resumed the same step.
 
         Example::
 
