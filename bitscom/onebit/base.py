@@ -1,7 +1,6 @@
 """What OneBitAdam and ZeroOneAdam share: construction (settings agreed across ranks, one flat
-fp32 view of every trainable parameter), the exact and the 1-bit all-reduce through bitscom's
-comm layer, GradScaler's hand-over with the inf flag agreed across ranks, byte counting and
-an exact, per-rank ``state_dict``."""
+fp32 momentum), the exact and the 1-bit all-reduce, GradScaler's inf flag agreed across ranks,
+the overlapped path, byte counting and a per-rank ``state_dict``."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         name = self._NAME
         self._face_init(name, group)
         pg = self._group = self.process_group
-        # Validate on every rank, then compare: a bad value on one rank becomes the same error
-        # on every rank instead of one rank raising while the others wait in a collective.
+        # Validated on every rank, then compared: a bad value on one rank is an error on every rank.
         error: Optional[Exception] = None
         try:
             betas = check_common(name, lr, settings.get("betas"), settings.get("eps"), weight_decay)
@@ -83,8 +81,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
             self._attach_overlap(pg)
 
     def _attach_overlap(self, pg) -> None:
-        """The overlapped path (``overlap=True``): buckets of whole 1-bit blocks and one
-        post-accumulate-grad hook per trainable parameter (bitscom's one StepLifecycle)."""
+        """``overlap=True``: buckets of whole 1-bit blocks and the gradient hooks (StepLifecycle)."""
         oc = self.overlap_config
         block = self.config.block_size
         self._buckets = OverlapBuckets([p.numel() for p in self._params], self._numel, self._size, block,
@@ -156,8 +153,8 @@ class OneBitBase(Face, torch.optim.Optimizer):
                 i += 1
 
     def _local_gradient(self) -> torch.Tensor:
-        """This rank's gradient as one flat fp32 tensor (a missing ``p.grad`` counts as zero,
-        so every rank issues the same collectives), unscaled when GradScaler asks for it."""
+        """This rank's gradient as one flat fp32 tensor (a missing ``p.grad`` is zeros), unscaled
+        when GradScaler asks for it."""
         flat = torch.zeros(self._numel, dtype=torch.float32, device=self.exp_avg.device)
         for p, view in self._views(flat):
             if p.grad is not None:
@@ -171,8 +168,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         return flat
 
     def _run(self, rounds_of) -> None:
-        """One collective's rounds on the group's Channel (one order with every other face on
-        the group), to completion; its bytes are counted."""
+        """One collective's rounds on the group's Channel, to completion; its bytes are counted."""
         comm = self._channel.comm()
         self._channel.wait(self._channel.submit(Rounds(rounds_of(comm), [comm])))
         self._counters["bytes_sent"] += comm.bytes_sent
@@ -184,9 +180,8 @@ class OneBitBase(Face, torch.optim.Optimizer):
         return flat
 
     def _onebit_average(self, flat: torch.Tensor) -> torch.Tensor:
-        """DeepSpeed's compressed_allreduce: bitscom's two-stage 1-bit all-reduce with worker and
-        server error feedback; the result is bitwise identical on every rank. A no-op when this
-        step's buckets were already reduced from the gradient hooks (``overlap=True``)."""
+        """DeepSpeed's compressed_allreduce (:func:`~bitscom.onebit.momentum_codec`), bitwise the
+        same on every rank; a no-op when the hooks already reduced this step (``overlap=True``)."""
         if self._size > 1 and self._sent is None:
             self._run(lambda comm: all_reduce_rounds(flat, comm, self.config.codec, self._lowbit))
         return flat
@@ -217,28 +212,27 @@ class OneBitBase(Face, torch.optim.Optimizer):
         return denom.add_(self.config.eps)
 
     def _skip_for_overflow(self) -> bool:
-        """GradScaler found Inf/NaN on THIS rank: agree across ranks (one 4-byte all-reduce),
-        so every rank skips the step together; GradScaler alone would skip on one rank only and
-        the next collective would hang."""
+        """GradScaler found Inf/NaN on THIS rank: every rank skips the step together (GradScaler
+        alone would skip on one rank only and the next collective would hang)."""
         found = getattr(self, "found_inf", None)
-        if found is None:
-            return False
-        flag = torch.tensor([float(found)], dtype=torch.float32, device=self.exp_avg.device)
+        return found is not None and self._max_over_ranks(float(found)) != 0.0
+
+    def _max_over_ranks(self, value: float) -> float:
+        """The largest ``value`` of the ranks (one 4-byte all-reduce)."""
+        flag = torch.tensor([value], dtype=torch.float32, device=self.exp_avg.device)
         if self._size > 1:
             self._run(lambda comm: iter([comm.all_reduce(flag, dist.ReduceOp.MAX)]))
-        return bool(flag.item() != 0.0)
+        return float(flag.item())
 
     # -- the overlapped path (overlap=True): hooks, buckets ----------------------------------
     def _overlap_kind(self, t: int) -> str:
-        """What step ``t`` reduces from the gradient hooks: ``"momentum"`` (1-bit Adam's),
-        ``"gradient"`` (0/1 Adam's 1-bit gradient) or ``"none"`` (the step communicates in
-        step() as without overlap: exact steps, local steps)."""
+        """What step ``t`` reduces from the gradient hooks: ``"momentum"``, ``"gradient"`` or
+        ``"none"`` (the step communicates in step(), as without overlap)."""
         return "none"
 
     def _overlap_target(self, kind: str, start: int, stop: int) -> torch.Tensor:
-        """Prepare elements ``[start, stop)`` of this step's 1-bit all-reduce from the bucket's
-        gradients; return the flat tensor reduced in place (default: a copy of the gradient,
-        which step() then passes to :meth:`_update` as the gradient)."""
+        """Prepare elements ``[start, stop)`` of this step's 1-bit all-reduce; return the flat
+        tensor reduced in place (default: a copy of the gradient, for :meth:`_update`)."""
         assert self._buckets is not None
         work = self._buckets.reduced()
         work[start:stop].copy_(self._buckets.grad[start:stop])
@@ -248,8 +242,8 @@ class OneBitBase(Face, torch.optim.Optimizer):
         return {"settings": repr(self.config), "overlap": repr(self.overlap_config)}
 
     def _on_gradient(self, p: torch.Tensor, last_pass: bool) -> None:
-        """StepLifecycle's hook call: on the pass that completes the step, copy the gradient
-        into its bucket and launch every bucket that became ready, in bucket order."""
+        """On the pass that completes the step, copy the gradient into its bucket and launch
+        every bucket that became ready, in bucket order."""
         b = self._buckets
         assert b is not None
         if not last_pass:
@@ -267,7 +261,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
     def _begin_overlap(self, b: OverlapBuckets) -> None:
         """The step's first gradient: the resume agreement (before any collective of the step),
-        then what this step sends from the hooks; a 1-bit step takes its low-bit step number."""
+        then what this step sends from the hooks."""
         self._agree_if_resumed(self._resume_description, f"{self._NAME} resumed state")
         b.kind = self._overlap_kind(self._counters["step"] + 1)
         if b.kind != "none":
@@ -285,8 +279,8 @@ class OneBitBase(Face, torch.optim.Optimizer):
             b.flights.append(self._channel.submit(rounds))
 
     def _finish(self) -> None:
-        """End of the completing backward pass: parameters without a gradient (frozen, unused)
-        count as zeros, so every bucket launches."""
+        """End of the completing backward pass: missing gradients count as zeros, so every
+        bucket launches."""
         b, life = self._buckets, self._life
         assert b is not None and life is not None
         if b.kind is None:
@@ -298,8 +292,8 @@ class OneBitBase(Face, torch.optim.Optimizer):
         life.completed = True
 
     def _collect_overlapped(self, b: OverlapBuckets) -> None:
-        """step() of a step whose buckets left from the hooks: finish them, then check on every
-        rank together that the gradient is still what was sent (and no GradScaler)."""
+        """Finish the buckets that left from the hooks, then check on every rank together that
+        the gradient is still what was sent (and no GradScaler)."""
         assert self._life is not None
         if not self._life.completed:
             self._finish()                    # fewer backward passes than configured
@@ -310,9 +304,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
             self._counters["bytes_sent"] += sum(w.bytes_sent for w in b.flights)
         changed = b.changed([p.grad for p in self._params])
         scaler = getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None
-        flag = torch.tensor([float(bool(changed)) + 2.0 * scaler], dtype=torch.float32, device=self.exp_avg.device)
-        self._run(lambda comm: iter([comm.all_reduce(flag, dist.ReduceOp.MAX)]))
-        code = int(flag.item())
+        code = int(self._max_over_ranks(float(bool(changed)) + 2.0 * scaler))
         if code & 2:
             raise RuntimeError(f"{self._NAME}(overlap=True) cannot step with GradScaler: its scale and "
                                "inf check arrive at step(), after this step's 1-bit all-reduce already left "
@@ -332,8 +324,8 @@ class OneBitBase(Face, torch.optim.Optimizer):
             self._life.reset_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero ``p.grad`` (torch's); with ``overlap=True`` refused while a step's 1-bit
-        all-reduce is in flight (after backward, before step()): it cannot be called back.
+        """Zero ``p.grad``; with ``overlap=True`` refused while a step's 1-bit all-reduce is in
+        flight (after backward, before step()).
 
         Example::
 
@@ -350,8 +342,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
     # -- the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        """One step on every rank (call it every iteration on every rank). With
-        ``overlap=True`` the step's buckets usually left during backward; this finishes them.
+        """One step (call it every iteration on every rank).
 
         Example::
 
@@ -392,10 +383,8 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Make the replicas identical now, off the schedule: call it on every rank after the
-        last ``step()``, before evaluating or saving. 1-bit Adam synchronizes every step, so
-        here it does nothing; 0/1 Adam's local steps leave the ranks apart until the next
-        synchronization step, which it performs early (DiLoCo's ``sync()`` has the same role).
+        """Make the replicas identical now: call it on every rank after the last ``step()``,
+        before evaluating or saving (a no-op for 1-bit Adam, which synchronizes every step).
 
         Example::
 
@@ -408,9 +397,8 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
     # -- reporting, checkpoints --------------------------------------------------------------
     def comm_stats(self) -> dict:
-        """``bytes_sent`` (this rank, whole run: warm-up included), ``dense_bytes`` (what an
-        exact fp32 gradient all-reduce would have sent for the same steps), their ratio and the
-        step counters.
+        """Whole-run ``bytes_sent`` against an exact fp32 gradient all-reduce per step
+        (``dense_bytes``), their ratio and the step counters.
 
         Example::
 
@@ -429,8 +417,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
     def state_dict(self) -> dict:  # type: ignore[override]
         """torch's param_groups plus, under ``"onebit"``, this rank's momentum, variance, error
-        feedback (worker and server residuals) and counters. Per rank: the residuals differ
-        between ranks by design, so each rank saves and loads its own.
+        feedback and counters (the residuals differ between ranks: each rank saves its own).
 
         Example::
 
@@ -451,9 +438,8 @@ class OneBitBase(Face, torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
-        """Load this rank's own :meth:`state_dict`; resuming continues bitwise as if never
-        interrupted (the ranks check, before their next collective, that they resumed the
-        same step).
+        """Load this rank's own :meth:`state_dict`; resuming continues bitwise (the ranks check
+        they resumed the same step).
 
         Example::
 
@@ -504,7 +490,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
             self._buckets.flights = []
 
     def close(self) -> None:
-        """Refuse further steps (the optimizer holds no hooks; its groups are the caller's).
+        """Refuse further steps.
 
         Example::
 

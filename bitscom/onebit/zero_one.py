@@ -34,31 +34,21 @@ class ZeroOneAdam(OneBitBase):
        ``u = 0``; ``lrs = 0``. Every ``local_step_scaler`` frozen steps ``local_step_interval``
        doubles, up to ``local_step_clipper``.
 
-    Differences from DeepSpeed: its first ``step()`` only allocates buffers (no update), which
-    shifts its boundaries by one (its variance phase ends after step ``var_freeze_step + 1``);
-    here step 1 is a real step and the frozen phase starts at ``var_freeze_step + 1``. Bias
-    correction by default (torch's Adam correction, ``lr/bc1`` also being what ``lrs`` sums;
-    DeepSpeed's accepts the flag and ignores it: ``bias_correction=False``). The 1-bit code
-    has one scale per ``block_size`` block. Residuals resume exactly from a checkpoint
-    (DeepSpeed resets them).
+    Differences from DeepSpeed, on purpose: step 1 is a real step (DeepSpeed's first ``step()``
+    only allocates, shifting its boundaries by one); bias correction by default (``lr/bc1`` is
+    also what ``lrs`` sums; ``bias_correction=False`` is DeepSpeed's); one 1-bit scale per
+    ``block_size`` block; residuals resume exactly from a checkpoint (DeepSpeed resets them).
 
-    On short runs (hundreds of steps) measure before trusting it: Adam's ``sqrt(v)`` keeps
-    falling long after the lr warm-up (on the suite's GPT it is 0.4-0.6x its step-30 value
-    from step 60 to 300), so a variance frozen there makes every later step several times too
-    small; the paper's runs freeze after ~10^5 steps. docs/onebit.md gives the numbers.
+    On short runs measure before trusting it: ``sqrt(v)`` keeps falling long after the lr
+    warm-up, so a variance frozen early makes every later step too small (docs/onebit.md).
 
     Args:
-        params, lr, betas, eps, weight_decay, process_group, block_size, stage2_bits: as
-            :class:`~bitscom.onebit.OneBitAdam`.
-        var_freeze_step: last step that may update the variance (usually the end of the lr
-            warm-up; DeepSpeed: "does not require tuning").
-        var_update_scaler: kappa, variance updates per interval doubling.
-        local_step_scaler, local_step_clipper: the local-step interval doubles every
-            ``local_step_scaler`` frozen steps, up to ``local_step_clipper`` (H).
-        bias_correction: Adam's bias correction (``k`` = exact variance updates so far).
-        overlap, bucket_mb, backward_passes_per_step: as :class:`~bitscom.onebit.OneBitAdam`;
-            here the 1-bit gradient steps of the variance phase overlap backward (exact steps,
-            local steps and synchronizations run in step()).
+        params, lr, betas, eps, weight_decay, process_group, block_size, stage2_bits,
+            bias_correction, overlap, bucket_mb, backward_passes_per_step: as
+            :class:`~bitscom.onebit.OneBitAdam` (here the 1-bit gradient steps of the variance
+            phase overlap backward).
+        var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper:
+            :class:`~bitscom.onebit.ZeroOneConfig`'s.
 
     Example::
 
@@ -90,10 +80,8 @@ class ZeroOneAdam(OneBitBase):
                        "local_step_counter": 0, "errors_reset": False,
                        "lrs": [0.0] * len(self.param_groups)}
         self.momentum_accumulator = torch.zeros_like(self.exp_avg)
-        # The parameters at the last synchronization (identical on every rank). DeepSpeed
-        # computes them as ``p - u``, which in floating point differs between ranks by the
-        # rounding of their different local steps; keeping them makes the synchronized
-        # parameters bitwise identical on every rank (same value in exact arithmetic).
+        # The parameters at the last synchronization: DeepSpeed's ``p - u`` differs between ranks
+        # by the rounding of their local steps; this keeps synchronized replicas bitwise equal.
         self.anchor = torch.zeros_like(self.exp_avg)
 
     def _make_config(self, settings: Dict[str, Any]) -> ZeroOneConfig:
@@ -116,9 +104,8 @@ class ZeroOneAdam(OneBitBase):
         self._sched = extra
 
     def _overlap_kind(self, t: int) -> str:
-        """The 1-bit gradient steps of the variance phase go from the hooks; exact steps and
-        the frozen phase's local steps and synchronizations run in step() (a synchronization
-        reduces ``u``, which needs the step's parameter update first)."""
+        """The variance phase's 1-bit gradient steps go from the hooks; the rest runs in step()
+        (a synchronization reduces ``u``, which needs the step's parameter update first)."""
         if t <= self.config.var_freeze_step and t % self._sched["var_interval"] != 0:
             return "gradient"
         return "none"
@@ -197,11 +184,8 @@ class ZeroOneAdam(OneBitBase):
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Synchronize now if local steps ran since the last synchronization (the schedule
-        of later steps is unchanged; the bytes are counted): after it every rank holds the
-        same parameters and momentum. A no-op in the variance phase (every step synchronizes)
-        or right after a synchronization step. The decision reads only counters every rank
-        shares, so every rank takes the same branch.
+        """Synchronize now if local steps ran since the last synchronization (the schedule is
+        unchanged): every rank then holds the same parameters and momentum.
 
         Example::
 
