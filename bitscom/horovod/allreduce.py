@@ -24,11 +24,8 @@ _TORCH_OPS = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.Redu
 
 
 def _reduce_error(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float) -> int:
-    """The header's error code for arguments this rank cannot reduce (0: none).
-
-    It depends on the data (a bool tensor on one rank only), so it travels in the header and
-    every rank raises it together, instead of one rank raising before the collective.
-    """
+    """The header's error code for arguments this rank cannot reduce (0: none); it depends on
+    the data, so it travels in the header and every rank raises it together."""
     if tensor.dtype == torch.bool:
         return 5
     integer = not (tensor.is_floating_point() or tensor.is_complex())
@@ -88,12 +85,10 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
     """Start reducing ``tensor`` over ranks; returns a :class:`Handle` (see :func:`synchronize`).
 
     Args:
-        tensor: any dense tensor, same dtype and shape on every rank.
         average: deprecated Horovod flag (``True`` = Average, ``False`` = Sum).
-        name: a label for error messages (Horovod keys operations by it; here order does).
+        name: a label for error messages (calls pair by order, not by name).
         op: ``bitscom.Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
-        prescale_factor, postscale_factor: multiply each rank's tensor before, and the
-            result after, the reduction (floating-point tensors only).
+        prescale_factor, postscale_factor: multiply before / after the reduction (floats only).
         process_group: the torch ProcessGroup to reduce over (default: the world).
 
     Example::
@@ -116,7 +111,6 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
         h = bitscom.allreduce_async_(buf, op=bitscom.Sum)
         bitscom.synchronize(h)      # buf now holds the sum
     """
-    check_tensor("allreduce_async_", tensor)
     return _allreduce_async("allreduce_async_", tensor, tensor, average, name, op,
                             prescale_factor, postscale_factor, process_group, process_set)
 
@@ -131,7 +125,6 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
 
         bitscom.allreduce_(counts, op=bitscom.Sum)
     """
-    check_tensor("allreduce_", tensor)
     return synchronize(_allreduce_async("allreduce_", tensor, tensor, average, name, op,
                                         prescale_factor, postscale_factor, process_group,
                                         process_set))

@@ -75,7 +75,6 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
 
         bitscom.synchronize(bitscom.broadcast_async_(weights, root_rank=0))
     """
-    check_tensor("broadcast_async_", tensor)
     return _broadcast_async("broadcast_async_", tensor, tensor, root_rank, name,
                             process_group, process_set)
 
@@ -88,7 +87,6 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 
         bitscom.broadcast_(model.fc.weight.data, root_rank=0)
     """
-    check_tensor("broadcast_", tensor)
     return synchronize(_broadcast_async("broadcast_", tensor, tensor, root_rank, name,
                                         process_group, process_set))
 
