@@ -1,15 +1,5 @@
 """World-size-independent (*consolidated*) checkpoints of a sharded optimizer: every rank
-loading one cuts out the pieces it owns under its own plan.
-
-Format (``"format": FORMAT``)::
-
-    {"format": "bitscom.sharded/1", "step": int, "settings": {...},
-     "params": {name: {"master": Tensor[shape], "replica": Tensor[shape],
-                       "state": {key: Tensor[shape] | scalar}, "element_keys": [key, ...]}},
-     "param_groups": [{hyperparameters..., "params": [names]}]}
-
-Only *elementwise* state can be split and joined: a state tensor is 0-dimensional (the same
-for every piece) or has one entry per element; anything else is refused naming the key.
+loading one cuts out the pieces it owns under its own plan (the format: docs/sharded.md).
 """
 
 from __future__ import annotations
@@ -50,8 +40,7 @@ def _put_state(state: dict, elem_keys: set, piece: dict, start: int, stop: int, 
 
 
 def join_pieces(contributions: List[dict], shapes: Dict[str, tuple], dtype_of: Dict[str, torch.dtype]) -> dict:
-    """Assemble per-rank piece lists, ``{name: [(start, stop, master, replica, state), ...]}``,
-    into ``{name: {"master", "replica", "state", "element_keys"}}``."""
+    """Per-rank ``{name: [(start, stop, master, replica, state), ...]}`` joined into whole parameters."""
     out = {}
     for name, shape in shapes.items():
         numel = math.prod(shape)

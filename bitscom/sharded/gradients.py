@@ -1,10 +1,7 @@
 """Gradient reduce-scatter of one bucket: exact, or SDP4Bit's two-level quantized scheme
-(:mod:`bitscom.lowbit.levelwise`, intra-node then inter-node; a level of one rank is skipped).
-
-Ranks are ``M`` nodes x ``L`` ranks per node, rank ``r = node * L + local`` owns shard ``r``.
-The round generators go to the group's :class:`~bitscom.channel.Channel` in launch order. Each
-group carries one kind of round (intra: first rounds; inter: later ones; the process group:
-the exact reduce-scatters), so no later group is needed.
+(:mod:`bitscom.lowbit.levelwise`; rank ``r = node * L + local`` owns shard ``r``). Each group
+carries one kind of round (intra: first rounds; inter: later ones; the process group: the
+exact reduce-scatters), so the channel needs no later group.
 """
 
 from __future__ import annotations
@@ -26,8 +23,8 @@ __all__ = ["Topology", "GradientReducer", "gradient_wire_bytes"]
 
 @dataclass(frozen=True)
 class Topology:
-    """The groups of one sharded optimizer: ``group`` (all ranks), ``intra`` (this node's
-    ``L`` ranks) and ``inter`` (the ``M`` ranks with this local rank); ``None`` = no group."""
+    """The groups of one sharded optimizer: ``group`` (all ranks), ``intra`` (this node's ranks)
+    and ``inter`` (the ranks with this local rank); ``None`` = no group."""
 
     group: Optional[object]
     intra: Optional[object]
@@ -48,8 +45,7 @@ def _codecs(cfg: ShardedConfig):
 
 
 def gradient_wire_bytes(cfg: ShardedConfig, topo: Topology, shard_numel: int) -> int:
-    """Bytes this rank hands to the network to reduce-scatter one bucket of ``world * S``
-    elements (each collective's input buffer: all-to-all = the whole send buffer).
+    """Bytes this rank sends (each collective's input buffer) to reduce-scatter one bucket.
 
     Example::
 
@@ -66,9 +62,7 @@ def gradient_wire_bytes(cfg: ShardedConfig, topo: Topology, shard_numel: int) ->
 
 def _comm(group, size: int, rank: int) -> Comm:
     """A Comm over ``group``; a missing group (a level of one rank) is a solo Comm."""
-    if group is None:
-        return Comm(None, rank=0, size=1)
-    return Comm(group, rank=rank, size=size)
+    return Comm(None, rank=0, size=1) if group is None else Comm(group, rank=rank, size=size)
 
 
 def _exact_rounds(out: torch.Tensor, flat: torch.Tensor, comm: Comm, divide_by: Optional[int]):
@@ -96,8 +90,7 @@ class GradientReducer:
         return any(not f.done for f in self._flights)
 
     def launch(self, bucket: int, flat: torch.Tensor, out: torch.Tensor, step: int) -> None:
-        """Start reducing ``flat`` (``world * S`` float elements) into ``out`` (``S``): issues the
-        bucket's first rounds (exact: its reduce-scatter; TLq: every chunk's intra-node round)."""
+        """Start reducing ``flat`` (``world * S`` elements) into ``out`` (``S``): its first rounds."""
         topo, cfg = self.topo, self.cfg
         if topo.world == 1:
             out.copy_(flat)
@@ -124,16 +117,14 @@ class GradientReducer:
         self._flights.append(self.channel.submit(Rounds(gen, comms, total=total)))
 
     def poll(self, step: int, block: bool = False) -> None:
-        """Advance whatever completed; ``block=True`` finishes everything (``step`` is unused:
-        the seeds were fixed at :meth:`launch`)."""
+        """Advance whatever completed; ``block=True`` finishes everything (``step`` is unused)."""
         if block and self._flights:
             self.channel.wait(self._flights[-1])
         else:
             self.channel.poll()
 
     def wait_all(self, step: int) -> int:
-        """Finish every launched bucket; returns the bytes sent this step and resets (also when
-        a collective failed)."""
+        """Finish every launched bucket; the bytes sent this step. Resets, also on failure."""
         try:
             self.poll(step, block=True)
             failed = [f.error for f in self._flights if f.error is not None]

@@ -21,16 +21,14 @@ __all__ = ["Slot", "Piece", "BucketShard", "ShardPlan", "plan_shards"]
 
 @dataclass(frozen=True)
 class Slot(TensorSlot):
-    """The library's slot (name, offset, numel, shape in the bucket's flat buffer) plus the
-    parameter's registration ``index``, which keys the sharded optimizer's per-parameter data."""
+    """The library's bucket slot plus the parameter's registration ``index``."""
 
     index: int = -1
 
 
 @dataclass(frozen=True)
 class Piece:
-    """The part ``[start, stop)`` (flattened) of parameter ``index`` that this rank owns; it
-    sits at ``master_offset`` of the rank's flat master shard."""
+    """The part ``[start, stop)`` of parameter ``index`` this rank owns, at ``master_offset``."""
 
     index: int
     name: str
@@ -45,8 +43,7 @@ class Piece:
 
 @dataclass(frozen=True)
 class BucketShard:
-    """One bucket: its slots, padded size ``world * shard_numel``, and where this rank's shard
-    sits in the flat master buffer (``master_offset``)."""
+    """One bucket: its slots, padded size ``world * shard_numel``, this rank's master offset."""
 
     slots: Tuple[Slot, ...]
     numel: int

@@ -59,23 +59,23 @@ def _check_threshold(value) -> None:
 
 
 def _resolve_topology(process_group, intra_group, inter_group, local_size):
+    """(topology, "consistent" or this rank's layout problem, ranks per node of node groups still
+    to build)."""
     if process_group is None:
-        return Topology(None, None, None, 1, 0, 1), "consistent"
+        return Topology(None, None, None, 1, 0, 1), "consistent", None
     world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
     intra_group, inter_group, local_size = _node_choice(process_group, intra_group, inter_group, local_size)
     if intra_group is None:
         if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \
                 or world % local_size:
             raise ValueError(f"local_size={local_size!r} must be an int >= 1 dividing the world size {world}")
-        return None, (process_group, world, rank, local_size)
-    L = dist.get_world_size(intra_group)
-    topology = Topology(process_group, intra_group, inter_group, world, rank, L)
-    return topology, _layout_problem(topology)
+        return Topology(process_group, None, None, world, rank, local_size), "consistent", local_size
+    topology = Topology(process_group, intra_group, inter_group, world, rank, dist.get_world_size(intra_group))
+    return topology, _layout_problem(topology), None
 
 
 def _node_choice(process_group, intra_group, inter_group, local_size):
-    """(intra, inter, local_size): the user's node groups, else runtime's node groups when the
-    group is the world, else ``local_size`` (default: one node of the whole group)."""
+    """(intra, inter, local_size): the user's node groups, else runtime's, else one node."""
     if (intra_group is None) != (inter_group is None):
         raise ValueError("pass both intra_group and inter_group, or neither")
     if intra_group is not None and local_size is not None:
@@ -89,8 +89,7 @@ def _node_choice(process_group, intra_group, inter_group, local_size):
 
 
 def _layout_problem(t: Topology) -> str:
-    """"consistent" when the node groups are contiguous nodes of the group's ranks, else what
-    this rank sees (the ranks compare it before the first collective on the node groups)."""
+    """"consistent" when the node groups are contiguous nodes of the group, else what is wrong."""
     world, rank, L = t.world, t.rank, t.local_size
     group, intra, inter = (dist.get_process_group_ranks(cast(Any, g)) for g in (t.group, t.intra, t.inter))
     expect_intra, expect_inter = node_layout(group, L, rank) if world % L == 0 else (None, None)
@@ -176,11 +175,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._master_dtype = torch.float64 if self._param_dtype == torch.float64 else torch.float32
         device = self._trainable[0][1].device
 
-        topo, layout = _resolve_topology(self.process_group, intra_group, inter_group, local_size)
-        pending_local = None
-        if topo is None:
-            group, world, rank, pending_local = layout
-            topo, layout = Topology(group, None, None, world, rank, pending_local), "consistent"
+        topo, layout, pending_local = _resolve_topology(self.process_group, intra_group, inter_group, local_size)
         self.process_group = topo.group
         self.plan = plan_shards([(n, tuple(p.shape), p.numel()) for n, p in self._trainable],
                                 topo.world, topo.rank, self.config.fusion_threshold_bytes,
@@ -251,11 +246,10 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
     def _broadcast_parameters(self) -> None:
         """Replicas start identical (like DDP): rank 0's parameters, through the one Comm."""
-        if self.topo.world == 1:
-            return
-        comm = Comm(self.topo.group)
-        with torch.no_grad():
-            wait([comm.broadcast(p.data, 0) for p in self._params])
+        if self.topo.world > 1:
+            comm = Comm(self.topo.group)
+            with torch.no_grad():
+                wait([comm.broadcast(p.data, 0) for p in self._params])
 
     def _take_over(self, optimizer) -> None:
         """Re-point ``optimizer`` at this rank's pieces, slicing any state it already has."""
@@ -339,8 +333,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             self._next_launch += 1
 
     def _finish(self) -> None:
-        """Complete the reduce-scatter (end of backward, or an early :meth:`synchronize`) into the
-        master gradient; parameters without a gradient count as zeros."""
+        """Complete the reduce-scatter into the master gradient; missing gradients count as zeros."""
         self._life.check_open()
         self._life.check_requires_grad()
         try:
@@ -374,8 +367,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             self._life.reset_collectives()
 
     def shadow_step(self) -> None:
-        """Join the other ranks' step with zero gradients (bitscom.join()); this rank *does* step:
-        the others' all-gather needs its shard updated."""
+        """Join the others' step with zero gradients (join()): their all-gather needs this shard."""
         for bucket in self._buckets:
             bucket.zero_()
         self._life.begin(notify=False)     # join's all-reduce took the place of the notice
@@ -395,14 +387,12 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             opt.synchronize()                      # no-op: already reduced
             print(opt.clip_grad_norm_(1.0))
         """
-        if self._life.completed:
-            return
-        self._finish()
+        if not self._life.completed:
+            self._finish()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
-        """Not available: ShardedOptimizer never re-reduces ``p.grad`` (it is ``None`` after
-        backward). Clip with :meth:`clip_grad_norm_` and call :meth:`step` directly."""
+        """Not available: ``p.grad`` is ``None`` after backward; use :meth:`clip_grad_norm_`."""
         raise RuntimeError("ShardedOptimizer keeps the reduced gradient sharded and p.grad is None "
                            "after backward, so torch.nn.utils.clip_grad_norm_(model.parameters()) "
                            "would see nothing; call opt.clip_grad_norm_(max_norm) and then opt.step()")
@@ -593,12 +583,9 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             return None
         shapes = {n: tuple(p.shape) for n, p in self._trainable}
         params = join_pieces(gathered, shapes, {n: p.dtype for n, p in self._trainable})
-        groups = []
-        index_of = {id(t): k for k, t in enumerate(self._pieces)}
-        for g in self.optimizer.param_groups:
-            entry = {k: v for k, v in g.items() if k != "params"}
-            entry["params"] = sorted({self.plan.pieces[index_of[id(t)]].name for t in g["params"]})
-            groups.append(entry)
+        name_of = {id(t): piece.name for piece, t in zip(self.plan.pieces, self._pieces)}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": sorted({name_of[id(t)] for t in g["params"]})} for g in self.optimizer.param_groups]
         return {"format": FORMAT, "step": self._step_count, "settings": self.config.describe(),
                 "optimizer": type(self.optimizer).__name__, "params": params, "param_groups": groups}
 
@@ -657,9 +644,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                 for n, p in self._trainable:
                     p.copy_(params[n]["replica"].to(p.device))
         for g, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
-            for k, v in saved.items():
-                if k != "params":
-                    g[k] = v
+            g.update({k: v for k, v in saved.items() if k != "params"})
         self.optimizer.state = new_state
         self._life.loaded(int(state_dict["step"]))
 

@@ -13,6 +13,5 @@ __all__ = ["rotate", "hadamard_matrix"]
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """Rotate every run of 32 elements of the flat float ``x`` (a new flat float32 tensor);
-    the transform is its own inverse."""
+    """Rotate every 32-element run of flat ``x`` (a new flat float32 tensor); its own inverse."""
     return hadamard(x.reshape(-1).to(torch.float32), HADAMARD_BLOCK, backend="gemm")

@@ -47,8 +47,7 @@ def replica_shard(plan: ShardPlan, bucket: int, params: Sequence[torch.Tensor]) 
 
 def _encode(cfg: ShardedConfig, topo: Topology, plan: ShardPlan, master: torch.Tensor,
             params: List[torch.Tensor], step: int, i: int) -> torch.Tensor:
-    """What this rank sends for bucket ``i``: ``Q(master - replica)`` bytes, or its master
-    shard in the parameters' dtype."""
+    """What this rank sends for bucket ``i``: ``Q(master - replica)``, or its master shard."""
     b = plan.buckets[i]
     mine = master[b.master_offset:b.master_offset + b.shard_numel]
     if cfg.quantized_weights and topo.world > 1:
@@ -61,21 +60,18 @@ def _encode(cfg: ShardedConfig, topo: Topology, plan: ShardPlan, master: torch.T
 
 def _apply(cfg: ShardedConfig, world: int, b, R: int, out: torch.Tensor, params: List[torch.Tensor]) -> None:
     """Bring bucket ``b``'s parameters up to date from the gathered rows ``out``."""
+    quantized = cfg.quantized_weights and world > 1
+    if quantized:
+        codec = delta_codec(cfg.weight_quantization_bits, cfg.wq_group_size)
+        rows = out.view(world, R)
+        full = torch.empty(world * b.shard_numel, dtype=torch.float32, device=out.device)
+        for j in range(world):
+            codec.decode(rows[j], b.shard_numel, full[j * b.shard_numel:(j + 1) * b.shard_numel])
     with torch.no_grad():
-        if cfg.quantized_weights and world > 1:
-            codec = delta_codec(cfg.weight_quantization_bits, cfg.wq_group_size)
-            rows = out.view(world, R)
-            full = torch.empty(world * b.shard_numel, dtype=torch.float32, device=out.device)
-            for j in range(world):
-                codec.decode(rows[j], b.shard_numel, full[j * b.shard_numel:(j + 1) * b.shard_numel])
-            for s in b.slots:
-                p = params[s.index]
-                new = add_delta(p.detach().reshape(-1), full[s.offset:s.end])
-                p.detach().copy_(new.view(p.shape))
-        else:
-            for s in b.slots:
-                p = params[s.index]
-                p.detach().copy_(out[s.offset:s.end].view(p.shape))
+        for s in b.slots:
+            p = params[s.index]
+            new = add_delta(p.detach().reshape(-1), full[s.offset:s.end]) if quantized else out[s.offset:s.end]
+            p.detach().copy_(new.view(p.shape))
 
 
 def _gather_rounds(cfg, topo, plan, master, params, step, comm: Comm):
