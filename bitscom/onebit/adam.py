@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
-
 import torch
 
 from ..face import renamed
@@ -30,25 +28,13 @@ class OneBitAdam(OneBitBase):
        where a group has one; ``v`` unchanged.
     3. ``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)`` (decoupled weight decay).
 
-    Differences from DeepSpeed's ``OnebitAdam``, on purpose: bias correction by default
-    (``lr/(1-b1^t)``, ``v/(1-b2^k)``, ``k = min(t, freeze_step)``; DeepSpeed accepts the flag
-    and never applies it, ``bias_correction=False``, which costs +8.4% final loss on the
-    suite's GPT, docs/onebit.md); step 1 is a full AdamW step (DeepSpeed's first ``step()`` only
-    allocates); one 1-bit scale (mean |x|) per ``block_size`` block instead of one per chunk;
-    the residuals are checkpointed per rank (DeepSpeed resets them on load).
-
-    Args:
-        params: parameters or groups (a group may set ``lr``, ``weight_decay`` and
-            ``exp_avg_mask``: a 0/1 tensor broadcastable to each of its parameters, 0 for rows
-            that are always zero such as unused embedding rows). float32 parameters only.
-        lr, weight_decay: per group, as AdamW; ``betas``, ``eps``: one pair for the model.
-        freeze_step, block_size, stage2_bits, bias_correction: :class:`~bitscom.onebit.OneBitConfig`'s.
-        process_group: default the world group (``group=``: its deprecated name).
-        overlap, bucket_mb, backward_passes_per_step: start the 1-bit all-reduce from the
-            gradient hooks (:class:`~bitscom.onebit.config.OverlapConfig`; docs/onebit.md).
-
-    Use it alone with LOCAL gradients (no DistributedOptimizer, no DDP): it owns its
-    communication. Every rank must call ``step()`` every iteration.
+    Where it differs from DeepSpeed's ``OnebitAdam`` (bias correction by default, among
+    others): docs/onebit.md. Use it alone with LOCAL gradients (no DistributedOptimizer, no
+    DDP) and call ``step()`` on every rank every iteration. A parameter group may set ``lr``,
+    ``weight_decay`` and ``exp_avg_mask`` (0/1, broadcastable: 0 for rows always zero, such as
+    unused embedding rows); ``freeze_step`` ... ``bias_correction`` are
+    :class:`~bitscom.onebit.OneBitConfig`'s, ``overlap`` ... those of
+    :class:`~bitscom.onebit.config.OverlapConfig`.
 
     Example::
 
@@ -64,21 +50,14 @@ class OneBitAdam(OneBitBase):
     """
 
     _NAME = "OneBitAdam"
+    _CONFIG = OneBitConfig
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, freeze_step: int = 100, *, process_group=None,
                  block_size: int = 2048, stage2_bits: int = 1, bias_correction: bool = True, group=None,
                  overlap: bool = False, bucket_mb: float = 25.0, backward_passes_per_step: int = 1):
         group = renamed(process_group, group, new="process_group", old="group", where="OneBitAdam")
-        super().__init__(params, lr, weight_decay, group,
-                         dict(betas=betas, eps=eps, freeze_step=freeze_step,
-                              block_size=block_size, stage2_bits=stage2_bits,
-                              bias_correction=bias_correction),
-                         dict(overlap=overlap, bucket_mb=bucket_mb,
-                              backward_passes_per_step=backward_passes_per_step))
-
-    def _make_config(self, settings: Dict[str, Any]) -> OneBitConfig:
-        return OneBitConfig(**settings)
+        super().__init__(params, lr, weight_decay, group, locals())
 
     @property
     def variance_frozen(self) -> bool:

@@ -4,6 +4,7 @@ the overlapped path, byte counting and a per-rank ``state_dict``."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -22,11 +23,16 @@ from .overlap import OverlapBuckets
 __all__ = ["OneBitBase"]
 
 
+def _fields(cls, args: Dict[str, Any]) -> Dict[str, Any]:
+    return {f.name: args[f.name] for f in dataclasses.fields(cls)}
+
+
 class OneBitBase(Face, torch.optim.Optimizer):
-    """Base class: subclasses set ``_NAME``, build ``self.config`` in ``_make_config`` and
+    """Base class: subclasses set ``_NAME`` and ``_CONFIG`` (their settings' dataclass) and
     implement ``_update(grad_flat)`` and ``_extra_state`` / ``_load_extra``."""
 
     _NAME = "OneBitBase"
+    _CONFIG: Any = None
     _step_supports_amp_scaling = True   # GradScaler hands over grad_scale / found_inf (see step)
 
     def __init_subclass__(cls, **kwargs):
@@ -37,17 +43,18 @@ class OneBitBase(Face, torch.optim.Optimizer):
                             "the warm-up, the 1-bit momentum after it); wrapping would all-reduce every "
                             "gradient a second time. Use it alone, with LOCAL gradients in p.grad")
 
-    def __init__(self, params, lr: float, weight_decay: float, group, settings: Dict[str, Any],
-                 overlap: Optional[Dict[str, Any]] = None):
+    def __init__(self, params, lr: float, weight_decay: float, group, args: Dict[str, Any]):
+        """``args``: the subclass's keyword arguments, named as the fields of ``_CONFIG`` and
+        :class:`OverlapConfig`."""
         name = self._NAME
         self._face_init(name, group)
         pg = self._group = self.process_group
         # Validated on every rank, then compared: a bad value on one rank is an error on every rank.
         error: Optional[Exception] = None
         try:
-            betas = check_common(name, lr, settings.get("betas"), settings.get("eps"), weight_decay)
-            self.config = self._make_config(dict(settings, betas=betas))
-            self.overlap_config = OverlapConfig(**(overlap or {}))
+            betas = check_common(name, lr, args.get("betas"), args.get("eps"), weight_decay)
+            self.config = self._CONFIG(**dict(_fields(self._CONFIG, args), betas=betas))
+            self.overlap_config = OverlapConfig(**_fields(OverlapConfig, args))
             torch.optim.Optimizer.__init__(self, params, dict(lr=lr, weight_decay=weight_decay))
             self._plan()
         except (TypeError, ValueError) as err:
@@ -91,9 +98,6 @@ class OneBitBase(Face, torch.optim.Optimizer):
         self._life.attach([p for p in self._params if p.requires_grad], joinable=False)
 
     # -- construction ------------------------------------------------------------------------
-    def _make_config(self, settings: Dict[str, Any]):
-        raise NotImplementedError
-
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_params", None):
             raise RuntimeError(f"{self._NAME}: add_param_group after construction would change the "
@@ -153,8 +157,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
                 i += 1
 
     def _local_gradient(self) -> torch.Tensor:
-        """This rank's gradient as one flat fp32 tensor (a missing ``p.grad`` is zeros), unscaled
-        when GradScaler asks for it."""
+        """This rank's gradient as one flat fp32 tensor (missing = zeros), unscaled under GradScaler."""
         flat = torch.zeros(self._numel, dtype=torch.float32, device=self.exp_avg.device)
         for p, view in self._views(flat):
             if p.grad is not None:
@@ -180,22 +183,19 @@ class OneBitBase(Face, torch.optim.Optimizer):
         return flat
 
     def _onebit_average(self, flat: torch.Tensor) -> torch.Tensor:
-        """DeepSpeed's compressed_allreduce (:func:`~bitscom.onebit.momentum_codec`), bitwise the
-        same on every rank; a no-op when the hooks already reduced this step (``overlap=True``)."""
+        """DeepSpeed's compressed_allreduce in place; a no-op when the hooks already reduced this step."""
         if self._size > 1 and self._sent is None:
             self._run(lambda comm: all_reduce_rounds(flat, comm, self.config.codec, self._lowbit))
         return flat
 
     def _mask(self, flat: torch.Tensor) -> None:
-        """Momentum masks (DeepSpeed's ``exp_avg_mask``): 1-bit codes cannot say 0, so rows that
-        are always zero (unused embedding rows) would collect compression error for ever."""
+        """``exp_avg_mask``: 1-bit codes cannot say 0, so always-zero rows would collect error for ever."""
         for (_p, _, _, mask, _), (_, view) in zip(self._groups(), self._views(flat)):
             if mask is not None:
                 view.mul_(mask.to(view.device, view.dtype))
 
     def _apply(self, update: torch.Tensor, extra: Optional[torch.Tensor] = None) -> None:
-        """``p -= lr * (update + wd * p)`` (DeepSpeed's decoupled weight decay, added to the
-        update); with ``extra``, also ``extra -= lr * (update + wd * p)`` (0/1 Adam's u)."""
+        """``p -= lr * (update + wd * p)`` (decoupled weight decay); ``extra`` (0/1 Adam's u) alike."""
         for (p, lr, wd, _, i), (_, u) in zip(self._groups(), self._views(update)):
             step = u + wd * p if wd > 0 else u
             step = step * lr
@@ -212,8 +212,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         return denom.add_(self.config.eps)
 
     def _skip_for_overflow(self) -> bool:
-        """GradScaler found Inf/NaN on THIS rank: every rank skips the step together (GradScaler
-        alone would skip on one rank only and the next collective would hang)."""
+        """GradScaler found Inf/NaN on any rank: every rank skips the step (else the next would hang)."""
         found = getattr(self, "found_inf", None)
         return found is not None and self._max_over_ranks(float(found)) != 0.0
 
@@ -226,13 +225,11 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
     # -- the overlapped path (overlap=True): hooks, buckets ----------------------------------
     def _overlap_kind(self, t: int) -> str:
-        """What step ``t`` reduces from the gradient hooks: ``"momentum"``, ``"gradient"`` or
-        ``"none"`` (the step communicates in step(), as without overlap)."""
+        """What step ``t`` reduces from the hooks: ``"momentum"``, ``"gradient"`` or ``"none"``."""
         return "none"
 
     def _overlap_target(self, kind: str, start: int, stop: int) -> torch.Tensor:
-        """Prepare elements ``[start, stop)`` of this step's 1-bit all-reduce; return the flat
-        tensor reduced in place (default: a copy of the gradient, for :meth:`_update`)."""
+        """Prepare ``[start, stop)`` of the hooks' all-reduce; the flat tensor it reduces in place."""
         assert self._buckets is not None
         work = self._buckets.reduced()
         work[start:stop].copy_(self._buckets.grad[start:stop])
@@ -242,8 +239,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         return {"settings": repr(self.config), "overlap": repr(self.overlap_config)}
 
     def _on_gradient(self, p: torch.Tensor, last_pass: bool) -> None:
-        """On the pass that completes the step, copy the gradient into its bucket and launch
-        every bucket that became ready, in bucket order."""
+        """On the completing pass, copy the gradient into its bucket and launch the ready buckets."""
         b = self._buckets
         assert b is not None
         if not last_pass:
@@ -260,8 +256,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         self._channel.poll()
 
     def _begin_overlap(self, b: OverlapBuckets) -> None:
-        """The step's first gradient: the resume agreement (before any collective of the step),
-        then what this step sends from the hooks."""
+        """The step's first gradient: the resume agreement, then what the hooks send this step."""
         self._agree_if_resumed(self._resume_description, f"{self._NAME} resumed state")
         b.kind = self._overlap_kind(self._counters["step"] + 1)
         if b.kind != "none":
@@ -279,8 +274,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
             b.flights.append(self._channel.submit(rounds))
 
     def _finish(self) -> None:
-        """End of the completing backward pass: missing gradients count as zeros, so every
-        bucket launches."""
+        """End of the completing backward pass: missing gradients count as zeros; every bucket launches."""
         b, life = self._buckets, self._life
         assert b is not None and life is not None
         if b.kind is None:
@@ -292,8 +286,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         life.completed = True
 
     def _collect_overlapped(self, b: OverlapBuckets) -> None:
-        """Finish the buckets that left from the hooks, then check on every rank together that
-        the gradient is still what was sent (and no GradScaler)."""
+        """Finish the hooks' buckets; every rank checks the gradient is still what was sent."""
         assert self._life is not None
         if not self._life.completed:
             self._finish()                    # fewer backward passes than configured

@@ -63,8 +63,7 @@ class OverlapBuckets:
             self.pending[b] -= 1
 
     def reduced(self) -> torch.Tensor:
-        """The buffer a "gradient" step reduces in place: a copy, so that :meth:`changed` can still
-        compare ``p.grad`` with what was sent."""
+        """What a "gradient" step reduces in place: a copy, so :meth:`changed` can compare."""
         if self.work is None:
             self.work = torch.zeros_like(self.grad)
         return self.work

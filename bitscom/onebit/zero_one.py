@@ -34,21 +34,10 @@ class ZeroOneAdam(OneBitBase):
        ``u = 0``; ``lrs = 0``. Every ``local_step_scaler`` frozen steps ``local_step_interval``
        doubles, up to ``local_step_clipper``.
 
-    Differences from DeepSpeed, on purpose: step 1 is a real step (DeepSpeed's first ``step()``
-    only allocates, shifting its boundaries by one); bias correction by default (``lr/bc1`` is
-    also what ``lrs`` sums; ``bias_correction=False`` is DeepSpeed's); one 1-bit scale per
-    ``block_size`` block; residuals resume exactly from a checkpoint (DeepSpeed resets them).
-
-    On short runs measure before trusting it: ``sqrt(v)`` keeps falling long after the lr
-    warm-up, so a variance frozen early makes every later step too small (docs/onebit.md).
-
-    Args:
-        params, lr, betas, eps, weight_decay, process_group, block_size, stage2_bits,
-            bias_correction, overlap, bucket_mb, backward_passes_per_step: as
-            :class:`~bitscom.onebit.OneBitAdam` (here the 1-bit gradient steps of the variance
-            phase overlap backward).
-        var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper:
-            :class:`~bitscom.onebit.ZeroOneConfig`'s.
+    Where it differs from DeepSpeed: docs/onebit.md. On short runs measure before trusting it:
+    ``sqrt(v)`` keeps falling long after the lr warm-up, so a variance frozen early makes every
+    later step too small. Arguments as :class:`~bitscom.onebit.OneBitAdam`'s, the schedule's
+    :class:`~bitscom.onebit.ZeroOneConfig`'s.
 
     Example::
 
@@ -62,6 +51,7 @@ class ZeroOneAdam(OneBitBase):
     """
 
     _NAME = "ZeroOneAdam"
+    _CONFIG = ZeroOneConfig
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, var_freeze_step: int = 100, var_update_scaler: int = 16,
@@ -69,13 +59,7 @@ class ZeroOneAdam(OneBitBase):
                  block_size: int = 2048, stage2_bits: int = 1, bias_correction: bool = True, group=None,
                  overlap: bool = False, bucket_mb: float = 25.0, backward_passes_per_step: int = 1):
         group = renamed(process_group, group, new="process_group", old="group", where="ZeroOneAdam")
-        super().__init__(params, lr, weight_decay, group,
-                         dict(betas=betas, eps=eps, var_freeze_step=var_freeze_step,
-                              var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
-                              local_step_clipper=local_step_clipper, block_size=block_size,
-                              stage2_bits=stage2_bits, bias_correction=bias_correction),
-                         dict(overlap=overlap, bucket_mb=bucket_mb,
-                              backward_passes_per_step=backward_passes_per_step))
+        super().__init__(params, lr, weight_decay, group, locals())
         self._sched: Dict[str, Any] = {"var_interval": 1, "var_counter": 0, "local_step_interval": 1,
                        "local_step_counter": 0, "errors_reset": False,
                        "lrs": [0.0] * len(self.param_groups)}
@@ -83,9 +67,6 @@ class ZeroOneAdam(OneBitBase):
         # The parameters at the last synchronization: DeepSpeed's ``p - u`` differs between ranks
         # by the rounding of their local steps; this keeps synchronized replicas bitwise equal.
         self.anchor = torch.zeros_like(self.exp_avg)
-
-    def _make_config(self, settings: Dict[str, Any]) -> ZeroOneConfig:
-        return ZeroOneConfig(**settings)
 
     @property
     def variance_frozen(self) -> bool:
@@ -104,8 +85,7 @@ class ZeroOneAdam(OneBitBase):
         self._sched = extra
 
     def _overlap_kind(self, t: int) -> str:
-        """The variance phase's 1-bit gradient steps go from the hooks; the rest runs in step()
-        (a synchronization reduces ``u``, which needs the step's parameter update first)."""
+        """The variance phase's 1-bit gradient steps go from the hooks; the rest runs in step()."""
         if t <= self.config.var_freeze_step and t % self._sched["var_interval"] != 0:
             return "gradient"
         return "none"
@@ -165,8 +145,7 @@ class ZeroOneAdam(OneBitBase):
             s["local_step_interval"] = min(cfg.local_step_clipper, s["local_step_interval"] * 2)
 
     def _synchronize(self, denom: torch.Tensor) -> None:
-        """The synchronization of the frozen phase: ``u`` 1-bit averaged (scaled by the
-        frozen denominator), ``m = -u / lrs``, ``p = p_sync + u / denom``, then ``u = lrs = 0``."""
+        """``u`` 1-bit averaged (times denom), ``m = -u / lrs``, ``p = p_sync + u / denom``, ``u = lrs = 0``."""
         s, m, u = self._sched, self.exp_avg, self.momentum_accumulator
         u.mul_(denom)
         self._onebit_average(u)
