@@ -83,8 +83,7 @@ class DiLoCoConfig:
                              "(the local fragment is replaced, as in DiLoCo)")
 
     def same_as(self, saved: str) -> bool:
-        """Whether ``saved`` (a checkpoint's ``repr`` of its config) describes these settings;
-        checkpoints from before ``delay`` / ``mix`` existed match when both are off."""
+        """Whether ``saved`` (a checkpoint's config ``repr``) is these settings; older ones lack delay/mix."""
         if saved == repr(self):
             return True
         legacy = repr(self).replace(f", delay={self.delay!r}, mix={self.mix!r}", "")

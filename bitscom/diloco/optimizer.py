@@ -40,10 +40,8 @@ def _inner_checked(inner) -> torch.optim.Optimizer:
         raise TypeError("inner_optimizer is already a bitscom.DiLoCo; wrap a plain optimizer once")
     if isinstance(inner, StepFace):
         raise TypeError(f"inner_optimizer is a bitscom DistributedOptimizer/ShardedOptimizer "
-                        f"({type(inner).__name__}) that reduces gradients every step; DiLoCo's "
-                        "inner steps are "
-                        "local by design. Pass the plain optimizer (e.g. torch.optim.AdamW(...)) "
-                        "to DiLoCo instead")
+                        f"({type(inner).__name__}) that reduces gradients every step; DiLoCo's inner steps are "
+                        "local by design. Pass the plain optimizer (e.g. torch.optim.AdamW(...)) to DiLoCo instead")
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner).__name__}")
     if callable(getattr(inner, "comm_stats", None)):
@@ -141,10 +139,8 @@ class DiLoCo(Face, torch.optim.Optimizer):
 
     def _description(self) -> Dict[str, Any]:
         return {"parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in self._trainable],
-                "wrapped in DistributedDataParallel": self._ddp is not None,
-                "settings": repr(self.config),
-                "compressor": self.compression.fingerprint(),
-                "inner optimizer": type(self.inner).__name__,
+                "wrapped in DistributedDataParallel": self._ddp is not None, "settings": repr(self.config),
+                "compressor": self.compression.fingerprint(), "inner optimizer": type(self.inner).__name__,
                 "fragments": [[self._layouts[b].describe() for b in m] for m in self._members]}
 
     def _start(self) -> None:
@@ -182,8 +178,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
 
     # -- the step --------------------------------------------------------------------------
     def _inner_step(self, closure):
-        """Run the inner optimizer unless GradScaler found Inf/NaN in this rank's gradients,
-        unscaling by the same float32 reciprocal GradScaler would use (the plain AMP loop's result)."""
+        """Run the inner optimizer unless GradScaler found Inf/NaN here, unscaling as GradScaler would."""
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and float(found_inf) != 0.0:
             self._counters["skipped_inner_steps"] += 1
@@ -224,9 +219,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         self._counters["inner_steps"] += 1
         self._fresh = [False] * self.config.fragments
         step = self._counters["inner_steps"]
-        starts = self.config.due(step)
-        if starts:
-            self._launch(starts)
+        self._launch(self.config.due(step))
         lands = [f for f in self.config.lands(step) if f in self._flights]
         if lands:
             self._land(lands)
@@ -240,8 +233,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
                 g[s.offset:s.end].copy_(p.reshape(-1))
 
     def _gather_grads(self) -> None:
-        """Copy (and, under GradScaler without ``unscale_``, unscale) every ``p.grad`` into
-        the flat buckets; a missing gradient is zeros."""
+        """Copy every ``p.grad`` (unscaled under GradScaler; missing = zeros) into the flat buckets."""
         scale = getattr(self, "grad_scale", None)
         inv = None if scale is None else scale.double().reciprocal().float()
         for bucket in self._buckets:
@@ -317,8 +309,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
 
     @torch.no_grad()
     def _launch(self, fragments: List[int]) -> None:
-        """Start the synchronization of ``fragments``: their pseudo-gradient Δ = θ_global −
-        θ_local into the flat buckets, and its reduction launched (not waited for)."""
+        """Form the pseudo-gradient θ_global − θ_local of ``fragments`` and launch its reduction."""
         step = self._counters["inner_steps"]
         for f in fragments:
             for b in self._members[f]:
@@ -369,8 +360,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
                           RuntimeWarning, stacklevel=4)
 
     def _merge(self, fragment: int, alpha: float) -> None:
-        """θ_local ← α·θ_local + (1 − α)·θ_global in ``fragment`` (a copy when α = 0, so a
-        non-finite local value does not survive as 0·Inf)."""
+        """θ_local ← α·θ_local + (1 − α)·θ_global (a copy when α = 0: no 0·Inf survives)."""
         for b in self._members[fragment]:
             g, bucket = self._global[b], self._buckets[b]
             g.grad = None
@@ -383,8 +373,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         self._fresh[fragment] = alpha == 0.0
 
     def _resume_description(self) -> dict:
-        """After a load, what every rank must have resumed alike: the step counters and the
-        compressor states' shapes."""
+        """After a load, what every rank must have resumed alike."""
         steps = {k: self._counters[k] for k in ("inner_steps", "syncs", "fragment_syncs")}
         return {"steps": steps, "reductions in flight": {f: fl.start for f, fl in sorted(self._flights.items())},
                 "compressor state": [describe_state(s) for s in self._reducer.states],
@@ -491,8 +480,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         self._mark_loaded()
 
     def _saved_fresh(self, extra: dict) -> List[bool]:
-        """Which fragments the checkpoint had equal to θ_global (derived from the schedule for
-        checkpoints from before it was saved)."""
+        """Which fragments the checkpoint had equal to θ_global (older ones: from the schedule)."""
         if "fresh" in extra:
             return [bool(x) for x in extra["fresh"]]
         step, cfg = self._counters["inner_steps"], self.config

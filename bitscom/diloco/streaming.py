@@ -18,8 +18,7 @@ __all__ = ["Flight", "FragmentReducers", "saved_flights"]
 
 @dataclass
 class Flight:
-    """One fragment's reduction: launched after inner step ``start``; ``arrived``: the result is
-    in the fragment's flat buckets (waited for early, or restored from a checkpoint)."""
+    """One fragment's reduction, launched after inner step ``start``; ``arrived``: its result is in."""
 
     fragment: int
     start: int
@@ -46,8 +45,7 @@ class FragmentReducers:
             self.reducers[fragment].launch(i, flat)
 
     def wait(self, fragment: int) -> int:
-        """Finish ``fragment``'s reduction (and, in channel order, whatever was submitted before
-        it); the bytes it sent. On failure its work is dropped and the error raised."""
+        """Finish ``fragment``'s reduction (and what was submitted before it); the bytes it sent."""
         reducer = self.reducers[fragment]
         try:
             return reducer.wait_all()
@@ -81,8 +79,7 @@ class FragmentReducers:
 
 def saved_flights(extra: dict, members: Sequence[Sequence[int]], flats: Sequence[torch.Tensor]
                   ) -> Dict[int, tuple]:
-    """The reductions a checkpoint holds in flight, checked against this plan: fragment ->
-    (Flight, reduced flat buckets). Nothing is changed here."""
+    """The checkpoint's reductions in flight, checked against this plan: fragment -> (Flight, buckets)."""
     out: Dict[int, tuple] = {}
     for item in extra.get("flights", []):
         f = item["fragment"]

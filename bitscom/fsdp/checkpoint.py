@@ -22,10 +22,8 @@ __all__ = ["FSDPCheckpointState", "checkpoint_state"]
 class FSDPCheckpointState:
     """A ``torch.distributed.checkpoint.stateful.Stateful`` holding one handle's per-rank state.
 
-    Args:
-        compression: the :class:`~bitscom.fsdp.FSDPCompression` (or the compressed model).
-        reset_compressor_state: load nothing of bitscom's state (start residuals and steps from
-            zero): the way to resume on another mesh.
+    ``reset_compressor_state=True`` loads nothing of bitscom's state (residuals and steps
+    start from zero): the way to resume on another mesh.
 
     Example::
 

@@ -52,9 +52,7 @@ def _fsdp_params(module):
 
 
 def _group_attr(module, name: str, default):
-    """A callable reading FSDP's parameter-group attribute ``name`` at call time: the module's
-    ``set_gradient_divide_factor`` value (for a torch whose PREMUL_SUM op does not carry its
-    factor) or its ``set_requires_all_reduce`` flag."""
+    """A callable reading FSDP's parameter-group attribute ``name`` at call time."""
     def read():
         groups = _param_groups(module)
         return getattr(groups[0], name, default) if groups else default
@@ -83,15 +81,10 @@ class FSDPCompression(Face):
     """What :func:`compress` installed on one model: byte counts and the per-module states.
 
     Attributes:
-        config: the gradient (reduce-scatter) settings; ``None`` under HSDP with FSDP's exact one.
-        states: ``{module name: LowBitState}``, one per ``fully_shard``-ed module with parameters
-            (empty under HSDP with FSDP's exact reduce-scatter).
-        counter: the bytes so far (:meth:`comm_stats`).
-        replicate: HSDP's replicate all-reduce settings (``None`` without HSDP).
-        replicate_states: ``{module name: LowBitState}`` of the replicate all-reduces.
-        hsdp: the bytes of both HSDP hops (:class:`~bitscom.fsdp.replicate.HSDPBytes`).
-        weights: the parameter all-gathers' :class:`~bitscom.fsdp.weights.WeightGathers`
-            (settings, per-module replicas, bytes), or ``None`` without ``weights=``.
+        config, replicate: the reduce-scatter and HSDP replicate settings (``None``: not ours).
+        states, replicate_states: ``{module name: LowBitState}`` of each.
+        counter, hsdp: the bytes so far (:meth:`comm_stats`).
+        weights: the parameter all-gathers' :class:`~bitscom.fsdp.weights.WeightGathers` or ``None``.
 
     Example::
 
@@ -114,9 +107,7 @@ class FSDPCompression(Face):
         self._all_reduces: List[ReplicateAllReduce] = []
 
     def _before(self) -> None:
-        """Before each reduce-scatter: the world is alive, and after a load every rank resumed
-        the same reduce-scatter count with states of the same shapes (the first reduce-scatter
-        after a load is collective on every rank, so the check cannot hang)."""
+        """Before each collective: the world is alive, and after a load every rank resumed alike."""
         self._check_live()
         self._agree_if_resumed(lambda: {"reduce-scatters": self.counter.calls, "all-reduces": self.hsdp.all_reduces,
                                         "states": {k: describe_state(s) for k, s in sorted(self.states.items())},
@@ -149,10 +140,7 @@ class FSDPCompression(Face):
             ar.group = ar.shard_group = None
 
     def comm_stats(self) -> dict:
-        """``bytes_sent`` / ``dense_bytes`` / ``compression_ratio`` of the gradient
-        reduce-scatters against FSDP's float32 one, ``reduce_scatters`` and, for
-        ``hierarchy="two_level"``, ``inter_node_bytes``; the HSDP hops apart and the all-gathers'
-        fields as docs/fsdp.md lists them."""
+        """Bytes against FSDP's own collectives: the reduce-scatters, HSDP's hops, the all-gathers."""
         c = self.counter
         gathers = self.weights.stats() if self.weights else {}
         if self.replicate is not None or self.config is None:
@@ -182,14 +170,12 @@ class FSDPCompression(Face):
             self.weights.reset_stats()
 
     def state_dict(self) -> dict:
-        """This rank's step counters, error-feedback residuals and (``weights=``) replicas, per
-        module: a resume continues bitwise."""
+        """This rank's step counters, residuals and replicas, per module: a resume continues bitwise."""
         return {"config": self._config_text(), **self._current(), "calls": self.counter.calls,
                 "all_reduces": self.hsdp.all_reduces, **self._envelope(self._steps())}
 
     def checkpoint_layout(self) -> str:
-        """What a checkpoint of this handle's per-rank state is only valid for (the same text on
-        every rank).
+        """What a checkpoint of this handle's per-rank state is only valid for.
 
         Example::
 
@@ -205,8 +191,7 @@ class FSDPCompression(Face):
         return repr(self.config) + ("" if self.replicate is None else f"; replicate={self.replicate!r}")
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore this rank's own :meth:`state_dict` (same modules and settings); another rank's
-        or another step's state is the same error on every rank at the next reduce-scatter."""
+        """Restore this rank's own :meth:`state_dict` (same modules and settings)."""
         if not isinstance(state, dict) or "states" not in state:
             raise ValueError("not a bitscom.fsdp handle state dict (no 'states' entry)")
         if state.get("config") != self._config_text():
@@ -231,21 +216,17 @@ def compress(module: torch.nn.Module, gradients=None, weights=None, process_grou
     """Send the gradient reduce-scatters of a ``fully_shard``-ed (FSDP2) model in low bit, and
     under HSDP the replicate (inter-node) all-reduce.
 
-    Call it on every rank (the ranks check they pass the same settings and sharded the same
-    modules), after ``fully_shard`` and before the first backward. FSDP's averaging (``AVG``,
-    ``set_gradient_divide_factor``, fp16 pre/post division) is honoured.
+    Call it on every rank (the ranks check they agree), after ``fully_shard`` on every module
+    and the root, before the first backward.
 
     Args:
-        module: the root ``FSDPModule``; every ``FSDPModule`` under it is compressed.
-        gradients: the reduce-scatter: a :class:`~bitscom.lowbit.LowBitConfig` or an int bit
-            width (default 4 bits, blocks of 128; under HSDP FSDP's own exact one).
-        weights: the parameter all-gather: a :class:`~bitscom.fsdp.WeightConfig` (qwZ, or
-            ``mode="difference"``: SDP4Bit's qWD) or an int bit width; ``None``: FSDP's own.
-        process_group: where the collectives run (default and required ranks: FSDP's group).
+        gradients: a :class:`~bitscom.lowbit.LowBitConfig` or an int bit width (default 4 bits;
+            under HSDP FSDP's own exact reduce-scatter).
+        weights: a :class:`~bitscom.fsdp.WeightConfig` or an int bit width (default FSDP's own).
+        process_group: where the collectives run (FSDP's ranks, in FSDP's order).
         intra_group, inter_group: the node groups of ``hierarchy="two_level"``.
-        replicate: HSDP's replicate all-reduce settings (default 4 bits + error feedback).
-        replicate_group: HSDP's replicate group (``mesh.get_group("replicate")``); the model
-            must be ``fully_shard``-ed on ``mesh["shard"]`` (:mod:`bitscom.fsdp.replicate`).
+        replicate, replicate_group: HSDP's replicate all-reduce settings and group; the model
+            must be ``fully_shard``-ed on ``mesh["shard"]``.
 
     Example::
 

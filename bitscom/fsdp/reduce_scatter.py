@@ -29,8 +29,7 @@ __all__ = ["ByteCount", "LowBitReduceScatter", "reduce_scale"]
 
 @dataclass
 class ByteCount:
-    """Bytes of the compressed reduce-scatters (what :class:`~bitscom.comm.Comm` counted) and
-    what FSDP's float32 reduce-scatter of the same inputs would have sent."""
+    """Bytes of the compressed reduce-scatters and of FSDP's float32 one of the same inputs."""
 
     bytes_sent: int = 0
     dense_bytes: int = 0
@@ -69,17 +68,8 @@ def _ranks(group):
 
 
 class LowBitReduceScatter:
-    """FSDP2's ``ReduceScatter`` for one parameter group (one ``fully_shard``-ed module).
-
-    Args:
-        cfg: the gradient settings (checked by :func:`bitscom.fsdp.settings.gradient_config`).
-        key: the module's name; keys the stochastic-rounding seeds.
-        state: this group's :class:`~bitscom.lowbit.LowBitState` (step, residual).
-        counter: where the bytes are added.
-        process_group: where the collectives run (default: FSDP's group; same ranks, same order).
-        levels: ``(intra_group, inter_group)`` for ``hierarchy="two_level"``.
-        divide_factor: callable returning the module's gradient divide factor (old torch only).
-        before: called before every reduce-scatter (the handle's liveness and resume checks).
+    """FSDP2's ``ReduceScatter`` for one parameter group (one ``fully_shard``-ed module); ``key``
+    (the module's name) keys the seeds, ``levels`` are the two-level node groups.
 
     Example::
 
@@ -159,8 +149,7 @@ class LowBitReduceScatter:
 
 
 def _check_levels(ranks, rank, intra, inter) -> None:
-    """Shard ``r`` of the level-wise rounds is group rank ``r = node * L + local``: the intra
-    group must be this node's contiguous ranks, the inter group the ranks with this local rank."""
+    """The node groups must be contiguous nodes of FSDP's ranks (shard ``r`` goes to ``node * L + local``)."""
     L = dist.get_world_size(intra)
     M = dist.get_world_size(inter)
     if L * M != len(ranks):

@@ -80,8 +80,7 @@ def native_hsdp(module: torch.nn.Module) -> bool:
 
 
 def check_replicate_group(replicate_group, shard_group) -> None:
-    """The replicate group must meet FSDP's shard group in this rank only: otherwise the
-    'replicas' would average different shards."""
+    """The replicate group must meet FSDP's shard group in this rank only (else shards would mix)."""
     mine = dist.get_rank()
     replicas = dist.get_process_group_ranks(replicate_group)
     shards = dist.get_process_group_ranks(shard_group)
@@ -93,18 +92,7 @@ def check_replicate_group(replicate_group, shard_group) -> None:
 
 class ReplicateAllReduce:
     """FSDP2's all-reduce hook for one parameter group: the replica average in low bit.
-
-    Args:
-        cfg: the replicate all-reduce settings (:func:`replicate_config`).
-        key: the module's name; keys the stochastic-rounding seeds.
-        state: this group's :class:`~bitscom.lowbit.LowBitState` (step, error-feedback residual).
-        counter: where the bytes of both hops are added (:class:`HSDPBytes`).
-        group: the replicate process group.
-        shard_group: FSDP's shard group (checked against ``group`` on first use).
-        divide_factor: callable returning the module's ``set_gradient_divide_factor`` (or None).
-        requires_all_reduce: callable returning the module's ``set_requires_all_reduce`` flag.
-        count_reduce_scatter: the reduce-scatter is FSDP's own exact one: count its bytes here.
-        before: called first (the handle's liveness and resume checks).
+    ``count_reduce_scatter``: the reduce-scatter is FSDP's own, so its bytes are counted here.
 
     Example::
 
@@ -124,8 +112,7 @@ class ReplicateAllReduce:
         self._checked = False
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
-        """Replace ``reduce_output`` (this rank's reduce-scattered shard) by its average (or,
-        after ``set_gradient_divide_factor``, its sum) over the replicas, in place."""
+        """Replace ``reduce_output`` in place by its average (or sum, after a divide factor) over replicas."""
         if self.before is not None:
             self.before()
         if self.group is None:
@@ -143,8 +130,7 @@ class ReplicateAllReduce:
         self._all_reduce(reduce_output)
 
     def _accumulate(self, reduce_output: torch.Tensor) -> bool:
-        """Without all-reduce (accumulation) keep the shard and give FSDP zeros; otherwise add what
-        was kept. Returns whether to stop."""
+        """Accumulation: keep the shard and give FSDP zeros, or add what was kept; whether to stop."""
         if self.requires_all_reduce is not None and not self.requires_all_reduce():
             if self.pending is None:
                 self.pending = reduce_output.detach().clone()

@@ -26,10 +26,8 @@ class WeightConfig:
 
     Attributes:
         mode: ``"blockwise"`` (qwZ, default) or ``"difference"`` (SDP4Bit qWD).
-        bitwidth: bits per element, one of (1, 2, 4, 8, 12, 16); default 8 (blockwise) or
-            4 (difference).
-        block_size: elements per bfloat16 scale, a power of two in [32, 65536]; default 128
-            (blockwise) or 2048 (difference, SDP4Bit's ``wq_group_size``).
+        bitwidth: bits per element (1, 2, 4, 8, 12, 16); default 8 (blockwise) or 4 (difference).
+        block_size: elements per bfloat16 scale (power of two, 32..65536); default 128 or 2048.
         min_numel: a parameter whose per-rank shard has fewer elements is sent exactly.
         seed: the stochastic-rounding seed of ``"difference"``.
 

@@ -27,8 +27,7 @@ __all__ = ["LowBitAllGather", "WeightGathers", "Segment", "segments", "row_layou
 
 
 class Segment(NamedTuple):
-    """One parameter's shard inside a rank's slot, and whether it is quantized (floating point,
-    at least ``min_numel`` elements, and fewer bytes quantized than exact)."""
+    """One parameter's shard in a rank's slot; quantized when floating, large enough and smaller so."""
 
     offset: int
     numel: int
@@ -45,8 +44,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def segments(fsdp_params, cfg: WeightConfig) -> List[Segment]:
-    """The layout of one rank's all-gather input: each parameter's padded shard in its
-    all-gather dtype, in FSDP's order."""
+    """The layout of one rank's all-gather input: each parameter's padded shard, in FSDP's order."""
     out, offset, codec = [], 0, cfg.codec()
     for fp in fsdp_params:
         try:
@@ -81,13 +79,7 @@ def _gather(comm, out: torch.Tensor, row: torch.Tensor):
 class LowBitAllGather:
     """FSDP's ``AllGather`` for one FSDP module's parameter group (see the module docstring).
 
-    Args:
-        cfg: the :class:`~bitscom.fsdp.WeightConfig`.
-        key: the module's name; keys the stochastic-rounding seeds.
-        state: this module's :class:`WeightState`.
-        counter: where the bytes are added.
-        fsdp_params: callable returning the group's ``FSDPParam`` list (the layout of the input).
-        before: called before every all-gather (the handle's liveness and resume checks).
+    ``fsdp_params`` returns the group's ``FSDPParam`` list at each gather (FSDP builds it lazily).
 
     Example::
 
@@ -193,7 +185,7 @@ class LowBitAllGather:
 
 class WeightGathers:
     """What the handle keeps for the parameter all-gathers: settings, one :class:`WeightState`
-    per FSDP module, the byte count; its report, checkpoint and resume description.
+    per FSDP module and the byte count.
 
     Example::
 
@@ -213,8 +205,7 @@ class WeightGathers:
         return ag
 
     def stats(self) -> dict:
-        """``all_gather_bytes_sent``, ``all_gather_dense_bytes`` (FSDP's own all-gather in its
-        dtype), their ratio and ``all_gathers``."""
+        """``all_gather_bytes_sent``, ``all_gather_dense_bytes``, their ratio and ``all_gathers``."""
         c = self.counter
         ratio = c.dense_bytes / c.bytes_sent if c.bytes_sent else float("nan")
         return {"all_gather_bytes_sent": c.bytes_sent, "all_gather_dense_bytes": c.dense_bytes,

@@ -24,8 +24,7 @@ _TORCH_OPS = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.Redu
 
 
 def _reduce_error(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float) -> int:
-    """The header's error code for arguments this rank cannot reduce (0: none); it depends on
-    the data, so it travels in the header and every rank raises it together."""
+    """The header's error code for data this rank cannot reduce (0: none); every rank raises it."""
     if tensor.dtype == torch.bool:
         return 5
     integer = not (tensor.is_floating_point() or tensor.is_complex())

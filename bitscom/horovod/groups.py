@@ -44,8 +44,7 @@ def group_device(group: Any, tensor: Optional[torch.Tensor] = None) -> torch.dev
 
 
 def face_comm(group: Optional[Any], what: str) -> Optional[Comm]:
-    """The :class:`Comm` of one call on ``group``'s channel (header round on ``group``, later
-    rounds on the channel's later group); ``None`` for a single process (the call is local)."""
+    """The :class:`Comm` of one call on ``group``'s channel; ``None`` for a single process."""
     if group_size(group) == 1:
         return None
     try:

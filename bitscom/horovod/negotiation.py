@@ -122,8 +122,7 @@ def negotiate(comm: Comm, label: str, tensor: torch.Tensor, kind: int, op: int =
               root: int = -1, pre: float = 1.0, post: float = 1.0, err: int = 0,
               extra: Sequence[int] = (), name: Optional[str] = None
               ) -> Generator[Any, None, List[List[int]]]:
-    """Round generator: all-gather this rank's header on ``comm``; return every rank's header
-    (a list of int lists, in rank order) after checking that they describe the same call."""
+    """Round generator: every rank's header (in rank order), checked to describe the same call."""
     values = _header(tensor, comm.size, kind, op, root, pre, post, err, extra, name)
     header = torch.tensor(values, dtype=torch.int64, device=group_device(comm.group, tensor))
     everyone = torch.empty(comm.size * header.numel(), dtype=torch.int64, device=header.device)

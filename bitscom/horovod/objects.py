@@ -43,8 +43,7 @@ def gather_object_rounds(comm: Comm, obj: Any, device: torch.device,
 
 def broadcast_object_rounds(comm: Comm, obj: Any, group_root: int, device: torch.device,
                             what: str) -> Generator[Any, None, Any]:
-    """Round generator: the ``obj`` of group rank ``group_root`` on every rank (root gets its
-    own object back, not a copy)."""
+    """Round generator: group rank ``group_root``'s ``obj`` on every rank (root keeps its own)."""
     root = comm.rank == group_root
     data: Optional[torch.Tensor] = _to_bytes(obj, device) if root else None    # None: not root
     size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)

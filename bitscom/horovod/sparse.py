@@ -55,8 +55,7 @@ def _resolve_sparse_op(op: Optional[ReduceOp]) -> ReduceOp:
 
 
 def _check_rows(lbl: str, rows: List[List[int]]) -> Optional[Tuple[List[int], int]]:
-    """(every rank's nnz, the common sparse_dim), or ``None`` when no rank has a sparse tensor;
-    the same ``RuntimeError`` on every rank when the layouts disagree."""
+    """(every rank's nnz, the common sparse_dim), or ``None`` when no rank is sparse."""
     layouts = [row[_NNZ + 1] % 4 for row in rows]
     if SPARSE not in layouts:
         return None
@@ -252,8 +251,7 @@ class SparseGradients:
         self.armed_task: Optional[int] = None
 
     def on_gradient(self, opt, p: torch.Tensor, last_pass: bool) -> bool:
-        """True when ``p`` is on the sparse path (the caller puts zeros in its slot on the
-        last pass, and leaves ``p.grad`` alone otherwise)."""
+        """Whether ``p`` is on the sparse path (then the caller zeros its slot on the last pass)."""
         grad = p.grad
         sparse_grad = grad if grad is not None and grad.is_sparse else None
         sparse = sparse_grad is not None
@@ -276,8 +274,7 @@ class SparseGradients:
         return sparse
 
     def _arm(self, opt) -> None:
-        """Start this step's record on the first sparse-path event of the completing pass
-        (:meth:`finish` is called by the optimizer's own ``_finish``, after its dense buckets)."""
+        """Start this step's record on the completing pass's first sparse-path event."""
         task = torch._C._current_graph_task_id()
         if task == self.armed_task:
             return
