@@ -49,14 +49,11 @@ class DiLoCoConfig:
     fragments: int = 1
     """F: number of parameter fragments synchronized at staggered steps (Streaming DiLoCo)."""
     warmup_steps: int = 0
-    """W: steps at the start whose gradient is reduced every step (S-SGD through the
-    compressor) before local steps begin (>= 0; 0 = DiLoCo from the first step)."""
+    """W: first steps that reduce the gradient every step (S-SGD through the compressor; >= 0)."""
     delay: int = 0
-    """τ: inner steps a fragment's reduction overlaps before its outer update lands
-    (0 <= τ < sync_every; 0 = synchronous)."""
+    """τ: inner steps a fragment's reduction overlaps before it lands (< sync_every; 0 = synchronous)."""
     mix: float = 0.0
-    """α in [0, 1]: the share of the local fragment kept when a delayed update lands
-    (θ_local ← α·θ_local + (1 − α)·θ_global; 0 = replace it). Needs delay > 0."""
+    """α in [0, 1]: the share of θ_local kept when a delayed update lands (0 = replace; needs delay)."""
 
     def __post_init__(self):
         object.__setattr__(self, "sync_every", _int("sync_every", self.sync_every, 1))
@@ -90,9 +87,7 @@ class DiLoCoConfig:
         return self.delay == 0 and self.mix == 0.0 and saved == legacy
 
     def offsets(self) -> List[int]:
-        """The step offset of each fragment: fragment i syncs at the steps t > W with
-        ``(t - W - offsets()[i]) % sync_every == 0`` (W = ``warmup_steps``), spreading the F
-        syncs over each interval."""
+        """Fragment i syncs at the steps t > W with ``(t - W - offsets()[i]) % sync_every == 0``."""
         return [(i * self.sync_every) // self.fragments for i in range(self.fragments)]
 
     def in_warmup(self, step: int) -> bool:

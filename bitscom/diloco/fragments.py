@@ -1,7 +1,5 @@
-"""Which parameters travel together when DiLoCo synchronizes (pure; testable with no ranks):
-``fragments`` contiguous runs of nearly equal size (Streaming DiLoCo), each planned into buckets
-by :func:`bitscom.buckets.plan_buckets`, numbered globally so one per-bucket state serves all.
-"""
+"""Which parameters travel together when DiLoCo synchronizes: ``fragments`` contiguous runs of
+nearly equal size (Streaming DiLoCo), planned into buckets numbered globally."""
 
 from __future__ import annotations
 

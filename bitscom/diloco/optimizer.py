@@ -1,9 +1,6 @@
-"""DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025): every rank trains θ_local with no
-communication; every ``sync_every`` steps (per fragment) the pseudo-gradient θ_global − θ_local
-is averaged through a bitscom compressor (the same :class:`~bitscom.engine.Reducer`, planner
-and per-bucket state as ``DistributedOptimizer``) and an outer Nesterov SGD steps θ_global,
-which every rank copies. ``delay``/``mix``: the reduction overlaps the next inner steps. The
-algorithm step by step: docs/diloco.md.
+"""DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025); the algorithm: docs/diloco.md.
+The pseudo-gradient goes through the same :class:`~bitscom.engine.Reducer` as
+``DistributedOptimizer``, so any compressor works and its bytes are counted the same way.
 """
 
 from __future__ import annotations
@@ -59,15 +56,8 @@ class DiLoCo(Face, torch.optim.Optimizer):
     call ``step()`` on every rank every iteration: the step counter decides when the ranks
     communicate. Under ``GradScaler`` an overflowed step skips the inner update but counts.
 
-    Args:
-        inner_optimizer: a plain local ``torch.optim.Optimizer`` (AdamW in DiLoCo).
-        named_parameters: ``model.named_parameters()`` (names in errors and the agreement).
-        compression: a bitscom compressor or registry name for the pseudo-gradient (default
-            :data:`DEFAULT_COMPRESSION`; ``None`` = exact fp32).
-        process_group: default the world group (``group=``: its deprecated name).
-        fusion_threshold_mb: bucket size cap of the pseudo-gradient reduction.
-        sync_every, outer_lr, outer_momentum, nesterov, fragments, warmup_steps, delay, mix:
-            :class:`~bitscom.diloco.DiLoCoConfig`'s.
+    ``compression``: a bitscom compressor or registry name (``None`` = exact fp32);
+    ``sync_every`` ... ``mix`` are :class:`~bitscom.diloco.DiLoCoConfig`'s.
 
     Example::
 

@@ -1,7 +1,4 @@
-"""Checkpointing DiLoCo: θ_global, the outer SGD's momentum, the compressor states (this rank's
-error-feedback residuals) and the inner optimizer's state are all needed to continue bitwise;
-``load_checked`` replaces none of them unless all load.
-"""
+"""Checkpointing DiLoCo: every part of the state a bitwise resume needs loads, or none does."""
 
 from __future__ import annotations
 

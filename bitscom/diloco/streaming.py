@@ -1,7 +1,5 @@
-"""Streaming DiLoCo's overlap (``delay > 0``): one reduction per fragment, in flight across inner
-steps, each waited for on its own. :class:`FragmentReducers` keeps one
-:class:`~bitscom.engine.Reducer` per fragment on the face's one channel (so the ranks issue the
-same collectives whatever step they poll at), checkpointed as one Reducer.
+"""Streaming DiLoCo's overlap (``delay > 0``): a :class:`~bitscom.engine.Reducer` per fragment on
+the face's one channel, each waited for on its own, checkpointed as one Reducer.
 """
 
 from __future__ import annotations

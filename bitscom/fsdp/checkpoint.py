@@ -1,10 +1,6 @@
-"""bitscom's FSDP state in torch's own checkpoint flow (``dcp.save`` / ``dcp.load``, what
-torchtitan and Accelerate call): one more ``Stateful`` entry beside the model and optimizer,
-with a ``layout`` (the same on every rank) and each rank's pickled state under ``rank<r>``.
-Another mesh does not reshard the residuals: ``reset_compressor_state=True`` restarts them.
-
-Trust: loading unpickles the per-rank entries, as DCP does for any non-tensor value; load
-checkpoints you wrote.
+"""bitscom's FSDP state in torch's own checkpoint flow (``dcp.save`` / ``dcp.load``): one more
+``Stateful`` entry beside the model and optimizer (docs/fsdp.md, Checkpoints). Loading unpickles
+the per-rank entries, as DCP does for any non-tensor value: load checkpoints you wrote.
 """
 
 from __future__ import annotations

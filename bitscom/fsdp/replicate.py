@@ -1,11 +1,6 @@
-"""HSDP: the all-reduce across the replicate dimension (the slow inter-node hop), in low bit
-with error feedback.
-
-Native 2-D HSDP runs its own all-reduce that no public hook replaces, so the model is
-``fully_shard``-ed on ``mesh["shard"]`` and :class:`ReplicateAllReduce` is FSDP's
-``set_all_reduce_hook`` (as torchft's HSDP): it turns the reduce-scatter output into the
-replica average before FSDP writes ``param.grad``. Accumulation and averaging match native
-HSDP (docs/fsdp.md, HSDP).
+"""HSDP: the all-reduce across the replicate dimension (the slow inter-node hop), in low bit,
+through FSDP's ``set_all_reduce_hook`` on a model sharded over ``mesh["shard"]`` (native 2-D
+HSDP's own all-reduce has no hook that replaces it; docs/fsdp.md, HSDP).
 
 Example::
 

@@ -1,8 +1,5 @@
-"""What :func:`bitscom.fsdp.compress` accepts: the gradient settings and the torch hook it needs.
-
-Settings that mean nothing for a reduce-scatter are refused rather than silently ignored: a
-user who asked for them would otherwise believe they are on.
-"""
+"""What :func:`bitscom.fsdp.compress` accepts: the gradient settings (meaningless ones are refused,
+not silently ignored) and the torch hook it needs."""
 
 from __future__ import annotations
 

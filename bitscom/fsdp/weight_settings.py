@@ -1,8 +1,4 @@
-"""What ``bitscom.fsdp.compress(weights=...)`` accepts: the settings of the parameter all-gather,
-``"blockwise"`` (ZeRO++'s qwZ: stateless, so FSDP's backward re-gather reproduces the forward's
-weights) or ``"difference"`` (SDP4Bit's qWD against the kept replica; the first gather is
-exact). Small shards and non-floating parameters travel exactly.
-"""
+"""What ``bitscom.fsdp.compress(weights=...)`` accepts: the settings of the parameter all-gather."""
 
 from __future__ import annotations
 
@@ -22,7 +18,9 @@ _DEFAULTS = {"blockwise": (8, 128), "difference": (4, 2048)}   # (bitwidth, bloc
 
 @dataclass(frozen=True)
 class WeightConfig:
-    """Settings of the low-bit FSDP2 parameter all-gather (see the module docstring).
+    """Settings of the low-bit FSDP2 parameter all-gather: ``"blockwise"`` (ZeRO++'s qwZ,
+    stateless) or ``"difference"`` (SDP4Bit's qWD against the kept replica; the first gather
+    is exact). Small shards and non-floating parameters travel exactly.
 
     Attributes:
         mode: ``"blockwise"`` (qwZ, default) or ``"difference"`` (SDP4Bit qWD).

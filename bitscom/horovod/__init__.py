@@ -1,10 +1,5 @@
-"""The Horovod compatibility face: ``import bitscom as hvd`` keeps ``horovod.torch`` code working.
-
-One module per collective (with its in-place, ``_async`` and autograd forms) on the library's
-round driver and channels; what each module holds and every deliberate difference from
-Horovod (``process_group=`` for ``process_set=``, global ``root_rank``, no Adasum):
-docs/horovod.md.
-"""
+"""The Horovod compatibility face: ``import bitscom as hvd`` keeps ``horovod.torch`` code working
+(the modules and every deliberate difference from Horovod: docs/horovod.md)."""
 
 from .allgather import allgather, allgather_async
 from .allreduce import allreduce, allreduce_, allreduce_async, allreduce_async_, grouped_allreduce

@@ -82,13 +82,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
                     postscale_factor: float = 1.0, process_set: Any = None, *,
                     process_group: Any = None) -> Handle:
     """Start reducing ``tensor`` over ranks; returns a :class:`Handle` (see :func:`synchronize`).
-
-    Args:
-        average: deprecated Horovod flag (``True`` = Average, ``False`` = Sum).
-        name: a label for error messages (calls pair by order, not by name).
-        op: ``bitscom.Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
-        prescale_factor, postscale_factor: multiply before / after the reduction (floats only).
-        process_group: the torch ProcessGroup to reduce over (default: the world).
+    ``op``: ``bitscom.Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
 
     Example::
 
@@ -150,10 +144,8 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
               *, process_group: Any = None) -> torch.Tensor:
     """Return the average (or ``op``) of ``tensor`` over ranks; the input is not modified.
 
-    Differentiable for ``Average``/``Sum`` (the gradient is reduced the same way), like
-    Horovod's. ``compression`` takes ``bitscom.Compression.none/fp16/bf16`` or a Horovod-style
-    codec (``compress(t) -> (t, ctx)``, ``decompress(t, ctx)``): the compressed tensor is what
-    travels and is reduced. Other arguments as in :func:`allreduce_async`.
+    Differentiable for ``Average``/``Sum``, like Horovod's. ``compression``:
+    ``bitscom.Compression.none/fp16/bf16`` or a Horovod-style codec (the compressed tensor travels).
 
     Example::
 

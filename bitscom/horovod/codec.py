@@ -1,8 +1,5 @@
-"""``hvd.compression.Compressor``, the base class of a Horovod-style codec (static ``compress`` /
-``decompress``), as the Horovod face publishes it. It is defined beside its adapter in
-:mod:`bitscom.compressors.hvd_adapter`, which turns any codec into a bitscom compressor and
-needs only the duck type, so nothing below this face imports this module.
-"""
+"""``hvd.compression.Compressor``, a Horovod-style codec's base class, as this face publishes it
+(it lives beside its adapter in :mod:`bitscom.compressors.hvd_adapter`)."""
 
 from __future__ import annotations
 

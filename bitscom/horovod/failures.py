@@ -1,8 +1,5 @@
-"""Collective failures that name the bitscom call: torch reports a stalled peer as gloo's
-"Timed out waiting ..." or NCCL's watchdog abort, with nothing about which user call waited.
-:func:`guard` wraps every work handle of this face, so the error names the call and the likely
-cause, with torch's error as ``__cause__``.
-"""
+"""Collective failures that name the bitscom call and the likely cause (torch's timeout errors do
+not say which user call waited), with torch's error as ``__cause__``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The process groups of the Horovod face: which group a call uses (:func:`require_group`), and
-its comm. A call's payload rounds go, in call order, to the later group of its group's channel,
-asked for inside the user's call (creating it synchronizes the members), so a later call's
-header never pairs with an earlier call's payload.
-"""
+"""The process groups of the Horovod face: which group a call uses, and its comm, whose payload
+rounds go in call order to the channel's later group (asked for inside the user's call)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Handles of asynchronous Horovod-face calls: a :class:`~bitscom.comm.Rounds` on the group's
-:class:`~bitscom.channel.Channel`, so Horovod calls, LowBitGroup works and optimizer buckets on
-one group keep one order. A failed handle keeps its error for :func:`synchronize` and does not
-block the handles after it.
-"""
+"""Handles of asynchronous Horovod-face calls, on the group's Channel (one order for every face)."""
 
 from __future__ import annotations
 

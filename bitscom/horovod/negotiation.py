@@ -1,8 +1,5 @@
-"""The negotiation round: every call first all-gathers a small header describing it, and every
-rank raises the same ``RuntimeError`` on a mismatch (Horovod's coordinator check; torch would
-hang or mix bytes). Per-rank argument errors that depend on the data travel in the header too,
-so all ranks fail together and stay paired. The name's hash catches differently named calls
-at the same position (calls pair by order).
+"""The negotiation round: every call first all-gathers a header describing it, so a mismatch
+(or a data-dependent argument error) is the same error on every rank, not a hang.
 
 Header layout (int64): kind, op, root, dtype index, prescale bits, postscale bits, error code,
 number of dimensions, name hash, shape (padded to :data:`MAX_DIMS` with -1), then ``extra``

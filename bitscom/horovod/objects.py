@@ -1,6 +1,5 @@
-"""Picklable objects over the face's :class:`Comm` (bytes counted, the one round driver):
-``allgather_object``, ``barrier`` and the object broadcast under :func:`bitscom.broadcast_object`.
-Receivers unpickle what their peers send (the trust this assumes: docs/reliability.md).
+"""Picklable objects over the face's :class:`Comm`: ``allgather_object``, ``barrier`` and the
+object broadcast (receivers unpickle peers' bytes: the trust this assumes, docs/reliability.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Sparse all-reduce: Horovod's ``sparse_allreduce_async`` and DistributedOptimizer's sparse path.
-
-Two ranks' sparse tensors touch different rows, so, as Horovod, every rank's indices and values
-are all-gathered (padded to the largest nnz, which the negotiation header carries with the
-layout) and summed locally, in rank order, into one coalesced tensor: every rank holds the
-same bits (Horovod returns the uncoalesced concatenation). docs/horovod.md, Sparse tensors.
+"""Sparse all-reduce (Horovod's ``sparse_allreduce_async``, DistributedOptimizer's sparse path):
+every rank's indices and values are all-gathered and summed in rank order into one coalesced
+tensor, the same bits on every rank (docs/horovod.md, Sparse tensors).
 """
 
 from __future__ import annotations

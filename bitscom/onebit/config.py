@@ -57,19 +57,14 @@ def momentum_codec(block_size: int, stage2_bits: int) -> LowBitConfig:
 
 @dataclass(frozen=True)
 class OneBitConfig:
-    """Settings of :class:`~bitscom.onebit.OneBitAdam` other than the per-group ``lr`` /
-    ``weight_decay``.
+    """Settings of :class:`~bitscom.onebit.OneBitAdam` other than the per-group ``lr`` / ``weight_decay``.
 
     Attributes:
         betas, eps: Adam's (one pair for the whole model: the momentum is one flat buffer).
-        freeze_step: exact-AdamW warm-up steps (>= 1: a zero variance would divide by ``eps``);
-            too few freeze ``v`` before it settled, too many spend the bytes on the warm-up.
-        block_size: elements per 1-bit scale (power of two, 32..65536): 16/block_size bits per
-            element of scales, smaller blocks follow magnitudes better.
-        stage2_bits: width of the server stage (1 as in DeepSpeed, or 2/4/8; 4 halves the
-            server-side error for 3 more bits per element of the all-gather).
-        bias_correction: Adam's bias correction, frozen with ``v`` (False: DeepSpeed's
-            arithmetic, several points of final loss on short runs, docs/onebit.md).
+        freeze_step: exact warm-up steps (>= 1); too few freeze ``v`` early, too many cost bytes.
+        block_size: elements per 1-bit scale: smaller follows magnitudes, at 16/block_size bits.
+        stage2_bits: server stage width (1 as DeepSpeed; 4 halves its error for 3 more bits).
+        bias_correction: Adam's, frozen with ``v`` (False: DeepSpeed's arithmetic, docs/onebit.md).
     """
 
     betas: tuple = (0.9, 0.999)
@@ -96,12 +91,10 @@ class ZeroOneConfig:
 
     Attributes:
         betas, eps, block_size, stage2_bits: as :class:`OneBitConfig`.
-        var_freeze_step: the last step that may update the variance; usually the end of the
-            learning-rate warm-up.
+        var_freeze_step: the last step that may update the variance (the end of the lr warm-up).
         var_update_scaler: kappa: variance updates per doubling of their interval (1, 2, 4, ...).
         local_step_scaler: frozen steps per doubling of the local-step interval ...
-        local_step_clipper: ... up to this many local steps between synchronizations (H):
-            fewer bytes, more drift between replicas.
+        local_step_clipper: ... up to H local steps between syncs: fewer bytes, more drift.
         bias_correction: as :class:`OneBitConfig` (``k`` = the exact variance updates so far).
     """
 
@@ -145,13 +138,10 @@ class OverlapConfig:
     loads with either choice.
 
     Attributes:
-        overlap: start each bucket's 1-bit all-reduce from the gradient hooks; bitwise the same
-            results, but ``p.grad`` must reach step() as backward left it (no clipping, no
-            GradScaler: refused with an error). Default False.
-        bucket_mb: largest bucket (MiB of fp32 momentum): smaller starts sending earlier,
-            larger costs fewer collectives (three per bucket).
-        backward_passes_per_step: with ``overlap``, the buckets leave on the last of this many
-            backward passes (the hooks cannot know otherwise).
+        overlap: send each bucket from the gradient hooks; same bits, but ``p.grad`` must reach
+            step() as backward left it (clipping, GradScaler: refused). Default False.
+        bucket_mb: largest bucket (MiB): smaller sends earlier, larger costs fewer collectives.
+        backward_passes_per_step: with ``overlap``, the buckets leave on the last of these passes.
     """
 
     overlap: bool = False

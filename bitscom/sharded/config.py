@@ -39,24 +39,17 @@ class ShardedConfig:
     """What :class:`~bitscom.sharded.ShardedOptimizer` sends and how.
 
     Attributes:
-        quantized_weights: all-gather quantized weight differences (qWD): weight traffic drops
-            to ``weight_quantization_bits + 16/wq_group_size`` bits per element.
-        weight_quantization_bits: width of the differences; small and smooth, so 4 bits lose
-            almost nothing (SDP4Bit).
-        wq_group_size: elements per scale: larger costs fewer scale bytes, smaller follows
-            local magnitudes better.
+        quantized_weights: all-gather quantized weight differences (qWD) instead of parameters.
+        weight_quantization_bits: width of the differences (small and smooth: 4 bits suffice).
+        wq_group_size: elements per scale: larger costs fewer scale bytes, smaller follows magnitudes.
         quantized_gradients: two-level quantized reduce-scatter (TLq); off: exact float32.
         gradient_quantization_bits_intra: width on the fast intra-node links (32 = float32).
         gq_group_size_intra: elements per scale of the intra-node stage.
         gradient_quantization_bits_inter: width on the slow inter-node links (32 = float32).
-        gq_group_size_inter: elements per scale of the inter-node stage; 128 keeps 4-bit error
-            low at 1/8 bit per element of scales.
-        hadamard_transform: Hadamard-rotate 32-element runs before quantizing (TLq-HS), so a
-            block's scale fits its typical value; costs two passes over memory.
-        gradient_alltoall_pipeline: chunks per shard, overlapping chunk k's inter-node stage
-            with chunk k+1's intra-node one; more overlap, but smaller collectives.
-        fusion_threshold_mb: bucket size cap: larger = fewer collectives, smaller = earlier
-            communication in backward; 0 = one parameter per bucket.
+        gq_group_size_inter: elements per scale of the inter-node stage (128: low 4-bit error).
+        hadamard_transform: Hadamard-rotate 32-element runs first (TLq-HS): scales fit, two passes.
+        gradient_alltoall_pipeline: chunks per shard: more overlap of the stages, smaller collectives.
+        fusion_threshold_mb: bucket cap: larger = fewer collectives, smaller = earlier; 0 = per tensor.
         backward_passes_per_step: backward passes summed locally before one reduce-scatter.
         op: ``bitscom.Average`` (default) or ``bitscom.Sum`` of the ranks' gradients.
         seed: base of the stochastic-rounding seeds (identical on every rank).

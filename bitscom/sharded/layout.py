@@ -1,8 +1,5 @@
 """Shard planning: which bucket each parameter sits in and which slice of it each rank owns.
-
 Pure functions of (names, shapes, world size, settings): every rank computes the same plan.
-Rank ``r`` owns ``[r * S_b, (r + 1) * S_b)`` of each bucket (as Megatron's distributed
-optimizer), so each bucket's reduce-scatter starts while backward runs (docs/sharded.md).
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""ShardedOptimizer: ZeRO-style sharded data parallelism with SDP4Bit's communication quantization.
-
-Backward hooks move each gradient into its bucket (``p.grad = None``) and start the bucket's
-reduce-scatter (:mod:`.gradients`); ``step()`` updates this rank's fp32 master shard and
-all-gathers the parameters (:mod:`.weights`), after which every replica is bitwise identical.
-The whole data path: docs/sharded.md.
-"""
+"""ShardedOptimizer: ZeRO-style sharded data parallelism with SDP4Bit's communication quantization
+(the data path: docs/sharded.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Parameter all-gather after the shard update: exact (the master shard in the parameters'
-dtype), or quantized weight differences ``Q(master - replica)`` (qWD), decoded and added by
-every rank alike, so replicas stay bitwise identical (docs/sharded.md, The two quantizations).
-"""
+"""Parameter all-gather after the shard update: exact, or quantized weight differences (qWD)."""
 
 from __future__ import annotations
 
