@@ -184,13 +184,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         return self.inner.step() if closure is None else self.inner.step(closure)
 
     def step(self, closure=None):  # type: ignore[override]
-        """One inner step; after every ``sync_every``-th (per fragment), the outer step.
-
-        Example::
-
-            loss.backward()
-            opt.step()
-        """
+        """One inner step; after every ``sync_every``-th (per fragment), the outer step."""
         before = self._counters["bytes_sent"]
         try:
             return self._step(closure)
@@ -404,12 +398,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         return [list(m) for m in self._members]
 
     def close(self) -> None:
-        """Refuse further steps; reductions in flight are not waited for (:meth:`sync` first).
-
-        Example::
-
-            opt.close()
-        """
+        """Refuse further steps; reductions in flight are not waited for (:meth:`sync` first)."""
         self._face_close()
 
     def state_dict(self) -> dict:  # type: ignore[override]
@@ -438,12 +427,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
         """Load this rank's own :meth:`state_dict` (and the model's); the ranks check on the next
-        step that they resumed the same step.
-
-        Example::
-
-            opt.load_state_dict(torch.load(f"ckpt.{rank}.pt")["opt"])
-        """
+        step that they resumed the same step."""
         if not isinstance(state_dict, dict) or "diloco" not in state_dict:
             raise ValueError("not a DiLoCo state dict (no 'diloco' entry); a plain optimizer's "
                              "state dict goes to opt.inner.load_state_dict()")

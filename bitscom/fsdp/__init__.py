@@ -1,12 +1,7 @@
 """FSDP2 with bitscom compression: ``fully_shard``'s gradient reduce-scatter in low bit
 (``FSDPModule.set_custom_reduce_scatter``), HSDP's replicate all-reduce in low bit
 (:mod:`.replicate`) and, with ``weights=``, the parameter all-gather too (:mod:`.weights`).
-See ``docs/fsdp.md``.
-
-Example::
-
-    handle = bitscom.fsdp.compress(model, gradients=LowBitConfig(bitwidth=4, error_feedback=True))
-    print(bitscom.fsdp.comm_stats(model))
+See :func:`compress` and ``docs/fsdp.md``.
 """
 
 from .checkpoint import FSDPCheckpointState, checkpoint_state

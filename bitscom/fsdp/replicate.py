@@ -1,11 +1,6 @@
 """HSDP: the all-reduce across the replicate dimension (the slow inter-node hop), in low bit,
 through FSDP's ``set_all_reduce_hook`` on a model sharded over ``mesh["shard"]`` (native 2-D
 HSDP's own all-reduce has no hook that replaces it; docs/fsdp.md, HSDP).
-
-Example::
-
-    fully_shard(model, mesh=mesh["shard"])
-    bitscom.fsdp.compress(model, replicate_group=mesh.get_group("replicate"))
 """
 
 from __future__ import annotations

@@ -318,12 +318,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero ``p.grad``; with ``overlap=True`` refused while a step's 1-bit all-reduce is in
-        flight (after backward, before step()).
-
-        Example::
-
-            opt.zero_grad()
-        """
+        flight (after backward, before step())."""
         b = self._buckets
         if b is not None and b.kind not in (None, "none") and (b.flights or b.next):
             raise RuntimeError(f"{self._NAME}(overlap=True): zero_grad() after backward() and before "
@@ -335,12 +330,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
     # -- the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        """One step (call it every iteration on every rank).
-
-        Example::
-
-            loss.backward(); opt.step(); opt.zero_grad()
-        """
+        """One step (call it every iteration on every rank)."""
         self._check_live()
         self._check_requires_grad()
         loss = None
@@ -391,12 +381,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
     # -- reporting, checkpoints --------------------------------------------------------------
     def comm_stats(self) -> dict:
         """Whole-run ``bytes_sent`` against an exact fp32 gradient all-reduce per step
-        (``dense_bytes``), their ratio and the step counters.
-
-        Example::
-
-            opt.comm_stats()["compression_ratio"]
-        """
+        (``dense_bytes``), their ratio and the step counters."""
         c = dict(self._counters)
         sent = c.pop("bytes_sent")
         dense = (c["step"] + c["skipped_steps"]) * self._dense_per_step()
@@ -410,12 +395,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
     def state_dict(self) -> dict:  # type: ignore[override]
         """torch's param_groups plus, under ``"onebit"``, this rank's momentum, variance, error
-        feedback and counters (the residuals differ between ranks: each rank saves its own).
-
-        Example::
-
-            torch.save(opt.state_dict(), f"opt.{rank}.pt")
-        """
+        feedback and counters (the residuals differ between ranks: each rank saves its own)."""
         if self._buckets is not None and self._buckets.flights:
             raise RuntimeError(f"{self._NAME}: state_dict() after backward() and before step() while "
                                "this step's 1-bit all-reduce is in flight (overlap=True); call it between "
@@ -432,12 +412,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
         """Load this rank's own :meth:`state_dict`; resuming continues bitwise (the ranks check
-        they resumed the same step).
-
-        Example::
-
-            opt.load_state_dict(torch.load(f"opt.{rank}.pt"))
-        """
+        they resumed the same step)."""
         if self._buckets is not None and self._buckets.kind is not None:
             raise RuntimeError(f"{self._NAME}: load_state_dict() in the middle of a step (after "
                                "backward, before step()); call it between steps")
@@ -483,12 +458,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
             self._buckets.flights = []
 
     def close(self) -> None:
-        """Refuse further steps.
-
-        Example::
-
-            opt.close()
-        """
+        """Refuse further steps."""
         if self._life is not None:
             self._life.close()
         self._face_close()

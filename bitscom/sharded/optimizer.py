@@ -435,12 +435,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             "autocast without a scaler, or use bitscom.DistributedOptimizer with GradScaler")
 
     def step(self, closure=None):
-        """Synchronize (if not done), update this rank's shard, all-gather the parameters.
-
-        Example::
-
-            loss.backward(); opt.step()
-        """
+        """Synchronize (if not done), update this rank's shard, all-gather the parameters."""
         self._refuse_grad_scaler()
         if closure is not None:
             raise ValueError("ShardedOptimizer.step() takes no closure: the closure's backward "
@@ -468,23 +463,13 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop this step's gradients, a reduction completed by backward included.
-
-        Example::
-
-            opt.zero_grad()
-        """
+        """Drop this step's gradients, a reduction completed by backward included."""
         self._reset_step()
         for p in self._params:
             p.grad = None
 
     def close(self) -> None:
-        """Remove the gradient hooks; later steps raise.
-
-        Example::
-
-            opt.close()
-        """
+        """Remove the gradient hooks; later steps raise."""
         self._reducer.abort()
         self._life.close()
         self._face_close()
@@ -492,21 +477,11 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
     # -- statistics ------------------------------------------------------------------------
     def comm_stats(self) -> dict:
         """Bytes this rank sent against exact fp32 sharded DP (:func:`bitscom.face.report`), plus
-        the last step's ``gradient_bytes`` / ``weight_bytes`` and their ``dense_`` counterparts.
-
-        Example::
-
-            opt.step(); print(opt.comm_stats()["gradient_bytes"])
-        """
+        the last step's ``gradient_bytes`` / ``weight_bytes`` and their ``dense_`` counterparts."""
         return self._bytes.report(**self._stats)
 
     def memory_stats(self) -> dict:
-        """Bytes this rank holds for optimizer state, the master shard and its gradient.
-
-        Example::
-
-            opt.memory_stats()["optimizer_state_bytes"]
-        """
+        """Bytes this rank holds for optimizer state, the master shard and its gradient."""
         state = sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
                     for v in st.values() if isinstance(v, torch.Tensor))
         nbytes = self._master.numel() * self._master.element_size()
@@ -521,12 +496,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """This rank's shard (optimizer state, master shard, step); loads only into the same
-        world size and plan (:meth:`consolidated_state_dict` is portable).
-
-        Example::
-
-            torch.save(opt.state_dict(), f"opt.{rank}.pt")
-        """
+        world size and plan (:meth:`consolidated_state_dict` is portable)."""
         # A copy, not references to the live state (torch's default): loading it into another
         # optimizer in the same process must not make the two share moment buffers.
         return {"optimizer": copy.deepcopy(self.optimizer.state_dict()),
@@ -534,12 +504,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                             "plan": self.plan.describe(), "master": self._master.clone()}}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load :meth:`state_dict` of the same rank and world size, or a consolidated one.
-
-        Example::
-
-            opt.load_state_dict(torch.load(f"opt.{rank}.pt"))
-        """
+        """Load :meth:`state_dict` of the same rank and world size, or a consolidated one."""
         if state_dict.get("format") == FORMAT:
             self.load_consolidated_state_dict(state_dict)
             return
@@ -612,12 +577,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
     def load_consolidated_state_dict(self, state_dict: dict, load_replicas: bool = True) -> None:
         """Load a :meth:`consolidated_state_dict` of any world size (every rank, the same dict);
-        ``load_replicas`` also sets the parameters.
-
-        Example::
-
-            opt.load_consolidated_state_dict(torch.load("opt.pt"))
-        """
+        ``load_replicas`` also sets the parameters."""
         if state_dict.get("format") != FORMAT:
             raise ValueError(f"not a consolidated ShardedOptimizer checkpoint (format "
                              f"{state_dict.get('format')!r}, expected {FORMAT!r})")
@@ -656,19 +616,9 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         return cls(optimizer, named_parameters, process_group, **settings_from_args(args), **kwargs)
 
     def save_dcp(self, path, *, extra=None) -> None:
-        """Save through ``torch.distributed.checkpoint``; see :func:`bitscom.checkpointing.save`.
-
-        Example::
-
-            opt.save_dcp("ckpt/step100")
-        """
+        """Save through ``torch.distributed.checkpoint``; see :func:`bitscom.checkpointing.save`."""
         save_sharded(self, path, extra)
 
     def load_dcp(self, path, *, extra=None, load_replicas: bool = True) -> None:
-        """Load a :meth:`save_dcp` checkpoint of any world size (:func:`bitscom.checkpointing.load`).
-
-        Example::
-
-            opt.load_dcp("ckpt/step100")
-        """
+        """Load a :meth:`save_dcp` checkpoint of any world size (:func:`bitscom.checkpointing.load`)."""
         load_sharded(self, path, extra, load_replicas)
