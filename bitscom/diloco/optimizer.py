@@ -84,10 +84,9 @@ class DiLoCo(Face, torch.optim.Optimizer):
                             "local gradients")
 
     def __init__(self, inner_optimizer, named_parameters=None, *, sync_every: int = 16,
-                 compression: Any = DEFAULT_COMPRESSION, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
-                 process_group=None, fusion_threshold_mb: float = 25, warmup_steps: int = 0,
-                 delay: int = 0, mix: float = 0.0, group=None):
+                 compression: Any = DEFAULT_COMPRESSION, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 nesterov: bool = True, fragments: int = 1, process_group=None, fusion_threshold_mb: float = 25,
+                 warmup_steps: int = 0, delay: int = 0, mix: float = 0.0, group=None):
         group = renamed(process_group, group, new="process_group", old="group", where="DiLoCo")
         self._face_init("DiLoCo", group)
         group = self._group = self.process_group
@@ -105,8 +104,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         self._start()
 
     # -- construction --------------------------------------------------------------------
-    def _setup(self, inner, named_parameters, sync_every, compression, config,
-               fusion_threshold_mb) -> None:
+    def _setup(self, inner, named_parameters, sync_every, compression, config, fusion_threshold_mb) -> None:
         self.inner = _inner_checked(inner)
         self.config = config
         self.compression = resolve_compressor("none" if compression is None else compression,

@@ -75,8 +75,7 @@ class FragmentReducers:
             start += len(m)
 
 
-def saved_flights(extra: dict, members: Sequence[Sequence[int]], flats: Sequence[torch.Tensor]
-                  ) -> Dict[int, tuple]:
+def saved_flights(extra: dict, members: Sequence[Sequence[int]], flats: Sequence[torch.Tensor]) -> Dict[int, tuple]:
     """The checkpoint's reductions in flight, checked against this plan: fragment -> (Flight, buckets)."""
     out: Dict[int, tuple] = {}
     for item in extra.get("flights", []):

@@ -96,8 +96,7 @@ class FSDPCompression(Face):
 
     def __init__(self, config: Optional[LowBitConfig], states: Dict[str, LowBitState], counter: ByteCount,
                  process_group=None, *, replicate: Optional[LowBitConfig] = None,
-                 replicate_states: Optional[Dict[str, LowBitState]] = None,
-                 weights: Optional[WeightGathers] = None):
+                 replicate_states: Optional[Dict[str, LowBitState]] = None, weights: Optional[WeightGathers] = None):
         self.config, self.states, self.counter, self.weights = config, states, counter, weights
         self.replicate = replicate                      # HSDP: the replicate all-reduce settings
         self.replicate_states: Dict[str, LowBitState] = replicate_states or {}

@@ -90,10 +90,9 @@ class ReplicateAllReduce:
         fsdp_module.set_all_reduce_hook(hook)
     """
 
-    def __init__(self, cfg: LowBitConfig, key: str, state: LowBitState, counter: HSDPBytes, group,
-                 shard_group, divide_factor: Optional[Callable[[], Optional[float]]] = None,
-                 count_reduce_scatter: bool = True, before: Optional[Callable[[], None]] = None,
-                 requires_all_reduce: Optional[Callable[[], bool]] = None):
+    def __init__(self, cfg: LowBitConfig, key: str, state: LowBitState, counter: HSDPBytes, group, shard_group,
+                 divide_factor: Optional[Callable[[], Optional[float]]] = None, count_reduce_scatter: bool = True,
+                 before: Optional[Callable[[], None]] = None, requires_all_reduce: Optional[Callable[[], bool]] = None):
         self.cfg, self.key, self.state, self.counter = cfg, key, state, counter
         self.group, self.shard_group, self.divide_factor = group, shard_group, divide_factor
         self.count_reduce_scatter, self.before = count_reduce_scatter, before

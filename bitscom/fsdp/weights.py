@@ -97,8 +97,7 @@ class LowBitAllGather:
         """FSDP's output buffer: plain ``torch.empty``."""
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
-                 async_op: bool = False) -> None:
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False) -> None:
         """Fill every slot of ``output_tensor`` with the decoded shards (synchronous)."""
         if self.before is not None:
             self.before()

@@ -35,9 +35,8 @@ def _reduce_error(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float) -
     return 0
 
 
-def _allreduce_rounds(lbl: str, tensor: torch.Tensor, out: torch.Tensor, op: ReduceOp, pre: float,
-                      post: float, comm: Optional[Comm], name: Optional[str] = None
-                      ) -> Generator[Any, None, torch.Tensor]:
+def _allreduce_rounds(lbl: str, tensor: torch.Tensor, out: torch.Tensor, op: ReduceOp, pre: float, post: float,
+                      comm: Optional[Comm], name: Optional[str] = None) -> Generator[Any, None, torch.Tensor]:
     size = 1 if comm is None else comm.size
     # detach(): the in-place forms may get a leaf that requires grad; the view shares storage.
     contiguous = out.is_contiguous()
@@ -78,9 +77,8 @@ def _allreduce_async(fn: str, tensor: torch.Tensor, out: Optional[torch.Tensor],
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-                    op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0, process_set: Any = None, *,
-                    process_group: Any = None) -> Handle:
+                    op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: Any = None, *, process_group: Any = None) -> Handle:
     """Start reducing ``tensor`` over ranks; returns a :class:`Handle` (see :func:`synchronize`).
     ``op``: ``bitscom.Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
 
@@ -94,9 +92,8 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-                     op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0, process_set: Any = None, *,
-                     process_group: Any = None) -> Handle:
+                     op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: Any = None, *, process_group: Any = None) -> Handle:
     """In-place :func:`allreduce_async`: ``tensor`` holds the result after :func:`synchronize`.
 
     Example::
@@ -109,9 +106,8 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-               op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0, process_set: Any = None, *,
-               process_group: Any = None) -> torch.Tensor:
+               op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: Any = None, *, process_group: Any = None) -> torch.Tensor:
     """In place: ``tensor`` becomes the average (or ``op``) over ranks; returns ``tensor``.
 
     Example::
@@ -139,9 +135,8 @@ class _AllreduceFn(torch.autograd.Function):
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-              compression: Any = Compression.none, op: Optional[ReduceOp] = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None,
-              *, process_group: Any = None) -> torch.Tensor:
+              compression: Any = Compression.none, op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: Any = None, *, process_group: Any = None) -> torch.Tensor:
     """Return the average (or ``op``) of ``tensor`` over ranks; the input is not modified.
 
     Differentiable for ``Average``/``Sum``, like Horovod's. ``compression``:
@@ -167,9 +162,8 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     return compression.decompress(out, ctx)
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
-                      name: Optional[str] = None, op: Optional[ReduceOp] = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
+                      op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: Any = None, *, process_group: Any = None) -> List[torch.Tensor]:
     """Reduce a list of tensors (Horovod's ``grouped_allreduce``); returns new tensors.
 

@@ -101,9 +101,8 @@ class _AlltoallFn(torch.autograd.Function):
         return back, None, None, None
 
 
-def alltoall(tensor: torch.Tensor, splits: Splits = None, name: Optional[str] = None,
-             process_set: Any = None, *, process_group: Any = None
-             ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+def alltoall(tensor: torch.Tensor, splits: Splits = None, name: Optional[str] = None, process_set: Any = None, *,
+             process_group: Any = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """All-to-all (see :func:`alltoall_async`); returns the received tensor, or
     ``(tensor, received_splits)`` when ``splits`` is given. Differentiable.
 

@@ -115,10 +115,9 @@ def _check_shapes(label: str, rows: List[List[int]], kind: int) -> None:
         raise RuntimeError(f"{label}: ranks disagree on the tensor {part} ({seen})")
 
 
-def negotiate(comm: Comm, label: str, tensor: torch.Tensor, kind: int, op: int = -1,
-              root: int = -1, pre: float = 1.0, post: float = 1.0, err: int = 0,
-              extra: Sequence[int] = (), name: Optional[str] = None
-              ) -> Generator[Any, None, List[List[int]]]:
+def negotiate(comm: Comm, label: str, tensor: torch.Tensor, kind: int, op: int = -1, root: int = -1, pre: float = 1.0,
+              post: float = 1.0, err: int = 0, extra: Sequence[int] = (),
+              name: Optional[str] = None) -> Generator[Any, None, List[List[int]]]:
     """Round generator: every rank's header (in rank order), checked to describe the same call."""
     values = _header(tensor, comm.size, kind, op, root, pre, post, err, extra, name)
     header = torch.tensor(values, dtype=torch.int64, device=group_device(comm.group, tensor))

@@ -25,8 +25,7 @@ def _from_bytes(data: torch.Tensor) -> Any:
     return pickle.loads(data.cpu().numpy().tobytes())
 
 
-def gather_object_rounds(comm: Comm, obj: Any, device: torch.device,
-                         what: str) -> Generator[Any, None, List[Any]]:
+def gather_object_rounds(comm: Comm, obj: Any, device: torch.device, what: str) -> Generator[Any, None, List[Any]]:
     """Round generator: every rank's ``obj``, in group-rank order."""
     data = _to_bytes(obj, device)
     sizes = torch.empty(comm.size, dtype=torch.int64, device=device)

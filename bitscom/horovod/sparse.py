@@ -68,8 +68,7 @@ def _check_rows(lbl: str, rows: List[List[int]]) -> Optional[Tuple[List[int], in
     return [row[_NNZ] for row in rows], dims.pop()
 
 
-def _combine(parts: Sequence[Tuple[torch.Tensor, torch.Tensor]], shape: torch.Size,
-             sparse_dim: int) -> torch.Tensor:
+def _combine(parts: Sequence[Tuple[torch.Tensor, torch.Tensor]], shape: torch.Size, sparse_dim: int) -> torch.Tensor:
     """Sum every rank's (unique-index) rows in rank order into one coalesced sparse tensor."""
     indices = torch.cat([i for i, _ in parts], dim=1)
     values = parts[0][1]
@@ -172,9 +171,8 @@ class SparseHandle(Handle):
         return synchronize(self)
 
 
-def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None,
-                           op: Optional[ReduceOp] = Average, process_set: Any = None, *,
-                           process_group: Any = None) -> SparseHandle:
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op: Optional[ReduceOp] = Average,
+                           process_set: Any = None, *, process_group: Any = None) -> SparseHandle:
     """Start reducing a sparse COO ``tensor`` over ranks (Horovod's ``sparse_allreduce_async``).
 
     The result is coalesced and bitwise the same on every rank (nnz may differ between ranks;
@@ -197,9 +195,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None,
     return cast(SparseHandle, handle)       # the class assignment above, which mypy does not follow
 
 
-def sparse_allreduce(tensor: torch.Tensor, name: Optional[str] = None,
-                     op: Optional[ReduceOp] = Average, process_set: Any = None, *,
-                     process_group: Any = None) -> torch.Tensor:
+def sparse_allreduce(tensor: torch.Tensor, name: Optional[str] = None, op: Optional[ReduceOp] = Average,
+                     process_set: Any = None, *, process_group: Any = None) -> torch.Tensor:
     """Return the average (or sum) of a sparse COO ``tensor`` over ranks, coalesced; see
     :func:`sparse_allreduce_async`.
 

@@ -26,8 +26,7 @@ class OverlapBuckets:
     ``lowbit_step`` the low-bit step counter of its all-reduce.
     """
 
-    def __init__(self, sizes: Sequence[int], numel: int, world: int, block_size: int, max_elements: int,
-                 device):
+    def __init__(self, sizes: Sequence[int], numel: int, world: int, block_size: int, max_elements: int, device):
         self.grad = torch.zeros(numel, dtype=torch.float32, device=device)
         self.ranges = owner_ranges(numel, world, block_size, max_elements)
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]

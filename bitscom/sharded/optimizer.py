@@ -149,14 +149,12 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             opt.step()
     """
 
-    def __init__(self, optimizer, named_parameters=None, process_group=None, *,
-                 quantized_weights: bool = False, weight_quantization_bits: int = 4,
-                 wq_group_size: int = 2048, quantized_gradients: bool = False,
+    def __init__(self, optimizer, named_parameters=None, process_group=None, *, quantized_weights: bool = False,
+                 weight_quantization_bits: int = 4, wq_group_size: int = 2048, quantized_gradients: bool = False,
                  gradient_quantization_bits_intra: int = 8, gq_group_size_intra: int = 512,
                  gradient_quantization_bits_inter: int = 4, gq_group_size_inter: int = 128,
-                 hadamard_transform: bool = False, gradient_alltoall_pipeline: int = 1,
-                 fusion_threshold_mb: float = 25, backward_passes_per_step: int = 1,
-                 op: ReduceOp = Average, intra_group=None, inter_group=None,
+                 hadamard_transform: bool = False, gradient_alltoall_pipeline: int = 1, fusion_threshold_mb: float = 25,
+                 backward_passes_per_step: int = 1, op: ReduceOp = Average, intra_group=None, inter_group=None,
                  local_size: Optional[int] = None, elementwise: bool = False, seed: int = 0):
         settings = locals()          # every ShardedConfig field is a keyword argument of that name
         _check_optimizer(optimizer, elementwise)
