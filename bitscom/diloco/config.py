@@ -109,8 +109,7 @@ class DiLoCoConfig:
             DiLoCoConfig(sync_every=4, warmup_steps=10).due(14)   # [0]
         """
         local = step - self.warmup_steps
-        return [i for i, off in enumerate(self.offsets())
-                if local >= 1 and (local - off) % self.sync_every == 0]
+        return [i for i, off in enumerate(self.offsets()) if local >= 1 and (local - off) % self.sync_every == 0]
 
     def lands(self, step: int) -> List[int]:
         """The fragments whose reduction, started ``delay`` steps earlier, lands after inner

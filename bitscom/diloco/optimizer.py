@@ -255,9 +255,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
             self._land(stale, replace=stale)
 
     def _warmup_step(self, closure):
-        """Post-local-SGD warm-up: step the inner optimizer on the reduced gradient (S-SGD);
-        θ_global follows. An Inf/NaN average skips the step and resets the warm-up state on
-        every rank alike."""
+        """Post-local-SGD warm-up: the inner step on the reduced gradient; Inf/NaN skips it everywhere."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -315,9 +313,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
             flight.arrived = True
 
     def _land(self, fragments: List[int], replace: Sequence[int] = ()) -> None:
-        """Finish the reductions of ``fragments`` and apply their outer step; each local
-        fragment then becomes α·θ_local + (1 − α)·θ_global (α = ``mix``), or θ_global for the
-        fragments in ``replace`` and when α = 0."""
+        """Finish ``fragments``' reductions, step θ_global, and merge (``mix``) or replace (``replace``)."""
         for f in fragments:
             self._arrive(f)
         chosen = [b for f in fragments for b in self._members[f]]
@@ -424,8 +420,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
-        """Load this rank's own :meth:`state_dict` (and the model's); the ranks check on the next
-        step that they resumed the same step."""
+        """Load this rank's own :meth:`state_dict` (and the model's); the ranks then check their steps."""
         if not isinstance(state_dict, dict) or "diloco" not in state_dict:
             raise ValueError("not a DiLoCo state dict (no 'diloco' entry); a plain optimizer's "
                              "state dict goes to opt.inner.load_state_dict()")

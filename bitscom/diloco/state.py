@@ -13,13 +13,9 @@ __all__ = ["has_tensor", "load_checked"]
 
 def has_tensor(obj: Any) -> bool:
     """Whether a nested state holds a tensor (per-rank state such as error-feedback residuals)."""
-    if isinstance(obj, torch.Tensor):
-        return True
     if isinstance(obj, dict):
-        return any(has_tensor(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(has_tensor(v) for v in obj)
-    return False
+        obj = list(obj.values())
+    return isinstance(obj, torch.Tensor) or (isinstance(obj, (list, tuple)) and any(has_tensor(v) for v in obj))
 
 
 def load_checked(opt, inner: dict, extra: dict) -> None:

@@ -1,6 +1,4 @@
-"""FSDP2 with bitscom compression: ``fully_shard``'s gradient reduce-scatter in low bit
-(``FSDPModule.set_custom_reduce_scatter``), HSDP's replicate all-reduce in low bit
-(:mod:`.replicate`) and, with ``weights=``, the parameter all-gather too (:mod:`.weights`).
+"""FSDP2 with bitscom compression: low-bit reduce-scatter, HSDP all-reduce and all-gather.
 See :func:`compress` and ``docs/fsdp.md``.
 """
 

@@ -1,7 +1,4 @@
-"""``bitscom.fsdp.compress``: one :class:`~bitscom.fsdp.reduce_scatter.LowBitReduceScatter` (and
-with ``weights=`` one :class:`~bitscom.fsdp.weights.LowBitAllGather`) per ``fully_shard``-ed
-module; the returned :class:`FSDPCompression` reports bytes and checkpoints the states.
-"""
+"""``bitscom.fsdp.compress``: bitscom's collectives installed on every ``fully_shard``-ed module."""
 
 from __future__ import annotations
 

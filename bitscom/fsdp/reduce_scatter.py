@@ -1,10 +1,6 @@
-"""The reduce-scatter FSDP2 calls for one parameter group, sent in low bit.
-
-FSDP's ``ReduceScatter`` protocol (torch 2.11-2.13, ``foreach_reduce``): ``input_tensor`` is the
-group's flat gradient in the reduce dtype, ``P`` equal shards (dim 0 of every gradient padded
-to a multiple of ``P``), shard ``j`` for group rank ``j``; ``output_tensor`` is this rank's
-shard. The averaging factor is read from ``op`` (:func:`reduce_scale`), never assumed. FSDP
-ignores the return value, so the rounds run to completion here and ``None`` is returned.
+"""The reduce-scatter FSDP2 calls for one parameter group, sent in low bit: ``input_tensor`` holds
+``P`` equal shards (shard ``j`` for group rank ``j``), ``output_tensor`` this rank's; the scale
+is read from ``op`` (:func:`reduce_scale`), never assumed. FSDP ignores the return value.
 """
 
 from __future__ import annotations

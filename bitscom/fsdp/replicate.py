@@ -62,11 +62,7 @@ def replicate_config(replicate) -> LowBitConfig:
 
 def native_hsdp(module: torch.nn.Module) -> bool:
     """Whether ``module``'s parameters were ``fully_shard``-ed on a 2-D mesh (native HSDP)."""
-    for p in module.parameters():
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is not None and mesh.ndim > 1:
-            return True
-    return False
+    return any(getattr(getattr(p, "device_mesh", None), "ndim", 1) > 1 for p in module.parameters())
 
 
 def check_replicate_group(replicate_group, shard_group) -> None:
@@ -114,9 +110,8 @@ class ReplicateAllReduce:
             shards = dist.get_world_size(self.shard_group)
             self.counter.intra_sent += reduce_output.element_size() * reduce_output.numel() * shards
             self.counter.intra_dense += 4 * reduce_output.numel() * shards
-        if self._accumulate(reduce_output):
-            return
-        self._all_reduce(reduce_output)
+        if not self._accumulate(reduce_output):
+            self._all_reduce(reduce_output)
 
     def _accumulate(self, reduce_output: torch.Tensor) -> bool:
         """Accumulation: keep the shard and give FSDP zeros, or add what was kept; whether to stop."""

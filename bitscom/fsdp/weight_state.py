@@ -1,5 +1,4 @@
-"""What the low-bit parameter all-gather remembers (:class:`WeightState`) and counts
-(:class:`GatherCount`), per FSDP module."""
+"""What the low-bit parameter all-gather remembers and counts, per FSDP module."""
 
 from __future__ import annotations
 
@@ -22,9 +21,7 @@ class GatherCount:
 
 
 class WeightState:
-    """Per FSDP module: how many gathers ran (keys the stochastic-rounding seeds) and, for
-    ``"difference"``, the replica of the last gather (FSDP's whole output buffer, as bytes),
-    which FSDP2 does not keep across an optimizer step."""
+    """Per FSDP module: the gather count (keys the seeds) and, for ``"difference"``, the last replica."""
 
     def __init__(self) -> None:
         self.gathers = 0

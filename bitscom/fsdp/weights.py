@@ -1,12 +1,6 @@
 """The all-gather FSDP2 calls for one parameter group, sent in low bit (qwZ or SDP4Bit qWD).
-
-FSDP's ``AllGather`` protocol (``foreach_all_gather``, torch 2.13): ``output_tensor`` holds
-``P * N`` elements in the all-gather dtype (``uint8`` when the parameters' dtypes differ);
-``input_tensor`` is slot ``rank`` of it, where FSDP copied its padded shards in parameter order.
-:class:`LowBitAllGather` sends per parameter low-bit bytes (or the exact bytes of a small or
-non-floating shard) and writes the decoded values into *every* slot, this rank's included, so
-the model is the same on every rank. FSDP2 frees the unsharded parameters after each step, so
-``"difference"`` keeps its own replica (:class:`WeightState`; docs/fsdp.md).
+``input_tensor`` is slot ``rank`` of ``output_tensor`` (FSDP's padded shards in parameter order);
+every slot, this rank's included, gets the decoded values, so every rank computes alike.
 """
 
 from __future__ import annotations
@@ -124,7 +118,6 @@ class LowBitAllGather:
         self.counter.bytes_sent += comm.bytes_sent
         self.counter.dense_bytes += mine.numel()
         self.counter.calls += 1
-        return None
 
     def _layout(self, slot_bytes: int, out_bytes: int, world: int, device: torch.device) -> List[Segment]:
         segs = segments(self.fsdp_params(), self.cfg)
@@ -146,9 +139,7 @@ class LowBitAllGather:
 
     def _codec(self) -> Optional[Codec]:
         """The codec of this gather; ``None`` (all exact) for the first gather of ``"difference"``."""
-        if self.cfg.difference and self.state.reference is None:
-            return None
-        return self.codec
+        return None if self.cfg.difference and self.state.reference is None else self.codec
 
     def _encode(self, segs, sizes, codec, mine, row, rank) -> None:
         pos, ref = 0, self.state.reference

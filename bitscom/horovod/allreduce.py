@@ -154,8 +154,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     group = face_group(process_group, process_set, label("allreduce", name))
     wire, ctx = compression.compress(tensor)
     if torch.is_grad_enabled() and wire.requires_grad and op in (Average, Sum):
-        out = _AllreduceFn.apply(wire, name, op, float(prescale_factor), float(postscale_factor),
-                                 group)
+        out = _AllreduceFn.apply(wire, name, op, float(prescale_factor), float(postscale_factor), group)
     else:
         out = synchronize(_allreduce_async("allreduce", wire.detach(), None, None, name, op,
                                            prescale_factor, postscale_factor, group, None))

@@ -53,8 +53,7 @@ def _alltoall_rounds(lbl: str, tensor: torch.Tensor, splits: Splits, comm: Optio
         flat = flat.view(torch.uint8)
     out = flat.new_empty(sum(received) * rest)
     # Flat buffers: the splits count elements (rows × the size of one row).
-    yield guard(comm.all_to_all_v(out, flat, [n * rest for n in received],
-                                  [n * rest for n in values]), lbl)
+    yield guard(comm.all_to_all_v(out, flat, [n * rest for n in received], [n * rest for n in values]), lbl)
     if tensor.dtype == torch.bool:
         out = out.view(torch.bool)
     out = out.view(sum(received), *tensor.shape[1:])

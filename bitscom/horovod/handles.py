@@ -33,9 +33,7 @@ class Handle(Rounds):
 
 
 def submit(fn: str, name: Optional[str], rounds: Iterator, comm: Optional[Comm]) -> Handle:
-    """Start a call's round generator (its header round) on its group's channel.
-
-    Errors found before any collective (bad arguments on a single process) raise here."""
+    """Start a call's rounds (its header round) on its group's channel; local errors raise here."""
     channel = runtime.channel(comm.group) if comm is not None else Channel()
     return channel.submit(Handle(fn, name, rounds, comm, channel))
 

@@ -110,8 +110,7 @@ def _gather(lbl: str, comm: Comm, local: Tuple[torch.Tensor, torch.Tensor], coun
     send_v[:values.numel()] = values.reshape(-1)
     recv_i = send_i.new_empty(comm.size * send_i.numel())
     recv_v = send_v.new_empty(comm.size * send_v.numel())
-    yield [guard(comm.all_gather(recv_i, send_i.view(-1)), lbl),
-           guard(comm.all_gather(recv_v, send_v), lbl)]
+    yield [guard(comm.all_gather(recv_i, send_i.view(-1)), lbl), guard(comm.all_gather(recv_v, send_v), lbl)]
     recv_i = recv_i.view(comm.size, sparse_dim, longest)
     recv_v = recv_v.view((comm.size, longest) + dense)
     return [(recv_i[r, :, :n], recv_v[r, :n]) for r, n in enumerate(counts)]
@@ -139,8 +138,7 @@ def reduce_rounds(lbl: str, template: torch.Tensor, local: Optional[torch.Tensor
         if layout != SPARSE:
             return None
         return _apply_op(_combine([(indices, values)], shape, sparse_dim), op, 1)
-    rows = yield from negotiate(comm, lbl, template, KIND, OPS[op],
-                                extra=[indices.shape[1], layout + 4 * sparse_dim])
+    rows = yield from negotiate(comm, lbl, template, KIND, OPS[op], extra=[indices.shape[1], layout + 4 * sparse_dim])
     checked = _check_rows(lbl, rows)
     if checked is None:
         return None
@@ -148,13 +146,11 @@ def reduce_rounds(lbl: str, template: torch.Tensor, local: Optional[torch.Tensor
     dense = tuple(shape[sparse_dim:])
     if max(counts) == 0:
         empty = torch.sparse_coo_tensor(torch.zeros(sparse_dim, 0, dtype=torch.int64),
-                                        torch.zeros((0,) + dense, dtype=template.dtype),
-                                        shape, device=template.device)
+                                        torch.zeros((0,) + dense, dtype=template.dtype), shape, device=template.device)
         return empty.coalesce()
     if layout != SPARSE:
         indices = indices.new_zeros(sparse_dim, 0)
-    parts = yield from _gather(lbl, comm, (indices, values), counts, sparse_dim, dense,
-                               template.dtype)
+    parts = yield from _gather(lbl, comm, (indices, values), counts, sparse_dim, dense, template.dtype)
     return _apply_op(_combine(parts, shape, sparse_dim), op, comm.size)
 
 
@@ -204,8 +200,7 @@ def sparse_allreduce(tensor: torch.Tensor, name: Optional[str] = None, op: Optio
 
         avg = bitscom.sparse_allreduce(emb.weight.grad)
     """
-    return synchronize(sparse_allreduce_async(tensor, name, op, process_set,
-                                              process_group=process_group))
+    return synchronize(sparse_allreduce_async(tensor, name, op, process_set, process_group=process_group))
 
 
 def sparse_embedding_weights(params: Sequence[torch.Tensor], objects: Optional[list] = None) -> Set[int]:

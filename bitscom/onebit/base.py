@@ -28,8 +28,7 @@ def _fields(cls, args: Dict[str, Any]) -> Dict[str, Any]:
 
 
 class OneBitBase(Face, torch.optim.Optimizer):
-    """Base class: subclasses set ``_NAME`` and ``_CONFIG`` (their settings' dataclass) and
-    implement ``_update(grad_flat)`` and ``_extra_state`` / ``_load_extra``."""
+    """Base class: subclasses set ``_NAME`` and ``_CONFIG`` and implement ``_update``."""
 
     _NAME = "OneBitBase"
     _CONFIG: Any = None
@@ -44,8 +43,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
                             "gradient a second time. Use it alone, with LOCAL gradients in p.grad")
 
     def __init__(self, params, lr: float, weight_decay: float, group, args: Dict[str, Any]):
-        """``args``: the subclass's keyword arguments, named as the fields of ``_CONFIG`` and
-        :class:`OverlapConfig`."""
+        """``args``: the subclass's keyword arguments (named as the config dataclasses' fields)."""
         name = self._NAME
         self._face_init(name, group)
         pg = self._group = self.process_group
@@ -71,8 +69,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         self._refuse_ddp(ddp)
         if self._size > 1:        # every replica starts from rank 0's weights, as DDP does
             from ..broadcast import broadcast_parameters
-            broadcast_parameters(list(self._params), root_rank=dist.get_global_rank(pg, 0),
-                                 process_group=pg)
+            broadcast_parameters(list(self._params), root_rank=dist.get_global_rank(pg, 0), process_group=pg)
         self._lowbit = LowBitState()
         self._counters = {"step": 0, "exact_steps": 0, "compressed_steps": 0, "skipped_steps": 0,
                           "bytes_sent": 0}
@@ -269,8 +266,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         for start, stop, owner in b.ready():
             target = self._overlap_target(b.kind or "none", start, min(stop, self._numel))
             comm = self._channel.comm()
-            rounds = Rounds(range_rounds(target, start, stop, owner, comm, codec, self._lowbit, b.lowbit_step),
-                            [comm])
+            rounds = Rounds(range_rounds(target, start, stop, owner, comm, codec, self._lowbit, b.lowbit_step), [comm])
             b.flights.append(self._channel.submit(rounds))
 
     def _finish(self) -> None:
@@ -317,8 +313,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
             self._life.reset_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero ``p.grad``; with ``overlap=True`` refused while a step's 1-bit all-reduce is in
-        flight (after backward, before step())."""
+        """Zero ``p.grad``; refused while an ``overlap=True`` all-reduce is in flight."""
         b = self._buckets
         if b is not None and b.kind not in (None, "none") and (b.flights or b.next):
             raise RuntimeError(f"{self._NAME}(overlap=True): zero_grad() after backward() and before "
@@ -380,8 +375,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
     # -- reporting, checkpoints --------------------------------------------------------------
     def comm_stats(self) -> dict:
-        """Whole-run ``bytes_sent`` against an exact fp32 gradient all-reduce per step
-        (``dense_bytes``), their ratio and the step counters."""
+        """Whole-run ``bytes_sent`` against an exact fp32 gradient all-reduce per step, and counters."""
         c = dict(self._counters)
         sent = c.pop("bytes_sent")
         dense = (c["step"] + c["skipped_steps"]) * self._dense_per_step()
@@ -394,8 +388,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         pass
 
     def state_dict(self) -> dict:  # type: ignore[override]
-        """torch's param_groups plus, under ``"onebit"``, this rank's momentum, variance, error
-        feedback and counters (the residuals differ between ranks: each rank saves its own)."""
+        """torch's param_groups plus, under ``"onebit"``, this rank's own state (its residuals differ)."""
         if self._buckets is not None and self._buckets.flights:
             raise RuntimeError(f"{self._NAME}: state_dict() after backward() and before step() while "
                                "this step's 1-bit all-reduce is in flight (overlap=True); call it between "
@@ -411,8 +404,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
-        """Load this rank's own :meth:`state_dict`; resuming continues bitwise (the ranks check
-        they resumed the same step)."""
+        """Load this rank's own :meth:`state_dict`; resuming continues bitwise."""
         if self._buckets is not None and self._buckets.kind is not None:
             raise RuntimeError(f"{self._NAME}: load_state_dict() in the middle of a step (after "
                                "backward, before step()); call it between steps")

@@ -15,8 +15,7 @@ __all__ = ["OneBitConfig", "ZeroOneConfig", "OverlapConfig", "momentum_codec"]
 def _number(owner: str, name: str, value, low: float, high=None, *, open_high=True) -> None:
     bad = isinstance(value, bool) or not isinstance(value, (int, float))
     if not bad:
-        bad = math.isnan(value) or value < low or (
-            high is not None and (value >= high if open_high else value > high))
+        bad = math.isnan(value) or value < low or (high is not None and (value >= high if open_high else value > high))
     if bad:
         allowed = f"a number in [{low}, {high})" if high is not None else f"a finite number >= {low}"
         raise ValueError(f"{owner} {name} must be {allowed}, got {value!r}")

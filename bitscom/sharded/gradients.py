@@ -23,8 +23,7 @@ __all__ = ["Topology", "GradientReducer", "gradient_wire_bytes"]
 
 @dataclass(frozen=True)
 class Topology:
-    """The groups of one sharded optimizer: ``group`` (all ranks), ``intra`` (this node's ranks)
-    and ``inter`` (the ranks with this local rank); ``None`` = no group."""
+    """The groups: ``group`` (all), ``intra`` (this node), ``inter`` (this local rank); ``None``: none."""
 
     group: Optional[object]
     intra: Optional[object]
@@ -105,9 +104,8 @@ class GradientReducer:
         node, local = divmod(topo.rank, L)
         intra, inter = _comm(topo.intra, L, local), _comm(topo.inter, M, node)
         c_intra, c_inter = _codecs(cfg)
-        gens = levelwise_chunks(flat, out, [(intra, c_intra), (inter, c_inter)],
-                                chunks=cfg.gradient_alltoall_pipeline, hadamard=cfg.hadamard_transform,
-                                alpha=1.0 / topo.world if average else 1.0,
+        gens = levelwise_chunks(flat, out, [(intra, c_intra), (inter, c_inter)], chunks=cfg.gradient_alltoall_pipeline,
+                                hadamard=cfg.hadamard_transform, alpha=1.0 / topo.world if average else 1.0,
                                 seed_parts=(cfg.seed, step, topo.rank, bucket))
         self._comms += [intra, inter]
         for gen in gens:

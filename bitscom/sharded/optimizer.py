@@ -54,8 +54,7 @@ def _check_threshold(value) -> None:
 
 
 def _resolve_topology(process_group, intra_group, inter_group, local_size):
-    """(topology, "consistent" or this rank's layout problem, ranks per node of node groups still
-    to build)."""
+    """(topology, "consistent" or this rank's layout problem, node size of groups yet to build)."""
     if process_group is None:
         return Topology(None, None, None, 1, 0, 1), "consistent", None
     world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
@@ -170,9 +169,8 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
         topo, layout, pending_local = _resolve_topology(self.process_group, intra_group, inter_group, local_size)
         self.process_group = topo.group
-        self.plan = plan_shards([(n, tuple(p.shape), p.numel()) for n, p in self._trainable],
-                                topo.world, topo.rank, self.config.fusion_threshold_bytes,
-                                self.config.gradient_alltoall_pipeline,
+        self.plan = plan_shards([(n, tuple(p.shape), p.numel()) for n, p in self._trainable], topo.world, topo.rank,
+                                self.config.fusion_threshold_bytes, self.config.gradient_alltoall_pipeline,
                                 torch.empty((), dtype=self._master_dtype).element_size())
         self._ddp = self._ddp_wrapped([p for _, p in self._trainable])
         self._static = self._describe(optimizer, topo, layout)
@@ -447,8 +445,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
     def _apply_step(self):
         try:
             result = self.optimizer.step()
-            sent = gather_parameters(self.config, self.topo, self.plan, self._master, self._params,
-                                     self._step_count)
+            sent = gather_parameters(self.config, self.topo, self.plan, self._master, self._params, self._step_count)
         finally:
             self._reset_step()
         self._stats["weight_bytes"] = sent
@@ -474,8 +471,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
     # -- statistics ------------------------------------------------------------------------
     def comm_stats(self) -> dict:
-        """Bytes this rank sent against exact fp32 sharded DP (:func:`bitscom.face.report`), plus
-        the last step's ``gradient_bytes`` / ``weight_bytes`` and their ``dense_`` counterparts."""
+        """Bytes sent against exact sharded DP (:func:`bitscom.face.report`), gradients and weights apart."""
         return self._bytes.report(**self._stats)
 
     def memory_stats(self) -> dict:
@@ -493,8 +489,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's shard (optimizer state, master shard, step); loads only into the same
-        world size and plan (:meth:`consolidated_state_dict` is portable)."""
+        """This rank's shard; loads only into the same world and plan (see consolidated_state_dict)."""
         # A copy, not references to the live state (torch's default): loading it into another
         # optimizer in the same process must not make the two share moment buffers.
         return {"optimizer": copy.deepcopy(self.optimizer.state_dict()),
@@ -574,8 +569,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                                  f"model shape {tuple(p.shape)}")
 
     def load_consolidated_state_dict(self, state_dict: dict, load_replicas: bool = True) -> None:
-        """Load a :meth:`consolidated_state_dict` of any world size (every rank, the same dict);
-        ``load_replicas`` also sets the parameters."""
+        """Load a :meth:`consolidated_state_dict` of any world size (and the replicas)."""
         if state_dict.get("format") != FORMAT:
             raise ValueError(f"not a consolidated ShardedOptimizer checkpoint (format "
                              f"{state_dict.get('format')!r}, expected {FORMAT!r})")
