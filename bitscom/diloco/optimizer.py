@@ -98,8 +98,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
                                      warmup_steps, delay, mix), fusion_threshold_mb)
         except (TypeError, ValueError) as err:
             error = err
-        self._face_agree({} if error is not None else self._description(), error,
-                         what="DiLoCo settings")
+        self._face_agree({} if error is not None else self._description(), error, what="DiLoCo settings")
         self._refuse_ddp(self._ddp)
         self._start()
 
@@ -107,8 +106,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
     def _setup(self, inner, named_parameters, sync_every, compression, config, fusion_threshold_mb) -> None:
         self.inner = _inner_checked(inner)
         self.config = config
-        self.compression = resolve_compressor("none" if compression is None else compression,
-                                              "compression")
+        self.compression = resolve_compressor("none" if compression is None else compression, "compression")
         if self.compression.applies_momentum:
             raise ValueError(f"compression={self.compression.fingerprint()} applies SGD momentum "
                              "itself; DiLoCo's outer SGD already has momentum (outer_momentum)")
@@ -158,9 +156,8 @@ class DiLoCo(Face, torch.optim.Optimizer):
         self._fresh = [True] * cfg.fragments     # θ_local = θ_global in this fragment
         # the warm-up's own state: error feedback of gradients is not that of pseudo-gradients
         self._warmup_reducer = Reducer(self.compression, self._layouts, self._group)
-        self._counters = {"inner_steps": 0, "skipped_inner_steps": 0, "syncs": 0,
-                          "fragment_syncs": 0, "bytes_sent": 0, "nonfinite_syncs": 0,
-                          "warmup_syncs": 0}
+        self._counters = {"inner_steps": 0, "skipped_inner_steps": 0, "syncs": 0, "fragment_syncs": 0, "bytes_sent": 0,
+                          "nonfinite_syncs": 0, "warmup_syncs": 0}
         self._dense_per_step = dense_bytes(sum(l.numel for l in self._layouts))
         self._last_step = (0, 0)
 

@@ -60,8 +60,7 @@ class FragmentReducers:
             r.release()
 
     def state_dict(self) -> dict:
-        return {"states": [s.state_dict() for s in self.states],
-                "compressor": self.compressor.fingerprint()}
+        return {"states": [s.state_dict() for s in self.states], "compressor": self.compressor.fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
         saved = state["states"]

@@ -10,7 +10,6 @@ from .settings import gradient_config, require_hook
 from .weight_settings import WeightConfig, weight_config
 from .weights import LowBitAllGather, WeightGathers
 
-__all__ = ["compress", "comm_stats", "handle", "FSDPCompression", "LowBitReduceScatter", "ByteCount",
-           "reduce_scale", "gradient_config", "require_hook", "WeightConfig", "weight_config", "LowBitAllGather",
-           "WeightGathers", "ReplicateAllReduce", "HSDPBytes", "replicate_config", "checkpoint_state",
-           "FSDPCheckpointState"]
+__all__ = ["compress", "comm_stats", "handle", "FSDPCompression", "LowBitReduceScatter", "ByteCount", "reduce_scale",
+           "gradient_config", "require_hook", "WeightConfig", "weight_config", "LowBitAllGather", "WeightGathers",
+           "ReplicateAllReduce", "HSDPBytes", "replicate_config", "checkpoint_state", "FSDPCheckpointState"]

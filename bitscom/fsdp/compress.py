@@ -153,8 +153,7 @@ class FSDPCompression(Face):
         return report(sent, dense, sent, dense, intra_node_bytes=intra, intra_node_dense_bytes=intra_dense,
                       inter_node_bytes=h.inter_sent, inter_node_dense_bytes=h.inter_dense,
                       inter_node_ratio=h.inter_dense / h.inter_sent if h.inter_sent else float("nan"),
-                      reduce_scatters=c.calls if self.config is not None else h.all_reduces,
-                      all_reduces=h.all_reduces)
+                      reduce_scatters=c.calls if self.config is not None else h.all_reduces, all_reduces=h.all_reduces)
 
     def reset_stats(self) -> None:
         """Start counting bytes from zero again (e.g. after warm-up)."""
@@ -282,9 +281,8 @@ def _install(sub, name: str, compression: "FSDPCompression", levels, process_gro
         compression._reduce_scatters.append(rs)
         sub.set_custom_reduce_scatter(rs)
     if rcfg is not None:
-        ar = ReplicateAllReduce(rcfg, name, compression.replicate_states[name], compression.hsdp,
-                                replicate_group, _shard_group(sub), divide,
-                                count_reduce_scatter=cfg is None,
+        ar = ReplicateAllReduce(rcfg, name, compression.replicate_states[name], compression.hsdp, replicate_group,
+                                _shard_group(sub), divide, count_reduce_scatter=cfg is None,
                                 before=None if cfg is not None else compression._before,
                                 requires_all_reduce=_group_attr(sub, "all_reduce_grads", True))
         compression._all_reduces.append(ar)

@@ -11,8 +11,7 @@ from .handles import Handle, poll, synchronize
 from .objects import allgather_object, barrier
 from .sparse import SparseHandle, sparse_allreduce, sparse_allreduce_async
 
-__all__ = ["Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
-           "grouped_allreduce", "allgather", "allgather_async", "broadcast", "broadcast_",
-           "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "synchronize",
-           "poll", "allgather_object", "barrier", "HorovodCodec", "HorovodCompressor",
+__all__ = ["Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce", "allgather",
+           "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall",
+           "alltoall_async", "synchronize", "poll", "allgather_object", "barrier", "HorovodCodec", "HorovodCompressor",
            "require_group", "SparseHandle", "sparse_allreduce", "sparse_allreduce_async"]

@@ -45,8 +45,7 @@ def _allreduce_rounds(lbl: str, tensor: torch.Tensor, out: torch.Tensor, op: Red
     if comm is None and err:
         raise ERROR_TYPES[err](f"{lbl}: {ERRORS[err]}")
     if comm is not None:
-        yield from negotiate(comm, lbl, tensor, KINDS["allreduce"], OPS[op], pre=pre, post=post, err=err,
-                             name=name)
+        yield from negotiate(comm, lbl, tensor, KINDS["allreduce"], OPS[op], pre=pre, post=post, err=err, name=name)
     if pre != 1.0:
         buf.mul_(pre)
     if comm is not None:
@@ -123,8 +122,7 @@ class _AllreduceFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, pre, post, group):
         ctx.args = (op, pre, post, group)
-        return synchronize(_allreduce_async("allreduce", tensor, None, None, name, op, pre, post,
-                                            group, None))
+        return synchronize(_allreduce_async("allreduce", tensor, None, None, name, op, pre, post, group, None))
 
     @staticmethod
     def backward(ctx, grad):

@@ -95,8 +95,7 @@ class _AlltoallFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _unused):
         # The adjoint of an all-to-all sends every received row back where it came from.
-        back, _ = synchronize(_alltoall_async("alltoall", grad.contiguous(), ctx.received, None,
-                                              ctx.group, True))
+        back, _ = synchronize(_alltoall_async("alltoall", grad.contiguous(), ctx.received, None, ctx.group, True))
         return back, None, None, None
 
 

@@ -19,8 +19,7 @@ from .groups import face_comm, face_group
 from .handles import Handle, submit, synchronize
 from .negotiation import DTYPES, H_FIXED, KINDS, MAX_DIMS, OPS, negotiate
 
-__all__ = ["SparseHandle", "sparse_allreduce_async", "sparse_allreduce", "sparse_embedding_weights",
-           "SparseGradients"]
+__all__ = ["SparseHandle", "sparse_allreduce_async", "sparse_allreduce", "sparse_embedding_weights", "SparseGradients"]
 
 KIND = KINDS["sparse_allreduce"]
 NONE, SPARSE, DENSE = 0, 1, 2
@@ -185,8 +184,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op:
     lbl = label("sparse_allreduce_async", name)
     group = face_group(process_group, process_set, lbl)
     comm = face_comm(group, lbl)
-    handle = submit("sparse_allreduce_async", name,
-                    reduce_rounds(lbl, tensor, tensor, SPARSE, op, comm), comm)
+    handle = submit("sparse_allreduce_async", name, reduce_rounds(lbl, tensor, tensor, SPARSE, op, comm), comm)
     handle.__class__ = SparseHandle         # same object: it stays in the call-order queue
     return cast(SparseHandle, handle)       # the class assignment above, which mypy does not follow
 

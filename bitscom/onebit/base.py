@@ -71,8 +71,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
             from ..broadcast import broadcast_parameters
             broadcast_parameters(list(self._params), root_rank=dist.get_global_rank(pg, 0), process_group=pg)
         self._lowbit = LowBitState()
-        self._counters = {"step": 0, "exact_steps": 0, "compressed_steps": 0, "skipped_steps": 0,
-                          "bytes_sent": 0}
+        self._counters = {"step": 0, "exact_steps": 0, "compressed_steps": 0, "skipped_steps": 0, "bytes_sent": 0}
         self._last_step: Tuple[int, int] = (0, 0)     # (bytes sent, dense bytes) of the last step
         self._sent: Optional[str] = None      # this step's 1-bit all-reduce already ran from the hooks
         self._buckets: Optional[OverlapBuckets] = None

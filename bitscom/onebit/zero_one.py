@@ -74,8 +74,7 @@ class ZeroOneAdam(OneBitBase):
 
     def _extra_state(self) -> Dict[str, Any]:
         return {**self._sched, "lrs": list(self._sched["lrs"]),
-                "momentum_accumulator": self.momentum_accumulator.clone(),
-                "anchor": self.anchor.clone()}
+                "momentum_accumulator": self.momentum_accumulator.clone(), "anchor": self.anchor.clone()}
 
     def _load_extra(self, extra: Dict[str, Any]) -> None:
         extra = dict(extra)

@@ -80,10 +80,8 @@ class ShardedConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("weight_quantization_bits", self.weight_quantization_bits, WEIGHT_WIDTHS)
-        _check_int("gradient_quantization_bits_intra", self.gradient_quantization_bits_intra,
-                   GRADIENT_WIDTHS)
-        _check_int("gradient_quantization_bits_inter", self.gradient_quantization_bits_inter,
-                   GRADIENT_WIDTHS)
+        _check_int("gradient_quantization_bits_intra", self.gradient_quantization_bits_intra, GRADIENT_WIDTHS)
+        _check_int("gradient_quantization_bits_inter", self.gradient_quantization_bits_inter, GRADIENT_WIDTHS)
         _check_group("wq_group_size", self.wq_group_size)
         _check_group("gq_group_size_intra", self.gq_group_size_intra)
         _check_group("gq_group_size_inter", self.gq_group_size_inter)

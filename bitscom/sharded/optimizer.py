@@ -166,7 +166,6 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._param_dtype = self._trainable[0][1].dtype
         self._master_dtype = torch.float64 if self._param_dtype == torch.float64 else torch.float32
         device = self._trainable[0][1].device
-
         topo, layout, pending_local = _resolve_topology(self.process_group, intra_group, inter_group, local_size)
         self.process_group = topo.group
         self.plan = plan_shards([(n, tuple(p.shape), p.numel()) for n, p in self._trainable], topo.world, topo.rank,
@@ -186,7 +185,6 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._params = [p for _, p in self._trainable]
         self._names = [n for n, _ in self._trainable]
         self._broadcast_parameters()
-
         self._build_master(device)
         self.optimizer = optimizer
         self._take_over(optimizer)
@@ -217,10 +215,8 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         """The flat gradient buckets of the plan, and where each parameter sits in them."""
         self._buckets = [torch.zeros(topo.world * b.shard_numel, dtype=self._master_dtype, device=device)
                          for b in self.plan.buckets]
-        self._where: Dict[int, tuple] = {}
-        for bi, b in enumerate(self.plan.buckets):
-            for s in b.slots:
-                self._where[id(self._params[s.index])] = (bi, s)
+        self._where: Dict[int, tuple] = {id(self._params[s.index]): (bi, s)
+                                         for bi, b in enumerate(self.plan.buckets) for s in b.slots}
         self._reset_buckets()
 
     def _describe(self, optimizer, topo, layout) -> dict:
