@@ -1,24 +1,5 @@
-"""DiLoCo's hyper-parameters: one frozen dataclass, validated once, compared across ranks.
-
-Why each setting matters (measured sensitivity: ``docs/diloco.md``):
-
-* ``sync_every`` (H): inner steps between synchronizations. Bytes fall as 1/H; past a point
-  the replicas drift too far apart and the outer step averages models that disagree.
-* ``outer_lr`` / ``outer_momentum`` / ``nesterov``: the outer SGD applied to the averaged
-  pseudo-gradient. DiLoCo's 0.7 / 0.9 / Nesterov; ``outer_lr=1, outer_momentum=0`` is plain
-  periodic model averaging (local SGD).
-* ``warmup_steps`` (W): post-local SGD (Lin et al. 2020, torch's ``PostLocalSGDOptimizer``):
-  the first W steps reduce the *gradient* every step (through the same compressor) before the
-  inner step, so the inner optimizer's moments start from global statistics; the local phase
-  (H inner steps per synchronization) begins after step W. On short AdamW runs the early,
-  fast-moving phase is where local steps cost most.
-* ``fragments`` (F): Streaming DiLoCo. The parameters are cut into F fragments synchronized
-  at staggered steps, so each synchronization sends 1/F of the model and peak bandwidth falls
-  by F at the same total bytes.
-* ``delay`` (τ) and ``mix`` (α): Streaming DiLoCo's overlap. A fragment's pseudo-gradient
-  reduction starts at its step and runs while the next τ inner steps compute; its outer update
-  lands τ steps later, and the local fragment becomes α·θ_local + (1 − α)·θ_global. τ = 0 is
-  synchronous DiLoCo; a larger τ hides more communication but applies an older update.
+"""DiLoCo's hyper-parameters: one frozen dataclass, validated once, compared across ranks. What
+each trades, and its measured sensitivity: docs/diloco.md, Hyper-parameters.
 """
 
 from __future__ import annotations
@@ -68,14 +49,11 @@ class DiLoCoConfig:
     fragments: int = 1
     """F: number of parameter fragments synchronized at staggered steps (Streaming DiLoCo)."""
     warmup_steps: int = 0
-    """W: steps at the start whose gradient is reduced every step (S-SGD through the
-    compressor) before local steps begin (>= 0; 0 = DiLoCo from the first step)."""
+    """W: first steps that reduce the gradient every step (S-SGD through the compressor; >= 0)."""
     delay: int = 0
-    """τ: inner steps a fragment's reduction overlaps before its outer update lands
-    (0 <= τ < sync_every; 0 = synchronous)."""
+    """τ: inner steps a fragment's reduction overlaps before it lands (< sync_every; 0 = synchronous)."""
     mix: float = 0.0
-    """α in [0, 1]: the share of the local fragment kept when a delayed update lands
-    (θ_local ← α·θ_local + (1 − α)·θ_global; 0 = replace it). Needs delay > 0."""
+    """α in [0, 1]: the share of θ_local kept when a delayed update lands (0 = replace; needs delay)."""
 
     def __post_init__(self):
         object.__setattr__(self, "sync_every", _int("sync_every", self.sync_every, 1))
@@ -102,17 +80,14 @@ class DiLoCoConfig:
                              "(the local fragment is replaced, as in DiLoCo)")
 
     def same_as(self, saved: str) -> bool:
-        """Whether ``saved`` (a checkpoint's ``repr`` of its config) describes these settings;
-        checkpoints from before ``delay`` / ``mix`` existed match when both are off."""
+        """Whether ``saved`` (a checkpoint's config ``repr``) is these settings; older ones lack delay/mix."""
         if saved == repr(self):
             return True
         legacy = repr(self).replace(f", delay={self.delay!r}, mix={self.mix!r}", "")
         return self.delay == 0 and self.mix == 0.0 and saved == legacy
 
     def offsets(self) -> List[int]:
-        """The step offset of each fragment: fragment i syncs at the steps t > W with
-        ``(t - W - offsets()[i]) % sync_every == 0`` (W = ``warmup_steps``), spreading the F
-        syncs over each interval."""
+        """Fragment i syncs at the steps t > W with ``(t - W - offsets()[i]) % sync_every == 0``."""
         return [(i * self.sync_every) // self.fragments for i in range(self.fragments)]
 
     def in_warmup(self, step: int) -> bool:
@@ -134,8 +109,7 @@ class DiLoCoConfig:
             DiLoCoConfig(sync_every=4, warmup_steps=10).due(14)   # [0]
         """
         local = step - self.warmup_steps
-        return [i for i, off in enumerate(self.offsets())
-                if local >= 1 and (local - off) % self.sync_every == 0]
+        return [i for i, off in enumerate(self.offsets()) if local >= 1 and (local - off) % self.sync_every == 0]
 
     def lands(self, step: int) -> List[int]:
         """The fragments whose reduction, started ``delay`` steps earlier, lands after inner

@@ -1,11 +1,5 @@
-"""Which parameters travel together when DiLoCo synchronizes (pure; testable with no ranks).
-
-The trainable parameters, in registration order, are cut into ``fragments`` contiguous runs
-of nearly equal element count (Streaming DiLoCo's layer-contiguous fragments); each fragment
-is planned into buckets by :func:`bitscom.buckets.plan_buckets`, the same planner
-``DistributedOptimizer`` uses, and its buckets are numbered globally so that one
-:class:`~bitscom.engine.Reducer` (and one per-bucket compressor state each) serves them all.
-"""
+"""Which parameters travel together when DiLoCo synchronizes: ``fragments`` contiguous runs of
+nearly equal size (Streaming DiLoCo), planned into buckets numbered globally."""
 
 from __future__ import annotations
 
@@ -21,12 +15,7 @@ __all__ = ["split_fragments", "plan_fragments"]
 
 
 def split_fragments(params: Sequence[Tuple[str, torch.Tensor]], fragments: int) -> List[list]:
-    """``params`` cut into ``fragments`` non-empty contiguous runs balanced by element count.
-
-    Example::
-
-        runs = split_fragments(list(model.named_parameters()), 2)
-    """
+    """``params`` cut into ``fragments`` non-empty contiguous runs balanced by element count."""
     params = list(params)
     if fragments > len(params):
         raise ValueError(f"fragments={fragments} is more than the {len(params)} trainable "
@@ -52,12 +41,7 @@ def split_fragments(params: Sequence[Tuple[str, torch.Tensor]], fragments: int) 
 
 def plan_fragments(params: Sequence[Tuple[str, torch.Tensor]], fragments: int,
                    threshold_bytes: int) -> Tuple[List[BucketLayout], List[List[int]]]:
-    """(every bucket layout, numbered globally; the bucket indices of each fragment).
-
-    Example::
-
-        layouts, members = plan_fragments(list(model.named_parameters()), 2, 25 * 2**20)
-    """
+    """(every bucket layout, numbered globally; the bucket indices of each fragment)."""
     layouts: List[BucketLayout] = []
     members: List[List[int]] = []
     for run in split_fragments(params, fragments):

@@ -1,27 +1,6 @@
-"""DiLoCo: local inner steps, then compressed pseudo-gradients and an outer Nesterov SGD.
-
-The algorithm (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of
-Language Models"; streaming from Douillard et al. 2025, "Streaming DiLoCo"), per fragment f
-of the parameters (one fragment = the whole model unless ``fragments > 1``):
-
-1. Every rank keeps θ_global (identical on every rank) and trains its own θ_local with the
-   inner optimizer (e.g. AdamW) on its own data, with no communication.
-2. After inner step t with ``(t - offset_f) % sync_every == 0``, every rank forms the
-   pseudo-gradient Δ = θ_global − θ_local of fragment f and reduces its average over the
-   ranks through a bitscom compressor — the same :class:`~bitscom.engine.Reducer`, bucket
-   planner and per-bucket compressor state (error feedback included) that
-   ``DistributedOptimizer`` uses, so any registered compressor works and its bytes are counted
-   the same way.
-3. The outer optimizer (torch SGD, Nesterov momentum) steps θ_global with Δ as its gradient;
-   every rank copies the new θ_global into its model. Replicas are then bitwise identical in
-   that fragment (the reducer's result is bitwise identical on every rank).
-
-The inner optimizer's state (Adam moments) is never reset or communicated, as in DiLoCo.
-
-With ``delay=τ > 0`` (Streaming DiLoCo's overlap) step 2's reduction is only *launched* after
-inner step t; the next τ inner steps run while it travels, and step 3 happens after inner step
-t + τ, where the local fragment becomes α·θ_local + (1 − α)·θ_global (``mix=α``; α = 0 replaces
-it). ``delay=0`` is the synchronous algorithm above, bitwise.
+"""DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025); the algorithm: docs/diloco.md.
+The pseudo-gradient goes through the same :class:`~bitscom.engine.Reducer` as
+``DistributedOptimizer``, so any compressor works and its bytes are counted the same way.
 """
 
 from __future__ import annotations
@@ -49,9 +28,8 @@ from .streaming import Flight, FragmentReducers, saved_flights
 __all__ = ["DiLoCo", "DEFAULT_COMPRESSION"]
 
 DEFAULT_COMPRESSION = LowBit(bitwidth=4, error_feedback=True)
-"""4-bit blockwise low-bit all-reduce with error feedback: the recommended pseudo-gradient
-compressor (Streaming DiLoCo sends 4-bit pseudo-gradients; the residual keeps what rounding
-dropped for the next synchronization)."""
+"""4-bit low-bit all-reduce with error feedback: Streaming DiLoCo sends 4-bit pseudo-gradients,
+and the residual keeps what rounding dropped for the next synchronization."""
 
 
 def _inner_checked(inner) -> torch.optim.Optimizer:
@@ -59,10 +37,8 @@ def _inner_checked(inner) -> torch.optim.Optimizer:
         raise TypeError("inner_optimizer is already a bitscom.DiLoCo; wrap a plain optimizer once")
     if isinstance(inner, StepFace):
         raise TypeError(f"inner_optimizer is a bitscom DistributedOptimizer/ShardedOptimizer "
-                        f"({type(inner).__name__}) that reduces gradients every step; DiLoCo's "
-                        "inner steps are "
-                        "local by design. Pass the plain optimizer (e.g. torch.optim.AdamW(...)) "
-                        "to DiLoCo instead")
+                        f"({type(inner).__name__}) that reduces gradients every step; DiLoCo's inner steps are "
+                        "local by design. Pass the plain optimizer (e.g. torch.optim.AdamW(...)) to DiLoCo instead")
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner).__name__}")
     if callable(getattr(inner, "comm_stats", None)):
@@ -76,38 +52,12 @@ class DiLoCo(Face, torch.optim.Optimizer):
     """Wrap a local ``inner_optimizer`` into DiLoCo: ``sync_every`` local steps, then one
     compressed pseudo-gradient reduction and an outer Nesterov SGD step.
 
-    Use it like any optimizer (``loss.backward(); opt.step(); opt.zero_grad()``) with LOCAL
-    gradients (no ``DistributedOptimizer``, no DDP): ``p.grad`` is never reduced. Call
-    ``step()`` on every rank every iteration — the step counter decides when the ranks
-    communicate. Under ``torch.amp.GradScaler`` a step whose gradients overflowed on one rank
-    skips that rank's inner update but still counts, so the ranks stay in step.
+    Use it like any optimizer with LOCAL gradients (no ``DistributedOptimizer``, no DDP) and
+    call ``step()`` on every rank every iteration: the step counter decides when the ranks
+    communicate. Under ``GradScaler`` an overflowed step skips the inner update but counts.
 
-    Args:
-        inner_optimizer: a plain local ``torch.optim.Optimizer`` (AdamW in DiLoCo).
-        named_parameters: ``model.named_parameters()`` (names for error messages and the
-            cross-rank agreement; without it parameters are numbered).
-        sync_every: H, inner steps between synchronizations; bytes fall as 1/H, drift grows
-            with H (DiLoCo uses 500 on LLMs; small models here like 8–32).
-        compression: a bitscom compressor or registry name for the pseudo-gradient; default
-            :data:`DEFAULT_COMPRESSION` (4-bit low-bit, error feedback); ``None`` = exact fp32.
-        outer_lr, outer_momentum, nesterov: the outer SGD (0.7 / 0.9 / Nesterov as in DiLoCo;
-            ``outer_lr=1, outer_momentum=0, nesterov=False`` is periodic model averaging).
-        fragments: F > 1 = Streaming DiLoCo: F contiguous fragments synchronized at steps
-            staggered by H/F (each sync sends 1/F of the model).
-        process_group: the process group (default: the world group); ``group=`` is its
-            deprecated name.
-        fusion_threshold_mb: bucket size cap of the pseudo-gradient reduction (as in
-            ``DistributedOptimizer``).
-        warmup_steps: W steps of S-SGD first (post-local SGD): the gradient is reduced
-            through ``compression`` every step before the inner step; local steps start after
-            step W (default 0).
-        delay: τ, Streaming DiLoCo's overlap (0 <= τ < sync_every, default 0 = synchronous): a
-            fragment's pseudo-gradient reduction runs during the next τ inner steps and its
-            outer update lands after them. Hides up to τ steps of compute behind the
-            reduction; the update applied is τ steps old. Same bytes.
-        mix: α in [0, 1] (needs ``delay > 0``; default 0): when a delayed update lands, the
-            local fragment becomes α·θ_local + (1 − α)·θ_global, keeping a share α of what the
-            τ overlapped steps (and the interval before) learned locally; 0 replaces it.
+    ``compression``: a bitscom compressor or registry name (``None`` = exact fp32);
+    ``sync_every`` ... ``mix`` are :class:`~bitscom.diloco.DiLoCoConfig`'s.
 
     Example::
 
@@ -134,15 +84,13 @@ class DiLoCo(Face, torch.optim.Optimizer):
                             "local gradients")
 
     def __init__(self, inner_optimizer, named_parameters=None, *, sync_every: int = 16,
-                 compression: Any = DEFAULT_COMPRESSION, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
-                 process_group=None, fusion_threshold_mb: float = 25, warmup_steps: int = 0,
-                 delay: int = 0, mix: float = 0.0, group=None):
+                 compression: Any = DEFAULT_COMPRESSION, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 nesterov: bool = True, fragments: int = 1, process_group=None, fusion_threshold_mb: float = 25,
+                 warmup_steps: int = 0, delay: int = 0, mix: float = 0.0, group=None):
         group = renamed(process_group, group, new="process_group", old="group", where="DiLoCo")
         self._face_init("DiLoCo", group)
         group = self._group = self.process_group
-        # Settings are validated on every rank, then compared: a bad value on one rank only
-        # becomes the same error on every rank (never one rank raising while the others wait).
+        # Validated on every rank, then compared: a bad value on one rank is an error on every rank.
         error: Optional[Exception] = None
         try:
             self._setup(inner_optimizer, named_parameters, sync_every, compression,
@@ -150,18 +98,15 @@ class DiLoCo(Face, torch.optim.Optimizer):
                                      warmup_steps, delay, mix), fusion_threshold_mb)
         except (TypeError, ValueError) as err:
             error = err
-        self._face_agree({} if error is not None else self._description(), error,
-                         what="DiLoCo settings")
+        self._face_agree({} if error is not None else self._description(), error, what="DiLoCo settings")
         self._refuse_ddp(self._ddp)
         self._start()
 
     # -- construction --------------------------------------------------------------------
-    def _setup(self, inner, named_parameters, sync_every, compression, config,
-               fusion_threshold_mb) -> None:
+    def _setup(self, inner, named_parameters, sync_every, compression, config, fusion_threshold_mb) -> None:
         self.inner = _inner_checked(inner)
         self.config = config
-        self.compression = resolve_compressor("none" if compression is None else compression,
-                                              "compression")
+        self.compression = resolve_compressor("none" if compression is None else compression, "compression")
         if self.compression.applies_momentum:
             raise ValueError(f"compression={self.compression.fingerprint()} applies SGD momentum "
                              "itself; DiLoCo's outer SGD already has momentum (outer_momentum)")
@@ -180,10 +125,8 @@ class DiLoCo(Face, torch.optim.Optimizer):
 
     def _description(self) -> Dict[str, Any]:
         return {"parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in self._trainable],
-                "wrapped in DistributedDataParallel": self._ddp is not None,
-                "settings": repr(self.config),
-                "compressor": self.compression.fingerprint(),
-                "inner optimizer": type(self.inner).__name__,
+                "wrapped in DistributedDataParallel": self._ddp is not None, "settings": repr(self.config),
+                "compressor": self.compression.fingerprint(), "inner optimizer": type(self.inner).__name__,
                 "fragments": [[self._layouts[b].describe() for b in m] for m in self._members]}
 
     def _start(self) -> None:
@@ -206,29 +149,21 @@ class DiLoCo(Face, torch.optim.Optimizer):
         cfg = self.config
         self.outer_optimizer = torch.optim.SGD(self._global, lr=cfg.outer_lr,
                                                momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
-        # one reducer per fragment (each waited for on its own when reductions overlap steps),
-        # on the group's one channel; overlapping needs its later group (see FragmentReducers)
+        # one reducer per fragment, on the group's channel; overlapping needs its later group
         channel = runtime.channel(self._group, later=cfg.delay > 0)
         self._reducer = FragmentReducers(self.compression, self._layouts, self._members, channel)
         self._flights: Dict[int, Flight] = {}
         self._fresh = [True] * cfg.fragments     # θ_local = θ_global in this fragment
-        # the warm-up reduces gradients: its own per-bucket state (error feedback of gradients
-        # is not that of pseudo-gradients), same compressor, same group
+        # the warm-up's own state: error feedback of gradients is not that of pseudo-gradients
         self._warmup_reducer = Reducer(self.compression, self._layouts, self._group)
-        self._counters = {"inner_steps": 0, "skipped_inner_steps": 0, "syncs": 0,
-                          "fragment_syncs": 0, "bytes_sent": 0, "nonfinite_syncs": 0,
-                          "warmup_syncs": 0}
+        self._counters = {"inner_steps": 0, "skipped_inner_steps": 0, "syncs": 0, "fragment_syncs": 0, "bytes_sent": 0,
+                          "nonfinite_syncs": 0, "warmup_syncs": 0}
         self._dense_per_step = dense_bytes(sum(l.numel for l in self._layouts))
         self._last_step = (0, 0)
 
     # -- the step --------------------------------------------------------------------------
     def _inner_step(self, closure):
-        """Run the inner optimizer unless GradScaler found Inf/NaN in this rank's gradients.
-
-        With ``_step_supports_amp_scaling`` GradScaler calls ``step()`` every iteration and
-        hands over ``found_inf`` and ``grad_scale`` (the scale still applied to ``p.grad``
-        unless ``scaler.unscale_(opt)`` ran); unscaling here multiplies by the same float32
-        reciprocal GradScaler would use, so the result equals the plain AMP loop's."""
+        """Run the inner optimizer unless GradScaler found Inf/NaN here, unscaling as GradScaler would."""
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and float(found_inf) != 0.0:
             self._counters["skipped_inner_steps"] += 1
@@ -244,13 +179,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         return self.inner.step() if closure is None else self.inner.step(closure)
 
     def step(self, closure=None):  # type: ignore[override]
-        """One inner step; after every ``sync_every``-th (per fragment), the outer step.
-
-        Example::
-
-            loss.backward()
-            opt.step()
-        """
+        """One inner step; after every ``sync_every``-th (per fragment), the outer step."""
         before = self._counters["bytes_sent"]
         try:
             return self._step(closure)
@@ -269,9 +198,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         self._counters["inner_steps"] += 1
         self._fresh = [False] * self.config.fragments
         step = self._counters["inner_steps"]
-        starts = self.config.due(step)
-        if starts:
-            self._launch(starts)
+        self._launch(self.config.due(step))
         lands = [f for f in self.config.lands(step) if f in self._flights]
         if lands:
             self._land(lands)
@@ -285,8 +212,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
                 g[s.offset:s.end].copy_(p.reshape(-1))
 
     def _gather_grads(self) -> None:
-        """Copy (and, under GradScaler without ``unscale_``, unscale) every ``p.grad`` into
-        the flat buckets; a missing gradient is zeros."""
+        """Copy every ``p.grad`` (unscaled under GradScaler; missing = zeros) into the flat buckets."""
         scale = getattr(self, "grad_scale", None)
         inv = None if scale is None else scale.double().reciprocal().float()
         for bucket in self._buckets:
@@ -299,19 +225,9 @@ class DiLoCo(Face, torch.optim.Optimizer):
                     torch.mul(p.grad, inv.to(p.grad.device), out=view)
 
     def sync(self) -> None:
-        """Bring θ_global up to date now, off the schedule, and make the model θ_global: call
-        it on every rank after the last ``step()`` so the model you evaluate or save includes
-        the last, partial interval (up to H − 1 inner steps otherwise left out of θ_global).
-
-        1. The ranks check that they call it after the same step (else the same RuntimeError
-           on every rank, never one rank waiting in a reduction the others skip).
-        2. Every reduction in flight (``delay > 0``) lands now: outer update, then the merge
-           with ``mix`` — or replacement, when no inner step ran since it started.
-        3. Every fragment that ran inner steps since its last synchronization is synchronized
-           (pseudo-gradient reduction + outer step) and replaced by θ_global.
-
-        Right after a synchronization of every fragment it sends nothing and changes nothing.
-        Its bytes are counted; the schedule of later steps is unchanged.
+        """Bring θ_global up to date now, off the schedule, and make the model θ_global: call it
+        on every rank after the last ``step()`` so the model you evaluate or save includes the
+        last, partial interval. Reductions in flight land first; the schedule is unchanged.
 
         Example::
 
@@ -336,14 +252,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
             self._land(stale, replace=stale)
 
     def _warmup_step(self, closure):
-        """Post-local-SGD warm-up: reduce this step's gradient through the compressor, then
-        step the inner optimizer on the average on every rank (S-SGD); θ_global follows.
-
-        The closure (if any) runs first, so its gradients are the ones reduced. A missing
-        ``p.grad`` counts as zeros (every rank must hand the same buckets to the collective).
-        Under GradScaler each rank unscales its own gradients first; if the reduced average
-        holds Inf/NaN (an overflow on any rank) every rank skips the inner step and the
-        warm-up compressor state is reset, so the skip is the same everywhere."""
+        """Post-local-SGD warm-up: the inner step on the reduced gradient; Inf/NaN skips it everywhere."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -377,8 +286,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
 
     @torch.no_grad()
     def _launch(self, fragments: List[int]) -> None:
-        """Start the synchronization of ``fragments``: their pseudo-gradient Δ = θ_global −
-        θ_local into the flat buckets, and its reduction launched (not waited for)."""
+        """Form the pseudo-gradient θ_global − θ_local of ``fragments`` and launch its reduction."""
         step = self._counters["inner_steps"]
         for f in fragments:
             for b in self._members[f]:
@@ -402,9 +310,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
             flight.arrived = True
 
     def _land(self, fragments: List[int], replace: Sequence[int] = ()) -> None:
-        """Finish the reductions of ``fragments`` and apply their outer step; each local
-        fragment then becomes α·θ_local + (1 − α)·θ_global (α = ``mix``), or θ_global for the
-        fragments in ``replace`` and when α = 0."""
+        """Finish ``fragments``' reductions, step θ_global, and merge (``mix``) or replace (``replace``)."""
         for f in fragments:
             self._arrive(f)
         chosen = [b for f in fragments for b in self._members[f]]
@@ -429,8 +335,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
                           RuntimeWarning, stacklevel=4)
 
     def _merge(self, fragment: int, alpha: float) -> None:
-        """θ_local ← α·θ_local + (1 − α)·θ_global in ``fragment`` (a copy when α = 0, so a
-        non-finite local value does not survive as 0·Inf)."""
+        """θ_local ← α·θ_local + (1 − α)·θ_global (a copy when α = 0: no 0·Inf survives)."""
         for b in self._members[fragment]:
             g, bucket = self._global[b], self._buckets[b]
             g.grad = None
@@ -443,8 +348,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         self._fresh[fragment] = alpha == 0.0
 
     def _resume_description(self) -> dict:
-        """After a load, what every rank must have resumed alike: the step counters and the
-        compressor states' shapes."""
+        """After a load, what every rank must have resumed alike."""
         steps = {k: self._counters[k] for k in ("inner_steps", "syncs", "fragment_syncs")}
         return {"steps": steps, "reductions in flight": {f: fl.start for f, fl in sorted(self._flights.items())},
                 "compressor state": [describe_state(s) for s in self._reducer.states],
@@ -458,11 +362,8 @@ class DiLoCo(Face, torch.optim.Optimizer):
 
     # -- the rest of the optimizer API -----------------------------------------------------
     def comm_stats(self) -> dict:
-        """Whole-run bytes: ``bytes_sent`` (what this rank handed to the network for every
-        pseudo-gradient so far), ``dense_bytes`` (what an exact fp32 gradient all-reduce every
-        step would have sent over the same inner steps), their ratio, and the counters
-        ``inner_steps``, ``skipped_inner_steps``, ``syncs``, ``fragment_syncs``,
-        ``nonfinite_syncs``.
+        """Whole-run ``bytes_sent`` against an exact fp32 gradient all-reduce every step
+        (``dense_bytes``), their ratio and the step and sync counters.
 
         Example::
 
@@ -488,23 +389,13 @@ class DiLoCo(Face, torch.optim.Optimizer):
         return [list(m) for m in self._members]
 
     def close(self) -> None:
-        """Refuse further steps (DiLoCo holds no hooks or groups of its own). Reductions still
-        in flight (``delay > 0``) are not waited for: call :meth:`sync` on every rank first.
-
-        Example::
-
-            opt.close()
-        """
+        """Refuse further steps; reductions in flight are not waited for (:meth:`sync` first)."""
         self._face_close()
 
     def state_dict(self) -> dict:  # type: ignore[override]
         """The inner optimizer's state dict plus, under ``"diloco"``, θ_global, the outer SGD,
-        the compressor state (this rank's error feedback) and the counters: resuming from it
-        (mid-interval too) reproduces the uninterrupted run bitwise. Save it on every rank.
-
-        With ``delay > 0`` a reduction may be in flight: ``state_dict()`` waits for it (so call
-        it on every rank at the same step, as for any checkpoint) and stores its reduced
-        pseudo-gradient, which the resumed run applies at the step the uninterrupted run does.
+        this rank's compressor state, the counters and any reduction in flight (waited for):
+        resuming reproduces the uninterrupted run bitwise. Save it on every rank.
 
         Example::
 
@@ -526,13 +417,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
-        """Load :meth:`state_dict`'s output (this rank's own); the ranks check on the next
-        step that they resumed the same step. Load the model's state dict too.
-
-        Example::
-
-            opt.load_state_dict(torch.load(f"ckpt.{rank}.pt")["opt"])
-        """
+        """Load this rank's own :meth:`state_dict` (and the model's); the ranks then check their steps."""
         if not isinstance(state_dict, dict) or "diloco" not in state_dict:
             raise ValueError("not a DiLoCo state dict (no 'diloco' entry); a plain optimizer's "
                              "state dict goes to opt.inner.load_state_dict()")
@@ -559,8 +444,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         self._mark_loaded()
 
     def _saved_fresh(self, extra: dict) -> List[bool]:
-        """Which fragments the checkpoint had equal to θ_global (derived from the schedule for
-        checkpoints from before it was saved)."""
+        """Which fragments the checkpoint had equal to θ_global (older ones: from the schedule)."""
         if "fresh" in extra:
             return [bool(x) for x in extra["fresh"]]
         step, cfg = self._counters["inner_steps"], self.config

@@ -1,14 +1,5 @@
-"""Streaming DiLoCo's overlap: one reduction per fragment, in flight across inner steps.
-
-With ``delay=τ > 0`` a fragment's pseudo-gradient reduction is launched after the inner step
-that starts its synchronization and finished τ inner steps later, so several fragments can be
-in flight at once and each must be waited for on its own. :class:`FragmentReducers` keeps one
-:class:`~bitscom.engine.Reducer` per fragment, all on the face's one
-:class:`~bitscom.channel.Channel` (first rounds in program order, later rounds on its later
-group in submission order, so the ranks issue the same collectives whatever step they poll
-at); its compressor states, concatenated in bucket order, checkpoint exactly like one
-Reducer's did. :class:`Flight` is the record of one fragment's reduction between launch and
-landing.
+"""Streaming DiLoCo's overlap (``delay > 0``): a :class:`~bitscom.engine.Reducer` per fragment on
+the face's one channel, each waited for on its own, checkpointed as one Reducer.
 """
 
 from __future__ import annotations
@@ -25,17 +16,7 @@ __all__ = ["Flight", "FragmentReducers", "saved_flights"]
 
 @dataclass
 class Flight:
-    """One fragment's pseudo-gradient reduction between its start and its landing.
-
-    ``start``: the inner step after which it was launched (its pseudo-gradient is the
-    fragment's θ_global − θ_local then). ``arrived``: the reduced result is in the fragment's
-    flat buckets already (waited for early by ``state_dict()``, or restored from a checkpoint);
-    ``bytes_sent``: what it sent, counted when it lands.
-
-    Example::
-
-        Flight(fragment=1, start=6)
-    """
+    """One fragment's reduction, launched after inner step ``start``; ``arrived``: its result is in."""
 
     fragment: int
     start: int
@@ -44,13 +25,7 @@ class Flight:
 
 
 class FragmentReducers:
-    """A :class:`~bitscom.engine.Reducer` per fragment on one channel, checkpointed as one.
-
-    Example::
-
-        reducers = FragmentReducers(compressor, layouts, [[0], [1, 2]], channel)
-        reducers.launch(1, [flat1, flat2]); sent = reducers.wait(1)
-    """
+    """A :class:`~bitscom.engine.Reducer` per fragment on one channel, checkpointed as one."""
 
     def __init__(self, compressor, layouts: Sequence[Any], members: Sequence[Sequence[int]], channel):
         self.compressor = compressor
@@ -63,14 +38,12 @@ class FragmentReducers:
         return [s for r in self.reducers for s in r.states]
 
     def launch(self, fragment: int, flats: Sequence[torch.Tensor]) -> None:
-        """Start the reduction of ``fragment``'s buckets (in place on ``flats``); returns at
-        once (each bucket's first round is issued)."""
+        """Start the reduction of ``fragment``'s buckets (in place on ``flats``); returns at once."""
         for i, flat in enumerate(flats):
             self.reducers[fragment].launch(i, flat)
 
     def wait(self, fragment: int) -> int:
-        """Finish ``fragment``'s reduction (and, in channel order, whatever was submitted before
-        it); the bytes it sent. On failure its work is dropped and the error raised."""
+        """Finish ``fragment``'s reduction (and what was submitted before it); the bytes it sent."""
         reducer = self.reducers[fragment]
         try:
             return reducer.wait_all()
@@ -87,8 +60,7 @@ class FragmentReducers:
             r.release()
 
     def state_dict(self) -> dict:
-        return {"states": [s.state_dict() for s in self.states],
-                "compressor": self.compressor.fingerprint()}
+        return {"states": [s.state_dict() for s in self.states], "compressor": self.compressor.fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
         saved = state["states"]
@@ -102,15 +74,8 @@ class FragmentReducers:
             start += len(m)
 
 
-def saved_flights(extra: dict, members: Sequence[Sequence[int]], flats: Sequence[torch.Tensor]
-                  ) -> Dict[int, tuple]:
-    """The reductions a checkpoint holds in flight (``extra["flights"]``), checked against this
-    plan: fragment -> (Flight, reduced flat buckets). Nothing is changed here.
-
-    Example::
-
-        flights = saved_flights(state_dict["diloco"], opt.fragment_buckets, flats)
-    """
+def saved_flights(extra: dict, members: Sequence[Sequence[int]], flats: Sequence[torch.Tensor]) -> Dict[int, tuple]:
+    """The checkpoint's reductions in flight, checked against this plan: fragment -> (Flight, buckets)."""
     out: Dict[int, tuple] = {}
     for item in extra.get("flights", []):
         f = item["fragment"]

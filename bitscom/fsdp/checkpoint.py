@@ -1,41 +1,6 @@
-"""bitscom's FSDP state in torch's own checkpoint flow (what torchtitan and Accelerate call).
-
-``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict`` carry the model
-and the optimizer; ``dcp.save`` / ``dcp.load`` write and read them. bitscom's per-rank state
-(error-feedback residuals and step counters of every reduce-scatter and replicate all-reduce)
-goes into the same ``dcp.save`` call as one more entry, a ``Stateful``
-(:class:`FSDPCheckpointState`):
-
-* ``layout``: the world, the replicate/shard sizes, the sharded modules and the settings, the
-  same on every rank (DCP stores it once);
-* ``rank<r>``: rank ``r``'s :meth:`~bitscom.fsdp.FSDPCompression.state_dict`, pickled (written by
-  rank ``r`` only; another rank never reads it).
-
-Loading on the same mesh restores every rank's own state: the run goes on bit for bit. The
-handle's checkpoint envelope refuses another rank's state and a step that differs between
-ranks (the same error on every rank at the next reduction). On another mesh the per-rank
-residuals do not reshard (they belong to one rank's shard of one replica): the load raises a
-ValueError naming ``reset_compressor_state=True``, which restarts bitscom's state from zero and
-loads the model and optimizer (which DCP does reshard). A run with more ranks than the saving
-one fails inside ``dcp.load`` already, on every rank ("Missing key in checkpoint state_dict:
-bitscom.rank<r>" when the entry is called "bitscom"): the same option
-is the remedy.
-
-Trust: loading unpickles the per-rank entries, as DCP does for any non-tensor value; load
-checkpoints you wrote.
-
-Example::
-
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    import torch.distributed.checkpoint as dcp
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd,
-              "bitscom": bitscom.fsdp.checkpoint_state(model)}, checkpoint_id=path)
-    # resume
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd, "bitscom": bitscom.fsdp.checkpoint_state(model)}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+"""bitscom's FSDP state in torch's own checkpoint flow (``dcp.save`` / ``dcp.load``): one more
+``Stateful`` entry beside the model and optimizer (docs/fsdp.md, Checkpoints). Loading unpickles
+the per-rank entries, as DCP does for any non-tensor value: load checkpoints you wrote.
 """
 
 from __future__ import annotations
@@ -53,10 +18,8 @@ __all__ = ["FSDPCheckpointState", "checkpoint_state"]
 class FSDPCheckpointState:
     """A ``torch.distributed.checkpoint.stateful.Stateful`` holding one handle's per-rank state.
 
-    Args:
-        compression: the :class:`~bitscom.fsdp.FSDPCompression` (or the compressed model).
-        reset_compressor_state: load nothing of bitscom's state (start residuals and steps from
-            zero): the way to resume on another mesh.
+    ``reset_compressor_state=True`` loads nothing of bitscom's state (residuals and steps
+    start from zero): the way to resume on another mesh.
 
     Example::
 
@@ -70,15 +33,12 @@ class FSDPCheckpointState:
         self.compression = compression
         self.reset_compressor_state = bool(reset_compressor_state)
 
-    def _layout(self) -> str:
-        return self.compression.checkpoint_layout()
-
     def _key(self) -> str:
         return f"rank{dist.get_rank() if dist.is_initialized() else 0}"
 
     def state_dict(self) -> Dict[str, Any]:
         """``layout`` and this rank's pickled state (just ``layout`` with ``reset_compressor_state``)."""
-        out: Dict[str, Any] = {"layout": self._layout()}
+        out: Dict[str, Any] = {"layout": self.compression.checkpoint_layout()}
         if not self.reset_compressor_state:
             out[self._key()] = blob(self.compression.state_dict())
         return out
@@ -87,7 +47,7 @@ class FSDPCheckpointState:
         """Restore this rank's own state; another mesh is a ValueError naming the option."""
         if self.reset_compressor_state:
             return
-        saved, here = state.get("layout"), self._layout()
+        saved, here = state.get("layout"), self.compression.checkpoint_layout()
         if saved != here:
             raise ValueError(
                 f"this bitscom.fsdp checkpoint was saved with layout '{saved}', this run has '{here}': "
@@ -103,7 +63,7 @@ class FSDPCheckpointState:
 
 def checkpoint_state(model_or_handle, *, reset_compressor_state: bool = False) -> FSDPCheckpointState:
     """The entry to put beside ``"model"`` and ``"optim"`` in the dict given to ``dcp.save`` /
-    ``dcp.load`` (see the module docstring).
+    ``dcp.load``.
 
     Example::
 

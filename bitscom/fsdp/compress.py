@@ -1,13 +1,4 @@
-"""``bitscom.fsdp.compress``: turn FSDP2's gradient reduce-scatter into bitscom's low-bit one.
-
-Every ``fully_shard``-ed submodule of the model owns one parameter group and reduce-scatters
-its gradients once per backward; :func:`compress` installs one
-:class:`~bitscom.fsdp.reduce_scatter.LowBitReduceScatter` per such module (its own
-:class:`~bitscom.lowbit.LowBitState`, keyed by the module's name) through
-``FSDPModule.set_custom_reduce_scatter``; with ``weights=`` also one
-:class:`~bitscom.fsdp.weights.LowBitAllGather` per module (``set_custom_all_gather``). The
-returned :class:`FSDPCompression` reports bytes and checkpoints the states.
-"""
+"""``bitscom.fsdp.compress``: bitscom's collectives installed on every ``fully_shard``-ed module."""
 
 from __future__ import annotations
 
@@ -57,21 +48,12 @@ def _fsdp_params(module):
     return lambda: _param_groups(module)[0].fsdp_params
 
 
-def _divide_factor(module):
-    """For a torch whose PREMUL_SUM op does not carry its factor: the module's
-    ``set_gradient_divide_factor`` value."""
-    def factor():
+def _group_attr(module, name: str, default):
+    """A callable reading FSDP's parameter-group attribute ``name`` at call time."""
+    def read():
         groups = _param_groups(module)
-        return getattr(groups[0], "gradient_divide_factor", None) if groups else None
-    return factor
-
-
-def _requires_all_reduce(module):
-    """The module's ``set_requires_all_reduce`` flag (FSDP keeps it on the parameter group)."""
-    def flag() -> bool:
-        groups = _param_groups(module)
-        return bool(getattr(groups[0], "all_reduce_grads", True)) if groups else True
-    return flag
+        return getattr(groups[0], name, default) if groups else default
+    return read
 
 
 def _levels(cfg: LowBitConfig, intra_group, inter_group):
@@ -96,15 +78,10 @@ class FSDPCompression(Face):
     """What :func:`compress` installed on one model: byte counts and the per-module states.
 
     Attributes:
-        config: the gradient (reduce-scatter) settings; ``None`` under HSDP with FSDP's exact one.
-        states: ``{module name: LowBitState}``, one per ``fully_shard``-ed module with parameters
-            (empty under HSDP with FSDP's exact reduce-scatter).
-        counter: the bytes so far (:meth:`comm_stats`).
-        replicate: HSDP's replicate all-reduce settings (``None`` without HSDP).
-        replicate_states: ``{module name: LowBitState}`` of the replicate all-reduces.
-        hsdp: the bytes of both HSDP hops (:class:`~bitscom.fsdp.replicate.HSDPBytes`).
-        weights: the parameter all-gathers' :class:`~bitscom.fsdp.weights.WeightGathers`
-            (settings, per-module replicas, bytes), or ``None`` without ``weights=``.
+        config, replicate: the reduce-scatter and HSDP replicate settings (``None``: not ours).
+        states, replicate_states: ``{module name: LowBitState}`` of each.
+        counter, hsdp: the bytes so far (:meth:`comm_stats`).
+        weights: the parameter all-gathers' :class:`~bitscom.fsdp.weights.WeightGathers` or ``None``.
 
     Example::
 
@@ -116,8 +93,7 @@ class FSDPCompression(Face):
 
     def __init__(self, config: Optional[LowBitConfig], states: Dict[str, LowBitState], counter: ByteCount,
                  process_group=None, *, replicate: Optional[LowBitConfig] = None,
-                 replicate_states: Optional[Dict[str, LowBitState]] = None,
-                 weights: Optional[WeightGathers] = None):
+                 replicate_states: Optional[Dict[str, LowBitState]] = None, weights: Optional[WeightGathers] = None):
         self.config, self.states, self.counter, self.weights = config, states, counter, weights
         self.replicate = replicate                      # HSDP: the replicate all-reduce settings
         self.replicate_states: Dict[str, LowBitState] = replicate_states or {}
@@ -127,9 +103,7 @@ class FSDPCompression(Face):
         self._all_reduces: List[ReplicateAllReduce] = []
 
     def _before(self) -> None:
-        """Before each reduce-scatter: the world is alive, and after a load every rank resumed
-        the same reduce-scatter count with states of the same shapes (the first reduce-scatter
-        after a load is collective on every rank, so the check cannot hang)."""
+        """Before each collective: the world is alive, and after a load every rank resumed alike."""
         self._check_live()
         self._agree_if_resumed(lambda: {"reduce-scatters": self.counter.calls, "all-reduces": self.hsdp.all_reduces,
                                         "states": {k: describe_state(s) for k, s in sorted(self.states.items())},
@@ -162,16 +136,7 @@ class FSDPCompression(Face):
             ar.group = ar.shard_group = None
 
     def comm_stats(self) -> dict:
-        """``bytes_sent`` / ``dense_bytes`` / ``compression_ratio`` of the gradient
-        reduce-scatters so far (dense = FSDP's float32 reduce-scatter of the same inputs), plus
-        ``reduce_scatters`` (how many were run) and, for ``hierarchy="two_level"``,
-        ``inter_node_bytes`` (the part of ``bytes_sent`` that crossed the slow inter-node level).
-        Under HSDP (``replicate_group=``): ``intra_node_bytes`` / ``intra_node_dense_bytes`` (the
-        reduce-scatter; FSDP's exact one counts as its float32 input), ``inter_node_bytes`` /
-        ``inter_node_dense_bytes`` / ``inter_node_ratio`` (the replicate all-reduce),
-        ``all_reduces``, and ``bytes_sent`` / ``dense_bytes`` = the sums of both hops.
-        With ``weights=``: ``all_gather_bytes_sent`` / ``all_gather_dense_bytes`` (FSDP's own
-        all-gather in its dtype) / ``all_gather_compression_ratio`` / ``all_gathers``."""
+        """Bytes against FSDP's own collectives: the reduce-scatters, HSDP's hops, the all-gathers."""
         c = self.counter
         gathers = self.weights.stats() if self.weights else {}
         if self.replicate is not None or self.config is None:
@@ -181,16 +146,14 @@ class FSDPCompression(Face):
                       **extra, **gathers)
 
     def _hsdp_stats(self) -> dict:
-        """HSDP: the intra-node reduce-scatter and the inter-node (replicate) all-reduce apart,
-        each with its float32 baseline; ``bytes_sent`` / ``dense_bytes`` are their sums."""
+        """HSDP: both hops apart, each with its float32 baseline; ``bytes_sent`` is their sum."""
         c, h = self.counter, self.hsdp
         intra, intra_dense = (c.bytes_sent, c.dense_bytes) if self.config is not None else (h.intra_sent, h.intra_dense)
         sent, dense = intra + h.inter_sent, intra_dense + h.inter_dense
         return report(sent, dense, sent, dense, intra_node_bytes=intra, intra_node_dense_bytes=intra_dense,
                       inter_node_bytes=h.inter_sent, inter_node_dense_bytes=h.inter_dense,
                       inter_node_ratio=h.inter_dense / h.inter_sent if h.inter_sent else float("nan"),
-                      reduce_scatters=c.calls if self.config is not None else h.all_reduces,
-                      all_reduces=h.all_reduces)
+                      reduce_scatters=c.calls if self.config is not None else h.all_reduces, all_reduces=h.all_reduces)
 
     def reset_stats(self) -> None:
         """Start counting bytes from zero again (e.g. after warm-up)."""
@@ -202,15 +165,12 @@ class FSDPCompression(Face):
             self.weights.reset_stats()
 
     def state_dict(self) -> dict:
-        """Step counters and error-feedback residuals, per module (this rank's; every rank saves
-        its own, like an optimizer's sharded state); with ``weights=`` also each module's gather
-        count and replica (``"weights"``), so a resume continues bitwise."""
+        """This rank's step counters, residuals and replicas, per module: a resume continues bitwise."""
         return {"config": self._config_text(), **self._current(), "calls": self.counter.calls,
                 "all_reduces": self.hsdp.all_reduces, **self._envelope(self._steps())}
 
     def checkpoint_layout(self) -> str:
-        """What a checkpoint of this handle's per-rank state is only valid for: the world, the
-        replica count, the sharded modules and the settings (the same text on every rank).
+        """What a checkpoint of this handle's per-rank state is only valid for.
 
         Example::
 
@@ -226,9 +186,7 @@ class FSDPCompression(Face):
         return repr(self.config) + ("" if self.replicate is None else f"; replicate={self.replicate!r}")
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore this rank's own :meth:`state_dict`; the modules and settings must be the same.
-        Another rank's state, or another step's on one rank, is the same error on every rank at
-        the next reduce-scatter (loading it would resume, but not reproduce the run)."""
+        """Restore this rank's own :meth:`state_dict` (same modules and settings)."""
         if not isinstance(state, dict) or "states" not in state:
             raise ValueError("not a bitscom.fsdp handle state dict (no 'states' entry)")
         if state.get("config") != self._config_text():
@@ -253,37 +211,17 @@ def compress(module: torch.nn.Module, gradients=None, weights=None, process_grou
     """Send the gradient reduce-scatters of a ``fully_shard``-ed (FSDP2) model in low bit, and
     under HSDP the replicate (inter-node) all-reduce.
 
-    Call it on every rank (it checks that all ranks pass the same settings and sharded the same
-    modules, and raises the same error on every rank otherwise), after ``fully_shard`` (every
-    submodule you sharded, and the root) and before the first backward. Each sharded module's reduce-scatter is replaced by bitscom's: ``"none"``
-    hierarchy = the flat low-bit reduce-scatter (quantize P shards -> one all-to-all -> sum in
-    float32), ``"two_level"`` = SDP4Bit's intra-node then inter-node level-wise one. FSDP's
-    averaging (``AVG``, ``set_gradient_divide_factor``, fp16 pre/post division) is honoured.
-
-    HSDP (``replicate_group=``): the model is ``fully_shard``-ed over the shard dimension of a
-    2-D (replicate x shard) mesh, and every module's reduce-scattered shard is then averaged
-    across ``replicate_group`` by bitscom's low-bit all-reduce (``replicate``: 4 bits with error
-    feedback by default) through ``FSDPModule.set_all_reduce_hook``. The intra-node
-    reduce-scatter stays FSDP's exact one unless ``gradients`` is given. See
-    :mod:`bitscom.fsdp.replicate` for why the model must be sharded on ``mesh["shard"]``.
+    Call it on every rank (the ranks check they agree), after ``fully_shard`` on every module
+    and the root, before the first backward.
 
     Args:
-        module: the root module (an ``FSDPModule``); every ``FSDPModule`` under it is compressed.
-        gradients: the reduce-scatter: a :class:`~bitscom.lowbit.LowBitConfig` or an int bit
-            width (default ``LowBitConfig()``: 4 bits, blocks of 128; with ``replicate_group``
-            the default is FSDP's own exact reduce-scatter). ``bitwidth=32`` is an exact float32 path.
-        weights: the parameter all-gather in low bit (``FSDPModule.set_custom_all_gather``): a
-            :class:`~bitscom.fsdp.WeightConfig` or an int bit width; ``WeightConfig()`` is
-            ZeRO++'s blockwise 8-bit qwZ, ``WeightConfig(mode="difference")`` SDP4Bit's 4-bit
-            weight differences. Every rank, the owner of a shard included, computes with the
-            dequantized parameters. ``None`` (default): FSDP's own all-gather.
-        process_group: where the collectives run (default: FSDP's shard group); it must have
-            the same ranks in the same order as FSDP's group (checked on the first backward).
-        intra_group, inter_group: the node groups of ``hierarchy="two_level"`` (default:
-            :func:`bitscom.intra_group` / :func:`bitscom.inter_group`).
-        replicate: HSDP's replicate all-reduce settings (a ``LowBitConfig``, an int bit width,
-            or ``None``: 4 bits + error feedback); only with ``replicate_group``.
-        replicate_group: HSDP's replicate group (``mesh.get_group("replicate")``).
+        gradients: a :class:`~bitscom.lowbit.LowBitConfig` or an int bit width (default 4 bits;
+            under HSDP FSDP's own exact reduce-scatter).
+        weights: a :class:`~bitscom.fsdp.WeightConfig` or an int bit width (default FSDP's own).
+        process_group: where the collectives run (FSDP's ranks, in FSDP's order).
+        intra_group, inter_group: the node groups of ``hierarchy="two_level"``.
+        replicate, replicate_group: HSDP's replicate all-reduce settings and group; the model
+            must be ``fully_shard``-ed on ``mesh["shard"]``.
 
     Example::
 
@@ -303,9 +241,7 @@ def compress(module: torch.nn.Module, gradients=None, weights=None, process_grou
     compression = FSDPCompression(cfg, states, ByteCount(), process_group, replicate=rcfg,
                                   replicate_states={name: LowBitState() for name in names} if hsdp else None,
                                   weights=None if wcfg is None else WeightGathers(wcfg, names))
-    # Ranks with other settings (bit width, error feedback, hierarchy), other sharded modules or
-    # other parameter shapes would exchange bytes of different formats or sizes: a gloo abort,
-    # or silently mixed bytes (error feedback on one rank only). The same error on every rank.
+    # Other settings, modules or shapes on one rank: a gloo abort or silently mixed bytes.
     compression._face_agree({**_fields(cfg, rcfg, replicate_group), "weights": repr(wcfg), "sharded modules": names,
                              "parameters": describe_parameters(list(module.named_parameters()))},
                             what="bitscom.fsdp.compress settings")
@@ -338,17 +274,17 @@ def _fields(cfg, rcfg, replicate_group) -> dict:
 def _install(sub, name: str, compression: "FSDPCompression", levels, process_group, replicate_group) -> None:
     """Hook one sharded module: bitscom's reduce-scatter and/or the HSDP replicate all-reduce."""
     cfg, rcfg = compression.config, compression.replicate
+    divide = _group_attr(sub, "gradient_divide_factor", None)
     if cfg is not None:
         rs = LowBitReduceScatter(cfg, name, compression.states[name], compression.counter, process_group,
-                                 levels, _divide_factor(sub), before=compression._before)
+                                 levels, divide, before=compression._before)
         compression._reduce_scatters.append(rs)
         sub.set_custom_reduce_scatter(rs)
     if rcfg is not None:
-        ar = ReplicateAllReduce(rcfg, name, compression.replicate_states[name], compression.hsdp,
-                                replicate_group, _shard_group(sub), _divide_factor(sub),
-                                count_reduce_scatter=cfg is None,
+        ar = ReplicateAllReduce(rcfg, name, compression.replicate_states[name], compression.hsdp, replicate_group,
+                                _shard_group(sub), divide, count_reduce_scatter=cfg is None,
                                 before=None if cfg is not None else compression._before,
-                                requires_all_reduce=_requires_all_reduce(sub))
+                                requires_all_reduce=_group_attr(sub, "all_reduce_grads", True))
         compression._all_reduces.append(ar)
         sub.set_all_reduce_hook(ar)
     if compression.weights is not None:

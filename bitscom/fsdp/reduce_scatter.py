@@ -1,23 +1,6 @@
-"""The reduce-scatter FSDP2 calls for one parameter group, sent in low bit.
-
-``fully_shard``'s ``FSDPModule.set_custom_reduce_scatter(comm)`` takes an object with FSDP's
-``ReduceScatter`` protocol (``torch.distributed.fsdp._fully_shard._fsdp_api``): ``allocate(size,
-*, dtype, device)`` for its buffers and ``comm(output_tensor=, input_tensor=, group=, op=)``.
-What FSDP hands it, per backward of one FSDP module (torch 2.11-2.13, ``foreach_reduce``):
-
-* ``input_tensor``: the flat reduce-scatter input of the module's parameter group, in the
-  reduce dtype (``MixedPrecisionPolicy.reduce_dtype``, default the gradient dtype): ``P`` equal
-  shards, dim 0 of every gradient padded to a multiple of ``P``; shard ``j`` goes to group rank ``j``;
-* ``output_tensor``: this rank's shard (``input.numel() / P`` elements, same dtype);
-* ``op``: ``AVG`` (fp32/bf16, the default), ``PREMUL_SUM(1/f)`` (after
-  ``set_gradient_divide_factor(f)``) or ``SUM`` (fp16 or ``set_force_sum_reduction_for_comms``:
-  FSDP then divides before and after the call itself). The averaging factor is therefore read
-  from ``op``, never assumed: ``AVG`` = ``1/P``, ``PREMUL_SUM`` = its factor, ``SUM`` = 1.
-
-FSDP calls it without ``async_op`` and ignores what it returns (on GPU it runs inside FSDP's
-reduce-scatter stream and records an event after it), so the rounds are driven to completion
-here, with the one driver, and ``None`` is returned. The collectives go through
-:class:`bitscom.comm.Comm`, which counts the bytes.
+"""The reduce-scatter FSDP2 calls for one parameter group, sent in low bit: ``input_tensor`` holds
+``P`` equal shards (shard ``j`` for group rank ``j``), ``output_tensor`` this rank's; the scale
+is read from ``op`` (:func:`reduce_scale`), never assumed. FSDP ignores the return value.
 """
 
 from __future__ import annotations
@@ -42,8 +25,7 @@ __all__ = ["ByteCount", "LowBitReduceScatter", "reduce_scale"]
 
 @dataclass
 class ByteCount:
-    """Bytes of the compressed reduce-scatters (what :class:`~bitscom.comm.Comm` counted) and
-    what FSDP's float32 reduce-scatter of the same inputs would have sent."""
+    """Bytes of the compressed reduce-scatters and of FSDP's float32 one of the same inputs."""
 
     bytes_sent: int = 0
     dense_bytes: int = 0
@@ -82,18 +64,8 @@ def _ranks(group):
 
 
 class LowBitReduceScatter:
-    """FSDP2's ``ReduceScatter`` for one parameter group (one ``fully_shard``-ed module).
-
-    Args:
-        cfg: the gradient settings (checked by :func:`bitscom.fsdp.settings.gradient_config`).
-        key: the module's name; keys the stochastic-rounding seeds.
-        state: this group's :class:`~bitscom.lowbit.LowBitState` (step, residual).
-        counter: where the bytes are added.
-        process_group: where the collectives run (default: the group FSDP passes); it must
-            have FSDP's ranks, in FSDP's order (checked on first use).
-        levels: ``(intra_group, inter_group)`` for ``hierarchy="two_level"``.
-        divide_factor: callable returning the module's gradient divide factor (old torch only).
-        before: called before every reduce-scatter (the handle's liveness and resume checks).
+    """FSDP2's ``ReduceScatter`` for one parameter group (one ``fully_shard``-ed module); ``key``
+    (the module's name) keys the seeds, ``levels`` are the two-level node groups.
 
     Example::
 
@@ -114,8 +86,7 @@ class LowBitReduceScatter:
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
                  async_op: bool = False) -> Optional[object]:
-        """``output_tensor`` = this rank's shard of the reduced ``input_tensor``; synchronous
-        (returns ``None``: FSDP's protocol allows it and FSDP ignores the return value)."""
+        """``output_tensor`` = this rank's shard of the reduced ``input_tensor`` (synchronous)."""
         if self.before is not None:
             self.before()
         group = self._group(group)
@@ -174,8 +145,7 @@ class LowBitReduceScatter:
 
 
 def _check_levels(ranks, rank, intra, inter) -> None:
-    """Shard ``r`` of the level-wise rounds is group rank ``r = node * L + local``: the intra
-    group must be this node's contiguous ranks, the inter group the ranks with this local rank."""
+    """The node groups must be contiguous nodes of FSDP's ranks (shard ``r`` goes to ``node * L + local``)."""
     L = dist.get_world_size(intra)
     M = dist.get_world_size(inter)
     if L * M != len(ranks):

@@ -1,18 +1,5 @@
-"""What :func:`bitscom.fsdp.compress` accepts: the gradient settings and the torch hook it needs.
-
-The gradient reduce-scatter is one of two low-bit round generators, chosen by
-:attr:`~bitscom.lowbit.LowBitConfig.hierarchy`:
-
-* ``"none"``: the flat low-bit reduce-scatter (:func:`bitscom.lowbit.reduce_scatter_rounds`):
-  every rank quantizes its P shards at ``bitwidth`` and one all-to-all exchanges them; residual
-  error feedback (``error_feedback=True``) is kept per FSDP parameter group;
-* ``"two_level"``: SDP4Bit's level-wise reduce-scatter
-  (:func:`bitscom.lowbit.levelwise_reduce_scatter_rounds`): intra-node at ``intra_bitwidth``
-  then inter-node at ``bitwidth``, Hadamard optional; no error feedback (SDP4Bit has none).
-
-Settings that have no meaning for a reduce-scatter are refused here rather than silently
-ignored: a user who asked for them would otherwise believe they are on.
-"""
+"""What :func:`bitscom.fsdp.compress` accepts: the gradient settings (meaningless ones are refused,
+not silently ignored) and the torch hook it needs."""
 
 from __future__ import annotations
 
@@ -30,8 +17,7 @@ LOWBIT_WIDTHS = f"{tuple(SUPPORTED_BITS) + (FULL_PRECISION,)} ({FULL_PRECISION}:
 
 def gradient_config(gradients) -> LowBitConfig:
     """The :class:`~bitscom.lowbit.LowBitConfig` of the gradient reduce-scatter: ``gradients``
-    itself, or ``LowBitConfig(bitwidth=gradients)`` for an int; refused settings raise
-    ``ValueError`` naming the setting and what is allowed.
+    itself, or ``LowBitConfig(bitwidth=gradients)`` for an int.
 
     Example::
 

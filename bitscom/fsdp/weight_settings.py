@@ -1,26 +1,4 @@
-"""What ``bitscom.fsdp.compress(weights=...)`` accepts: the settings of the parameter all-gather.
-
-Two schemes (:attr:`WeightConfig.mode`):
-
-* ``"blockwise"`` (default; ZeRO++'s qwZ): every rank quantizes its parameter shard blockwise
-  (``bitwidth`` 8, one bfloat16 scale per ``block_size`` 128 elements, round to nearest) and the
-  all-gather carries those bytes; every rank, the shard's owner included, computes with the
-  dequantized values. Stateless and deterministic: the same shard gives the same bytes, so
-  FSDP's backward re-gather (``reshard_after_forward=True``) reproduces the forward's weights.
-* ``"difference"`` (SDP4Bit's qWD): the owner sends ``Q(shard - replica)`` at ``bitwidth`` 4
-  with one scale per ``block_size`` 2048 and stochastic rounding, against the copy of the
-  unsharded parameters every rank kept from the previous gather; every rank adds the same
-  decoded difference. The first gather sends the parameters exactly (there is no copy yet).
-
-Shards of fewer than ``min_numel`` elements per rank (biases, norms) and non-floating
-parameters travel exactly, in their own dtype.
-
-Example::
-
-    WeightConfig()                                  # 8-bit blockwise (qwZ)
-    WeightConfig(mode="difference")                 # 4-bit differences, groups of 2048 (SDP4Bit)
-    weight_config(8)                                # the same as WeightConfig(bitwidth=8)
-"""
+"""What ``bitscom.fsdp.compress(weights=...)`` accepts: the settings of the parameter all-gather."""
 
 from __future__ import annotations
 
@@ -40,14 +18,14 @@ _DEFAULTS = {"blockwise": (8, 128), "difference": (4, 2048)}   # (bitwidth, bloc
 
 @dataclass(frozen=True)
 class WeightConfig:
-    """Settings of the low-bit FSDP2 parameter all-gather (see the module docstring).
+    """Settings of the low-bit FSDP2 parameter all-gather: ``"blockwise"`` (ZeRO++'s qwZ,
+    stateless) or ``"difference"`` (SDP4Bit's qWD against the kept replica; the first gather
+    is exact). Small shards and non-floating parameters travel exactly.
 
     Attributes:
         mode: ``"blockwise"`` (qwZ, default) or ``"difference"`` (SDP4Bit qWD).
-        bitwidth: bits per element, one of (1, 2, 4, 8, 12, 16); default 8 (blockwise) or
-            4 (difference).
-        block_size: elements per bfloat16 scale, a power of two in [32, 65536]; default 128
-            (blockwise) or 2048 (difference, SDP4Bit's ``wq_group_size``).
+        bitwidth: bits per element (1, 2, 4, 8, 12, 16); default 8 (blockwise) or 4 (difference).
+        block_size: elements per bfloat16 scale (power of two, 32..65536); default 128 or 2048.
         min_numel: a parameter whose per-rank shard has fewer elements is sent exactly.
         seed: the stochastic-rounding seed of ``"difference"``.
 
@@ -80,8 +58,7 @@ class WeightConfig:
         return self.mode == "difference"
 
     def codec(self) -> Codec:
-        """The byte format of a quantized shard: round to nearest (blockwise), or SDP4Bit's
-        stochastic-rounding difference codec (:func:`bitscom.lowbit.weight_delta.delta_codec`)."""
+        """The byte format of a quantized shard: round to nearest, or SDP4Bit's difference codec."""
         bits, block = self.bitwidth, self.block_size
         assert bits is not None and block is not None      # resolved in __post_init__
         return delta_codec(bits, block) if self.difference else Codec(bits, block)

@@ -1,13 +1,4 @@
-"""What the low-bit parameter all-gather remembers and counts, per FSDP module.
-
-:class:`WeightState`: the gather count (it keys the stochastic-rounding seeds) and, for
-``WeightConfig(mode="difference")``, the replica of the last gather, which FSDP2 does not keep
-across an optimizer step (see :mod:`bitscom.fsdp.weights`). :class:`GatherCount`: the bytes.
-
-Example::
-
-    s = WeightState(); s.load_state_dict(s.state_dict())
-"""
+"""What the low-bit parameter all-gather remembers and counts, per FSDP module."""
 
 from __future__ import annotations
 
@@ -22,9 +13,7 @@ __all__ = ["WeightState", "GatherCount"]
 
 @dataclasses.dataclass
 class GatherCount:
-    """Bytes of the compressed all-gathers (what :class:`~bitscom.comm.Comm` counted: this rank's
-    row per gather) and what FSDP's own all-gather of the same inputs would have sent (this
-    rank's input in the all-gather dtype: float32, or bfloat16 under mixed precision)."""
+    """Bytes of the compressed all-gathers and of FSDP's own all-gather of the same inputs."""
 
     bytes_sent: int = 0
     dense_bytes: int = 0
@@ -32,14 +21,7 @@ class GatherCount:
 
 
 class WeightState:
-    """Per FSDP module: how many gathers ran (keys the stochastic-rounding seeds) and, for
-    ``"difference"``, the replica of the last gather (bytes of FSDP's whole output buffer,
-    identical on every rank). Checkpointed by the handle, so a resume continues bitwise.
-
-    Example::
-
-        s = WeightState(); s.load_state_dict(s.state_dict())
-    """
+    """Per FSDP module: the gather count (keys the seeds) and, for ``"difference"``, the last replica."""
 
     def __init__(self) -> None:
         self.gathers = 0

@@ -1,35 +1,6 @@
 """The all-gather FSDP2 calls for one parameter group, sent in low bit (qwZ or SDP4Bit qWD).
-
-``FSDPModule.set_custom_all_gather(comm)`` takes an object with FSDP's ``AllGather`` protocol
-(``torch.distributed.fsdp._fully_shard._fsdp_api``): ``allocate(size, *, dtype, device)`` for
-the output buffer and ``comm(output_tensor=, input_tensor=, group=, async_op=)``. What FSDP
-hands it (``foreach_all_gather``, torch 2.13):
-
-* ``output_tensor``: a flat buffer of ``P * N`` elements in the all-gather dtype (the
-  parameters' dtype, ``MixedPrecisionPolicy.param_dtype``, or ``uint8`` when they differ);
-* ``input_tensor``: this rank's ``N`` elements, *a view of slot* ``rank`` *of the output*, into
-  which FSDP already copied its padded parameter shards, one after another in the order of
-  the group's parameters.
-
-:class:`LowBitAllGather` sends, per parameter, blockwise low-bit bytes (or the exact bytes of a
-small or non-floating shard), gathers every rank's byte row in one all-gather, and writes the
-decoded values into *every* slot of the output, this rank's included: the owner of a shard
-computes with the dequantized value like everyone else, so the model is the same on every rank.
-
-What FSDP2 keeps, and why ``"difference"`` keeps its own copy: FSDP2 frees the unsharded
-parameters after the backward of every step (``reshard_after_backward``) and, by default for
-non-root modules, after the forward too (``reshard_after_forward=True``, re-gathering in
-backward). Nothing unsharded survives the optimizer step, which is when a difference is needed.
-So :class:`WeightState` keeps the last gathered output (the replica every rank computed with:
-one copy of the module's padded unsharded parameters in the all-gather dtype) and the next
-gather sends each shard's difference against it. With ``reshard_after_forward=False`` that is
-one gather per forward; with ``True`` the backward re-gather sends the difference of the
-unchanged shard, i.e. the forward's quantization error, refining the copy (every rank alike).
-
-Example::
-
-    ag = LowBitAllGather(WeightConfig(), "layers.0", WeightState(), GatherCount(), fsdp_params)
-    fsdp_module.set_custom_all_gather(ag)
+``input_tensor`` is slot ``rank`` of ``output_tensor`` (FSDP's padded shards in parameter order);
+every slot, this rank's included, gets the decoded values, so every rank computes alike.
 """
 
 from __future__ import annotations
@@ -50,9 +21,7 @@ __all__ = ["LowBitAllGather", "WeightGathers", "Segment", "segments", "row_layou
 
 
 class Segment(NamedTuple):
-    """One parameter's shard inside a rank's slot: byte offset, elements, dtype, and whether it
-    is quantized (floating point, at least ``min_numel`` elements, and fewer bytes quantized
-    than exact: blocks are padded whole, so a tiny shard in big blocks would cost more)."""
+    """One parameter's shard in a rank's slot; quantized when floating, large enough and smaller so."""
 
     offset: int
     numel: int
@@ -69,13 +38,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def segments(fsdp_params, cfg: WeightConfig) -> List[Segment]:
-    """The layout of one rank's all-gather input: FSDP's parameters in order, each its padded
-    shard in its all-gather dtype (``param_dtype`` or its own).
-
-    Example::
-
-        segments(param_group.fsdp_params, WeightConfig())
-    """
+    """The layout of one rank's all-gather input: each parameter's padded shard, in FSDP's order."""
     out, offset, codec = [], 0, cfg.codec()
     for fp in fsdp_params:
         try:
@@ -92,13 +55,7 @@ def segments(fsdp_params, cfg: WeightConfig) -> List[Segment]:
 
 
 def row_layout(segs: List[Segment], codec: Optional[Codec]) -> List[int]:
-    """Bytes of each segment in a rank's row: the codec's row for a quantized segment (when
-    ``codec`` is given), else the exact bytes.
-
-    Example::
-
-        sum(row_layout(segs, Codec(8, 128)))   # bytes this rank sends per gather
-    """
+    """Bytes of each segment in a rank's row: the codec's row when quantized, else exact."""
     return [codec.row_bytes(s.numel) if codec is not None and s.quantized else s.nbytes for s in segs]
 
 
@@ -116,13 +73,7 @@ def _gather(comm, out: torch.Tensor, row: torch.Tensor):
 class LowBitAllGather:
     """FSDP's ``AllGather`` for one FSDP module's parameter group (see the module docstring).
 
-    Args:
-        cfg: the :class:`~bitscom.fsdp.WeightConfig`.
-        key: the module's name; keys the stochastic-rounding seeds.
-        state: this module's :class:`WeightState`.
-        counter: where the bytes are added.
-        fsdp_params: callable returning the group's ``FSDPParam`` list (the layout of the input).
-        before: called before every all-gather (the handle's liveness and resume checks).
+    ``fsdp_params`` returns the group's ``FSDPParam`` list at each gather (FSDP builds it lazily).
 
     Example::
 
@@ -140,10 +91,8 @@ class LowBitAllGather:
         """FSDP's output buffer: plain ``torch.empty``."""
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
-                 async_op: bool = False) -> None:
-        """Fill every slot of ``output_tensor`` with the decoded shards; synchronous (returns
-        ``None``, which FSDP's copy-out accepts)."""
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False) -> None:
+        """Fill every slot of ``output_tensor`` with the decoded shards (synchronous)."""
         if self.before is not None:
             self.before()
         world, rank = group.size(), group.rank()
@@ -169,7 +118,6 @@ class LowBitAllGather:
         self.counter.bytes_sent += comm.bytes_sent
         self.counter.dense_bytes += mine.numel()
         self.counter.calls += 1
-        return None
 
     def _layout(self, slot_bytes: int, out_bytes: int, world: int, device: torch.device) -> List[Segment]:
         segs = segments(self.fsdp_params(), self.cfg)
@@ -191,9 +139,7 @@ class LowBitAllGather:
 
     def _codec(self) -> Optional[Codec]:
         """The codec of this gather; ``None`` (all exact) for the first gather of ``"difference"``."""
-        if self.cfg.difference and self.state.reference is None:
-            return None
-        return self.codec
+        return None if self.cfg.difference and self.state.reference is None else self.codec
 
     def _encode(self, segs, sizes, codec, mine, row, rank) -> None:
         pos, ref = 0, self.state.reference
@@ -229,7 +175,7 @@ class LowBitAllGather:
 
 class WeightGathers:
     """What the handle keeps for the parameter all-gathers: settings, one :class:`WeightState`
-    per FSDP module, the byte count; its report, checkpoint and resume description.
+    per FSDP module and the byte count.
 
     Example::
 
@@ -249,9 +195,7 @@ class WeightGathers:
         return ag
 
     def stats(self) -> dict:
-        """``all_gather_bytes_sent`` (this rank's rows), ``all_gather_dense_bytes`` (FSDP's own
-        all-gather of the same inputs: float32, or the mixed-precision ``param_dtype``), their
-        ratio and ``all_gathers`` (how many ran)."""
+        """``all_gather_bytes_sent``, ``all_gather_dense_bytes``, their ratio and ``all_gathers``."""
         c = self.counter
         ratio = c.dense_bytes / c.bytes_sent if c.bytes_sent else float("nan")
         return {"all_gather_bytes_sent": c.bytes_sent, "all_gather_dense_bytes": c.dense_bytes,

@@ -24,11 +24,7 @@ _TORCH_OPS = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.Redu
 
 
 def _reduce_error(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float) -> int:
-    """The header's error code for arguments this rank cannot reduce (0: none).
-
-    It depends on the data (a bool tensor on one rank only), so it travels in the header and
-    every rank raises it together, instead of one rank raising before the collective.
-    """
+    """The header's error code for data this rank cannot reduce (0: none); every rank raises it."""
     if tensor.dtype == torch.bool:
         return 5
     integer = not (tensor.is_floating_point() or tensor.is_complex())
@@ -39,9 +35,8 @@ def _reduce_error(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float) -
     return 0
 
 
-def _allreduce_rounds(lbl: str, tensor: torch.Tensor, out: torch.Tensor, op: ReduceOp, pre: float,
-                      post: float, comm: Optional[Comm], name: Optional[str] = None
-                      ) -> Generator[Any, None, torch.Tensor]:
+def _allreduce_rounds(lbl: str, tensor: torch.Tensor, out: torch.Tensor, op: ReduceOp, pre: float, post: float,
+                      comm: Optional[Comm], name: Optional[str] = None) -> Generator[Any, None, torch.Tensor]:
     size = 1 if comm is None else comm.size
     # detach(): the in-place forms may get a leaf that requires grad; the view shares storage.
     contiguous = out.is_contiguous()
@@ -50,8 +45,7 @@ def _allreduce_rounds(lbl: str, tensor: torch.Tensor, out: torch.Tensor, op: Red
     if comm is None and err:
         raise ERROR_TYPES[err](f"{lbl}: {ERRORS[err]}")
     if comm is not None:
-        yield from negotiate(comm, lbl, tensor, KINDS["allreduce"], OPS[op], pre=pre, post=post, err=err,
-                             name=name)
+        yield from negotiate(comm, lbl, tensor, KINDS["allreduce"], OPS[op], pre=pre, post=post, err=err, name=name)
     if pre != 1.0:
         buf.mul_(pre)
     if comm is not None:
@@ -82,19 +76,10 @@ def _allreduce_async(fn: str, tensor: torch.Tensor, out: Optional[torch.Tensor],
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-                    op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0, process_set: Any = None, *,
-                    process_group: Any = None) -> Handle:
+                    op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: Any = None, *, process_group: Any = None) -> Handle:
     """Start reducing ``tensor`` over ranks; returns a :class:`Handle` (see :func:`synchronize`).
-
-    Args:
-        tensor: any dense tensor, same dtype and shape on every rank.
-        average: deprecated Horovod flag (``True`` = Average, ``False`` = Sum).
-        name: a label for error messages (Horovod keys operations by it; here order does).
-        op: ``bitscom.Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
-        prescale_factor, postscale_factor: multiply each rank's tensor before, and the
-            result after, the reduction (floating-point tensors only).
-        process_group: the torch ProcessGroup to reduce over (default: the world).
+    ``op``: ``bitscom.Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
 
     Example::
 
@@ -106,9 +91,8 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-                     op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0, process_set: Any = None, *,
-                     process_group: Any = None) -> Handle:
+                     op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: Any = None, *, process_group: Any = None) -> Handle:
     """In-place :func:`allreduce_async`: ``tensor`` holds the result after :func:`synchronize`.
 
     Example::
@@ -116,22 +100,19 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
         h = bitscom.allreduce_async_(buf, op=bitscom.Sum)
         bitscom.synchronize(h)      # buf now holds the sum
     """
-    check_tensor("allreduce_async_", tensor)
     return _allreduce_async("allreduce_async_", tensor, tensor, average, name, op,
                             prescale_factor, postscale_factor, process_group, process_set)
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-               op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0, process_set: Any = None, *,
-               process_group: Any = None) -> torch.Tensor:
+               op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: Any = None, *, process_group: Any = None) -> torch.Tensor:
     """In place: ``tensor`` becomes the average (or ``op``) over ranks; returns ``tensor``.
 
     Example::
 
         bitscom.allreduce_(counts, op=bitscom.Sum)
     """
-    check_tensor("allreduce_", tensor)
     return synchronize(_allreduce_async("allreduce_", tensor, tensor, average, name, op,
                                         prescale_factor, postscale_factor, process_group,
                                         process_set))
@@ -141,8 +122,7 @@ class _AllreduceFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, pre, post, group):
         ctx.args = (op, pre, post, group)
-        return synchronize(_allreduce_async("allreduce", tensor, None, None, name, op, pre, post,
-                                            group, None))
+        return synchronize(_allreduce_async("allreduce", tensor, None, None, name, op, pre, post, group, None))
 
     @staticmethod
     def backward(ctx, grad):
@@ -153,15 +133,12 @@ class _AllreduceFn(torch.autograd.Function):
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-              compression: Any = Compression.none, op: Optional[ReduceOp] = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None,
-              *, process_group: Any = None) -> torch.Tensor:
+              compression: Any = Compression.none, op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: Any = None, *, process_group: Any = None) -> torch.Tensor:
     """Return the average (or ``op``) of ``tensor`` over ranks; the input is not modified.
 
-    Differentiable for ``Average``/``Sum`` (the gradient is reduced the same way), like
-    Horovod's. ``compression`` takes ``bitscom.Compression.none/fp16/bf16`` or a Horovod-style
-    codec (``compress(t) -> (t, ctx)``, ``decompress(t, ctx)``): the compressed tensor is what
-    travels and is reduced. Other arguments as in :func:`allreduce_async`.
+    Differentiable for ``Average``/``Sum``, like Horovod's. ``compression``:
+    ``bitscom.Compression.none/fp16/bf16`` or a Horovod-style codec (the compressed tensor travels).
 
     Example::
 
@@ -175,17 +152,15 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     group = face_group(process_group, process_set, label("allreduce", name))
     wire, ctx = compression.compress(tensor)
     if torch.is_grad_enabled() and wire.requires_grad and op in (Average, Sum):
-        out = _AllreduceFn.apply(wire, name, op, float(prescale_factor), float(postscale_factor),
-                                 group)
+        out = _AllreduceFn.apply(wire, name, op, float(prescale_factor), float(postscale_factor), group)
     else:
         out = synchronize(_allreduce_async("allreduce", wire.detach(), None, None, name, op,
                                            prescale_factor, postscale_factor, group, None))
     return compression.decompress(out, ctx)
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
-                      name: Optional[str] = None, op: Optional[ReduceOp] = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
+                      op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: Any = None, *, process_group: Any = None) -> List[torch.Tensor]:
     """Reduce a list of tensors (Horovod's ``grouped_allreduce``); returns new tensors.
 

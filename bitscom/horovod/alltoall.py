@@ -53,8 +53,7 @@ def _alltoall_rounds(lbl: str, tensor: torch.Tensor, splits: Splits, comm: Optio
         flat = flat.view(torch.uint8)
     out = flat.new_empty(sum(received) * rest)
     # Flat buffers: the splits count elements (rows × the size of one row).
-    yield guard(comm.all_to_all_v(out, flat, [n * rest for n in received],
-                                  [n * rest for n in values]), lbl)
+    yield guard(comm.all_to_all_v(out, flat, [n * rest for n in received], [n * rest for n in values]), lbl)
     if tensor.dtype == torch.bool:
         out = out.view(torch.bool)
     out = out.view(sum(received), *tensor.shape[1:])
@@ -96,14 +95,12 @@ class _AlltoallFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _unused):
         # The adjoint of an all-to-all sends every received row back where it came from.
-        back, _ = synchronize(_alltoall_async("alltoall", grad.contiguous(), ctx.received, None,
-                                              ctx.group, True))
+        back, _ = synchronize(_alltoall_async("alltoall", grad.contiguous(), ctx.received, None, ctx.group, True))
         return back, None, None, None
 
 
-def alltoall(tensor: torch.Tensor, splits: Splits = None, name: Optional[str] = None,
-             process_set: Any = None, *, process_group: Any = None
-             ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+def alltoall(tensor: torch.Tensor, splits: Splits = None, name: Optional[str] = None, process_set: Any = None, *,
+             process_group: Any = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """All-to-all (see :func:`alltoall_async`); returns the received tensor, or
     ``(tensor, received_splits)`` when ``splits`` is given. Differentiable.
 

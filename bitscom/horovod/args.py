@@ -13,12 +13,7 @@ __all__ = ["resolve_op", "check_tensor", "check_name", "check_root", "label"]
 
 
 def resolve_op(op: Optional[ReduceOp], average: Optional[bool]) -> ReduceOp:
-    """The reduce op from Horovod's ``op=`` or its deprecated ``average=``.
-
-    Example::
-
-        resolve_op(None, False)    # bitscom.Sum
-    """
+    """The reduce op from Horovod's ``op=`` or its deprecated ``average=``."""
     if average is not None:
         if op is not None:
             raise ValueError("pass either op= or the deprecated average=, not both")

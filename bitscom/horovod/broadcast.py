@@ -63,8 +63,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
         h = bitscom.broadcast_async(seed, root_rank=0)
         seed = bitscom.synchronize(h)
     """
-    return _broadcast_async("broadcast_async", tensor, None, root_rank, name, process_group,
-                            process_set)
+    return _broadcast_async("broadcast_async", tensor, None, root_rank, name, process_group, process_set)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -75,9 +74,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
 
         bitscom.synchronize(bitscom.broadcast_async_(weights, root_rank=0))
     """
-    check_tensor("broadcast_async_", tensor)
-    return _broadcast_async("broadcast_async_", tensor, tensor, root_rank, name,
-                            process_group, process_set)
+    return _broadcast_async("broadcast_async_", tensor, tensor, root_rank, name, process_group, process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -88,17 +85,14 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 
         bitscom.broadcast_(model.fc.weight.data, root_rank=0)
     """
-    check_tensor("broadcast_", tensor)
-    return synchronize(_broadcast_async("broadcast_", tensor, tensor, root_rank, name,
-                                        process_group, process_set))
+    return synchronize(_broadcast_async("broadcast_", tensor, tensor, root_rank, name, process_group, process_set))
 
 
 class _BroadcastFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name, group):
         ctx.args = (root_rank, group)
-        return synchronize(_broadcast_async("broadcast", tensor, None, root_rank, name, group,
-                                            None))
+        return synchronize(_broadcast_async("broadcast", tensor, None, root_rank, name, group, None))
 
     @staticmethod
     def backward(ctx, grad):

@@ -1,12 +1,5 @@
-"""Collective failures that name the bitscom call: a stalled or dead peer, explained.
-
-Why: torch reports a stalled peer as gloo's "Timed out waiting 5000ms for recv operation" or
-NCCL's watchdog abort, with nothing about which user call was waiting. Every work handle this
-face hands to the round driver is wrapped by :func:`guard`, so the error a user sees says
-which bitscom call failed and the likely cause (a peer that did not reach the same call
-within the process group's timeout, which :func:`bitscom.init` sets), and keeps torch's error
-as ``__cause__``.
-"""
+"""Collective failures that name the bitscom call and the likely cause (torch's timeout errors do
+not say which user call waited), with torch's error as ``__cause__``."""
 
 from __future__ import annotations
 
@@ -25,12 +18,7 @@ def _timeout_words() -> str:
 
 
 def peer_failure(what: str, err: BaseException, during: str = "a collective") -> RuntimeError:
-    """The error for ``what`` (e.g. ``"bitscom.allreduce_async 'loss'"``) whose collective failed.
-
-    Example::
-
-        raise peer_failure("bitscom.barrier", err) from err
-    """
+    """The error for ``what`` (e.g. ``"bitscom.allreduce_async 'loss'"``) whose collective failed."""
     return RuntimeError(
         f"{what}: {during} did not complete ({type(err).__name__}: {err}). Most likely a peer "
         f"did not reach the same call within {_timeout_words()}, or it died; every rank must "
@@ -38,10 +26,7 @@ def peer_failure(what: str, err: BaseException, during: str = "a collective") ->
 
 
 class GuardedWork:
-    """A torch work handle whose ``wait()`` failure is re-raised as :func:`peer_failure`.
-
-    Speaks what :class:`bitscom.comm.Rounds` needs (``is_completed()``, ``wait()``).
-    """
+    """A torch work handle whose ``wait()`` failure is re-raised as :func:`peer_failure`."""
 
     __slots__ = ("work", "what")
 
@@ -61,10 +46,5 @@ class GuardedWork:
 
 
 def guard(work: Any, what: str) -> Optional[GuardedWork]:
-    """Wrap the work a :class:`~bitscom.comm.Comm` call returned (``None``: nothing to wait for).
-
-    Example::
-
-        yield guard(comm.all_reduce(buf), "bitscom.allreduce")
-    """
+    """Wrap the work a :class:`~bitscom.comm.Comm` call returned (``None``: nothing to wait for)."""
     return None if work is None else GuardedWork(work, what)

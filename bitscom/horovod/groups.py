@@ -1,15 +1,5 @@
-"""The process groups of the Horovod face: which group a call uses, and its comm.
-
-:func:`require_group` (the library's one check, :func:`bitscom.face.require_group`)
-answers "which group does this call reduce over": the group passed in, else the world, else
-``None`` for one process; before ``bitscom.init()`` under a multi-process launcher it raises.
-
-Payload rounds. Handles issue their header round on the call's group at call time and their
-payload round later, in call order, on the later group of the group's channel
-(:func:`bitscom.runtime.channel`), so that a later call's header never pairs with an earlier
-call's payload. The channel is asked for inside the user's call (creating its later group
-synchronizes the members, so it must happen at the same point of the program on every rank).
-"""
+"""The process groups of the Horovod face: which group a call uses, and its comm, whose payload
+rounds go in call order to the channel's later group (asked for inside the user's call)."""
 
 from __future__ import annotations
 
@@ -27,12 +17,7 @@ __all__ = ["require_group", "face_group", "group_size", "group_device", "face_co
 
 
 def face_group(process_group: Optional[Any], process_set: Optional[Any], what: str) -> Optional[Any]:
-    """:func:`require_group` for a Horovod call, refusing Horovod's ``process_set=``.
-
-    Example::
-
-        group = face_group(process_group, process_set, "bitscom.allgather")
-    """
+    """:func:`require_group` for a Horovod call, refusing Horovod's ``process_set=``."""
     if process_set is not None:
         raise NotImplementedError("Horovod process sets are not supported by bitscom; pass "
                                   "process_group=<a torch.distributed ProcessGroup> "
@@ -56,13 +41,7 @@ def group_device(group: Any, tensor: Optional[torch.Tensor] = None) -> torch.dev
 
 
 def face_comm(group: Optional[Any], what: str) -> Optional[Comm]:
-    """The :class:`Comm` of one call on ``group``'s channel (header round on ``group``, later
-    rounds on the channel's later group); ``None`` for a single process (the call is local).
-
-    Example::
-
-        comm = face_comm(group, "bitscom.allreduce")
-    """
+    """The :class:`Comm` of one call on ``group``'s channel; ``None`` for a single process."""
     if group_size(group) == 1:
         return None
     try:

@@ -1,13 +1,4 @@
-"""Handles of asynchronous Horovod-face calls, submitted to the group's Channel.
-
-A :class:`Handle` wraps a :class:`bitscom.comm.Rounds` (the round driver every face uses):
-the call's round generator issues its header round at call time; the payload round follows on
-the group's :class:`~bitscom.channel.Channel` (its later group), in call order, once every
-earlier work on that group finished — the rule every face on the group shares, so Horovod
-calls, LowBitGroup works and optimizer buckets on one group keep one order. A handle that
-fails keeps its error for :func:`synchronize` and does not block the handles after it (a
-header mismatch is raised on every rank alike).
-"""
+"""Handles of asynchronous Horovod-face calls, on the group's Channel (one order for every face)."""
 
 from __future__ import annotations
 
@@ -42,14 +33,7 @@ class Handle(Rounds):
 
 
 def submit(fn: str, name: Optional[str], rounds: Iterator, comm: Optional[Comm]) -> Handle:
-    """Start a call's round generator (its header round) on its group's channel.
-
-    Errors found before any collective (bad arguments on a single process) raise here.
-
-    Example::
-
-        return submit("allgather", name, _allgather_rounds(label, tensor, comm), comm)
-    """
+    """Start a call's rounds (its header round) on its group's channel; local errors raise here."""
     channel = runtime.channel(comm.group) if comm is not None else Channel()
     return channel.submit(Handle(fn, name, rounds, comm, channel))
 

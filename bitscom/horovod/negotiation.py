@@ -1,18 +1,5 @@
-"""The negotiation round: every call first all-gathers a small header describing it.
-
-Why: Horovod's coordinator checks that every rank submitted the same operation (same kind,
-dtype, shape, op, root) before any byte moves; torch.distributed does not, and a mismatch
-there hangs or silently mixes bytes. So every rank all-gathers a header describing its call,
-compares all headers and raises the same ``RuntimeError`` on a mismatch, instead of hanging.
-Per-rank problems with the arguments that depend on the data (bad ``splits``, a scalar to
-gather, a bool tensor to reduce) travel in the header too (an error code), so all ranks fail
-together and stay paired: a rank that caught its error and went on would otherwise pair its next
-call with the other ranks' current one.
-
-Calls are paired by order, as every torch.distributed collective is; Horovod pairs them by
-``name=``. The header carries a hash of the name (0 without one), so ranks that submitted
-differently named calls at the same position (named async calls in a different order on each
-rank) get the same error instead of reducing one tensor with another.
+"""The negotiation round: every call first all-gathers a header describing it, so a mismatch
+(or a data-dependent argument error) is the same error on every rank, not a hang.
 
 Header layout (int64): kind, op, root, dtype index, prescale bits, postscale bits, error code,
 number of dimensions, name hash, shape (padded to :data:`MAX_DIMS` with -1), then ``extra``
@@ -51,12 +38,7 @@ _ERROR, _NDIM, _NAME = 6, 7, 8
 
 
 def name_hash(name: Optional[str]) -> int:
-    """A stable 32-bit hash of Horovod's ``name=`` (0 for None), the same in every process.
-
-    Example::
-
-        name_hash("loss") == name_hash("loss")      # True on every rank
-    """
+    """A stable 32-bit hash of Horovod's ``name=`` (0 for None), the same in every process."""
     return 0 if name is None else zlib.crc32(name.encode("utf-8")) + 1
 
 
@@ -133,17 +115,10 @@ def _check_shapes(label: str, rows: List[List[int]], kind: int) -> None:
         raise RuntimeError(f"{label}: ranks disagree on the tensor {part} ({seen})")
 
 
-def negotiate(comm: Comm, label: str, tensor: torch.Tensor, kind: int, op: int = -1,
-              root: int = -1, pre: float = 1.0, post: float = 1.0, err: int = 0,
-              extra: Sequence[int] = (), name: Optional[str] = None
-              ) -> Generator[Any, None, List[List[int]]]:
-    """Round generator: all-gather this rank's header on ``comm``; return every rank's header
-    (a list of int lists, in rank order) after checking that they describe the same call.
-
-    Example::
-
-        rows = yield from negotiate(comm, "bitscom.allgather", tensor, KINDS["allgather"])
-    """
+def negotiate(comm: Comm, label: str, tensor: torch.Tensor, kind: int, op: int = -1, root: int = -1, pre: float = 1.0,
+              post: float = 1.0, err: int = 0, extra: Sequence[int] = (),
+              name: Optional[str] = None) -> Generator[Any, None, List[List[int]]]:
+    """Round generator: every rank's header (in rank order), checked to describe the same call."""
     values = _header(tensor, comm.size, kind, op, root, pre, post, err, extra, name)
     header = torch.tensor(values, dtype=torch.int64, device=group_device(comm.group, tensor))
     everyone = torch.empty(comm.size * header.numel(), dtype=torch.int64, device=header.device)

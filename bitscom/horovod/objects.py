@@ -1,10 +1,5 @@
-"""Picklable objects over the face's :class:`Comm`: ``allgather_object``, ``barrier``, and the
-object broadcast under :func:`bitscom.broadcast_object`.
-
-Objects travel as pickles in uint8 tensors through :class:`bitscom.comm.Comm` (so their
-bytes are counted like every other collective's), driven by the one round driver; receivers
-unpickle what their peers send, which assumes every rank of the job is run by the same party
-(torch.distributed's own object collectives assume the same; see docs/reliability.md).
+"""Picklable objects over the face's :class:`Comm`: ``allgather_object``, ``barrier`` and the
+object broadcast (receivers unpickle peers' bytes: the trust this assumes, docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -30,14 +25,8 @@ def _from_bytes(data: torch.Tensor) -> Any:
     return pickle.loads(data.cpu().numpy().tobytes())
 
 
-def gather_object_rounds(comm: Comm, obj: Any, device: torch.device,
-                         what: str) -> Generator[Any, None, List[Any]]:
-    """Round generator: every rank's ``obj``, in group-rank order.
-
-    Example::
-
-        everyone = drive(gather_object_rounds(Comm(group), obj, device, "x"))
-    """
+def gather_object_rounds(comm: Comm, obj: Any, device: torch.device, what: str) -> Generator[Any, None, List[Any]]:
+    """Round generator: every rank's ``obj``, in group-rank order."""
     data = _to_bytes(obj, device)
     sizes = torch.empty(comm.size, dtype=torch.int64, device=device)
     mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
@@ -52,13 +41,7 @@ def gather_object_rounds(comm: Comm, obj: Any, device: torch.device,
 
 def broadcast_object_rounds(comm: Comm, obj: Any, group_root: int, device: torch.device,
                             what: str) -> Generator[Any, None, Any]:
-    """Round generator: the ``obj`` of the rank with group rank ``group_root``, on every rank
-    (root gets its own object back, not a copy).
-
-    Example::
-
-        obj = drive(broadcast_object_rounds(comm, obj, 0, device, "bitscom.broadcast_object"))
-    """
+    """Round generator: group rank ``group_root``'s ``obj`` on every rank (root keeps its own)."""
     root = comm.rank == group_root
     data: Optional[torch.Tensor] = _to_bytes(obj, device) if root else None    # None: not root
     size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)

@@ -1,34 +1,11 @@
-"""Sparse all-reduce: Horovod's ``sparse_allreduce_async`` and DistributedOptimizer's sparse path.
-
-Why all-gather. Two ranks' sparse tensors touch different rows, so their sum cannot be formed
-on the wire as a dense all-reduce would; Horovod all-gathers every rank's indices and values
-and builds the sum locally. bitscom does the same, in two rounds on one :class:`Comm`:
-
-1. the negotiation header (:mod:`.negotiation`) carries each rank's nnz and layout, so the
-   sizes of the next round are known without a separate count round and a mismatched call
-   (a sparse tensor here, a dense one there; different shapes or ``sparse_dim``) raises the
-   same ``RuntimeError`` on every rank instead of hanging;
-2. the indices and values, padded to the largest nnz, are all-gathered.
-
-Deterministic result. Each rank coalesces its own tensor before sending (its indices are then
-unique); every rank then sums the gathered rows in rank order into one coalesced tensor, so
-every rank holds bitwise the same result (Horovod returns the uncoalesced concatenation).
-``Average`` divides the sum by the group size, as the dense all-reduce does.
-
-DistributedOptimizer (``sparse_as_dense=False``, Horovod's default): the weights of
-``nn.Embedding`` / ``nn.EmbeddingBag`` modules built with ``sparse=True`` take this path
-(:class:`SparseGradients`). Their bucket slot carries zeros; at the end of the backward pass
-that completes the step, after the dense buckets were written back, each such gradient is
-reduced here and put into ``p.grad`` as a coalesced sparse tensor (what ``SparseAdam`` needs).
-
-Example::
-
-    h = bitscom.sparse_allreduce_async(emb_grad, name="emb")
-    avg = h()                       # or bitscom.synchronize(h); coalesced, same on every rank
+"""Sparse all-reduce (Horovod's ``sparse_allreduce_async``, DistributedOptimizer's sparse path):
+every rank's indices and values are all-gathered and summed in rank order into one coalesced
+tensor, the same bits on every rank (docs/horovod.md, Sparse tensors).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Generator, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
@@ -42,11 +19,9 @@ from .groups import face_comm, face_group
 from .handles import Handle, submit, synchronize
 from .negotiation import DTYPES, H_FIXED, KINDS, MAX_DIMS, OPS, negotiate
 
-__all__ = ["SparseHandle", "sparse_allreduce_async", "sparse_allreduce", "sparse_embedding_weights",
-           "SparseGradients"]
+__all__ = ["SparseHandle", "sparse_allreduce_async", "sparse_allreduce", "sparse_embedding_weights", "SparseGradients"]
 
-KIND = KINDS.get("sparse_allreduce", 5)
-"""The header's operation code (``KINDS["sparse_allreduce"]`` once negotiation names it)."""
+KIND = KINDS["sparse_allreduce"]
 NONE, SPARSE, DENSE = 0, 1, 2
 """A rank's layout in the header: no gradient, a sparse one, a dense one (the optimizer's)."""
 _NNZ = H_FIXED + MAX_DIMS           # the header's first extra field: nnz; the second: layout code
@@ -75,19 +50,8 @@ def _resolve_sparse_op(op: Optional[ReduceOp]) -> ReduceOp:
     return op
 
 
-def _local(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (indices [sparse_dim, nnz], values [nnz, *dense]) with unique indices."""
-    t = tensor.detach().coalesce()
-    return t.indices(), t.values()
-
-
-def _layout_code(layout: int, sparse_dim: int) -> int:
-    return layout + 4 * sparse_dim
-
-
 def _check_rows(lbl: str, rows: List[List[int]]) -> Optional[Tuple[List[int], int]]:
-    """(every rank's nnz, the common sparse_dim), or ``None`` when no rank has a sparse tensor;
-    the same ``RuntimeError`` on every rank when the layouts disagree."""
+    """(every rank's nnz, the common sparse_dim), or ``None`` when no rank is sparse."""
     layouts = [row[_NNZ + 1] % 4 for row in rows]
     if SPARSE not in layouts:
         return None
@@ -103,8 +67,7 @@ def _check_rows(lbl: str, rows: List[List[int]]) -> Optional[Tuple[List[int], in
     return [row[_NNZ] for row in rows], dims.pop()
 
 
-def _combine(parts: Sequence[Tuple[torch.Tensor, torch.Tensor]], shape: torch.Size,
-             sparse_dim: int) -> torch.Tensor:
+def _combine(parts: Sequence[Tuple[torch.Tensor, torch.Tensor]], shape: torch.Size, sparse_dim: int) -> torch.Tensor:
     """Sum every rank's (unique-index) rows in rank order into one coalesced sparse tensor."""
     indices = torch.cat([i for i, _ in parts], dim=1)
     values = parts[0][1]
@@ -137,9 +100,7 @@ def _gather(lbl: str, comm: Comm, local: Tuple[torch.Tensor, torch.Tensor], coun
             sparse_dim: int, dense: Tuple[int, ...],
             dtype: torch.dtype) -> Generator[Any, None, List[Tuple[torch.Tensor, torch.Tensor]]]:
     """Round: all-gather the padded indices and values; returns every rank's (indices, values)."""
-    longest, row = max(counts), 1
-    for d in dense:
-        row *= d
+    longest, row = max(counts), math.prod(dense)
     indices, values = local
     device = values.device
     send_i = torch.zeros(sparse_dim, longest, dtype=torch.int64, device=device)
@@ -148,8 +109,7 @@ def _gather(lbl: str, comm: Comm, local: Tuple[torch.Tensor, torch.Tensor], coun
     send_v[:values.numel()] = values.reshape(-1)
     recv_i = send_i.new_empty(comm.size * send_i.numel())
     recv_v = send_v.new_empty(comm.size * send_v.numel())
-    yield [guard(comm.all_gather(recv_i, send_i.view(-1)), lbl),
-           guard(comm.all_gather(recv_v, send_v), lbl)]
+    yield [guard(comm.all_gather(recv_i, send_i.view(-1)), lbl), guard(comm.all_gather(recv_v, send_v), lbl)]
     recv_i = recv_i.view(comm.size, sparse_dim, longest)
     recv_v = recv_v.view((comm.size, longest) + dense)
     return [(recv_i[r, :, :n], recv_v[r, :n]) for r, n in enumerate(counts)]
@@ -160,19 +120,15 @@ def reduce_rounds(lbl: str, template: torch.Tensor, local: Optional[torch.Tensor
     """Round generator: the sum (or average) of every rank's sparse ``local`` as a coalesced
     sparse tensor shaped like ``template``; ``None`` when no rank holds a sparse tensor.
 
-    ``layout`` says what this rank holds (:data:`SPARSE`, or for the optimizer :data:`NONE` —
-    it contributes nothing — or :data:`DENSE`, an error when another rank is sparse).
-
-    Example::
-
-        avg = drive(reduce_rounds("bitscom.x", grad, grad, SPARSE, Average, comm), comm)
+    ``layout`` says what this rank holds (:data:`SPARSE`, or for the optimizer :data:`NONE` or
+    :data:`DENSE`, an error when another rank is sparse).
     """
     shape = template.shape
     if layout == SPARSE:
         if local is None:
             raise ValueError(f"{lbl}: layout SPARSE needs this rank's sparse tensor, got None")
-        indices, values = _local(local)
-        sparse_dim = local.sparse_dim()
+        coalesced = local.detach().coalesce()          # unique indices
+        indices, values, sparse_dim = coalesced.indices(), coalesced.values(), local.sparse_dim()
     else:
         sparse_dim = 0
         indices = torch.zeros(0, 0, dtype=torch.int64, device=template.device)
@@ -181,8 +137,7 @@ def reduce_rounds(lbl: str, template: torch.Tensor, local: Optional[torch.Tensor
         if layout != SPARSE:
             return None
         return _apply_op(_combine([(indices, values)], shape, sparse_dim), op, 1)
-    rows = yield from negotiate(comm, lbl, template, KIND, OPS[op],
-                                extra=[indices.shape[1], _layout_code(layout, sparse_dim)])
+    rows = yield from negotiate(comm, lbl, template, KIND, OPS[op], extra=[indices.shape[1], layout + 4 * sparse_dim])
     checked = _check_rows(lbl, rows)
     if checked is None:
         return None
@@ -190,13 +145,11 @@ def reduce_rounds(lbl: str, template: torch.Tensor, local: Optional[torch.Tensor
     dense = tuple(shape[sparse_dim:])
     if max(counts) == 0:
         empty = torch.sparse_coo_tensor(torch.zeros(sparse_dim, 0, dtype=torch.int64),
-                                        torch.zeros((0,) + dense, dtype=template.dtype),
-                                        shape, device=template.device)
+                                        torch.zeros((0,) + dense, dtype=template.dtype), shape, device=template.device)
         return empty.coalesce()
     if layout != SPARSE:
         indices = indices.new_zeros(sparse_dim, 0)
-    parts = yield from _gather(lbl, comm, (indices, values), counts, sparse_dim, dense,
-                               template.dtype)
+    parts = yield from _gather(lbl, comm, (indices, values), counts, sparse_dim, dense, template.dtype)
     return _apply_op(_combine(parts, shape, sparse_dim), op, comm.size)
 
 
@@ -213,15 +166,12 @@ class SparseHandle(Handle):
         return synchronize(self)
 
 
-def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None,
-                           op: Optional[ReduceOp] = Average, process_set: Any = None, *,
-                           process_group: Any = None) -> SparseHandle:
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op: Optional[ReduceOp] = Average,
+                           process_set: Any = None, *, process_group: Any = None) -> SparseHandle:
     """Start reducing a sparse COO ``tensor`` over ranks (Horovod's ``sparse_allreduce_async``).
 
-    Every rank's indices and values are all-gathered (nnz may differ between ranks; shape,
-    dtype and ``sparse_dim`` must agree) and summed into one coalesced sparse tensor, bitwise
-    the same on every rank; ``op=bitscom.Average`` (default) divides it by the group size,
-    ``bitscom.Sum`` keeps the sum.
+    The result is coalesced and bitwise the same on every rank (nnz may differ between ranks;
+    shape, dtype and ``sparse_dim`` must agree); ``op``: ``bitscom.Average`` or ``Sum``.
 
     Example::
 
@@ -234,15 +184,13 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None,
     lbl = label("sparse_allreduce_async", name)
     group = face_group(process_group, process_set, lbl)
     comm = face_comm(group, lbl)
-    handle = submit("sparse_allreduce_async", name,
-                    reduce_rounds(lbl, tensor, tensor, SPARSE, op, comm), comm)
+    handle = submit("sparse_allreduce_async", name, reduce_rounds(lbl, tensor, tensor, SPARSE, op, comm), comm)
     handle.__class__ = SparseHandle         # same object: it stays in the call-order queue
     return cast(SparseHandle, handle)       # the class assignment above, which mypy does not follow
 
 
-def sparse_allreduce(tensor: torch.Tensor, name: Optional[str] = None,
-                     op: Optional[ReduceOp] = Average, process_set: Any = None, *,
-                     process_group: Any = None) -> torch.Tensor:
+def sparse_allreduce(tensor: torch.Tensor, name: Optional[str] = None, op: Optional[ReduceOp] = Average,
+                     process_set: Any = None, *, process_group: Any = None) -> torch.Tensor:
     """Return the average (or sum) of a sparse COO ``tensor`` over ranks, coalesced; see
     :func:`sparse_allreduce_async`.
 
@@ -250,8 +198,7 @@ def sparse_allreduce(tensor: torch.Tensor, name: Optional[str] = None,
 
         avg = bitscom.sparse_allreduce(emb.weight.grad)
     """
-    return synchronize(sparse_allreduce_async(tensor, name, op, process_set,
-                                              process_group=process_group))
+    return synchronize(sparse_allreduce_async(tensor, name, op, process_set, process_group=process_group))
 
 
 def sparse_embedding_weights(params: Sequence[torch.Tensor], objects: Optional[list] = None) -> Set[int]:
@@ -261,12 +208,7 @@ def sparse_embedding_weights(params: Sequence[torch.Tensor], objects: Optional[l
     Why by module: a gradient is only seen once computed, and a rank whose batch did not use
     the embedding sees none, yet it must take part in the same reduction as the others
     (Horovod cannot tell either, and mismatches there). The module says it up front, the same
-    on every rank that built the same model.
-
-    Example::
-
-        ids = sparse_embedding_weights([p for _, p in model.named_parameters()])
-    """
+    on every rank that built the same model."""
     ours = {id(p) for p in params}
     found: Set[int] = set()
     kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
@@ -281,20 +223,10 @@ def sparse_embedding_weights(params: Sequence[torch.Tensor], objects: Optional[l
 class SparseGradients:
     """DistributedOptimizer's sparse path (``sparse_as_dense=False``): state of one optimizer.
 
-    ``params`` (plan order) are the sparse-embedding weights among the trainable parameters.
-    On the pass that completes a step, :meth:`on_gradient` takes a sparse ``p.grad`` out
-    (``p.grad = None``; the caller fills its bucket slot with zeros, which the dense
-    write-back turns into a zero ``p.grad``) and queues :meth:`finish` after the optimizer's
-    own end-of-backward callback. :meth:`finish` reduces every such parameter, in plan order
-    on every rank (a rank without a gradient contributes nothing), and sets ``p.grad`` to the
-    coalesced result. A dense gradient of such a parameter (weight tying) stays on the dense
-    path when it is dense on every rank.
-
-    Example::
-
-        path = SparseGradients(opt._trainable)
-        if path.on_gradient(opt, p, last_pass):
-            ...                                 # fill p's slot with zeros
+    On the pass that completes a step, :meth:`on_gradient` takes a sparse ``p.grad`` of a
+    sparse-embedding weight out (the caller zeros its bucket slot); after the dense buckets,
+    :meth:`finish` reduces every such parameter in plan order on every rank (a rank without a
+    gradient contributes nothing) into ``p.grad``.
     """
 
     def __init__(self, trainable: Sequence[Tuple[str, torch.Tensor]], objects: Optional[list] = None):
@@ -306,8 +238,7 @@ class SparseGradients:
         self.armed_task: Optional[int] = None
 
     def on_gradient(self, opt, p: torch.Tensor, last_pass: bool) -> bool:
-        """True when ``p`` is on the sparse path (the caller puts zeros in its slot on the
-        last pass, and leaves ``p.grad`` alone otherwise)."""
+        """Whether ``p`` is on the sparse path (then the caller zeros its slot on the last pass)."""
         grad = p.grad
         sparse_grad = grad if grad is not None and grad.is_sparse else None
         sparse = sparse_grad is not None
@@ -330,8 +261,7 @@ class SparseGradients:
         return sparse
 
     def _arm(self, opt) -> None:
-        """Start this step's record on the first sparse-path event of the completing pass
-        (:meth:`finish` is called by the optimizer's own ``_finish``, after its dense buckets)."""
+        """Start this step's record on the completing pass's first sparse-path event."""
         task = torch._C._current_graph_task_id()
         if task == self.armed_task:
             return

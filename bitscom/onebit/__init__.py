@@ -1,12 +1,5 @@
 """1-bit Adam and 0/1 Adam: Adam-family optimizers that own their (1-bit) communication.
-
-See :class:`OneBitAdam`, :class:`ZeroOneAdam` and ``docs/onebit.md``.
-
-Example::
-
-    from bitscom.onebit import OneBitAdam
-    opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=100)
-"""
+See :class:`OneBitAdam`, :class:`ZeroOneAdam` and ``docs/onebit.md``."""
 
 from .adam import OneBitAdam
 from .config import OneBitConfig, ZeroOneConfig, momentum_codec

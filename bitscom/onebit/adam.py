@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
-
 import torch
 
 from ..face import renamed
@@ -23,51 +21,20 @@ class OneBitAdam(OneBitBase):
 
     The algorithm, step ``t`` on every rank, ``g`` = this rank's gradient (``p.grad``):
 
-    1. ``t <= freeze_step`` (warm-up): ``g`` averaged exactly (fp32 all-reduce through
-       :class:`bitscom.comm.Comm`); ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g²``.
+    1. ``t <= freeze_step`` (warm-up): ``g`` averaged exactly (fp32 all-reduce);
+       ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g²``.
     2. ``t > freeze_step``: ``m = b1 m + (1-b1) g_local``; ``m`` = the two-stage 1-bit
-       all-reduce of ``m`` (each rank sends sign × block scale of ``m + e_worker`` chunk-wise,
-       the chunk's owner averages, compresses ``avg + e_server`` again, all-gathers; both
-       residuals kept); ``m *= exp_avg_mask`` where a group has one; ``v`` unchanged.
+       all-reduce of ``m`` (:func:`~bitscom.onebit.momentum_codec`); ``m *= exp_avg_mask``
+       where a group has one; ``v`` unchanged.
     3. ``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)`` (decoupled weight decay).
 
-    Differences from the paper / DeepSpeed, on purpose:
-
-    * bias correction by default (torch's Adam: ``lr/(1-b1^t)`` and ``v/(1-b2^k)``,
-      ``k = min(t, freeze_step)``: it freezes with ``v``; with ``freeze_step`` >= the run,
-      OneBitAdam is torch's AdamW, tested). DeepSpeed's ``OnebitAdam`` accepts the flag and
-      never applies it; ``bias_correction=False`` is its arithmetic. On the suite's 300-step
-      GPT (freeze at step 30) the correction is the difference between +8.4% and -0.3% final
-      loss vs exact AdamW (docs/onebit.md);
-    * DeepSpeed's first ``step()`` only allocates its buffers (updates ``m``, ``v`` but not the
-      parameters); here step 1 is a full AdamW step;
-    * the 1-bit code is bitscom's: one scale (mean |x|) per ``block_size`` block instead of
-      one ``||x|| / sqrt(n)`` per chunk; the server stage is 1 bit as in DeepSpeed;
-    * the error-feedback residuals are checkpointed per rank and resume exactly (DeepSpeed
-      resets them on load).
-
-    Args:
-        params: parameters or groups (a group may set ``lr``, ``weight_decay`` and
-            ``exp_avg_mask``: a 0/1 tensor broadcastable to each of its parameters, 0 for rows
-            that are always zero such as unused embedding rows). float32 parameters only.
-        lr, weight_decay: per group, as AdamW.
-        betas, eps: Adam's, one pair for the model.
-        freeze_step: exact warm-up steps (>= 1). They cost a full fp32 all-reduce each; too
-            few and ``v`` is frozen before it settled (DeepSpeed suggests ~15-25% of training
-            on BERT; docs/onebit.md).
-        process_group: process group (default: the world group); ``group=`` is its
-            deprecated name.
-        block_size: elements per 1-bit scale; ``stage2_bits``: width of the server stage.
-        bias_correction: Adam's bias correction (default True; False = DeepSpeed's).
-        overlap: start each bucket's momentum update and 1-bit all-reduce from the gradient
-            hooks, during backward (compressed steps; bitwise the same results). Then
-            ``p.grad`` must reach step() as backward left it: clipping, edits and GradScaler
-            are refused with an error on every rank. Default False (docs/onebit.md).
-        bucket_mb: with ``overlap``, the largest bucket (MiB of momentum; whole blocks).
-        backward_passes_per_step: with ``overlap``, backward passes accumulated per step.
-
-    Use it alone with LOCAL gradients (no DistributedOptimizer, no DDP): it owns its
-    communication. Every rank must call ``step()`` every iteration.
+    Where it differs from DeepSpeed's ``OnebitAdam`` (bias correction by default, among
+    others): docs/onebit.md. Use it alone with LOCAL gradients (no DistributedOptimizer, no
+    DDP) and call ``step()`` on every rank every iteration. A parameter group may set ``lr``,
+    ``weight_decay`` and ``exp_avg_mask`` (0/1, broadcastable: 0 for rows always zero, such as
+    unused embedding rows); ``freeze_step`` ... ``bias_correction`` are
+    :class:`~bitscom.onebit.OneBitConfig`'s, ``overlap`` ... those of
+    :class:`~bitscom.onebit.config.OverlapConfig`.
 
     Example::
 
@@ -83,21 +50,14 @@ class OneBitAdam(OneBitBase):
     """
 
     _NAME = "OneBitAdam"
+    _CONFIG = OneBitConfig
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, freeze_step: int = 100, *, process_group=None,
                  block_size: int = 2048, stage2_bits: int = 1, bias_correction: bool = True, group=None,
                  overlap: bool = False, bucket_mb: float = 25.0, backward_passes_per_step: int = 1):
         group = renamed(process_group, group, new="process_group", old="group", where="OneBitAdam")
-        super().__init__(params, lr, weight_decay, group,
-                         dict(betas=betas, eps=eps, freeze_step=freeze_step,
-                              block_size=block_size, stage2_bits=stage2_bits,
-                              bias_correction=bias_correction),
-                         dict(overlap=overlap, bucket_mb=bucket_mb,
-                              backward_passes_per_step=backward_passes_per_step))
-
-    def _make_config(self, settings: Dict[str, Any]) -> OneBitConfig:
-        return OneBitConfig(**settings)
+        super().__init__(params, lr, weight_decay, group, locals())
 
     @property
     def variance_frozen(self) -> bool:
@@ -108,8 +68,7 @@ class OneBitAdam(OneBitBase):
         return "none" if t <= self.config.freeze_step else "momentum"
 
     def _overlap_target(self, kind: str, start: int, stop: int) -> torch.Tensor:
-        """The bucket's momentum update, ``m = b1 m + (1-b1) g`` on ``[start, stop)`` (the same
-        elementwise operations as on the whole buffer in :meth:`_update`)."""
+        """The bucket's momentum update, ``m = b1 m + (1-b1) g`` on ``[start, stop)``."""
         assert self._buckets is not None
         b1 = self.config.betas[0]
         if stop > start:

@@ -1,10 +1,10 @@
 """What OneBitAdam and ZeroOneAdam share: construction (settings agreed across ranks, one flat
-fp32 view of every trainable parameter), the exact and the 1-bit all-reduce through bitscom's
-comm layer, GradScaler's hand-over with the inf flag agreed across ranks, byte counting and
-an exact, per-rank ``state_dict``."""
+fp32 momentum), the exact and the 1-bit all-reduce, GradScaler's inf flag agreed across ranks,
+the overlapped path, byte counting and a per-rank ``state_dict``."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -23,11 +23,15 @@ from .overlap import OverlapBuckets
 __all__ = ["OneBitBase"]
 
 
+def _fields(cls, args: Dict[str, Any]) -> Dict[str, Any]:
+    return {f.name: args[f.name] for f in dataclasses.fields(cls)}
+
+
 class OneBitBase(Face, torch.optim.Optimizer):
-    """Base class: subclasses set ``_NAME``, build ``self.config`` in ``_make_config`` and
-    implement ``_update(grad_flat)`` and ``_extra_state`` / ``_load_extra``."""
+    """Base class: subclasses set ``_NAME`` and ``_CONFIG`` and implement ``_update``."""
 
     _NAME = "OneBitBase"
+    _CONFIG: Any = None
     _step_supports_amp_scaling = True   # GradScaler hands over grad_scale / found_inf (see step)
 
     def __init_subclass__(cls, **kwargs):
@@ -38,18 +42,17 @@ class OneBitBase(Face, torch.optim.Optimizer):
                             "the warm-up, the 1-bit momentum after it); wrapping would all-reduce every "
                             "gradient a second time. Use it alone, with LOCAL gradients in p.grad")
 
-    def __init__(self, params, lr: float, weight_decay: float, group, settings: Dict[str, Any],
-                 overlap: Optional[Dict[str, Any]] = None):
+    def __init__(self, params, lr: float, weight_decay: float, group, args: Dict[str, Any]):
+        """``args``: the subclass's keyword arguments (named as the config dataclasses' fields)."""
         name = self._NAME
         self._face_init(name, group)
         pg = self._group = self.process_group
-        # Validate on every rank, then compare: a bad value on one rank becomes the same error
-        # on every rank instead of one rank raising while the others wait in a collective.
+        # Validated on every rank, then compared: a bad value on one rank is an error on every rank.
         error: Optional[Exception] = None
         try:
-            betas = check_common(name, lr, settings.get("betas"), settings.get("eps"), weight_decay)
-            self.config = self._make_config(dict(settings, betas=betas))
-            self.overlap_config = OverlapConfig(**(overlap or {}))
+            betas = check_common(name, lr, args.get("betas"), args.get("eps"), weight_decay)
+            self.config = self._CONFIG(**dict(_fields(self._CONFIG, args), betas=betas))
+            self.overlap_config = OverlapConfig(**_fields(OverlapConfig, args))
             torch.optim.Optimizer.__init__(self, params, dict(lr=lr, weight_decay=weight_decay))
             self._plan()
         except (TypeError, ValueError) as err:
@@ -66,11 +69,9 @@ class OneBitBase(Face, torch.optim.Optimizer):
         self._refuse_ddp(ddp)
         if self._size > 1:        # every replica starts from rank 0's weights, as DDP does
             from ..broadcast import broadcast_parameters
-            broadcast_parameters(list(self._params), root_rank=dist.get_global_rank(pg, 0),
-                                 process_group=pg)
+            broadcast_parameters(list(self._params), root_rank=dist.get_global_rank(pg, 0), process_group=pg)
         self._lowbit = LowBitState()
-        self._counters = {"step": 0, "exact_steps": 0, "compressed_steps": 0, "skipped_steps": 0,
-                          "bytes_sent": 0}
+        self._counters = {"step": 0, "exact_steps": 0, "compressed_steps": 0, "skipped_steps": 0, "bytes_sent": 0}
         self._last_step: Tuple[int, int] = (0, 0)     # (bytes sent, dense bytes) of the last step
         self._sent: Optional[str] = None      # this step's 1-bit all-reduce already ran from the hooks
         self._buckets: Optional[OverlapBuckets] = None
@@ -83,8 +84,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
             self._attach_overlap(pg)
 
     def _attach_overlap(self, pg) -> None:
-        """The overlapped path (``overlap=True``): buckets of whole 1-bit blocks and one
-        post-accumulate-grad hook per trainable parameter (bitscom's one StepLifecycle)."""
+        """``overlap=True``: buckets of whole 1-bit blocks and the gradient hooks (StepLifecycle)."""
         oc = self.overlap_config
         block = self.config.block_size
         self._buckets = OverlapBuckets([p.numel() for p in self._params], self._numel, self._size, block,
@@ -94,9 +94,6 @@ class OneBitBase(Face, torch.optim.Optimizer):
         self._life.attach([p for p in self._params if p.requires_grad], joinable=False)
 
     # -- construction ------------------------------------------------------------------------
-    def _make_config(self, settings: Dict[str, Any]):
-        raise NotImplementedError
-
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_params", None):
             raise RuntimeError(f"{self._NAME}: add_param_group after construction would change the "
@@ -156,8 +153,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
                 i += 1
 
     def _local_gradient(self) -> torch.Tensor:
-        """This rank's gradient as one flat fp32 tensor (a missing ``p.grad`` counts as zero,
-        so every rank issues the same collectives), unscaled when GradScaler asks for it."""
+        """This rank's gradient as one flat fp32 tensor (missing = zeros), unscaled under GradScaler."""
         flat = torch.zeros(self._numel, dtype=torch.float32, device=self.exp_avg.device)
         for p, view in self._views(flat):
             if p.grad is not None:
@@ -171,8 +167,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         return flat
 
     def _run(self, rounds_of) -> None:
-        """One collective's rounds on the group's Channel (one order with every other face on
-        the group), to completion; its bytes are counted."""
+        """One collective's rounds on the group's Channel, to completion; its bytes are counted."""
         comm = self._channel.comm()
         self._channel.wait(self._channel.submit(Rounds(rounds_of(comm), [comm])))
         self._counters["bytes_sent"] += comm.bytes_sent
@@ -184,23 +179,19 @@ class OneBitBase(Face, torch.optim.Optimizer):
         return flat
 
     def _onebit_average(self, flat: torch.Tensor) -> torch.Tensor:
-        """DeepSpeed's compressed_allreduce: bitscom's two-stage 1-bit all-reduce with worker and
-        server error feedback; the result is bitwise identical on every rank. A no-op when this
-        step's buckets were already reduced from the gradient hooks (``overlap=True``)."""
+        """DeepSpeed's compressed_allreduce in place; a no-op when the hooks already reduced this step."""
         if self._size > 1 and self._sent is None:
             self._run(lambda comm: all_reduce_rounds(flat, comm, self.config.codec, self._lowbit))
         return flat
 
     def _mask(self, flat: torch.Tensor) -> None:
-        """Momentum masks (DeepSpeed's ``exp_avg_mask``): 1-bit codes cannot say 0, so rows that
-        are always zero (unused embedding rows) would collect compression error for ever."""
+        """``exp_avg_mask``: 1-bit codes cannot say 0, so always-zero rows would collect error for ever."""
         for (_p, _, _, mask, _), (_, view) in zip(self._groups(), self._views(flat)):
             if mask is not None:
                 view.mul_(mask.to(view.device, view.dtype))
 
     def _apply(self, update: torch.Tensor, extra: Optional[torch.Tensor] = None) -> None:
-        """``p -= lr * (update + wd * p)`` (DeepSpeed's decoupled weight decay, added to the
-        update); with ``extra``, also ``extra -= lr * (update + wd * p)`` (0/1 Adam's u)."""
+        """``p -= lr * (update + wd * p)`` (decoupled weight decay); ``extra`` (0/1 Adam's u) alike."""
         for (p, lr, wd, _, i), (_, u) in zip(self._groups(), self._views(update)):
             step = u + wd * p if wd > 0 else u
             step = step * lr
@@ -217,28 +208,24 @@ class OneBitBase(Face, torch.optim.Optimizer):
         return denom.add_(self.config.eps)
 
     def _skip_for_overflow(self) -> bool:
-        """GradScaler found Inf/NaN on THIS rank: agree across ranks (one 4-byte all-reduce),
-        so every rank skips the step together; GradScaler alone would skip on one rank only and
-        the next collective would hang."""
+        """GradScaler found Inf/NaN on any rank: every rank skips the step (else the next would hang)."""
         found = getattr(self, "found_inf", None)
-        if found is None:
-            return False
-        flag = torch.tensor([float(found)], dtype=torch.float32, device=self.exp_avg.device)
+        return found is not None and self._max_over_ranks(float(found)) != 0.0
+
+    def _max_over_ranks(self, value: float) -> float:
+        """The largest ``value`` of the ranks (one 4-byte all-reduce)."""
+        flag = torch.tensor([value], dtype=torch.float32, device=self.exp_avg.device)
         if self._size > 1:
             self._run(lambda comm: iter([comm.all_reduce(flag, dist.ReduceOp.MAX)]))
-        return bool(flag.item() != 0.0)
+        return float(flag.item())
 
     # -- the overlapped path (overlap=True): hooks, buckets ----------------------------------
     def _overlap_kind(self, t: int) -> str:
-        """What step ``t`` reduces from the gradient hooks: ``"momentum"`` (1-bit Adam's),
-        ``"gradient"`` (0/1 Adam's 1-bit gradient) or ``"none"`` (the step communicates in
-        step() as without overlap: exact steps, local steps)."""
+        """What step ``t`` reduces from the hooks: ``"momentum"``, ``"gradient"`` or ``"none"``."""
         return "none"
 
     def _overlap_target(self, kind: str, start: int, stop: int) -> torch.Tensor:
-        """Prepare elements ``[start, stop)`` of this step's 1-bit all-reduce from the bucket's
-        gradients; return the flat tensor reduced in place (default: a copy of the gradient,
-        which step() then passes to :meth:`_update` as the gradient)."""
+        """Prepare ``[start, stop)`` of the hooks' all-reduce; the flat tensor it reduces in place."""
         assert self._buckets is not None
         work = self._buckets.reduced()
         work[start:stop].copy_(self._buckets.grad[start:stop])
@@ -248,8 +235,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         return {"settings": repr(self.config), "overlap": repr(self.overlap_config)}
 
     def _on_gradient(self, p: torch.Tensor, last_pass: bool) -> None:
-        """StepLifecycle's hook call: on the pass that completes the step, copy the gradient
-        into its bucket and launch every bucket that became ready, in bucket order."""
+        """On the completing pass, copy the gradient into its bucket and launch the ready buckets."""
         b = self._buckets
         assert b is not None
         if not last_pass:
@@ -266,8 +252,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         self._channel.poll()
 
     def _begin_overlap(self, b: OverlapBuckets) -> None:
-        """The step's first gradient: the resume agreement (before any collective of the step),
-        then what this step sends from the hooks; a 1-bit step takes its low-bit step number."""
+        """The step's first gradient: the resume agreement, then what the hooks send this step."""
         self._agree_if_resumed(self._resume_description, f"{self._NAME} resumed state")
         b.kind = self._overlap_kind(self._counters["step"] + 1)
         if b.kind != "none":
@@ -280,13 +265,11 @@ class OneBitBase(Face, torch.optim.Optimizer):
         for start, stop, owner in b.ready():
             target = self._overlap_target(b.kind or "none", start, min(stop, self._numel))
             comm = self._channel.comm()
-            rounds = Rounds(range_rounds(target, start, stop, owner, comm, codec, self._lowbit, b.lowbit_step),
-                            [comm])
+            rounds = Rounds(range_rounds(target, start, stop, owner, comm, codec, self._lowbit, b.lowbit_step), [comm])
             b.flights.append(self._channel.submit(rounds))
 
     def _finish(self) -> None:
-        """End of the completing backward pass: parameters without a gradient (frozen, unused)
-        count as zeros, so every bucket launches."""
+        """End of the completing backward pass: missing gradients count as zeros; every bucket launches."""
         b, life = self._buckets, self._life
         assert b is not None and life is not None
         if b.kind is None:
@@ -298,8 +281,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         life.completed = True
 
     def _collect_overlapped(self, b: OverlapBuckets) -> None:
-        """step() of a step whose buckets left from the hooks: finish them, then check on every
-        rank together that the gradient is still what was sent (and no GradScaler)."""
+        """Finish the hooks' buckets; every rank checks the gradient is still what was sent."""
         assert self._life is not None
         if not self._life.completed:
             self._finish()                    # fewer backward passes than configured
@@ -310,9 +292,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
             self._counters["bytes_sent"] += sum(w.bytes_sent for w in b.flights)
         changed = b.changed([p.grad for p in self._params])
         scaler = getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None
-        flag = torch.tensor([float(bool(changed)) + 2.0 * scaler], dtype=torch.float32, device=self.exp_avg.device)
-        self._run(lambda comm: iter([comm.all_reduce(flag, dist.ReduceOp.MAX)]))
-        code = int(flag.item())
+        code = int(self._max_over_ranks(float(bool(changed)) + 2.0 * scaler))
         if code & 2:
             raise RuntimeError(f"{self._NAME}(overlap=True) cannot step with GradScaler: its scale and "
                                "inf check arrive at step(), after this step's 1-bit all-reduce already left "
@@ -332,13 +312,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
             self._life.reset_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero ``p.grad`` (torch's); with ``overlap=True`` refused while a step's 1-bit
-        all-reduce is in flight (after backward, before step()): it cannot be called back.
-
-        Example::
-
-            opt.zero_grad()
-        """
+        """Zero ``p.grad``; refused while an ``overlap=True`` all-reduce is in flight."""
         b = self._buckets
         if b is not None and b.kind not in (None, "none") and (b.flights or b.next):
             raise RuntimeError(f"{self._NAME}(overlap=True): zero_grad() after backward() and before "
@@ -350,13 +324,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
     # -- the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        """One step on every rank (call it every iteration on every rank). With
-        ``overlap=True`` the step's buckets usually left during backward; this finishes them.
-
-        Example::
-
-            loss.backward(); opt.step(); opt.zero_grad()
-        """
+        """One step (call it every iteration on every rank)."""
         self._check_live()
         self._check_requires_grad()
         loss = None
@@ -392,10 +360,8 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Make the replicas identical now, off the schedule: call it on every rank after the
-        last ``step()``, before evaluating or saving. 1-bit Adam synchronizes every step, so
-        here it does nothing; 0/1 Adam's local steps leave the ranks apart until the next
-        synchronization step, which it performs early (DiLoCo's ``sync()`` has the same role).
+        """Make the replicas identical now: call it on every rank after the last ``step()``,
+        before evaluating or saving (a no-op for 1-bit Adam, which synchronizes every step).
 
         Example::
 
@@ -408,14 +374,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
     # -- reporting, checkpoints --------------------------------------------------------------
     def comm_stats(self) -> dict:
-        """``bytes_sent`` (this rank, whole run: warm-up included), ``dense_bytes`` (what an
-        exact fp32 gradient all-reduce would have sent for the same steps), their ratio and the
-        step counters.
-
-        Example::
-
-            opt.comm_stats()["compression_ratio"]
-        """
+        """Whole-run ``bytes_sent`` against an exact fp32 gradient all-reduce per step, and counters."""
         c = dict(self._counters)
         sent = c.pop("bytes_sent")
         dense = (c["step"] + c["skipped_steps"]) * self._dense_per_step()
@@ -428,14 +387,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         pass
 
     def state_dict(self) -> dict:  # type: ignore[override]
-        """torch's param_groups plus, under ``"onebit"``, this rank's momentum, variance, error
-        feedback (worker and server residuals) and counters. Per rank: the residuals differ
-        between ranks by design, so each rank saves and loads its own.
-
-        Example::
-
-            torch.save(opt.state_dict(), f"opt.{rank}.pt")
-        """
+        """torch's param_groups plus, under ``"onebit"``, this rank's own state (its residuals differ)."""
         if self._buckets is not None and self._buckets.flights:
             raise RuntimeError(f"{self._NAME}: state_dict() after backward() and before step() while "
                                "this step's 1-bit all-reduce is in flight (overlap=True); call it between "
@@ -451,14 +403,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
-        """Load this rank's own :meth:`state_dict`; resuming continues bitwise as if never
-        interrupted (the ranks check, before their next collective, that they resumed the
-        same step).
-
-        Example::
-
-            opt.load_state_dict(torch.load(f"opt.{rank}.pt"))
-        """
+        """Load this rank's own :meth:`state_dict`; resuming continues bitwise."""
         if self._buckets is not None and self._buckets.kind is not None:
             raise RuntimeError(f"{self._NAME}: load_state_dict() in the middle of a step (after "
                                "backward, before step()); call it between steps")
@@ -504,12 +449,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
             self._buckets.flights = []
 
     def close(self) -> None:
-        """Refuse further steps (the optimizer holds no hooks; its groups are the caller's).
-
-        Example::
-
-            opt.close()
-        """
+        """Refuse further steps."""
         if self._life is not None:
             self._life.close()
         self._face_close()

@@ -15,8 +15,7 @@ __all__ = ["OneBitConfig", "ZeroOneConfig", "OverlapConfig", "momentum_codec"]
 def _number(owner: str, name: str, value, low: float, high=None, *, open_high=True) -> None:
     bad = isinstance(value, bool) or not isinstance(value, (int, float))
     if not bad:
-        bad = math.isnan(value) or value < low or (
-            high is not None and (value >= high if open_high else value > high))
+        bad = math.isnan(value) or value < low or (high is not None and (value >= high if open_high else value > high))
     if bad:
         allowed = f"a number in [{low}, {high})" if high is not None else f"a finite number >= {low}"
         raise ValueError(f"{owner} {name} must be {allowed}, got {value!r}")
@@ -48,33 +47,23 @@ def check_common(owner: str, lr, betas, eps, weight_decay) -> tuple:
 
 def momentum_codec(block_size: int, stage2_bits: int) -> LowBitConfig:
     """The two-stage 1-bit all-reduce with worker AND server error feedback (DeepSpeed's
-    ``compressed_allreduce``): each rank sends ``C(x + e_worker)`` chunk-wise (all-to-all),
-    the owner of a chunk averages, requantizes with its server error ``e_server`` and
-    all-gathers. bitscom's 1-bit code is sign × mean|x| per ``block_size`` block (DeepSpeed:
-    one scale ``||x||/sqrt(n)`` per chunk); the server stage is 1 bit too by default, as in
-    DeepSpeed (``stage2_bits=4`` halves the server-side error for 3 more bits per element of
-    the all-gather)."""
+    ``compressed_allreduce``): each rank sends ``C(x + e_worker)`` chunk-wise (all-to-all), the
+    owner of a chunk averages, requantizes with its server error and all-gathers. The 1-bit
+    code is sign × mean|x| per ``block_size`` block (DeepSpeed: ``||x||/sqrt(n)`` per chunk)."""
     return LowBitConfig(bitwidth=1, stage2_bitwidth=stage2_bits, block_size=block_size,
                         error_feedback_mode="residual", stage2_error_feedback=True)
 
 
 @dataclass(frozen=True)
 class OneBitConfig:
-    """Settings of :class:`~bitscom.onebit.OneBitAdam` other than the per-group ``lr`` /
-    ``weight_decay``.
+    """Settings of :class:`~bitscom.onebit.OneBitAdam` other than the per-group ``lr`` / ``weight_decay``.
 
     Attributes:
         betas, eps: Adam's (one pair for the whole model: the momentum is one flat buffer).
-        freeze_step: exact-AdamW warm-up steps; the variance freezes after step
-            ``freeze_step`` and every later step sends the 1-bit momentum. Must be >= 1 (a
-            variance of zero would divide the update by ``eps``).
-        block_size: elements per 1-bit scale (power of two, 32..65536): 1 + 16/block_size bits
-            per element on the wire per stage.
-        stage2_bits: width of the server stage (1 as in DeepSpeed, or 2/4/8).
-        bias_correction: Adam's bias correction (``m / (1 - b1^t)``, ``v / (1 - b2^k)`` with
-            ``k`` the variance updates so far, frozen with ``v``). Default True. DeepSpeed
-            accepts the flag and ignores it (False); on runs of a few hundred steps that costs
-            1-bit Adam several points of final loss (docs/onebit.md).
+        freeze_step: exact warm-up steps (>= 1); too few freeze ``v`` early, too many cost bytes.
+        block_size: elements per 1-bit scale: smaller follows magnitudes, at 16/block_size bits.
+        stage2_bits: server stage width (1 as DeepSpeed; 4 halves its error for 3 more bits).
+        bias_correction: Adam's, frozen with ``v`` (False: DeepSpeed's arithmetic, docs/onebit.md).
     """
 
     betas: tuple = (0.9, 0.999)
@@ -101,13 +90,10 @@ class ZeroOneConfig:
 
     Attributes:
         betas, eps, block_size, stage2_bits: as :class:`OneBitConfig`.
-        var_freeze_step: the last step that may update the variance (DeepSpeed: max T_v);
-            usually the end of the learning-rate warm-up.
-        var_update_scaler: kappa: after this many variance updates the interval between them
-            doubles (1, 2, 4, ... steps).
-        local_step_scaler: after this many steps in the frozen phase the local-step interval
-            doubles ...
-        local_step_clipper: ... up to this many local steps between synchronizations (H).
+        var_freeze_step: the last step that may update the variance (the end of the lr warm-up).
+        var_update_scaler: kappa: variance updates per doubling of their interval (1, 2, 4, ...).
+        local_step_scaler: frozen steps per doubling of the local-step interval ...
+        local_step_clipper: ... up to H local steps between syncs: fewer bytes, more drift.
         bias_correction: as :class:`OneBitConfig` (``k`` = the exact variance updates so far).
     """
 
@@ -146,20 +132,15 @@ def _check_codec(owner: str, block_size, stage2_bits) -> None:
 
 @dataclass(frozen=True)
 class OverlapConfig:
-    """How :class:`~bitscom.onebit.OneBitAdam` / :class:`~bitscom.onebit.ZeroOneAdam` overlap
-    their 1-bit all-reduce with backward. Kept apart from the algorithm's settings: it changes
-    when bytes move, never which bits arrive, so a checkpoint loads with either choice.
+    """How the 1-bit optimizers overlap their all-reduce with backward. Kept apart from the
+    algorithm's settings: it changes when bytes move, never which bits arrive, so a checkpoint
+    loads with either choice.
 
     Attributes:
-        overlap: start each bucket's 1-bit all-reduce (and 1-bit Adam's momentum update) from
-            the gradient hooks as soon as backward has produced the bucket's gradients; step()
-            finishes what remains. Bitwise the same results as ``False``, but the gradient
-            must reach step() as backward left it: clipping or editing ``p.grad`` in between,
-            and GradScaler, are refused with an error (docs/onebit.md). Default False.
-        bucket_mb: largest bucket (MiB of fp32 momentum). Smaller buckets start sending
-            earlier; larger ones cost fewer collectives (three per bucket).
-        backward_passes_per_step: with ``overlap``, gradient accumulation: the buckets are
-            sent on the last of this many backward passes (the hooks cannot know otherwise).
+        overlap: send each bucket from the gradient hooks; same bits, but ``p.grad`` must reach
+            step() as backward left it (clipping, GradScaler: refused). Default False.
+        bucket_mb: largest bucket (MiB): smaller sends earlier, larger costs fewer collectives.
+        backward_passes_per_step: with ``overlap``, the buckets leave on the last of these passes.
     """
 
     overlap: bool = False

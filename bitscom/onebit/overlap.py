@@ -1,14 +1,10 @@
-"""The buckets of the overlapped 1-bit all-reduce (``overlap=True``): which gradients each one
-waits for, and the cursor that launches them in one order on every rank.
+"""The buckets of the overlapped 1-bit all-reduce (``overlap=True``).
 
-Why block ranges, not parameters. 1-bit Adam reduces ONE flat momentum; the bits it gets
-depend on the quantization blocks and on which rank owns (sums and requantizes) each block.
-A bucket is therefore a run of whole blocks inside one owner's shard
-(:func:`bitscom.lowbit.ranged.owner_ranges`), so reducing the buckets one by one gives the
-bits of the whole-buffer all-reduce, and a bucket waits for every parameter that overlaps it.
-Buckets are launched last-first (backward produces the last parameters' gradients first) and
-strictly in that order, so every rank issues the same collectives in the same order however
-its gradients arrive.
+Why block ranges, not parameters: the bits 1-bit Adam gets depend on the quantization blocks
+and on which rank owns each block, so a bucket is a run of whole blocks inside one owner's
+shard (:func:`bitscom.lowbit.ranged.owner_ranges`) and reducing the buckets one by one gives
+the whole-buffer all-reduce's bits. Buckets launch last-first, strictly in order, so every rank
+issues the same collectives whatever order its gradients arrive in.
 """
 
 from __future__ import annotations
@@ -26,19 +22,11 @@ __all__ = ["OverlapBuckets"]
 class OverlapBuckets:
     """A step's gradient buffer, bucket readiness and in-flight work (reset every step).
 
-    ``kind`` is what the step sends from the hooks (``None`` until the step's first gradient;
-    ``"none"`` when it sends nothing from them), ``lowbit_step`` the low-bit step counter of
-    its all-reduce.
-
-    Example::
-
-        buckets = OverlapBuckets(sizes, numel=sum(sizes), world=2, block_size=32, max_elements=64)
-        buckets.fill(0, p.grad)
-        for start, stop, owner in buckets.ready(): ...
+    ``kind`` is what the step sends from the hooks (``None`` until the step's first gradient),
+    ``lowbit_step`` the low-bit step counter of its all-reduce.
     """
 
-    def __init__(self, sizes: Sequence[int], numel: int, world: int, block_size: int, max_elements: int,
-                 device):
+    def __init__(self, sizes: Sequence[int], numel: int, world: int, block_size: int, max_elements: int, device):
         self.grad = torch.zeros(numel, dtype=torch.float32, device=device)
         self.ranges = owner_ranges(numel, world, block_size, max_elements)
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -74,8 +62,7 @@ class OverlapBuckets:
             self.pending[b] -= 1
 
     def reduced(self) -> torch.Tensor:
-        """The buffer a step that reduces the gradient itself reduces in place (made on first
-        use): a copy, so that :meth:`changed` can still compare ``p.grad`` with what was sent."""
+        """What a "gradient" step reduces in place: a copy, so :meth:`changed` can compare."""
         if self.work is None:
             self.work = torch.zeros_like(self.grad)
         return self.work

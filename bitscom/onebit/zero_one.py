@@ -34,31 +34,10 @@ class ZeroOneAdam(OneBitBase):
        ``u = 0``; ``lrs = 0``. Every ``local_step_scaler`` frozen steps ``local_step_interval``
        doubles, up to ``local_step_clipper``.
 
-    Differences from DeepSpeed: its first ``step()`` only allocates buffers (no update), which
-    shifts its boundaries by one (its variance phase ends after step ``var_freeze_step + 1``);
-    here step 1 is a real step and the frozen phase starts at ``var_freeze_step + 1``. Bias
-    correction by default (torch's Adam correction, ``lr/bc1`` also being what ``lrs`` sums;
-    DeepSpeed's accepts the flag and ignores it: ``bias_correction=False``). The 1-bit code
-    has one scale per ``block_size`` block. Residuals resume exactly from a checkpoint
-    (DeepSpeed resets them).
-
-    On short runs (hundreds of steps) measure before trusting it: Adam's ``sqrt(v)`` keeps
-    falling long after the lr warm-up (on the suite's GPT it is 0.4-0.6x its step-30 value
-    from step 60 to 300), so a variance frozen there makes every later step several times too
-    small; the paper's runs freeze after ~10^5 steps. docs/onebit.md gives the numbers.
-
-    Args:
-        params, lr, betas, eps, weight_decay, process_group, block_size, stage2_bits: as
-            :class:`~bitscom.onebit.OneBitAdam`.
-        var_freeze_step: last step that may update the variance (usually the end of the lr
-            warm-up; DeepSpeed: "does not require tuning").
-        var_update_scaler: kappa, variance updates per interval doubling.
-        local_step_scaler, local_step_clipper: the local-step interval doubles every
-            ``local_step_scaler`` frozen steps, up to ``local_step_clipper`` (H).
-        bias_correction: Adam's bias correction (``k`` = exact variance updates so far).
-        overlap, bucket_mb, backward_passes_per_step: as :class:`~bitscom.onebit.OneBitAdam`;
-            here the 1-bit gradient steps of the variance phase overlap backward (exact steps,
-            local steps and synchronizations run in step()).
+    Where it differs from DeepSpeed: docs/onebit.md. On short runs measure before trusting it:
+    ``sqrt(v)`` keeps falling long after the lr warm-up, so a variance frozen early makes every
+    later step too small. Arguments as :class:`~bitscom.onebit.OneBitAdam`'s, the schedule's
+    :class:`~bitscom.onebit.ZeroOneConfig`'s.
 
     Example::
 
@@ -72,6 +51,7 @@ class ZeroOneAdam(OneBitBase):
     """
 
     _NAME = "ZeroOneAdam"
+    _CONFIG = ZeroOneConfig
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, var_freeze_step: int = 100, var_update_scaler: int = 16,
@@ -79,25 +59,14 @@ class ZeroOneAdam(OneBitBase):
                  block_size: int = 2048, stage2_bits: int = 1, bias_correction: bool = True, group=None,
                  overlap: bool = False, bucket_mb: float = 25.0, backward_passes_per_step: int = 1):
         group = renamed(process_group, group, new="process_group", old="group", where="ZeroOneAdam")
-        super().__init__(params, lr, weight_decay, group,
-                         dict(betas=betas, eps=eps, var_freeze_step=var_freeze_step,
-                              var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
-                              local_step_clipper=local_step_clipper, block_size=block_size,
-                              stage2_bits=stage2_bits, bias_correction=bias_correction),
-                         dict(overlap=overlap, bucket_mb=bucket_mb,
-                              backward_passes_per_step=backward_passes_per_step))
+        super().__init__(params, lr, weight_decay, group, locals())
         self._sched: Dict[str, Any] = {"var_interval": 1, "var_counter": 0, "local_step_interval": 1,
                        "local_step_counter": 0, "errors_reset": False,
                        "lrs": [0.0] * len(self.param_groups)}
         self.momentum_accumulator = torch.zeros_like(self.exp_avg)
-        # The parameters at the last synchronization (identical on every rank). DeepSpeed
-        # computes them as ``p - u``, which in floating point differs between ranks by the
-        # rounding of their different local steps; keeping them makes the synchronized
-        # parameters bitwise identical on every rank (same value in exact arithmetic).
+        # The parameters at the last synchronization: DeepSpeed's ``p - u`` differs between ranks
+        # by the rounding of their local steps; this keeps synchronized replicas bitwise equal.
         self.anchor = torch.zeros_like(self.exp_avg)
-
-    def _make_config(self, settings: Dict[str, Any]) -> ZeroOneConfig:
-        return ZeroOneConfig(**settings)
 
     @property
     def variance_frozen(self) -> bool:
@@ -105,8 +74,7 @@ class ZeroOneAdam(OneBitBase):
 
     def _extra_state(self) -> Dict[str, Any]:
         return {**self._sched, "lrs": list(self._sched["lrs"]),
-                "momentum_accumulator": self.momentum_accumulator.clone(),
-                "anchor": self.anchor.clone()}
+                "momentum_accumulator": self.momentum_accumulator.clone(), "anchor": self.anchor.clone()}
 
     def _load_extra(self, extra: Dict[str, Any]) -> None:
         extra = dict(extra)
@@ -116,9 +84,7 @@ class ZeroOneAdam(OneBitBase):
         self._sched = extra
 
     def _overlap_kind(self, t: int) -> str:
-        """The 1-bit gradient steps of the variance phase go from the hooks; exact steps and
-        the frozen phase's local steps and synchronizations run in step() (a synchronization
-        reduces ``u``, which needs the step's parameter update first)."""
+        """The variance phase's 1-bit gradient steps go from the hooks; the rest runs in step()."""
         if t <= self.config.var_freeze_step and t % self._sched["var_interval"] != 0:
             return "gradient"
         return "none"
@@ -178,8 +144,7 @@ class ZeroOneAdam(OneBitBase):
             s["local_step_interval"] = min(cfg.local_step_clipper, s["local_step_interval"] * 2)
 
     def _synchronize(self, denom: torch.Tensor) -> None:
-        """The synchronization of the frozen phase: ``u`` 1-bit averaged (scaled by the
-        frozen denominator), ``m = -u / lrs``, ``p = p_sync + u / denom``, then ``u = lrs = 0``."""
+        """``u`` 1-bit averaged (times denom), ``m = -u / lrs``, ``p = p_sync + u / denom``, ``u = lrs = 0``."""
         s, m, u = self._sched, self.exp_avg, self.momentum_accumulator
         u.mul_(denom)
         self._onebit_average(u)
@@ -197,11 +162,8 @@ class ZeroOneAdam(OneBitBase):
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Synchronize now if local steps ran since the last synchronization (the schedule
-        of later steps is unchanged; the bytes are counted): after it every rank holds the
-        same parameters and momentum. A no-op in the variance phase (every step synchronizes)
-        or right after a synchronization step. The decision reads only counters every rank
-        shares, so every rank takes the same branch.
+        """Synchronize now if local steps ran since the last synchronization (the schedule is
+        unchanged): every rank then holds the same parameters and momentum.
 
         Example::
 

@@ -1,13 +1,4 @@
-"""The SDP4Bit Megatron-LM command-line flags, so existing launch lines keep working.
-
-Example::
-
-    parser = argparse.ArgumentParser()
-    bitscom.sharded.add_arguments(parser)
-    args = parser.parse_args()   # ... --quantized-weights --quantized-gradients --hadamard-transform
-    opt = bitscom.ShardedOptimizer.from_args(torch.optim.AdamW(model.parameters()), args,
-                                             model.named_parameters())
-"""
+"""The SDP4Bit Megatron-LM command-line flags, so existing launch lines keep working."""
 
 from __future__ import annotations
 
@@ -41,11 +32,8 @@ _FLAGS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--use-distributed-optimizer`` and the SDP4Bit quantization flags to ``parser``.
-
-    Defaults are the seed's (4-bit/2048 weights; 8-bit/512 intra, 4-bit/128 inter gradients).
-    ``--use-distributed-optimizer`` is accepted so Megatron launch lines parse; it is for your
-    script to decide between ShardedOptimizer and another optimizer.
+    """Add ``--use-distributed-optimizer`` (accepted so Megatron launch lines parse; choosing
+    the optimizer is your script's decision) and the SDP4Bit quantization flags to ``parser``.
 
     Example::
 

@@ -1,25 +1,10 @@
-"""World-size-independent checkpoints of a sharded optimizer.
-
-A *consolidated* state dict holds, per parameter name, the full float master tensor, the full
-per-element optimizer state (e.g. Adam's ``exp_avg``), the scalar state (e.g. ``step``), the
-replica values, the param-group hyperparameters and the step counter. It does not depend on how
-many ranks wrote it, so it can be loaded by a run with a different world size: every rank cuts
-out the pieces it owns under its own plan.
-
-Format (``"format": FORMAT``)::
-
-    {"format": "bitscom.sharded/1", "step": int, "settings": {...},
-     "params": {name: {"master": Tensor[shape], "replica": Tensor[shape],
-                       "state": {key: Tensor[shape] | scalar}, "element_keys": [key, ...]}},
-     "param_groups": [{hyperparameters..., "params": [names]}]}
-
-Only *elementwise* state can be split and joined: a state tensor is either 0-dimensional (a
-scalar, the same for every piece of a parameter) or has exactly one entry per element of the
-piece. Anything else is refused with an error naming the key.
+"""World-size-independent (*consolidated*) checkpoints of a sharded optimizer: every rank
+loading one cuts out the pieces it owns under its own plan (the format: docs/sharded.md).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List
 
 import torch
@@ -55,20 +40,10 @@ def _put_state(state: dict, elem_keys: set, piece: dict, start: int, stop: int, 
 
 
 def join_pieces(contributions: List[dict], shapes: Dict[str, tuple], dtype_of: Dict[str, torch.dtype]) -> dict:
-    """Assemble per-rank piece lists into full per-parameter tensors.
-
-    ``contributions``: one dict per rank, ``{name: [(start, stop, master, replica, state), ...]}``.
-    Returns ``{name: {"master", "replica", "state"}}``.
-
-    Example::
-
-        params = join_pieces(gathered, {"fc.weight": (3, 4)}, {"fc.weight": torch.float32})
-    """
+    """Per-rank ``{name: [(start, stop, master, replica, state), ...]}`` joined into whole parameters."""
     out = {}
     for name, shape in shapes.items():
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         master = replica = None
         state: dict = {}
         elem_keys: set = set()
@@ -94,12 +69,7 @@ def join_pieces(contributions: List[dict], shapes: Dict[str, tuple], dtype_of: D
 
 
 def split_state(entry: dict, start: int, stop: int) -> dict:
-    """The optimizer state of elements ``[start, stop)`` of one parameter's consolidated entry.
-
-    Example::
-
-        split_state(ckpt["params"]["fc.weight"], 0, 6)   # {'exp_avg': tensor([...6...]), 'step': ...}
-    """
+    """The optimizer state of elements ``[start, stop)`` of one parameter's consolidated entry."""
     numel = entry["master"].numel()
     out = {}
     elements = set(entry.get("element_keys", ()))

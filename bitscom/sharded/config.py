@@ -1,11 +1,5 @@
 """Settings of sharded data parallelism (SDP4Bit), validated once, identical on every rank.
-
-The names and defaults are the SDP4Bit Megatron-LM flags (``--quantized-weights``,
-``--weight-quantization-bits 4``, ``--wq-group-size 2048``, ``--quantized-gradients``,
-``--gradient-quantization-bits-intra 8``, ``--gq-group-size-intra 512``,
-``--gradient-quantization-bits-inter 4``, ``--gq-group-size-inter 128``, ``--hadamard-transform``,
-``--gradient-alltoall-pipeline 1``), so a launch line maps one to one onto this dataclass.
-"""
+Names and defaults are the SDP4Bit Megatron-LM flags' (:mod:`.args`), one to one."""
 
 from __future__ import annotations
 
@@ -45,37 +39,18 @@ class ShardedConfig:
     """What :class:`~bitscom.sharded.ShardedOptimizer` sends and how.
 
     Attributes:
-        quantized_weights: all-gather the updated parameters as *quantized weight differences*
-            (qWD): the owner of a shard sends ``Q(master - replica)`` and every rank, the owner
-            included, adds the same decoded difference to its replica. Weight traffic drops from
-            32 (or 16) bits to ``weight_quantization_bits + 16/wq_group_size`` bits per element.
-        weight_quantization_bits: width of the weight differences (1, 2, 4, 8, 12 or 16). A
-            difference is small and smooth, so 4 bits lose almost nothing (SDP4Bit).
-        wq_group_size: elements per scale of the weight differences (power of two, 32..65536);
-            larger groups cost fewer scale bytes, smaller ones follow local magnitudes better.
-        quantized_gradients: reduce-scatter gradients through the two-level scheme (TLq):
-            intra-node all-to-all at ``gradient_quantization_bits_intra`` -> sum -> inter-node
-            all-to-all at ``gradient_quantization_bits_inter`` -> sum. Off: an exact float32
-            reduce-scatter.
-        gradient_quantization_bits_intra: width on the fast intra-node links (8 by default; 32 =
-            raw float32).
+        quantized_weights: all-gather quantized weight differences (qWD) instead of parameters.
+        weight_quantization_bits: width of the differences (small and smooth: 4 bits suffice).
+        wq_group_size: elements per scale: larger costs fewer scale bytes, smaller follows magnitudes.
+        quantized_gradients: two-level quantized reduce-scatter (TLq); off: exact float32.
+        gradient_quantization_bits_intra: width on the fast intra-node links (32 = float32).
         gq_group_size_intra: elements per scale of the intra-node stage.
-        gradient_quantization_bits_inter: width on the slow inter-node links (4 by default; 32 =
-            raw float32).
-        gq_group_size_inter: elements per scale of the inter-node stage; small groups (128)
-            keep 4-bit error low at 1/8 bit per element of scales.
-        hadamard_transform: rotate every 32-element run of the gradient by an orthonormal
-            Walsh-Hadamard transform before quantizing (TLq-HS): outliers are spread over the
-            run, so a block's scale fits its typical value. Sums happen in the rotated domain;
-            the inverse is applied once to the reduced shard. Costs two passes over memory.
-        gradient_alltoall_pipeline: cut each bucket's shard into this many chunks; chunk k's
-            inter-node all-to-all is in flight while chunk k+1's intra-node all-to-all runs.
-            More chunks overlap better but launch more, smaller collectives.
-        fusion_threshold_mb: bucket size cap (each bucket is sharded over all ranks). Larger
-            buckets = fewer collectives; smaller = communication starts earlier in backward.
-            0 = one parameter per bucket.
-        backward_passes_per_step: gradients of this many backward passes are summed locally
-            before one reduce-scatter (accumulation, Horovod semantics).
+        gradient_quantization_bits_inter: width on the slow inter-node links (32 = float32).
+        gq_group_size_inter: elements per scale of the inter-node stage (128: low 4-bit error).
+        hadamard_transform: Hadamard-rotate 32-element runs first (TLq-HS): scales fit, two passes.
+        gradient_alltoall_pipeline: chunks per shard: more overlap of the stages, smaller collectives.
+        fusion_threshold_mb: bucket cap: larger = fewer collectives, smaller = earlier; 0 = per tensor.
+        backward_passes_per_step: backward passes summed locally before one reduce-scatter.
         op: ``bitscom.Average`` (default) or ``bitscom.Sum`` of the ranks' gradients.
         seed: base of the stochastic-rounding seeds (identical on every rank).
 
@@ -105,10 +80,8 @@ class ShardedConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("weight_quantization_bits", self.weight_quantization_bits, WEIGHT_WIDTHS)
-        _check_int("gradient_quantization_bits_intra", self.gradient_quantization_bits_intra,
-                   GRADIENT_WIDTHS)
-        _check_int("gradient_quantization_bits_inter", self.gradient_quantization_bits_inter,
-                   GRADIENT_WIDTHS)
+        _check_int("gradient_quantization_bits_intra", self.gradient_quantization_bits_intra, GRADIENT_WIDTHS)
+        _check_int("gradient_quantization_bits_inter", self.gradient_quantization_bits_inter, GRADIENT_WIDTHS)
         _check_group("wq_group_size", self.wq_group_size)
         _check_group("gq_group_size_intra", self.gq_group_size_intra)
         _check_group("gq_group_size_inter", self.gq_group_size_inter)

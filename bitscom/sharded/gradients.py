@@ -1,22 +1,7 @@
-"""Gradient reduce-scatter of one bucket: exact, or SDP4Bit's two-level quantized scheme.
-
-Ranks are laid out as ``M`` nodes x ``L`` ranks per node, process-group rank ``r = node * L +
-local``, and rank ``r`` owns shard ``r`` (``S`` elements) of every bucket.
-
-Exact: one ``reduce_scatter`` of the bucket over the process group (:meth:`bitscom.comm.Comm.reduce_scatter`).
-
-Two-level (TLq, TLq-HS): the low-bit level-wise reduce-scatter
-(:mod:`bitscom.lowbit.levelwise`) over two levels, intra-node at ``bits_intra`` /
-``gq_group_size_intra`` then inter-node at ``bits_inter`` / ``gq_group_size_inter``, Hadamard
-optional, ``gradient_alltoall_pipeline`` chunks per bucket. A level of one rank (one node, or
-one rank per node) is skipped.
-
-This module builds those round generators and submits them, in launch order, to the group's
-:class:`~bitscom.channel.Channel` with their round count: every chunk's intra-node round is
-issued at launch, chunk ``k``'s inter-node round once every earlier chunk issued its own. Each
-group carries one kind of round (intra: first rounds; inter: later ones; the process group:
-the exact reduce-scatters), so no later group is needed, and chunk ``k+1``'s intra-node
-all-to-all overlaps chunk ``k``'s inter-node one. Bytes are counted by the Comms.
+"""Gradient reduce-scatter of one bucket: exact, or SDP4Bit's two-level quantized scheme
+(:mod:`bitscom.lowbit.levelwise`; rank ``r = node * L + local`` owns shard ``r``). Each group
+carries one kind of round (intra: first rounds; inter: later ones; the process group: the
+exact reduce-scatters), so the channel needs no later group.
 """
 
 from __future__ import annotations
@@ -38,8 +23,7 @@ __all__ = ["Topology", "GradientReducer", "gradient_wire_bytes"]
 
 @dataclass(frozen=True)
 class Topology:
-    """The groups of one sharded optimizer: ``group`` (all ranks), ``intra`` (this node's
-    ``L`` ranks) and ``inter`` (the ``M`` ranks with this local rank); ``None`` = no group."""
+    """The groups: ``group`` (all), ``intra`` (this node), ``inter`` (this local rank); ``None``: none."""
 
     group: Optional[object]
     intra: Optional[object]
@@ -60,8 +44,7 @@ def _codecs(cfg: ShardedConfig):
 
 
 def gradient_wire_bytes(cfg: ShardedConfig, topo: Topology, shard_numel: int) -> int:
-    """Bytes this rank hands to the network to reduce-scatter one bucket of ``world * S``
-    elements (each collective's input buffer: all-to-all = the whole send buffer).
+    """Bytes this rank sends (each collective's input buffer) to reduce-scatter one bucket.
 
     Example::
 
@@ -78,9 +61,7 @@ def gradient_wire_bytes(cfg: ShardedConfig, topo: Topology, shard_numel: int) ->
 
 def _comm(group, size: int, rank: int) -> Comm:
     """A Comm over ``group``; a missing group (a level of one rank) is a solo Comm."""
-    if group is None:
-        return Comm(None, rank=0, size=1)
-    return Comm(group, rank=rank, size=size)
+    return Comm(None, rank=0, size=1) if group is None else Comm(group, rank=rank, size=size)
 
 
 def _exact_rounds(out: torch.Tensor, flat: torch.Tensor, comm: Comm, divide_by: Optional[int]):
@@ -92,14 +73,7 @@ def _exact_rounds(out: torch.Tensor, flat: torch.Tensor, comm: Comm, divide_by: 
 
 @dataclass
 class GradientReducer:
-    """Reduce-scatters buckets, launched in bucket order, without blocking backward.
-
-    Example::
-
-        reducer = GradientReducer(cfg, topo)
-        reducer.launch(0, bucket_flat, master_grad_slice, step=0)
-        sent = reducer.wait_all(step=0)
-    """
+    """Reduce-scatters buckets, launched in bucket order, without blocking backward."""
 
     cfg: ShardedConfig
     topo: Topology
@@ -115,8 +89,7 @@ class GradientReducer:
         return any(not f.done for f in self._flights)
 
     def launch(self, bucket: int, flat: torch.Tensor, out: torch.Tensor, step: int) -> None:
-        """Start reducing ``flat`` (``world * S`` float elements) into ``out`` (``S``): issues the
-        bucket's first rounds (exact: its reduce-scatter; TLq: every chunk's intra-node round)."""
+        """Start reducing ``flat`` (``world * S`` elements) into ``out`` (``S``): its first rounds."""
         topo, cfg = self.topo, self.cfg
         if topo.world == 1:
             out.copy_(flat)
@@ -131,9 +104,8 @@ class GradientReducer:
         node, local = divmod(topo.rank, L)
         intra, inter = _comm(topo.intra, L, local), _comm(topo.inter, M, node)
         c_intra, c_inter = _codecs(cfg)
-        gens = levelwise_chunks(flat, out, [(intra, c_intra), (inter, c_inter)],
-                                chunks=cfg.gradient_alltoall_pipeline, hadamard=cfg.hadamard_transform,
-                                alpha=1.0 / topo.world if average else 1.0,
+        gens = levelwise_chunks(flat, out, [(intra, c_intra), (inter, c_inter)], chunks=cfg.gradient_alltoall_pipeline,
+                                hadamard=cfg.hadamard_transform, alpha=1.0 / topo.world if average else 1.0,
                                 seed_parts=(cfg.seed, step, topo.rank, bucket))
         self._comms += [intra, inter]
         for gen in gens:
@@ -143,17 +115,14 @@ class GradientReducer:
         self._flights.append(self.channel.submit(Rounds(gen, comms, total=total)))
 
     def poll(self, step: int, block: bool = False) -> None:
-        """Advance whatever completed; later rounds are issued in launch order (see the module
-        docstring). ``block=True`` finishes everything. ``step`` is kept for callers; the seeds
-        were fixed at :meth:`launch`."""
+        """Advance whatever completed; ``block=True`` finishes everything (``step`` is unused)."""
         if block and self._flights:
             self.channel.wait(self._flights[-1])
         else:
             self.channel.poll()
 
     def wait_all(self, step: int) -> int:
-        """Finish every launched bucket; returns the bytes sent this step and resets (also when
-        a collective failed: the error propagates, the in-flight work is forgotten)."""
+        """Finish every launched bucket; the bytes sent this step. Resets, also on failure."""
         try:
             self.poll(step, block=True)
             failed = [f.error for f in self._flights if f.error is not None]

@@ -1,16 +1,5 @@
 """Shard planning: which bucket each parameter sits in and which slice of it each rank owns.
-
-Pure functions of (names, shapes, world size, settings), so every rank computes the same plan
-and a test can check it without ranks.
-
-Layout. Parameters are packed into buckets in reverse registration order (the last layers'
-gradients are ready first, as in DDP), each bucket up to the fusion threshold. Bucket ``b`` of
-``n_b`` elements is padded to ``world * S_b`` elements and rank ``r`` owns the contiguous slice
-``[r * S_b, (r + 1) * S_b)`` of it — Megatron's distributed optimizer shards each bucket the
-same way, so each bucket's reduce-scatter can start while backward still runs. ``S_b`` is a
-multiple of ``32 * pipeline`` so pipeline chunks and Hadamard runs never straddle a boundary.
-A parameter can span several ranks' shards; each rank keeps a 1-D *piece* (its part of the
-parameter) in the flat master shard.
+Pure functions of (names, shapes, world size, settings): every rank computes the same plan.
 """
 
 from __future__ import annotations
@@ -29,16 +18,14 @@ __all__ = ["Slot", "Piece", "BucketShard", "ShardPlan", "plan_shards"]
 
 @dataclass(frozen=True)
 class Slot(TensorSlot):
-    """The library's slot (name, offset, numel, shape in the bucket's flat buffer) plus the
-    parameter's registration ``index``, which keys the sharded optimizer's per-parameter data."""
+    """The library's bucket slot plus the parameter's registration ``index``."""
 
     index: int = -1
 
 
 @dataclass(frozen=True)
 class Piece:
-    """The part ``[start, stop)`` (flattened) of parameter ``index`` that this rank owns; it
-    sits at ``master_offset`` of the rank's flat master shard."""
+    """The part ``[start, stop)`` of parameter ``index`` this rank owns, at ``master_offset``."""
 
     index: int
     name: str
@@ -53,8 +40,7 @@ class Piece:
 
 @dataclass(frozen=True)
 class BucketShard:
-    """One bucket: its slots, padded size ``world * shard_numel``, and where this rank's shard
-    sits in the flat master buffer (``master_offset``)."""
+    """One bucket: its slots, padded size ``world * shard_numel``, this rank's master offset."""
 
     slots: Tuple[Slot, ...]
     numel: int

@@ -1,16 +1,6 @@
-"""Global gradient norms over shards: what ``torch.nn.utils.clip_grad_norm_`` would compute
-on the unsharded gradient, identical on every rank.
-
-Why a summary per step. A norm over shards needs one collective; issued from
-``clip_grad_norm_`` it would be a collective that only some loops make (and that a rank in
-:func:`bitscom.join` could not mirror). So the end of every reduction all-gathers a five-number
-summary of this rank's shard — sum of squares, sum of magnitudes, largest and smallest magnitude
-— from which the norms of order 2, 1, inf and -inf follow exactly; other orders (rare) cost one
-all-reduce of their own. Sums are float64, combined in rank order.
-
-Order 0 follows torch's definition, which is not the count of non-zero elements:
-``clip_grad_norm_`` takes the norm of the per-tensor norms, so order 0 counts the *parameters*
-whose gradient has any non-zero element; a parameter split over ranks is counted once.
+"""Global gradient norms over shards: what ``torch.nn.utils.clip_grad_norm_`` would compute on
+the unsharded gradient, identical on every rank, mostly from a four-number summary that every
+reduction all-gathers (why: docs/sharded.md, Internals).
 """
 
 from __future__ import annotations
@@ -44,13 +34,7 @@ def _local_summary(grads: Sequence[torch.Tensor], device) -> torch.Tensor:
 
 
 def norm_summary(grads: Sequence[torch.Tensor], device, topo) -> torch.Tensor:
-    """The five-number summary of the whole reduced gradient (every rank's shard), identical
-    on every rank.
-
-    Example::
-
-        summary = norm_summary([t.grad for t in pieces], master.device, topo)
-    """
+    """The summary of the whole reduced gradient (every rank's shard), identical on every rank."""
     mine = _local_summary(grads, device)
     if topo.world == 1:
         return mine
@@ -86,13 +70,7 @@ def _nonzero_parameters(grads, owners: Sequence[int], n_params: int, device, top
 
 def global_norm(grads: Sequence[torch.Tensor], norm_type: float, summary: Optional[torch.Tensor],
                 device, topo, owners: Sequence[int] = (), n_params: int = 0) -> torch.Tensor:
-    """The norm of order ``norm_type`` of the whole gradient (float64, same on every rank);
-    ``owners[i]`` is the parameter index of ``grads[i]`` (needed for order 0 only).
-
-    Example::
-
-        total = global_norm(grads, 2.0, summary, device, topo)
-    """
+    """The norm of order ``norm_type`` of the whole gradient (float64; ``owners`` for order 0)."""
     if math.isnan(norm_type):
         raise ValueError(f"norm_type must be a number (inf, -inf and 0 included), got {norm_type!r}")
     if summary is not None:
@@ -116,10 +94,5 @@ def global_norm(grads: Sequence[torch.Tensor], norm_type: float, summary: Option
 
 
 def clip_coefficient(max_norm: float, total: torch.Tensor) -> torch.Tensor:
-    """``min(1, max_norm / (total + 1e-6))``, torch's clipping factor.
-
-    Example::
-
-        coef = clip_coefficient(1.0, total)
-    """
+    """``min(1, max_norm / (total + 1e-6))``, torch's clipping factor."""
     return (float(max_norm) / (total + 1e-6)).clamp(max=1.0)

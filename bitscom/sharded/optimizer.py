@@ -1,25 +1,11 @@
-"""ShardedOptimizer: ZeRO-style sharded data parallelism with SDP4Bit's communication quantization.
-
-Data path of one step, for ``W`` ranks:
-
-1. ``loss.backward()``: a post-accumulate-grad hook moves each gradient into its bucket's flat
-   buffer (adding it with ``backward_passes_per_step > 1``) and sets ``p.grad = None`` — the
-   full-size local gradient is not kept. When every gradient of the next bucket is in, its
-   reduce-scatter starts asynchronously while backward goes on (exact, or two-level quantized:
-   :mod:`bitscom.sharded.gradients`).
-2. ``synchronize()`` (called by ``step()``) zero-fills parameters that got no gradient, waits for
-   every bucket and leaves the reduced gradient of *this rank's shard* in the master shard's
-   gradient. ``clip_grad_norm_`` computes the global norm over all shards.
-3. ``step()`` runs the wrapped optimizer on the fp32 master shard only (its state is 1/W of the
-   unsharded optimizer's), then all-gathers the parameters (exact, or quantized weight
-   differences: :mod:`bitscom.sharded.weights`). Afterwards every replica holds bitwise
-   identical parameters.
-"""
+"""ShardedOptimizer: ZeRO-style sharded data parallelism with SDP4Bit's communication quantization
+(the data path: docs/sharded.md)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import zlib
 from collections import defaultdict
@@ -49,9 +35,7 @@ ELEMENTWISE_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in (
     "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD",
     "Rprop") if hasattr(torch.optim, n))
 """Optimizers whose update of an element depends only on that element's gradient and state, so
-running them on a 1-D slice of a parameter is the same as running them on the whole parameter.
-Others (LAMB, LARS, Adafactor, Shampoo: per-tensor norms or factored shapes) would silently
-compute something else; pass ``elementwise=True`` only if you know yours is elementwise."""
+running them on a 1-D slice of a parameter equals running them on the whole parameter."""
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -70,23 +54,22 @@ def _check_threshold(value) -> None:
 
 
 def _resolve_topology(process_group, intra_group, inter_group, local_size):
+    """(topology, "consistent" or this rank's layout problem, node size of groups yet to build)."""
     if process_group is None:
-        return Topology(None, None, None, 1, 0, 1), "consistent"
+        return Topology(None, None, None, 1, 0, 1), "consistent", None
     world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
     intra_group, inter_group, local_size = _node_choice(process_group, intra_group, inter_group, local_size)
     if intra_group is None:
         if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \
                 or world % local_size:
             raise ValueError(f"local_size={local_size!r} must be an int >= 1 dividing the world size {world}")
-        return None, (process_group, world, rank, local_size)
-    L = dist.get_world_size(intra_group)
-    topology = Topology(process_group, intra_group, inter_group, world, rank, L)
-    return topology, _layout_problem(topology)
+        return Topology(process_group, None, None, world, rank, local_size), "consistent", local_size
+    topology = Topology(process_group, intra_group, inter_group, world, rank, dist.get_world_size(intra_group))
+    return topology, _layout_problem(topology), None
 
 
 def _node_choice(process_group, intra_group, inter_group, local_size):
-    """(intra, inter, local_size): the user's node groups, else runtime's node groups when the
-    group is the world, else ``local_size`` (default: one node of the whole group)."""
+    """(intra, inter, local_size): the user's node groups, else runtime's, else one node."""
     if (intra_group is None) != (inter_group is None):
         raise ValueError("pass both intra_group and inter_group, or neither")
     if intra_group is not None and local_size is not None:
@@ -100,8 +83,7 @@ def _node_choice(process_group, intra_group, inter_group, local_size):
 
 
 def _layout_problem(t: Topology) -> str:
-    """"consistent" when the node groups are contiguous nodes of the group's ranks, else what
-    this rank sees (the ranks compare it before the first collective on the node groups)."""
+    """"consistent" when the node groups are contiguous nodes of the group, else what is wrong."""
     world, rank, L = t.world, t.rank, t.local_size
     group, intra, inter = (dist.get_process_group_ranks(cast(Any, g)) for g in (t.group, t.intra, t.inter))
     expect_intra, expect_inter = node_layout(group, L, rank) if world % L == 0 else (None, None)
@@ -137,45 +119,21 @@ def _check_optimizer(optimizer, elementwise: bool) -> None:
                         "if every update of an element depends only on that element")
 
 
+def _delegated(name: str) -> Any:
+    """A property read from and written to the wrapped optimizer's attribute ``name``."""
+    return property(lambda self: getattr(self.optimizer, name),
+                    lambda self, value: setattr(self.optimizer, name, value))
+
+
 class ShardedOptimizer(StepFace, torch.optim.Optimizer):
     """Shard ``optimizer``'s state over ranks (ZeRO / Megatron distributed optimizer) and
     optionally quantize its communication the SDP4Bit way.
 
-    Each rank owns a contiguous slice of every bucket of the flattened parameters, keeps an
-    fp32 master copy of only that slice, and the wrapped optimizer is re-pointed at it (its
-    ``param_groups`` list this rank's pieces, with the user's hyperparameters), so optimizer
-    state takes about 1/world of the memory. Gradients are reduce-scattered during backward;
-    after the shard update the parameters are all-gathered, and every replica ends bitwise
-    identical.
-
-    Gradient semantics: the reduced gradient exists only as shards. When backward returns,
-    ``p.grad`` is ``None`` (the hook moved it into the reduction); use :meth:`clip_grad_norm_`
-    (the global norm over all shards, identical on every rank) instead of
-    ``torch.nn.utils.clip_grad_norm_(model.parameters())``, which would see no gradients.
-    AMP's ``GradScaler`` is refused with a ``RuntimeError`` at ``scaler.step(opt)`` (its per-rank
-    inf checks would see different shards).
-
-    Args:
-        optimizer: an elementwise ``torch.optim`` optimizer (see :data:`ELEMENTWISE_OPTIMIZERS`)
-            over the model's parameters. It is taken over: afterwards it optimizes this rank's
-            shard (existing state is sliced to it; an LR scheduler built on it keeps working).
-        named_parameters: ``model.named_parameters()``; names appear in errors, checks and
-            consolidated checkpoints.
-        process_group: the ranks to shard over (default: the world group).
-        quantized_weights ... gradient_alltoall_pipeline, fusion_threshold_mb: the SDP4Bit
-            settings, see :class:`~bitscom.sharded.ShardedConfig`.
-        backward_passes_per_step: local gradient accumulation before one reduce-scatter.
-        op: ``bitscom.Average`` (default) or ``bitscom.Sum``.
-        intra_group, inter_group: this node's ranks / the ranks with this local rank, for the
-            two-level gradient scheme (default: :func:`bitscom.intra_group` and
-            :func:`bitscom.inter_group` when ``bitscom.init()`` built them).
-        local_size: ranks per node; builds the intra/inter groups here instead (every rank
-            calls ``new_group`` for each). Without groups or local_size: one node.
-        elementwise: skip the elementwise-optimizer check (you vouch for your optimizer).
-        seed: base of the stochastic-rounding seeds.
-
-    Parameters are broadcast from rank 0 of ``process_group`` at construction (like DDP), so
-    replicas start identical.
+    Each rank keeps an fp32 master copy of its slice of every bucket and the wrapped optimizer
+    is re-pointed at it (existing state is sliced; an LR scheduler keeps working), so optimizer
+    state takes about 1/world of the memory. The reduced gradient exists only as shards: after
+    backward ``p.grad`` is ``None``, so clip with :meth:`clip_grad_norm_`. The arguments are
+    :class:`~bitscom.sharded.ShardedConfig`'s plus the node groups (docs/sharded.md, Settings).
 
     Example::
 
@@ -190,44 +148,28 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             opt.step()
     """
 
-    def __init__(self, optimizer, named_parameters=None, process_group=None, *,
-                 quantized_weights: bool = False, weight_quantization_bits: int = 4,
-                 wq_group_size: int = 2048, quantized_gradients: bool = False,
+    def __init__(self, optimizer, named_parameters=None, process_group=None, *, quantized_weights: bool = False,
+                 weight_quantization_bits: int = 4, wq_group_size: int = 2048, quantized_gradients: bool = False,
                  gradient_quantization_bits_intra: int = 8, gq_group_size_intra: int = 512,
                  gradient_quantization_bits_inter: int = 4, gq_group_size_inter: int = 128,
-                 hadamard_transform: bool = False, gradient_alltoall_pipeline: int = 1,
-                 fusion_threshold_mb: float = 25, backward_passes_per_step: int = 1,
-                 op: ReduceOp = Average, intra_group=None, inter_group=None,
+                 hadamard_transform: bool = False, gradient_alltoall_pipeline: int = 1, fusion_threshold_mb: float = 25,
+                 backward_passes_per_step: int = 1, op: ReduceOp = Average, intra_group=None, inter_group=None,
                  local_size: Optional[int] = None, elementwise: bool = False, seed: int = 0):
+        settings = locals()          # every ShardedConfig field is a keyword argument of that name
         _check_optimizer(optimizer, elementwise)
         _check_local_size(local_size)
         _check_threshold(fusion_threshold_mb)
-        self.config = ShardedConfig(
-            quantized_weights=quantized_weights, weight_quantization_bits=weight_quantization_bits,
-            wq_group_size=wq_group_size, quantized_gradients=quantized_gradients,
-            gradient_quantization_bits_intra=gradient_quantization_bits_intra,
-            gq_group_size_intra=gq_group_size_intra,
-            gradient_quantization_bits_inter=gradient_quantization_bits_inter,
-            gq_group_size_inter=gq_group_size_inter, hadamard_transform=hadamard_transform,
-            gradient_alltoall_pipeline=gradient_alltoall_pipeline,
-            fusion_threshold_mb=fusion_threshold_mb, backward_passes_per_step=backward_passes_per_step,
-            op=op, seed=seed)
+        self.config = ShardedConfig(**{f.name: settings[f.name] for f in dataclasses.fields(ShardedConfig)})
         named = named_parameters_of(optimizer, named_parameters)
         self._face_init("ShardedOptimizer", process_group, named, warn_single=False, dtypes=_DTYPES)
         self._trainable = _trainable_of(named)
         self._param_dtype = self._trainable[0][1].dtype
         self._master_dtype = torch.float64 if self._param_dtype == torch.float64 else torch.float32
         device = self._trainable[0][1].device
-
-        topo, layout = _resolve_topology(self.process_group, intra_group, inter_group, local_size)
-        pending_local = None
-        if topo is None:
-            group, world, rank, pending_local = layout
-            topo, layout = Topology(group, None, None, world, rank, pending_local), "consistent"
+        topo, layout, pending_local = _resolve_topology(self.process_group, intra_group, inter_group, local_size)
         self.process_group = topo.group
-        self.plan = plan_shards([(n, tuple(p.shape), p.numel()) for n, p in self._trainable],
-                                topo.world, topo.rank, self.config.fusion_threshold_bytes,
-                                self.config.gradient_alltoall_pipeline,
+        self.plan = plan_shards([(n, tuple(p.shape), p.numel()) for n, p in self._trainable], topo.world, topo.rank,
+                                self.config.fusion_threshold_bytes, self.config.gradient_alltoall_pipeline,
                                 torch.empty((), dtype=self._master_dtype).element_size())
         self._ddp = self._ddp_wrapped([p for _, p in self._trainable])
         self._static = self._describe(optimizer, topo, layout)
@@ -243,7 +185,6 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._params = [p for _, p in self._trainable]
         self._names = [n for n, _ in self._trainable]
         self._broadcast_parameters()
-
         self._build_master(device)
         self.optimizer = optimizer
         self._take_over(optimizer)
@@ -259,8 +200,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
     # -- construction helpers ---------------------------------------------------------------
     def _build_master(self, device) -> None:
-        """This rank's master shard, its gradient, and the pieces the wrapped optimizer now
-        works on (views of the shard, filled from the parameters)."""
+        """This rank's master shard, its gradient, and the pieces (views) the optimizer works on."""
         self._master = torch.zeros(self.plan.master_numel, dtype=self._master_dtype, device=device)
         self._master_grad = torch.zeros_like(self._master)
         self._pieces: List[torch.Tensor] = []
@@ -275,10 +215,8 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         """The flat gradient buckets of the plan, and where each parameter sits in them."""
         self._buckets = [torch.zeros(topo.world * b.shard_numel, dtype=self._master_dtype, device=device)
                          for b in self.plan.buckets]
-        self._where: Dict[int, tuple] = {}
-        for bi, b in enumerate(self.plan.buckets):
-            for s in b.slots:
-                self._where[id(self._params[s.index])] = (bi, s)
+        self._where: Dict[int, tuple] = {id(self._params[s.index]): (bi, s)
+                                         for bi, b in enumerate(self.plan.buckets) for s in b.slots}
         self._reset_buckets()
 
     def _describe(self, optimizer, topo, layout) -> dict:
@@ -295,11 +233,10 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
     def _broadcast_parameters(self) -> None:
         """Replicas start identical (like DDP): rank 0's parameters, through the one Comm."""
-        if self.topo.world == 1:
-            return
-        comm = Comm(self.topo.group)
-        with torch.no_grad():
-            wait([comm.broadcast(p.data, 0) for p in self._params])
+        if self.topo.world > 1:
+            comm = Comm(self.topo.group)
+            with torch.no_grad():
+                wait([comm.broadcast(p.data, 0) for p in self._params])
 
     def _take_over(self, optimizer) -> None:
         """Re-point ``optimizer`` at this rank's pieces, slicing any state it already has."""
@@ -318,42 +255,19 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                 for k in pieces_of[i]:
                     piece, tensor = self.plan.pieces[k], self._pieces[k]
                     new_params.append(tensor)
-                    st = old_state.get(p)
+                    st = {key: piece_state(self._names[i], key, v, p.numel())
+                          for key, v in old_state.get(p, {}).items()}
                     if st:
-                        entry = {"master": p.detach(), "state": {}, "element_keys": []}
-                        for key, v in st.items():
-                            kind, val = piece_state(self._names[i], key, v, p.numel())
-                            entry["state"][key] = val
-                            if kind == "elements":
-                                entry["element_keys"].append(key)
+                        entry = {"master": p.detach(), "state": {key: v for key, (_, v) in st.items()},
+                                 "element_keys": [key for key, (kind, _) in st.items() if kind == "elements"]}
                         new_state[tensor] = split_state(entry, piece.start, piece.stop)
             group["params"] = new_params
         optimizer.state = new_state
 
     # -- delegation so schedulers see a normal optimizer --------------------------------------
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self.optimizer.state = value
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self.optimizer.defaults = value
+    param_groups = _delegated("param_groups")
+    state = _delegated("state")
+    defaults = _delegated("defaults")
 
     def add_param_group(self, param_group):
         raise RuntimeError("ShardedOptimizer plans its shards once; add every parameter group to the "
@@ -369,8 +283,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         return self._life.steps
 
     def _on_gradient(self, p: torch.Tensor, last_pass: bool) -> None:
-        """Move ``p.grad`` into its bucket (adding on later passes), drop the full-size local
-        gradient, and on the step's last pass launch every bucket that became ready."""
+        """Move ``p.grad`` into its bucket and, on the step's last pass, launch the ready buckets."""
         bi, slot = self._where[id(p)]
         if p.grad is None:
             return
@@ -407,9 +320,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             self._next_launch += 1
 
     def _finish(self) -> None:
-        """Complete the reduce-scatter (the end of the completing backward pass, or an early
-        :meth:`synchronize`): this rank's master gradient holds its shard of the reduced
-        gradient; parameters without a gradient count as zeros."""
+        """Complete the reduce-scatter into the master gradient; missing gradients count as zeros."""
         self._life.check_open()
         self._life.check_requires_grad()
         try:
@@ -443,9 +354,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             self._life.reset_collectives()
 
     def shadow_step(self) -> None:
-        """Take part in one step of the other ranks with zero gradients (bitscom.join() on a
-        rank that ran out of data). Unlike a replicated optimizer, this rank *does* step: it
-        owns a shard of the parameters, which the others' all-gather needs updated."""
+        """Join the others' step with zero gradients (join()): their all-gather needs this shard."""
         for bucket in self._buckets:
             bucket.zero_()
         self._life.begin(notify=False)     # join's all-reduce took the place of the notice
@@ -453,14 +362,11 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._apply_step()
 
     def _after_join(self, root_rank: int, group) -> None:
-        """Nothing to resynchronize: every rank stepped its own shard, and the all-gather of
-        each step left the replicas identical."""
+        """Nothing to resynchronize: every step's all-gather left the replicas identical."""
 
     # -- the public step API -----------------------------------------------------------------
     def synchronize(self) -> None:
-        """Finish this step's reduce-scatter now; a no-op when backward already did it (the
-        backward pass that completes a step finishes it). Parameters without a gradient count
-        as zeros.
+        """Finish this step's reduce-scatter now; a no-op when backward already did it.
 
         Example::
 
@@ -468,14 +374,12 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             opt.synchronize()                      # no-op: already reduced
             print(opt.clip_grad_norm_(1.0))
         """
-        if self._life.completed:
-            return
-        self._finish()
+        if not self._life.completed:
+            self._finish()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
-        """Not available: ShardedOptimizer never re-reduces ``p.grad`` (it is ``None`` after
-        backward). Clip with :meth:`clip_grad_norm_` and call :meth:`step` directly."""
+        """Not available: ``p.grad`` is ``None`` after backward; use :meth:`clip_grad_norm_`."""
         raise RuntimeError("ShardedOptimizer keeps the reduced gradient sharded and p.grad is None "
                            "after backward, so torch.nn.utils.clip_grad_norm_(model.parameters()) "
                            "would see nothing; call opt.clip_grad_norm_(max_norm) and then opt.step()")
@@ -483,12 +387,9 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Clip the reduced gradient by its global norm over all shards (what
-        ``torch.nn.utils.clip_grad_norm_`` computes on an unsharded model, for any
-        ``norm_type`` including ``inf``, ``-inf`` and ``0``); returns the norm, identical on
-        every rank. Norms of order 2, 1, inf and -inf come from the step's own reduction
-        (no extra collective, so it also works while another rank is in :func:`bitscom.join`);
-        other orders cost one all-reduce.
+        """Clip the reduced gradient by its global norm over all shards (torch's
+        ``clip_grad_norm_`` on the unsharded model, any ``norm_type``); returns the norm,
+        identical on every rank.
 
         Example::
 
@@ -507,15 +408,13 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             g.mul_(coef.to(g.dtype))
         return total.to(torch.float32)
 
-    # GradScaler hands optimizers that declare this its scale and inf flag instead of unscaling
-    # p.grad itself; step() uses that hand-over to refuse AMP loudly (see the class docstring).
+    # GradScaler then hands over its scale and inf flag: step() uses that to refuse AMP loudly.
     _step_supports_amp_scaling = True
 
     def _refuse_grad_scaler(self) -> None:
-        """GradScaler's unscale and inf check would see only this rank's shard. Refuse it —
-        leaving the optimizer usable: the step's reduction is completed (every rank reaches the
-        same point) and the attributes GradScaler set are removed (it deletes them only after
-        a step that returns)."""
+        """Refuse GradScaler (its inf check would see only this rank's shard), leaving the
+        optimizer usable: the step's reduction completes on every rank and GradScaler's
+        attributes are removed (it deletes them only after a step that returns)."""
         if "grad_scale" not in self.__dict__ and "found_inf" not in self.__dict__:
             return
         self.__dict__.pop("grad_scale", None)
@@ -528,12 +427,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             "autocast without a scaler, or use bitscom.DistributedOptimizer with GradScaler")
 
     def step(self, closure=None):
-        """Synchronize (if not done), update this rank's shard, all-gather the parameters.
-
-        Example::
-
-            loss.backward(); opt.step()
-        """
+        """Synchronize (if not done), update this rank's shard, all-gather the parameters."""
         self._refuse_grad_scaler()
         if closure is not None:
             raise ValueError("ShardedOptimizer.step() takes no closure: the closure's backward "
@@ -547,8 +441,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
     def _apply_step(self):
         try:
             result = self.optimizer.step()
-            sent = gather_parameters(self.config, self.topo, self.plan, self._master, self._params,
-                                     self._step_count)
+            sent = gather_parameters(self.config, self.topo, self.plan, self._master, self._params, self._step_count)
         finally:
             self._reset_step()
         self._stats["weight_bytes"] = sent
@@ -561,55 +454,26 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop this step's gradients (a reduction already completed at the end of backward is
-        discarded, as a plain optimizer's zero_grad discards ``p.grad``).
-
-        Example::
-
-            opt.zero_grad()
-        """
+        """Drop this step's gradients, a reduction completed by backward included."""
         self._reset_step()
         for p in self._params:
             p.grad = None
 
     def close(self) -> None:
-        """Remove the gradient hooks (the node groups are shared per layout and stay); later
-        steps raise.
-
-        Example::
-
-            opt.close()
-        """
+        """Remove the gradient hooks; later steps raise."""
         self._reducer.abort()
         self._life.close()
         self._face_close()
 
     # -- statistics ------------------------------------------------------------------------
     def comm_stats(self) -> dict:
-        """Bytes this rank sent (each collective's input buffer) against exact fp32 sharded DP:
-        ``bytes_sent`` / ``dense_bytes`` / ``compression_ratio`` since construction,
-        ``step_bytes_sent`` / ``step_dense_bytes`` for the last step (one meaning on every face:
-        :func:`bitscom.face.report`), and the last step's ``gradient_bytes`` / ``weight_bytes``
-        (with their ``dense_`` counterparts).
-
-        Example::
-
-            opt.step(); print(opt.comm_stats()["gradient_bytes"])
-        """
+        """Bytes sent against exact sharded DP (:func:`bitscom.face.report`), gradients and weights apart."""
         return self._bytes.report(**self._stats)
 
     def memory_stats(self) -> dict:
-        """Bytes this rank holds for optimizer state, the master shard and its gradient.
-
-        Example::
-
-            opt.memory_stats()["optimizer_state_bytes"]
-        """
-        state = 0
-        for st in self.optimizer.state.values():
-            for v in st.values():
-                if isinstance(v, torch.Tensor):
-                    state += v.numel() * v.element_size()
+        """Bytes this rank holds for optimizer state, the master shard and its gradient."""
+        state = sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
+                    for v in st.values() if isinstance(v, torch.Tensor))
         nbytes = self._master.numel() * self._master.element_size()
         return {"optimizer_state_bytes": state, "master_bytes": nbytes, "master_grad_bytes": nbytes,
                 "bucket_bytes": sum(b.numel() * b.element_size() for b in self._buckets)}
@@ -621,14 +485,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's shard: the wrapped optimizer's state, the master shard and the step
-        counter. Loads only into the same world size and plan; see
-        :meth:`consolidated_state_dict` for a portable checkpoint.
-
-        Example::
-
-            torch.save(opt.state_dict(), f"opt.{rank}.pt")
-        """
+        """This rank's shard; loads only into the same world and plan (see consolidated_state_dict)."""
         # A copy, not references to the live state (torch's default): loading it into another
         # optimizer in the same process must not make the two share moment buffers.
         return {"optimizer": copy.deepcopy(self.optimizer.state_dict()),
@@ -636,12 +493,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                             "plan": self.plan.describe(), "master": self._master.clone()}}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load :meth:`state_dict` of the same rank and world size, or a consolidated one.
-
-        Example::
-
-            opt.load_state_dict(torch.load(f"opt.{rank}.pt"))
-        """
+        """Load :meth:`state_dict` of the same rank and world size, or a consolidated one."""
         if state_dict.get("format") == FORMAT:
             self.load_consolidated_state_dict(state_dict)
             return
@@ -663,8 +515,8 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._life.loaded(int(sh["step"]))   # the ranks compare their steps before the next one
 
     def consolidated_state_dict(self, to_rank: int = 0) -> Optional[dict]:
-        """Gather a world-size-independent checkpoint on rank ``to_rank`` (``None`` elsewhere).
-        Every rank must call it. Holds masters, optimizer state, replicas, hyperparameters.
+        """Gather a world-size-independent checkpoint on rank ``to_rank`` (``None`` elsewhere);
+        every rank must call it.
 
         Example::
 
@@ -680,18 +532,14 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             return None
         shapes = {n: tuple(p.shape) for n, p in self._trainable}
         params = join_pieces(gathered, shapes, {n: p.dtype for n, p in self._trainable})
-        groups = []
-        index_of = {id(t): k for k, t in enumerate(self._pieces)}
-        for g in self.optimizer.param_groups:
-            entry = {k: v for k, v in g.items() if k != "params"}
-            entry["params"] = sorted({self.plan.pieces[index_of[id(t)]].name for t in g["params"]})
-            groups.append(entry)
+        name_of = {id(t): piece.name for piece, t in zip(self.plan.pieces, self._pieces)}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": sorted({name_of[id(t)] for t in g["params"]})} for g in self.optimizer.param_groups]
         return {"format": FORMAT, "step": self._step_count, "settings": self.config.describe(),
                 "optimizer": type(self.optimizer).__name__, "params": params, "param_groups": groups}
 
     def _my_pieces(self) -> Dict[str, list]:
-        """This rank's part of a consolidated checkpoint: per parameter, each owned piece's
-        (start, stop, master, replica, optimizer state), on the CPU."""
+        """Per parameter, each owned piece's (start, stop, master, replica, state), on the CPU."""
         mine: Dict[str, list] = defaultdict(list)
         for piece, tensor in zip(self.plan.pieces, self._pieces):
             p = self._params[piece.index]
@@ -717,13 +565,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                                  f"model shape {tuple(p.shape)}")
 
     def load_consolidated_state_dict(self, state_dict: dict, load_replicas: bool = True) -> None:
-        """Load a :meth:`consolidated_state_dict` (from any world size). Every rank calls it with
-        the same dict; each keeps its own pieces. ``load_replicas`` also sets the parameters.
-
-        Example::
-
-            opt.load_consolidated_state_dict(torch.load("opt.pt"))
-        """
+        """Load a :meth:`consolidated_state_dict` of any world size (and the replicas)."""
         if state_dict.get("format") != FORMAT:
             raise ValueError(f"not a consolidated ShardedOptimizer checkpoint (format "
                              f"{state_dict.get('format')!r}, expected {FORMAT!r})")
@@ -745,9 +587,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                 for n, p in self._trainable:
                     p.copy_(params[n]["replica"].to(p.device))
         for g, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
-            for k, v in saved.items():
-                if k != "params":
-                    g[k] = v
+            g.update({k: v for k, v in saved.items() if k != "params"})
         self.optimizer.state = new_state
         self._life.loaded(int(state_dict["step"]))
 
@@ -764,20 +604,9 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         return cls(optimizer, named_parameters, process_group, **settings_from_args(args), **kwargs)
 
     def save_dcp(self, path, *, extra=None) -> None:
-        """Save through ``torch.distributed.checkpoint``; see :func:`bitscom.checkpointing.save`.
-
-        Example::
-
-            opt.save_dcp("ckpt/step100")
-        """
+        """Save through ``torch.distributed.checkpoint``; see :func:`bitscom.checkpointing.save`."""
         save_sharded(self, path, extra)
 
     def load_dcp(self, path, *, extra=None, load_replicas: bool = True) -> None:
-        """Load a :meth:`save_dcp` checkpoint of any world size; see
-        :func:`bitscom.checkpointing.load`.
-
-        Example::
-
-            opt.load_dcp("ckpt/step100")
-        """
+        """Load a :meth:`save_dcp` checkpoint of any world size (:func:`bitscom.checkpointing.load`)."""
         load_sharded(self, path, extra, load_replicas)

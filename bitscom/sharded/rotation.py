@@ -1,11 +1,6 @@
-"""Hadamard smoothing of gradients (SDP4Bit's TLq-HS): the library's one Hadamard transform,
-:func:`bitscom.lowbit.hadamard.hadamard`, with its GEMM back end.
-
-One matrix product per 32-element run instead of five butterfly passes (measured about 10x
-faster on one CPU thread; ``docs/lowbit.md``). Bitwise agreement across ranks or devices is not
-needed here: each rank rotates only its own gradient before quantizing, and only the owner
-un-rotates its reduced shard; replicas stay identical because they are rebuilt from the same
-all-gathered bytes.
+"""Hadamard smoothing of gradients (TLq-HS): the library's Hadamard with its GEMM back end
+(about 10x faster than the butterfly on one CPU thread). Bitwise agreement across ranks is not
+needed: each rank rotates only its own gradient and the owner un-rotates its reduced shard.
 """
 
 from __future__ import annotations
@@ -18,11 +13,5 @@ __all__ = ["rotate", "hadamard_matrix"]
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """Rotate every run of 32 elements of the flat float ``x`` (numel a multiple of 32); the
-    transform is its own inverse. Returns a new float32 tensor (flat).
-
-    Example::
-
-        y = rotate(grad_bucket); torch.allclose(rotate(y), grad_bucket, atol=1e-5)   # True
-    """
+    """Rotate every 32-element run of flat ``x`` (a new flat float32 tensor); its own inverse."""
     return hadamard(x.reshape(-1).to(torch.float32), HADAMARD_BLOCK, backend="gemm")

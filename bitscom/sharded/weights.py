@@ -1,16 +1,4 @@
-"""Parameter all-gather after the shard update: exact, or quantized weight differences (qWD).
-
-Exact: each rank sends its updated master shard in the parameters' dtype; every rank copies
-the gathered buckets into its parameters.
-
-qWD (SDP4Bit): the owner of a shard sends ``Q(master - replica)``, the difference between its
-updated master shard and the current replica of that shard (identical on every rank), quantized
-at ``weight_quantization_bits`` with ``wq_group_size`` elements per scale and stochastic
-rounding. Every rank, the owner included, decodes the same bytes and adds them to its replica,
-so replicas stay bitwise identical. Taking the difference against the *replica* (rather than
-against the previous master) means the replica never drifts from the master by more than one
-step's quantization error: the error of step t is part of the difference sent at step t+1.
-"""
+"""Parameter all-gather after the shard update: exact, or quantized weight differences (qWD)."""
 
 from __future__ import annotations
 
@@ -43,12 +31,7 @@ def weight_wire_bytes(cfg: ShardedConfig, topo: Topology, shard_numel: int, para
 
 
 def replica_shard(plan: ShardPlan, bucket: int, params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """This rank's shard of bucket ``bucket`` as it stands in the replicas (float32, zero-padded).
-
-    Example::
-
-        d = master_slice - replica_shard(plan, 0, params)
-    """
+    """This rank's shard of bucket ``bucket`` as it stands in the replicas (float32, zero-padded)."""
     b = plan.buckets[bucket]
     out = torch.zeros(b.shard_numel, dtype=torch.float32, device=params[0].device)
     lo = b.master_offset
@@ -61,8 +44,7 @@ def replica_shard(plan: ShardPlan, bucket: int, params: Sequence[torch.Tensor]) 
 
 def _encode(cfg: ShardedConfig, topo: Topology, plan: ShardPlan, master: torch.Tensor,
             params: List[torch.Tensor], step: int, i: int) -> torch.Tensor:
-    """What this rank sends for bucket ``i``: ``Q(master - replica)`` bytes, or its master
-    shard in the parameters' dtype."""
+    """What this rank sends for bucket ``i``: ``Q(master - replica)``, or its master shard."""
     b = plan.buckets[i]
     mine = master[b.master_offset:b.master_offset + b.shard_numel]
     if cfg.quantized_weights and topo.world > 1:
@@ -75,21 +57,18 @@ def _encode(cfg: ShardedConfig, topo: Topology, plan: ShardPlan, master: torch.T
 
 def _apply(cfg: ShardedConfig, world: int, b, R: int, out: torch.Tensor, params: List[torch.Tensor]) -> None:
     """Bring bucket ``b``'s parameters up to date from the gathered rows ``out``."""
+    quantized = cfg.quantized_weights and world > 1
+    if quantized:
+        codec = delta_codec(cfg.weight_quantization_bits, cfg.wq_group_size)
+        rows = out.view(world, R)
+        full = torch.empty(world * b.shard_numel, dtype=torch.float32, device=out.device)
+        for j in range(world):
+            codec.decode(rows[j], b.shard_numel, full[j * b.shard_numel:(j + 1) * b.shard_numel])
     with torch.no_grad():
-        if cfg.quantized_weights and world > 1:
-            codec = delta_codec(cfg.weight_quantization_bits, cfg.wq_group_size)
-            rows = out.view(world, R)
-            full = torch.empty(world * b.shard_numel, dtype=torch.float32, device=out.device)
-            for j in range(world):
-                codec.decode(rows[j], b.shard_numel, full[j * b.shard_numel:(j + 1) * b.shard_numel])
-            for s in b.slots:
-                p = params[s.index]
-                new = add_delta(p.detach().reshape(-1), full[s.offset:s.end])
-                p.detach().copy_(new.view(p.shape))
-        else:
-            for s in b.slots:
-                p = params[s.index]
-                p.detach().copy_(out[s.offset:s.end].view(p.shape))
+        for s in b.slots:
+            p = params[s.index]
+            new = add_delta(p.detach().reshape(-1), full[s.offset:s.end]) if quantized else out[s.offset:s.end]
+            p.detach().copy_(new.view(p.shape))
 
 
 def _gather_rounds(cfg, topo, plan, master, params, step, comm: Comm):
@@ -107,13 +86,7 @@ def _gather_rounds(cfg, topo, plan, master, params, step, comm: Comm):
 
 def gather_parameters(cfg: ShardedConfig, topo: Topology, plan: ShardPlan, master: torch.Tensor,
                       params: List[torch.Tensor], step: int) -> int:
-    """Bring every replica up to date from the owners' master shards; returns bytes sent
-    (counted by the :class:`~bitscom.comm.Comm` that issues the all-gathers).
-
-    Example::
-
-        sent = gather_parameters(cfg, topo, plan, master, params, step)
-    """
+    """Bring every replica up to date from the owners' master shards; returns bytes sent."""
     comm = Comm(topo.group, rank=topo.rank, size=topo.world)
     drive(_gather_rounds(cfg, topo, plan, master, params, step, comm), comm)
     return comm.bytes_sent
