@@ -25,9 +25,7 @@ class LowBit(Compressor[LowBitState]):
 
     Example::
 
-        comp = bitscom.compressors.LowBit(bitwidth=4, error_feedback=True)
-        opt = bitscom.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                           compression=comp)
+        comp = bitscom.compressors.LowBit(bitwidth=4, error_feedback=True)   # then compression=comp
     """
 
     name = "lowbit"

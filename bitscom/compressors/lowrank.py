@@ -43,25 +43,25 @@ LowRankStateT = TypeVar("LowRankStateT", bound="LowRankState")
 class LowRankCompressor(StartIter, Compressor[LowRankStateT]):
     """Settings both low-rank compressors share (each redeclares ``rank`` and ``start_iter``)."""
 
+    #: Approximation rank r: bytes grow linearly with r, and so does fidelity (try 1, 2, 4…).
     rank: int = 1
-    """Approximation rank r: bytes grow linearly with r, and so does fidelity (try 1, 2, 4…)."""
+    #: Plain all-reduce steps first: protects the sensitive early phase, costs full bytes.
     start_iter: int = 0
-    """Plain all-reduce steps first: protects the sensitive early phase, costs full bytes."""
+    #: Send a matrix uncompressed unless its factors are this many times smaller (saves compute).
     min_compression_rate: float = 2
-    """Send a matrix uncompressed unless its factors are this many times smaller (saves compute)."""
+    #: Carry what was not sent into the next step: needed for accuracy; one bucket-sized buffer.
     error_feedback: bool = True
-    """Carry what was not sent into the next step: needed for accuracy; one bucket-sized buffer."""
+    #: Reuse the last reduced factor (a power iteration spread over steps); no extra bytes.
     warm_start: bool = True
-    """Reuse the last reduced factor (a power iteration spread over steps); no extra bytes."""
+    #: Gram–Schmidt ("gram_schmidt": fast for thin r, half-safe), "qr" (larger r) or "auto".
     orthogonalization: str = "auto"
-    """Gram–Schmidt ("gram_schmidt": fast for thin r, half-safe), "qr" (larger r) or "auto"."""
+    #: One bmm per group of same-shaped matrices: fewer kernel launches; may copy to batch.
     batch_same_shape: bool = True
-    """One bmm per group of same-shaped matrices: fewer kernel launches; may copy to batch."""
+    #: Seed of the initial factors (with the bucket index); must match on ranks (checked).
     seed: int = 0
-    """Seed of the initial factors (with the bucket index); must match on ranks (checked)."""
 
+    #: The cost model's shape-less bucket is the most nearly square matrix (the best case).
     matrix_buckets = True
-    """The cost model's shape-less bucket is the most nearly square matrix (the best case)."""
 
     def __post_init__(self):
         check_low_rank_settings(self)

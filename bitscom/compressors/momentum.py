@@ -38,8 +38,7 @@ class MomentumCorrection(Wrapper, Compressor[MomentumState]):
     Args:
         inner: the compressor of the velocity (default ``"topk"``); error-feedback ones.
         momentum: the SGD momentum ``m`` in [0, 1) applied here instead of in the optimizer.
-        masking: zero the velocity where :class:`TopK` sent this step. Off by default: at 5% a
-            coordinate is sent every ~20 steps and masking keeps wiping its momentum.
+        masking: zero the velocity where :class:`TopK` sent (off: at 5% it keeps wiping momentum).
 
     Example::
 

@@ -63,14 +63,12 @@ class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
     """One bit per gradient entry plus one fp32 scale per 16-entry block, with error feedback.
 
     Args:
-        error_feedback: keep ``x − s·sign(x)`` for the next gradient (scaled sign is biased
-            without it). ``None`` (default): on without majority vote, off with it.
-        majority_vote: ``True``: the elementwise majority of the signs times the mean scale
-            (robust to a minority of bad ranks, less accurate); ``False``: EF-SignSGD.
-        block_size: entries per scale, inside each tensor (16: 3 bits per entry, 10.7× fewer
-            bytes than fp32); ``None``: one per tensor (~32×, diverged on some seeds).
-        start_iter: plain all-reduce steps first; with Adam pair it with
-            :class:`bitscom.FrozenVarianceAdamW` (``freeze_step == start_iter``), as 1-bit Adam.
+        error_feedback: keep ``x − s·sign(x)`` (scaled sign is biased without); ``None``: on unless majority vote.
+        majority_vote: majority of the signs times the mean scale: robust to a few bad ranks, less accurate.
+        block_size: entries per scale in each tensor (16: 10.7× fewer bytes than fp32); ``None``: one per
+            tensor (~32×, diverged on some seeds).
+        start_iter: plain all-reduce steps first; with Adam pair it with :class:`bitscom.FrozenVarianceAdamW`
+            (``freeze_step == start_iter``), as 1-bit Adam.
 
     Example::
 

@@ -70,15 +70,12 @@ class TopK(StartIter, Compressor[SteppedErrorFeedback]):
     """Send the ``ratio`` fraction of largest-magnitude gradient entries (values + indices).
 
     Args:
-        ratio: fraction of each bucket's entries sent, in (0, 1]: fewer bytes against more of
-            the gradient delayed in the residual; 1 is exact.
+        ratio: fraction of each bucket's entries sent, in (0, 1]: fewer bytes, more delayed in the residual.
         error_feedback: keep the unsent entries (without it small coordinates never move).
-        per_tensor: pick ``ceil(ratio · numel)`` of *each* tensor (DGC's layer-wise selection),
-            so tensors with small gradients are not starved.
-        selection: ``"exact"`` or ``"sampled"`` (the same set from the entries above a
-            sampled threshold: less compute; only the records' order differs).
-        start_iter: plain all-reduce steps first; with Adam pair it with
-            :class:`bitscom.FrozenVarianceAdamW` (``freeze_step == start_iter``).
+        per_tensor: pick ``ceil(ratio · numel)`` of *each* tensor (DGC's), so small-gradient tensors still send.
+        selection: ``"exact"``, or ``"sampled"``: the same set from above a sampled threshold, less compute.
+        start_iter: plain all-reduce steps first; with Adam pair it with :class:`bitscom.FrozenVarianceAdamW`
+            (``freeze_step == start_iter``).
 
     Example::
 

@@ -64,8 +64,7 @@ class WarmUp(Wrapper, Compressor[WarmUpState]):
 
     Example::
 
-        comp = bitscom.compressors.WarmUp("lowbit", start_iter=100)
-        opt = bitscom.DistributedOptimizer(opt, model.named_parameters(), compression=comp)
+        comp = bitscom.compressors.WarmUp("lowbit", start_iter=100)   # then compression=comp
     """
 
     inner: Union[Compressor, str, None] = None
