@@ -102,12 +102,7 @@ def parse_samples(text: str) -> List[Tuple[int, float]]:
 def probe_link(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 3,
                clock: Callable[[], float] = time.perf_counter) -> List[Tuple[int, float]]:
     """``(nbytes, seconds)`` of all-reduces of ``sizes`` bytes on ``group``: the minimum of
-    ``repeats`` timed runs after one warm-up. Every rank of the group must call it.
-
-    Example::
-
-        samples = probe_link(group)
-    """
+    ``repeats`` timed runs after one warm-up. Every rank of the group must call it."""
     _probe_settings(sizes, repeats)
     comm = Comm(resolve_group(group))
     out = []
@@ -130,8 +125,7 @@ def calibrate_link(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: in
 
     Example::
 
-        link = calibrate_link(group)
-        topo = Topology.flat(dist.get_world_size(group), link)
+        topo = Topology.flat(dist.get_world_size(group), calibrate_link(group))
     """
     _probe_settings(sizes, repeats)
     group = resolve_group(group)

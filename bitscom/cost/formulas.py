@@ -41,8 +41,7 @@ def round_seconds(round: Round, topo: Topology) -> float:
 
     Example::
 
-        topo = Topology.flat(4, Link.from_gbit(1))
-        round_seconds(Round("all_reduce", 4 << 20, "flat"), topo)   # ~0.05 s
+        round_seconds(Round("all_reduce", 4 << 20, "flat"), Topology.flat(4, Link.from_gbit(1)))   # ~0.05 s
     """
     instance("round", round, Round, "a bitscom.cost.Round")
     instance("topo", topo, Topology, "a bitscom.cost.Topology")

@@ -62,12 +62,7 @@ def choose_fusion_threshold_mb(params: Sequence[Tuple[str, torch.Tensor]], topo:
 def auto_fusion_threshold_mb(params: Sequence[Tuple[str, torch.Tensor]], group=None,
                              compressor="none", link: Optional[Link] = None) -> float:
     """Calibrate the link of ``group`` (unless ``link`` is given), choose on group rank 0 and
-    broadcast: every rank gets the same threshold. Every rank of the group must call it.
-
-    Example::
-
-        mb = auto_fusion_threshold_mb(list(model.named_parameters()), group)
-    """
+    broadcast: every rank gets the same threshold. Every rank of the group must call it."""
     if link is not None:
         instance("link", link, Link, "None (calibrate the group) or a bitscom.cost.Link")
     group = resolve_group(group)

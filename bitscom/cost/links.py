@@ -32,12 +32,7 @@ class Link:
 
     @staticmethod
     def from_gbit(gbit: float, latency_s: float = 0.0) -> "Link":
-        """A link of ``gbit`` Gbit/s (10**9 bits per second) and ``latency_s`` per message.
-
-        Example::
-
-            Link.from_gbit(1, latency_s=100e-6).beta_s_per_byte   # 8e-9
-        """
+        """A link of ``gbit`` Gbit/s (10**9 bits per second: 1 is 8e-9 s per byte) and ``latency_s`` per message."""
         number("Link.from_gbit gbit", gbit, minimum=0, inclusive=False, finite=True)
         return Link(latency_s, 8.0 / (gbit * 1e9))
 
@@ -58,11 +53,10 @@ _FREE = Link(0.0, 0.0)
 
 @dataclass(frozen=True)
 class Topology:
-    """``world`` ranks on ``world // local_size`` nodes; ``intra`` joins ranks of a node,
-    ``inter`` the nodes. Flat collectives across nodes run at ``world_link`` when given, else
-    at ``inter``. ``inter`` is what one inter-node group sees while every node's groups talk at
-    once; a flat ring has one stream per node, so it can run ``local_size`` times faster:
-    probe the world group for ``world_link`` (docs/cost_model.md).
+    """``world`` ranks on ``world // local_size`` nodes; ``intra`` joins ranks of a node, ``inter`` the
+    nodes (as one inter-node group sees them while every node's groups talk at once). Flat collectives
+    across nodes run at ``world_link`` (probe the world group: one stream per node, up to ``local_size``
+    times faster) when given, else at ``inter``.
 
     Example::
 
@@ -87,12 +81,7 @@ class Topology:
 
     @staticmethod
     def flat(world: int, link: Link) -> "Topology":
-        """``world`` ranks joined by one kind of link (every rank its own node).
-
-        Example::
-
-            Topology.flat(8, Link.from_gbit(10))
-        """
+        """``world`` ranks joined by one kind of link (every rank its own node)."""
         return Topology(world, 1, link, link)
 
     @property
