@@ -74,9 +74,8 @@ class _Feedback:
             return out
         if not cfg.ef21:
             return out
-        # ``out`` is identical on every rank, so all ranks agree whether this step was finite.
-        # A step with NaN/Inf (an overflow AMP will skip) shows in the result but moves no
-        # estimate, keeping g the mean of the g_i and later steps finite.
+        # ``out`` is the same on every rank, so all agree whether the step was finite; a NaN/Inf step
+        # (AMP skips it) shows in the result but moves no estimate, keeping g the mean of the g_i.
         finite = bool(torch.isfinite(out).all())
         if finite and not follower:
             state.local_estimate.add_(self.sent)

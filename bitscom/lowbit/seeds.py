@@ -34,22 +34,12 @@ def mix_seed(*parts: int, start: int = 0) -> int:
 
 
 def stage_seed(seed: int, key: int, step: int, rank: int, stage: int) -> int:
-    """The stochastic-rounding seed of one (key, step, rank, stage) of a collective.
-
-    Example::
-
-        stage_seed(0, key=3, step=10, rank=1, stage=0) != stage_seed(0, 3, 10, 1, 1)   # True
-    """
+    """The stochastic-rounding seed of one (key, step, rank, stage) of a collective."""
     return mix_seed(key, step, rank, stage, start=seed)
 
 
 def key_id(key) -> int:
-    """A stable integer for a user key (ints as they are, anything else via CRC32 of its repr).
-
-    Example::
-
-        key_id("layer1.weight") == key_id("layer1.weight")   # True, in every process
-    """
+    """A stable integer for a user key, the same in every process (ints as they are, else CRC32 of the repr)."""
     if isinstance(key, int) and not isinstance(key, bool):
         return key & _M64
     return zlib.crc32(repr(key).encode())
