@@ -132,12 +132,8 @@ def unpack_dequantize_accumulate(payloads, scales, numel, bits, block_size=128, 
                                  accumulate=False, impl=None):
     """Dequantize P peers' shards and sum them into float32 ``out = [out +] v_0 + ... + v_{P-1}``
     (returned), left to right, so every rank and device gets the same bits. ``payloads`` uint8
-    ``[P, >=payload_bytes]`` and ``scales`` bfloat16 ``[P, >=nblocks]`` may be views of a buffer.
-
-    Example::
-
-        y = unpack_dequantize_accumulate(recv[:, :pb], recv[:, pb:].view(torch.bfloat16), m, 8)
-    """
+    ``[P, >=payload_bytes]`` and ``scales`` bfloat16 ``[P, >=nblocks]`` may be views of one buffer
+    (``recv[:, :pb]``, ``recv[:, pb:].view(torch.bfloat16)``)."""
     payloads, scales = _received(payloads, scales, numel, bits, block_size)
     out = _out_buf(out, (numel,), torch.float32, payloads.device, "out")
     return _backend(impl, payloads.device).unpack_dequantize_accumulate(payloads, scales, numel, bits,
