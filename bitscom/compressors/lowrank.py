@@ -173,10 +173,9 @@ class MatrixGroup:
 
     def project(self, flat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor,
                 transpose: bool, grad: Optional[torch.Tensor] = None) -> None:
-        """:func:`project` of this group's matrices in ``flat`` into ``out``; with ``grad``,
-        ``flat[group] += grad[group]`` first (the compensate, fused into the native pass).
-        CPU views go matrix by matrix through the same BLAS call as a stacked copy (bitwise the
-        same); GPUs keep one batched call (cuBLAS may pick another kernel per batch count)."""
+        """:func:`project` of this group's matrices in ``flat`` into ``out``; with ``grad``, ``flat[group] +=
+        grad[group]`` first (the compensate, fused into the native pass). CPUs go matrix by matrix (the bits of a
+        stacked copy); GPUs keep one batched call (cuBLAS may pick another kernel per batch count)."""
         native = self._native(flat, factor, out)
         if grad is not None and (native is None or self._native(grad) is None):
             self._add(flat, grad)
@@ -193,9 +192,8 @@ class MatrixGroup:
             project(mat, factor[cut], out[cut], transpose)
 
     def set_product(self, flat: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
-        """``flat[group] = P Qᵀ``: the native kernel (no FMA, fixed order: the same bits on every
-        CPU), else ``bmm(out=...)`` into each run's row-major view (no temporary), else through
-        a temporary (another dtype than the fp32 factors, uneven GPU slots)."""
+        """``flat[group] = P Qᵀ``: the native kernel, else ``bmm(out=...)`` into each run's row-major view (no
+        temporary), else through a temporary (another dtype than the fp32 factors, uneven GPU slots)."""
         native = self._native(flat, p, q)
         if native is not None:      # same bits on every CPU (no FMA, fixed order): native kernel
             for b, ptr in enumerate(self._addresses(flat)):
@@ -365,9 +363,8 @@ def random_factors(buf: torch.Tensor, groups: Sequence[MatrixGroup], which: str,
 
 
 def forget_if_nonfinite(reduced: torch.Tensor, state: "LowRankState") -> None:
-    """After a step whose reduced factors hold NaN/Inf (which AMP's GradScaler sees in the
-    output), forget the residual and the warm start so later steps start clean; ``reduced`` is
-    identical on every rank, so every rank decides alike."""
+    """After a step whose reduced factors hold NaN/Inf (AMP's GradScaler sees them in the output), forget the
+    residual and the warm start; ``reduced`` is the same on every rank, so every rank decides alike."""
     if not reduced.is_meta and not bool(torch.isfinite(reduced).all()):   # meta: the cost model's run
         state.ef.reset()
         state.ready = False

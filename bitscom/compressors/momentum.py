@@ -42,8 +42,7 @@ class MomentumCorrection(Wrapper, Compressor[MomentumState]):
 
     Example::
 
-        comp = bitscom.compressors.MomentumCorrection(bitscom.compressors.TopK(ratio=0.01))
-        opt = bitscom.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), compression=comp)
+        opt = bitscom.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), compression=MomentumCorrection(TopK(0.01)))
     """
 
     inner: Union[Compressor, str, None] = None

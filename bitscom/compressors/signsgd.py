@@ -1,12 +1,11 @@
-"""Sign compression: EF-SignSGD (Karimireddy et al. 2019) with blockwise scales (Zheng et al.
-2019), and signSGD with majority vote (Bernstein et al. 2018/2019).
+"""Sign compression: EF-SignSGD (Karimireddy et al. 2019) with blockwise scales (Zheng et al. 2019), and signSGD
+with majority vote (Bernstein et al. 2018/2019).
 
-Why a scale per block: ``s · sign(x)`` with ``s = ‖x‖₁ / d`` is the best scaled-sign
-approximation and keeps S-SGD's learning rates usable; the finer the blocks, the less each
-message distorts (docs/compressors.md). Signs cannot be summed on the wire: one ``all_gather``.
-EF-SignSGD: 1. ``x = g + e``; 2. ``s_k = ‖x_k‖₁ / d_k`` per block; 3. all-gather (bits, s);
-4. ``(1/N) Σ_r s_r · sign_r`` in rank order; 5. ``e = x − s · sign(x)``. Majority vote: steps
-1–3, then ``sign(Σ_r sign_r) · mean_r s_r`` (a tie gives 0).
+Why a scale per block: ``s · sign(x)`` with ``s = ‖x‖₁ / d`` is the best scaled-sign approximation and keeps
+S-SGD's learning rates usable; the finer the blocks, the less each message distorts (docs/compressors.md).
+Signs cannot be summed on the wire: one ``all_gather``. EF-SignSGD: 1. ``x = g + e``; 2. ``s_k = ‖x_k‖₁ / d_k``
+per block; 3. all-gather (bits, s); 4. ``(1/N) Σ_r s_r · sign_r`` in rank order; 5. ``e = x − s · sign(x)``.
+Majority vote: steps 1–3, then ``sign(Σ_r sign_r) · mean_r s_r`` (a tie gives 0).
 """
 
 from __future__ import annotations

@@ -32,8 +32,7 @@ def choose_fusion_threshold_mb(params: Sequence[Tuple[str, torch.Tensor]], topo:
 
     Example::
 
-        mb = choose_fusion_threshold_mb(list(model.named_parameters()),
-                                        Topology.flat(4, Link.from_gbit(10, latency_s=1e-4)))
+        mb = choose_fusion_threshold_mb(list(model.named_parameters()), Topology.flat(4, Link.from_gbit(10)))
     """
     candidates = numbers("candidates", candidates, nonempty=True, minimum=0, inclusive=False, finite=True)
     instance("topo", topo, Topology, "a bitscom.cost.Topology")

@@ -19,8 +19,7 @@ class Link:
 
     Example::
 
-        link = Link.from_gbit(10, latency_s=50e-6)     # 10 Gbit/s, 50 us per message
-        link.seconds(1 << 20)                           # one 1 MiB message
+        Link.from_gbit(10, latency_s=50e-6).seconds(1 << 20)   # one 1 MiB message at 10 Gbit/s, 50 us each
     """
 
     alpha_s: float
@@ -60,8 +59,7 @@ class Topology:
 
     Example::
 
-        topo = Topology(4, local_size=2, intra=Link.from_gbit(100), inter=Link.from_gbit(1))
-        topo.nodes      # 2
+        Topology(4, local_size=2, intra=Link.from_gbit(100), inter=Link.from_gbit(1)).nodes   # 2
     """
 
     world: int

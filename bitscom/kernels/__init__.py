@@ -150,8 +150,7 @@ def dequantize_sum_requantize(payloads, scales, numel, bits, block_size=128, *, 
 
     Example::
 
-        p, s = dequantize_sum_requantize(recv[:, :pb], recv[:, pb:].view(torch.bfloat16), m, 8,
-                                         alpha=1 / world, out_bits=4, index_offset=rank * m)
+        p, s = dequantize_sum_requantize(payloads, scales, m, 8, alpha=1 / world, out_bits=4, index_offset=rank * m)
     """
     out_bits = bits if out_bits is None else out_bits
     fmt.check_bits(out_bits)
