@@ -1,6 +1,5 @@
-"""Checkpoints through ``torch.distributed.checkpoint`` (DCP): every rank saves in one call,
-in parallel, and a run of another world size can load where the state allows it (what loads
-where, and the key layout: docs/checkpoints.md).
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP): every rank saves in one call, in parallel, and a run of
+another world size can load where the state allows it (what loads where, and the key layout: docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -41,10 +40,9 @@ def save(opt, path, *, extra=None) -> None:
 
 def load(opt, path, *, extra=None, reset_compressor_state: bool = False,
          load_replicas: bool = True) -> None:
-    """Load a :func:`save` checkpoint into ``opt`` (and ``extra``, the same keys, in place); every
-    rank calls it. ``reset_compressor_state`` (DistributedOptimizer): start the compressor state
-    from zero, needed to load per-rank error-feedback state on another world size.
-    ``load_replicas`` (ShardedOptimizer): also set the model's parameters.
+    """Load a :func:`save` checkpoint into ``opt`` (and ``extra``, the same keys, in place); every rank calls it.
+    ``reset_compressor_state`` (DistributedOptimizer): start the compressor state from zero, needed to load per-rank
+    error-feedback state on another world size. ``load_replicas`` (ShardedOptimizer): also set the model's parameters.
 
     Example::
 

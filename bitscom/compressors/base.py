@@ -44,8 +44,7 @@ class TensorSlot:
 
 @dataclass(frozen=True)
 class BucketLayout:
-    """The identity and shape of one bucket (``index``: its position in the plan, which keys
-    every per-bucket state)."""
+    """The identity and shape of one bucket (``index``: its position in the plan, which keys every per-bucket state)."""
 
     index: int
     slots: tuple

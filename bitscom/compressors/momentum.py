@@ -32,8 +32,7 @@ class MomentumState(State):
 
 @dataclass(frozen=True)
 class MomentumCorrection(Wrapper, Compressor[MomentumState]):
-    """Apply SGD momentum on each rank before ``inner`` compresses; the optimizer runs with
-    ``momentum=0``.
+    """Apply SGD momentum on each rank before ``inner`` compresses; the optimizer runs with ``momentum=0``.
 
     Args:
         inner: the compressor of the velocity (default ``"topk"``); error-feedback ones.

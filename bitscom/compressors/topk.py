@@ -136,8 +136,7 @@ class TopK(StartIter, Compressor[SteppedErrorFeedback]):
         return x[indices], indices, False
 
     def _cuts(self, k, layout) -> list:
-        """``(start, end, k)`` of each selection: the whole bucket, or with ``per_tensor`` each
-        non-empty tensor."""
+        """``(start, end, k)`` of each selection: the whole bucket, or with ``per_tensor`` each non-empty tensor."""
         if self.per_tensor and layout is not None and len(layout.slots) > 1:
             return [(s.offset, s.end, self.k_for(s.numel)) for s in layout.slots if s.numel]
         return [(0, None, k)]
@@ -181,9 +180,8 @@ def _keep_residual(state, native, indices, values) -> None:
 
 
 def _sum_into(flat, gathered, k: int, index_dtype, native) -> bool:
-    """Average every rank's (values, indices) record into ``flat`` in rank order (bitwise the
-    same on every rank; in place when fp32, whose values were read before the all-gather);
-    returns whether any rank sent NaN/Inf."""
+    """Average every rank's (values, indices) record into ``flat`` in rank order (bitwise the same on every rank; in
+    place when fp32, whose values were read before the all-gather); returns whether any rank sent NaN/Inf."""
     size, numel = gathered.shape[0], flat.numel()
     in_place = flat.dtype == torch.float32 and flat.is_contiguous()
     dense = flat.view(-1).zero_() if in_place else torch.zeros(numel, dtype=torch.float32, device=flat.device)

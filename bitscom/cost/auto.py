@@ -1,7 +1,6 @@
-"""``compression="auto"``: per bucket, the compressor the calibrated cost model predicts to be
-fastest on this group and device, never one predicted slower than the plain all-reduce. The
-first ``probe_steps`` steps are plain all-reduces that probe the link; then every rank times
-the codecs, rank 0 predicts and broadcasts the choice (docs/cost_model.md).
+"""``compression="auto"``: per bucket, the compressor the calibrated cost model predicts to be fastest on this group and
+device, never one predicted slower than the plain all-reduce. The first ``probe_steps`` steps are plain all-reduces that
+probe the link; then every rank times the codecs, rank 0 predicts and broadcasts the choice (docs/cost_model.md).
 """
 
 from __future__ import annotations

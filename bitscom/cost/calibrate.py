@@ -151,11 +151,10 @@ def _codec_settings(compressor, layout, world, repeats, warmup, with_copies) -> 
 def time_codec(compressor: Compressor, layout: BucketLayout, world: int, grad: Optional[torch.Tensor] = None,
                repeats: int = 3, warmup: int = 2, clock: Callable[[], float] = time.perf_counter,
                with_copies: bool = False, statistic: Callable[[List[float]], float] = min) -> float:
-    """Seconds of ``compressor``'s compute for one bucket on ``world`` ranks, network excluded
-    (a :class:`~bitscom.cost.local.LocalTransport` on this device): ``statistic`` of
-    ``repeats`` timed steps after ``warmup`` untimed ones and the compressor's own
-    ``start_iter`` steps. A hierarchical compressor is timed flat. ``with_copies`` adds the
-    two copies the optimizer makes around every compressor (bucket fill, write-back).
+    """Seconds of ``compressor``'s compute for one bucket on ``world`` ranks, network excluded (a
+    :class:`~bitscom.cost.local.LocalTransport` on this device): ``statistic`` of ``repeats`` timed steps after
+    ``warmup`` untimed ones and the compressor's own ``start_iter`` steps. A hierarchical compressor is timed flat.
+    ``with_copies`` adds the two copies the optimizer makes around every compressor (bucket fill, write-back).
 
     Example::
 

@@ -24,9 +24,8 @@ def messages(kind: str, p: int) -> float:
 
 
 def wire_bytes(kind: str, nbytes: int, p: int) -> float:
-    """Bytes one rank puts on the wire (sequentially) for a collective whose Comm count is
-    ``nbytes`` (an int >= 0) on ``p`` ranks (an int >= 1); all-to-all's count includes the
-    chunk a rank keeps."""
+    """Bytes one rank puts on the wire (sequentially) for a collective whose Comm count is ``nbytes`` (an int >= 0) on
+    ``p`` ranks (an int >= 1); all-to-all's count includes the chunk a rank keeps."""
     choice("kind", kind, KINDS)
     number("nbytes", nbytes, minimum=0, integer=True)
     if number("p", p, minimum=1, integer=True) == 1:

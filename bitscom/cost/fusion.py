@@ -1,7 +1,6 @@
-"""``fusion_threshold_mb="auto"``: the bucket size chosen once by the calibrated model
-(Horovod's autotune tunes by trial). Each candidate threshold is planned as the optimizer would
-and the step predicted, assuming backward as long as the uncompressed all-reduce (where overlap
-matters most); the smallest prediction wins (ties: the larger threshold).
+"""``fusion_threshold_mb="auto"``: the bucket size chosen once by the calibrated model (Horovod's autotune tunes by
+trial). Each candidate threshold is planned as the optimizer would and the step predicted, assuming backward as long as
+the uncompressed all-reduce (where overlap matters most); the smallest prediction wins (ties: the larger threshold).
 """
 
 from __future__ import annotations
@@ -26,9 +25,8 @@ CANDIDATE_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 32, 64)
 def choose_fusion_threshold_mb(params: Sequence[Tuple[str, torch.Tensor]], topo: Topology,
                                compressor="none", candidates: Sequence[float] = CANDIDATE_MB,
                                backward_s: Optional[float] = None) -> float:
-    """The candidate threshold (MiB) with the smallest predicted step for ``params``
-    (name, tensor) in registration order on ``topo``; ``backward_s``: the seconds of backward
-    to overlap with (default: see the module).
+    """The candidate threshold (MiB) with the smallest predicted step for ``params`` (name, tensor) in registration
+    order on ``topo``; ``backward_s``: the seconds of backward to overlap with (default: see the module).
 
     Example::
 

@@ -71,8 +71,7 @@ class LocalTransport:
         self.log: List[Round] = [] if log is None else log
 
     def levels(self) -> Tuple[Comm, Comm]:
-        """``(intra, inter)`` local Comms of ``local_size`` and ``size / local_size`` ranks, recording
-        into this log."""
+        """``(intra, inter)`` local Comms of ``local_size`` and ``size / local_size`` ranks, recording into this log."""
         nodes = self._size // self._local
         intra = LocalTransport(self._local, level="intra", log=self.log)
         inter = LocalTransport(nodes, level="inter" if self._local > 1 else "flat", log=self.log)

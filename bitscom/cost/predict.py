@@ -38,9 +38,8 @@ def bucket_seconds(rounds: Sequence[Round], topo: Topology) -> float:
 
 
 def ready_times(numels: Sequence[int], backward_s: float) -> List[float]:
-    """When each bucket is ready, in plan order, if backward spends time in proportion to
-    elements: bucket ``i`` is ready after its own and every earlier bucket's share
-    (``ready_times([100, 300], 0.4) == [0.1, 0.4]``)."""
+    """When each bucket is ready, in plan order, if backward spends time in proportion to elements: bucket ``i`` is
+    ready after its own and every earlier bucket's share (``ready_times([100, 300], 0.4) == [0.1, 0.4]``)."""
     numels = numbers("numels", numels, minimum=0, integer=True)
     number("backward_s", backward_s, minimum=0, finite=True)
     total = sum(numels)

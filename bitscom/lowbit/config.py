@@ -46,17 +46,16 @@ def _check_width(name, value, allow_none=False):
 
 @dataclass(frozen=True)
 class LowBitConfig:
-    """Settings of the low-bit collectives, one object for every face (``compressors.LowBit``, ``LowBitGroup``,
-    the ``lowbit`` backend, ``bitscom.init(bitwidth=...)``: each takes ``config=`` or these names as keywords,
+    """Settings of the low-bit collectives, one object for every face (``compressors.LowBit``, ``LowBitGroup``, the
+    ``lowbit`` backend, ``bitscom.init(bitwidth=...)``: each takes ``config=`` or these names as keywords,
     :meth:`build`); every rank must use equal settings (checked). Each setting: ``docs/lowbit.md``, "Settings".
-    Trade-offs: fewer ``bitwidth`` bits, fewer bytes and more error; ``stage2_bitwidth`` costs as many bytes as
-    stage 1 on a ring but its error is not averaged over ranks; small ``block_size`` tracks magnitudes better at
-    16 bits of scale each; ``stochastic_rounding`` is unbiased at about twice RTN's variance; ``hadamard``
-    spreads outliers for two extra passes over memory; error feedback ``"residual"`` is unbiased over time for
-    one buffer, ``"ef21"`` keeps two and returns the estimate, not the raw average; ``hierarchy="leader"`` has
-    fewer inter-node flows, ``"two_level"`` has every rank carry 1/L of them; smaller ``chunk_size`` overlaps
-    stages better in more, smaller collectives; ``simulate_quantization`` gives a setting's accuracy without
-    its bandwidth saving.
+    Trade-offs: fewer ``bitwidth`` bits, fewer bytes and more error; ``stage2_bitwidth`` costs as many bytes as stage 1
+    on a ring but its error is not averaged over ranks; small ``block_size`` tracks magnitudes better at 16 bits of
+    scale each; ``stochastic_rounding`` is unbiased at about twice RTN's variance; ``hadamard`` spreads outliers for two
+    extra passes over memory; error feedback ``"residual"`` is unbiased over time for one buffer, ``"ef21"`` keeps two
+    and returns the estimate, not the raw average; ``hierarchy="leader"`` has fewer inter-node flows, ``"two_level"``
+    has every rank carry 1/L of them; smaller ``chunk_size`` overlaps stages better in more, smaller collectives;
+    ``simulate_quantization`` gives a setting's accuracy without its bandwidth saving.
 
     Example::
 

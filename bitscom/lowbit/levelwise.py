@@ -89,11 +89,10 @@ def levelwise_chunks(flat: torch.Tensor, out: torch.Tensor, levels: Sequence[Tup
                      chunks: int = 1, order: Optional[Sequence[int]] = None, hadamard: bool = False,
                      hadamard_backend: str = "gemm", alpha: float = 1.0,
                      seed_parts: Sequence[int] = ()) -> List[Iterator]:
-    """One round generator per pipeline chunk of a level-wise reduce-scatter of ``flat`` (all
-    shards; read here, converted to float32 and rotated once) into ``out`` (this rank's shard),
-    each yielding once per level of ``levels``, ``[(comm, codec), ...]`` in round order. Per level,
-    issue chunk ``k``'s round only after every earlier chunk's, or use
-    :func:`levelwise_reduce_scatter_rounds`."""
+    """One round generator per pipeline chunk of a level-wise reduce-scatter of ``flat`` (all shards; read here,
+    converted to float32 and rotated once) into ``out`` (this rank's shard), each yielding once per level of ``levels``,
+    ``[(comm, codec), ...]`` in round order. Per level, issue chunk ``k``'s round only after every earlier chunk's, or
+    use :func:`levelwise_reduce_scatter_rounds`."""
     order = default_order(len(levels)) if order is None else tuple(order)
     _check(flat, out, levels, chunks, order, hadamard, hadamard_backend)
     S = out.numel()
@@ -122,9 +121,8 @@ def levelwise_reduce_scatter_rounds(flat: torch.Tensor, out: torch.Tensor,
 
 
 def levelwise_wire_bytes(shard_numel: int, levels: Sequence[Tuple[int, Codec]], chunks: int = 1) -> int:
-    """Bytes one rank sends in a level-wise reduce-scatter with shards of ``shard_numel``
-    elements (per chunk and level of ``P > 1`` ranks, the all-to-all's ``P`` rows);
-    ``levels`` are ``(size, codec)`` pairs."""
+    """Bytes one rank sends in a level-wise reduce-scatter with shards of ``shard_numel`` elements (per chunk and level
+    of ``P > 1`` ranks, the all-to-all's ``P`` rows); ``levels`` are ``(size, codec)`` pairs."""
     C = shard_numel // chunks
     return chunks * sum(size * codec.row_bytes(math.prod(s for s, _ in levels[j + 1:]) * C)
                         for j, (size, codec) in enumerate(levels) if size > 1)

@@ -30,10 +30,9 @@ def check_ranged(cfg: LowBitConfig) -> None:
 
 
 def owner_ranges(numel: int, world: int, block_size: int, max_elements: int) -> List[Tuple[int, int, int]]:
-    """``(start, stop, owner)`` pieces that tile the padded ``[0, N)`` of a flat all-reduce of
-    ``numel`` elements over ``world`` ranks: whole blocks, inside one owner's shard, at most
-    ``max(block_size, max_elements)`` long; last piece first (a flat buffer filled by backward
-    in reverse parameter order completes from its end)."""
+    """``(start, stop, owner)`` pieces that tile the padded ``[0, N)`` of a flat all-reduce of ``numel`` elements over
+    ``world`` ranks: whole blocks, inside one owner's shard, at most ``max(block_size, max_elements)`` long; last piece
+    first (a flat buffer filled by backward in reverse parameter order completes from its end)."""
     unit = world * block_size
     N = max(unit, -(-numel // unit) * unit)
     m = N // world

@@ -39,9 +39,8 @@ def _begin(kind: str, full, full_name: str, part, part_name: str, comm, cfg: Low
 def reduce_scatter_rounds(output: torch.Tensor, input: torch.Tensor, comm, cfg: LowBitConfig,
                           state: Optional[LowBitState] = None, *, average: bool = False,
                           key=0) -> Iterator:
-    """Round generator: ``output`` (k elements) = this rank's shard of the low-bit sum of ``input``
-    (P shards of k elements, shard j going to rank j), not requantized. Mode ``"residual"``
-    keeps the input residual.
+    """Round generator: ``output`` (k elements) = this rank's shard of the low-bit sum of ``input`` (P shards of k
+    elements, shard j going to rank j), not requantized. Mode ``"residual"`` keeps the input residual.
 
     Example::
 

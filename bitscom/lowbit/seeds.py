@@ -1,7 +1,6 @@
-"""The one seed mixer of bitscom: every stochastic-rounding seed of every face comes from
-:func:`mix_seed`, a splitmix64 chain. Different parts give unrelated seeds, the same parts the
-same seed in every process, so a resumed run repeats its bytes and no two ranks, stages or steps
-share a stream.
+"""The one seed mixer of bitscom: every stochastic-rounding seed of every face comes from :func:`mix_seed`, a splitmix64
+chain. Different parts give unrelated seeds, the same parts the same seed in every process, so a resumed run repeats its
+bytes and no two ranks, stages or steps share a stream.
 """
 
 from __future__ import annotations
