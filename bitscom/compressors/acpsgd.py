@@ -1,9 +1,8 @@
 """ACP-SGD: alternating compressed PowerSGD (Zhang et al., ICDCS 2023).
 
-PowerSGD's two dependent all-reduces per step serialize communication; ACP-SGD sends *one*
-factor per step and alternates, warm-starting from the factor reduced the step before, so a
-bucket costs one all-reduce and overlaps backward as S-SGD does. One step of a bucket (the
-1st, 3rd, … after ``start_iter`` are P steps):
+PowerSGD's two dependent all-reduces per step serialize communication; ACP-SGD sends *one* factor per step and
+alternates, warm-starting from the factor reduced the step before, so a bucket costs one all-reduce and overlaps
+backward as S-SGD does. One step of a bucket (the 1st, 3rd, … after ``start_iter`` are P steps):
 
 1. With error feedback, M ← M + E.
 2. P step: orthogonalize the last reduced Q (drawn from the bucket's generator at first),

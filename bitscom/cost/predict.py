@@ -71,10 +71,9 @@ def predict_step(bucket_rounds: Sequence[Sequence[Round]], topo: Topology, *, ba
                  poll_s: Optional[Sequence[float]] = None) -> Prediction:
     """Predict one step from each bucket's rounds (plan order) on ``topo``.
 
-    ``codec_overlaps``: True when the codec runs beside backward (a CUDA stream, spare cores),
-    False when it takes its time from backward. ``poll_s``: the seconds into backward at which
-    the engine advances buckets (its gradient hooks); a later round is issued at the first
-    poll after the previous round finished. ``None``: continuous progress.
+    ``codec_overlaps``: True when the codec runs beside backward (a CUDA stream, spare cores), False when it takes its
+    time from backward. ``poll_s``: the seconds into backward at which the engine advances buckets (its gradient hooks);
+    a later round is issued at the first poll after the previous round finished. ``None``: continuous progress.
 
     Example::
 

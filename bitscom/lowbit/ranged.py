@@ -1,9 +1,8 @@
 """The flat two-stage low-bit all-reduce, one block-aligned range at a time (:func:`range_rounds`).
 
-Why: 1-bit Adam sends each part of its flat momentum as soon as backward fills it, yet must
-get the very bits of :func:`~bitscom.lowbit.all_reduce_rounds` (``docs/onebit.md``). Every step
-of that algorithm is local to one block, so a range of whole blocks inside one owner's shard
-runs alone, its bytes summing to the whole-tensor call's.
+Why: 1-bit Adam sends each part of its flat momentum as soon as backward fills it, yet must get the very bits of
+:func:`~bitscom.lowbit.all_reduce_rounds` (``docs/onebit.md``). Every step of that algorithm is local to one block, so a
+range of whole blocks inside one owner's shard runs alone, its bytes summing to the whole-tensor call's.
 """
 
 from __future__ import annotations
