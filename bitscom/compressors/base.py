@@ -78,7 +78,6 @@ class State:
 
         class MyState(State):
             def __init__(self, numel):
-                self.step = 0
                 self.residual = torch.zeros(numel)   # saved and restored automatically
     """
 

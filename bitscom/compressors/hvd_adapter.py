@@ -1,8 +1,5 @@
-"""Horovod-style codecs (``compress(t) -> (t, ctx)`` / ``decompress(t, ctx)``) as bitscom compressors.
-
-Wrapped, a user's codec is a one-round compressor every face drives like ``Compression.fp16``:
-``wire, ctx = compress(flat)``, ``wire /= N``, all-reduce (sum), ``flat = decompress(wire, ctx)``.
-The wire must be floating point: int8 with a per-rank scale in ``ctx`` cannot be summed.
+"""Horovod-style codecs (``compress(t) -> (t, ctx)`` / ``decompress(t, ctx)``) as one-round bitscom compressors:
+compress, divide by N, all-reduce (sum), decompress; the wire must be floating point (docs/horovod.md).
 """
 
 from __future__ import annotations

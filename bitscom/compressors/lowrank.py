@@ -1,9 +1,7 @@
-"""Shared machinery of the low-rank compressors (PowerSGD, ACP-SGD): each gradient of a bucket
-is a matrix M of shape (shape[0], -1), sent as factors P (n × r) and Q (m × r), M ≈ P Qᵀ.
-
-The plan is a pure function of the layout and the initial factors come from a state-owned CPU
-generator, so both are identical on ranks. Factors travel in fp32 whatever the gradient dtype:
-the residual is fp32 and orthogonalizing half-precision factors underflows.
+"""Shared machinery of the low-rank compressors (PowerSGD, ACP-SGD): each gradient of a bucket is a matrix M of
+shape (shape[0], -1), sent as factors P (n × r) and Q (m × r), M ≈ P Qᵀ. The plan (a pure function of the layout)
+and the initial factors (a state-owned CPU generator) are identical on ranks; factors travel in fp32 whatever the
+gradient dtype (the residual is fp32, and orthogonalizing half-precision factors underflows).
 """
 
 from __future__ import annotations

@@ -64,10 +64,9 @@ class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
     Args:
         error_feedback: keep ``x − s·sign(x)`` (scaled sign is biased without); ``None``: on unless majority vote.
         majority_vote: majority of the signs times the mean scale: robust to a few bad ranks, less accurate.
-        block_size: entries per scale in each tensor (16: 10.7× fewer bytes than fp32); ``None``: one per
-            tensor (~32×, diverged on some seeds).
-        start_iter: plain all-reduce steps first; with Adam pair it with :class:`bitscom.FrozenVarianceAdamW`
-            (``freeze_step == start_iter``), as 1-bit Adam.
+        block_size: entries per scale (16: 10.7× fewer bytes than fp32); ``None``: one per tensor (~32×, some
+            seeds diverged).
+        start_iter: plain all-reduce steps first (with Adam: ``FrozenVarianceAdamW(freeze_step=start_iter)``).
 
     Example::
 

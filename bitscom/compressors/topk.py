@@ -1,8 +1,7 @@
 """Top-k sparsification with error feedback (Aji & Heafield 2017; Stich et al. 2018).
 
-Why all-gather: each rank keeps different coordinates, so sparse vectors cannot be summed on
-the wire; with the same k everywhere one ``all_gather`` of fixed-size (values, indices) records
-suffices. Every rank adds the records in rank order (bitwise identical) and divides by N.
+Why all-gather: ranks keep different coordinates, so sparse vectors cannot be summed on the wire; with the same k
+everywhere one ``all_gather`` of fixed-size (values, indices) records suffices, averaged in rank order (bitwise).
 """
 
 from __future__ import annotations
@@ -74,8 +73,7 @@ class TopK(StartIter, Compressor[SteppedErrorFeedback]):
         error_feedback: keep the unsent entries (without it small coordinates never move).
         per_tensor: pick ``ceil(ratio · numel)`` of *each* tensor (DGC's), so small-gradient tensors still send.
         selection: ``"exact"``, or ``"sampled"``: the same set from above a sampled threshold, less compute.
-        start_iter: plain all-reduce steps first; with Adam pair it with :class:`bitscom.FrozenVarianceAdamW`
-            (``freeze_step == start_iter``).
+        start_iter: plain all-reduce steps first (with Adam: ``FrozenVarianceAdamW(freeze_step=start_iter)``).
 
     Example::
 

@@ -80,8 +80,7 @@ def rounds_of(compressor, layout: BucketLayout, world: int, *, local_size: int =
 
     Example::
 
-        rounds_of("topk", BucketLayout.for_tensor(torch.zeros(1000)), 4)
-        # [Round('all_gather', 400, 'flat')]
+        rounds_of("topk", layout_of(1000), 4)   # [Round('all_gather', 400, 'flat')]
     """
     comp = resolve(compressor, "compressor")
     _check_step(layout, world, local_size, step, warm)

@@ -239,12 +239,7 @@ def _pipelined(x, hier, comms, cfg, state, alpha, seeds, unit, sizes) -> Generat
 
 def wire_bytes_all_reduce(numel: int, world: int, cfg: LowBitConfig) -> int:
     """Bytes one rank hands to the network for a flat low-bit all_reduce of ``numel`` elements:
-    the all-to-all's P rows plus the all-gather's one (what :class:`~bitscom.comm.Comm` counts).
-
-    Example::
-
-        wire_bytes_all_reduce(1 << 20, 4, LowBitConfig(bitwidth=4))
-    """
+    the all-to-all's P rows plus the all-gather's one (what :class:`~bitscom.comm.Comm` counts)."""
     unit = world * cfg.block_size
     m = max(unit, -(-numel // unit) * unit) // world
     return world * cfg.codec(cfg.bitwidth).row_bytes(m) + cfg.codec(cfg.resolved_stage2_bitwidth).row_bytes(m)

@@ -1,7 +1,5 @@
-"""Settings of the low-bit collectives: :class:`LowBitConfig`, one frozen object for every face.
-
-The config stores canonical names (the seed's mode ``"legacy"`` is stored as ``"residual"``),
-so configs that differ only in spelling are equal and fingerprint alike on every rank.
+"""Settings of the low-bit collectives: :class:`LowBitConfig`, one frozen object for every face, stored by canonical
+names (``"legacy"`` as ``"residual"``), so configs that differ only in spelling are equal on every rank.
 """
 
 from __future__ import annotations

@@ -52,10 +52,8 @@ class Quantized:
 def quantize(tensor, bits, block_size=128, stochastic_rounding=False, seed=0, hadamard=False) -> Quantized:
     """Quantize a floating tensor of any shape to ``bits`` per element with one scale per block.
 
-    Fewer ``bits`` = fewer bytes, more error; smaller ``block_size`` (power of two, 32..65536)
-    tracks local magnitude better but pays 16 bits per block; ``stochastic_rounding`` is unbiased
-    at about twice the RTN variance; the same ``seed`` gives the same bytes (vary it per step and
-    bucket); ``hadamard`` rotates each 32-element run first (smooths outliers; SDP4Bit).
+    ``bits``, ``block_size`` (a power of two, 32..65536), ``stochastic_rounding`` and ``hadamard`` (32-element runs)
+    trade as :class:`LowBitConfig`'s; the same ``seed`` gives the same bytes (vary it per step and bucket).
 
     Example::
 
