@@ -4,10 +4,11 @@ allowed. ``True`` is never a number here and NaN never passes a bound."""
 from __future__ import annotations
 
 import math
+import numbers as _numbers
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional, Sequence, Tuple, Union
 
-__all__ = ["number", "numbers", "flag", "choice", "instance"]
+__all__ = ["number", "real", "numbers", "flag", "choice", "instance"]
 
 
 def _bounds(minimum, maximum, inclusive: Tuple[bool, bool]) -> str:
@@ -41,6 +42,11 @@ def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: O
     if not ok:
         raise ValueError(f"{name} must be {kind}{_bounds(minimum, maximum, closed)}, got {value!r}")
     return value
+
+
+def real(name: str, value: Any, **bounds) -> float:
+    """``float(value)`` checked by :func:`number`; no real number at all is :func:`instance`'s TypeError."""
+    return number(name, float(instance(name, value, _numbers.Real, "a number")), **bounds)
 
 
 def numbers(name: str, values: Any, *, nonempty: bool = False, minimum: Optional[float] = None,
