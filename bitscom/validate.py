@@ -12,11 +12,12 @@ __all__ = ["number", "real", "numbers", "flag", "choice", "instance"]
 
 
 def _bounds(minimum, maximum, inclusive: Tuple[bool, bool]) -> str:
+    low, high = (f"{v:g}" if isinstance(v, float) else v for v in (minimum, maximum))   # ints exactly
     if minimum is not None and maximum is not None:
-        return f" in {'[' if inclusive[0] else '('}{minimum:g}, {maximum:g}{']' if inclusive[1] else ')'}"
+        return f" in {'[' if inclusive[0] else '('}{low}, {high}{']' if inclusive[1] else ')'}"
     if minimum is not None or maximum is not None:
         below = maximum is not None
-        return f" {'<' if below else '>'}{'=' if inclusive[below] else ''} {maximum if below else minimum:g}"
+        return f" {'<' if below else '>'}{'=' if inclusive[below] else ''} {high if below else low}"
     return ""
 
 
