@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .build_info import __version__
 from .channel import Channel
-from .validate import number
+from .validate import instance, number
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "world_group", "intra_group", "inter_group", "device",
@@ -229,8 +229,7 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
     _forget_if_stale()
     if _rt.info is not None and not _rt.adopted:
         return _rt.info
-    if timeout is not None and not isinstance(timeout, datetime.timedelta):
-        raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
+    instance("timeout", timeout, (type(None), datetime.timedelta), "None or a datetime.timedelta")
     _rt.adopted = False
     if bitwidth is not None or lowbit_options:
         if bitwidth is not None:

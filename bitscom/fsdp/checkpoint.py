@@ -10,6 +10,7 @@ from typing import Any, Dict
 import torch.distributed as dist
 
 from ..checkpointing.common import blob, unblob
+from ..validate import flag
 from .compress import FSDPCompression, handle
 
 __all__ = ["FSDPCheckpointState", "checkpoint_state"]
@@ -71,7 +72,5 @@ def checkpoint_state(model_or_handle, *, reset_compressor_state: bool = False) -
                   "bitscom": bitscom.fsdp.checkpoint_state(model)}, checkpoint_id=path)
     """
     h = model_or_handle if isinstance(model_or_handle, FSDPCompression) else handle(model_or_handle)
-    if not isinstance(reset_compressor_state, bool):
-        raise TypeError(f"reset_compressor_state must be True or False, got {reset_compressor_state!r}")
-    return FSDPCheckpointState(h, reset_compressor_state)
+    return FSDPCheckpointState(h, flag("reset_compressor_state", reset_compressor_state))
 

@@ -13,6 +13,7 @@ import torch
 from ..face import live_objects
 from ..comm import Comm, drive
 from ..ops import Average, ReduceOp, Sum
+from ..validate import choice
 from .args import check_name, label, resolve_op
 from .failures import guard
 from .groups import face_comm, face_group
@@ -43,11 +44,7 @@ def _check_sparse(fn: str, tensor: Any) -> None:
 
 
 def _resolve_sparse_op(op: Optional[ReduceOp]) -> ReduceOp:
-    op = resolve_op(op, None)
-    if op not in (Average, Sum):
-        raise ValueError(f"sparse_allreduce sums the gathered rows: op must be bitscom.Average or "
-                         f"bitscom.Sum, got {op!r}")
-    return op
+    return choice("sparse_allreduce op", resolve_op(op, None), (Average, Sum))
 
 
 def _check_rows(lbl: str, rows: List[List[int]]) -> Optional[Tuple[List[int], int]]:

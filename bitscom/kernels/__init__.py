@@ -8,6 +8,7 @@ import torch
 
 from . import format as fmt
 from . import torch_ref
+from ..validate import choice
 from .format import (SUPPORTED_BITS, num_blocks, payload_bytes, scale_bytes, wire_bytes,
                      bits_per_element)
 
@@ -48,11 +49,10 @@ def implementation(device) -> str:
 
 
 def _backend(impl, device):
+    choice("impl", impl, IMPLEMENTATIONS + (None,))
     name = implementation(device) if impl is None else impl
     if name == "torch":
         return torch_ref
-    if name not in _COMPILED:
-        raise ValueError(f"impl={impl!r} is not one of {IMPLEMENTATIONS} or None")
     needs, fix = _COMPILED[name]
     if device.type != needs:
         raise ValueError(f"impl={name!r} needs {needs.upper()} tensors, got device {device}")
