@@ -402,7 +402,7 @@ def node_layout(ranks: Iterable[int], local_size: int, rank: int) -> tuple:
 def node_groups(group, local_size: int) -> tuple:
     """(intra, inter) groups for this rank of ``group``: :func:`init`'s if they fit, else shared."""
     ranks = dist.get_process_group_ranks(group)
-    if local_size < 1 or len(ranks) % local_size:
+    if len(ranks) % number("local_size", local_size, minimum=1, integer=True):
         raise ValueError(f"local_size={local_size} must divide the group size {len(ranks)}")
     _forget_if_stale()
     pair = zip(node_layout(ranks, local_size, dist.get_rank(group)), (_rt.intra, _rt.inter))
