@@ -93,8 +93,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
 
         bitscom.broadcast_optimizer_state(optimizer, root_rank=0)
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"broadcast_optimizer_state expects an optimizer, got {type(optimizer).__name__}")
+    instance("broadcast_optimizer_state optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
     group = require_group(process_group, "bitscom.broadcast_optimizer_state")
     if not _active(group, "broadcast_optimizer_state"):
         return

@@ -25,7 +25,7 @@ from .engine import Reducer
 from .horovod.sparse import SparseGradients
 from .ops import Adasum, Average, ReduceOp, Sum
 from .params import named_parameters_of
-from .validate import choice, number, real
+from .validate import choice, instance, number, real
 
 __all__ = ["DistributedOptimizer"]
 
@@ -98,8 +98,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         optimizer = args[0] if args else kwargs.get("optimizer")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a bitscom.DistributedOptimizer; wrap it only once")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        instance("optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
         return super().__new__(_distributed_class(type(optimizer)))
 
     def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
@@ -523,8 +522,7 @@ def _checked_op(op, gradient_predivide_factor) -> float:
 
 def _split_state_dict(state_dict):
     """(the wrapped optimizer's state dict, bitscom's part or None) of any accepted form."""
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    instance("state_dict", state_dict, dict, "a dict (an optimizer's state_dict())")
     if "optimizer" in state_dict and "bitscom" in state_dict and "state" not in state_dict:
         return state_dict["optimizer"], state_dict["bitscom"]
     if "state" in state_dict and "param_groups" in state_dict:

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import math
 import numbers as _numbers
+import reprlib
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional, Sequence, Tuple, Union
 
 __all__ = ["number", "real", "numbers", "flag", "choice", "instance"]
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60     # a model, an optimizer or a tensor prints pages
 
 
 def _bounds(minimum, maximum, inclusive: Tuple[bool, bool]) -> str:
@@ -82,8 +86,10 @@ def choice(name: str, value: Any, allowed: Sequence[Any]) -> Any:
 
 
 def instance(name: str, value: Any, types: Union[type, Tuple[type, ...]], allowed: str) -> Any:
-    """``value`` if an instance of ``types`` (a bool only where named), else a TypeError naming it."""
+    """``value`` if an instance of ``types`` (a bool only where named), else a TypeError naming it
+    (its repr shortened to one line)."""
     kinds = types if isinstance(types, tuple) else (types,)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise TypeError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
+        shown = " ".join(_SHORT.repr(value).split())
+        raise TypeError(f"{name} must be {allowed}, got {shown} ({type(value).__name__})")
     return value

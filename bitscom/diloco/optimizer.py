@@ -19,7 +19,7 @@ from ..engine import Reducer
 from ..face import Face, check_trainable, dense_bytes, renamed, report
 from ..lifecycle import StepFace
 from ..params import named_parameters_of
-from ..validate import number
+from ..validate import instance, number
 from .config import DiLoCoConfig
 from .fragments import plan_fragments
 from .state import has_tensor, load_checked
@@ -39,8 +39,7 @@ def _inner_checked(inner) -> torch.optim.Optimizer:
         raise TypeError(f"inner_optimizer is a bitscom DistributedOptimizer/ShardedOptimizer "
                         f"({type(inner).__name__}) that reduces gradients every step; DiLoCo's inner steps are "
                         "local by design. Pass the plain optimizer (e.g. torch.optim.AdamW(...)) to DiLoCo instead")
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner).__name__}")
+    instance("inner_optimizer", inner, torch.optim.Optimizer, "a torch.optim.Optimizer")
     if callable(getattr(inner, "comm_stats", None)):
         raise TypeError(f"inner_optimizer {type(inner).__name__} communicates by itself "
                         "(it has comm_stats()); DiLoCo needs a local optimizer such as "

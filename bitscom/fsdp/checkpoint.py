@@ -10,7 +10,7 @@ from typing import Any, Dict
 import torch.distributed as dist
 
 from ..checkpointing.common import blob, unblob
-from ..validate import flag
+from ..validate import flag, instance
 from .compress import FSDPCompression, handle
 
 __all__ = ["FSDPCheckpointState", "checkpoint_state"]
@@ -28,9 +28,7 @@ class FSDPCheckpointState:
     """
 
     def __init__(self, compression: FSDPCompression, reset_compressor_state: bool = False):
-        if not isinstance(compression, FSDPCompression):
-            raise TypeError(f"expected a bitscom.fsdp handle (or a compressed model), got "
-                            f"{type(compression).__name__}")
+        instance("compression", compression, FSDPCompression, "a bitscom.fsdp handle (or a compressed model)")
         self.compression = compression
         self.reset_compressor_state = bool(reset_compressor_state)
 

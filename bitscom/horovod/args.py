@@ -28,8 +28,7 @@ def resolve_op(op: Optional[ReduceOp], average: Optional[bool]) -> ReduceOp:
 
 def check_tensor(fn: str, tensor: Any) -> None:
     """A dense tensor of a dtype the header can describe."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"bitscom.{fn} expects a torch.Tensor, got {type(tensor).__name__}")
+    instance(f"bitscom.{fn} tensor", tensor, torch.Tensor, "a torch.Tensor")
     if tensor.is_sparse:
         raise TypeError(f"bitscom.{fn} reduces dense tensors; got a sparse tensor (call .to_dense())")
     if tensor.dtype not in DTYPES:

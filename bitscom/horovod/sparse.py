@@ -13,7 +13,7 @@ import torch
 from ..face import live_objects
 from ..comm import Comm, drive
 from ..ops import Average, ReduceOp, Sum
-from ..validate import choice
+from ..validate import choice, instance
 from .args import check_name, label, resolve_op
 from .failures import guard
 from .groups import face_comm, face_group
@@ -30,8 +30,7 @@ _LAYOUT_NAMES = {NONE: "no gradient", SPARSE: "sparse", DENSE: "dense"}
 
 
 def _check_sparse(fn: str, tensor: Any) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"bitscom.{fn} expects a torch.Tensor, got {type(tensor).__name__}")
+    instance(f"bitscom.{fn} tensor", tensor, torch.Tensor, "a torch.Tensor")
     if tensor.layout != torch.sparse_coo:
         raise TypeError(f"bitscom.{fn} reduces sparse COO tensors; got layout {tensor.layout} "
                         "(use bitscom.allreduce for dense tensors, or .to_sparse())")

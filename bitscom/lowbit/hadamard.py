@@ -12,7 +12,7 @@ from functools import lru_cache
 import torch
 
 from ..kernels.format import HADAMARD_BLOCK
-from ..validate import choice, number
+from ..validate import choice, instance, number
 
 __all__ = ["HADAMARD_BLOCK", "HADAMARD_BACKENDS", "hadamard", "inverse_hadamard", "hadamard_matrix"]
 
@@ -22,9 +22,7 @@ HADAMARD_BACKENDS = ("butterfly", "gemm")
 
 def check_float_tensor(x, name: str) -> None:
     """A TypeError unless ``x`` is a dense floating tensor (naming it ``name``)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.layout != torch.strided:
+    if instance(name, x, torch.Tensor, "a torch.Tensor").layout != torch.strided:
         raise TypeError(f"{name} must be dense (strided), got layout {x.layout}")
     if not x.dtype.is_floating_point:
         raise TypeError(f"{name} has dtype {x.dtype}; allowed: floating dtypes (float32, float16, "

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..validate import choice, number
+from ..validate import choice, instance, number
 from .codec import Codec
 from .hadamard import HADAMARD_BACKENDS, HADAMARD_BLOCK, hadamard as _hadamard
 from .rounds import pipeline, scatter_reduce
@@ -41,9 +41,8 @@ def default_order(levels: int) -> Tuple[int, ...]:
 def _check_levels(levels) -> None:
     if not levels:
         raise ValueError("levels must list at least one (comm, codec) pair")
-    for _, codec in levels:
-        if not isinstance(codec, Codec):
-            raise TypeError(f"each level is a (comm, Codec) pair, got codec {codec!r}")
+    for i, (_, codec) in enumerate(levels):
+        instance(f"levels[{i}] codec", codec, Codec, "a bitscom.lowbit.Codec (levels are (comm, Codec) pairs)")
 
 
 def _check(flat, out, levels, chunks, order, hadamard, hadamard_backend):
