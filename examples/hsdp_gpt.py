@@ -19,7 +19,9 @@ Launch (4 ranks = 2 "nodes" x 2 ranks; CPU and gloo work)::
 
 ``--replicate exact`` is stock FSDP2 native HSDP (``fully_shard`` on the 2-D mesh: FSDP's own
 float32 all-reduce across nodes); ``--replicate 4`` (default) shards on ``mesh["shard"]`` and
-averages across nodes with bitscom's 4-bit all-reduce with error feedback. See docs/fsdp.md.
+averages across nodes with bitscom's 4-bit all-reduce with error feedback. ``--mesh 1x2
+--weights blockwise`` is plain FSDP2 with the parameter all-gather in 8 bits (``difference``: 4-bit
+weight differences); ``--grad-bits 4`` adds the 4-bit reduce-scatter. See docs/fsdp.md.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from torch import nn
 
 import bitscom
 import bitscom.fsdp
+from bitscom.fsdp import WeightConfig
 from bitscom.lowbit import LowBitConfig
 
 VOCAB = 64
@@ -91,15 +94,22 @@ def build(args):
     model = GPT(args.dim, args.layers)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None, reduce_dtype=torch.float32)
     exact = args.replicate == "exact"
-    shard_mesh = mesh if exact else mesh["shard"]     # native HSDP shards on the 2-D mesh
+    shard_mesh = mesh if exact and replicas > 1 else mesh["shard"]     # native HSDP shards on the 2-D mesh
     for block in model.blocks:
         fully_shard(block, mesh=shard_mesh, mp_policy=policy)
     fully_shard(model, mesh=shard_mesh, mp_policy=policy)
     handle = None
-    if not exact:
+    kw = {} if args.weights == "none" else {"weights": WeightConfig(mode=args.weights)}
+    if replicas > 1 and not exact:
         bits = int(args.replicate)
         handle = bitscom.fsdp.compress(model, replicate_group=mesh.get_group("replicate"),
-                                       replicate=LowBitConfig(bitwidth=bits, error_feedback=bits < 32 and not args.no_ef))
+                                       replicate=LowBitConfig(bitwidth=bits, error_feedback=bits < 32 and not args.no_ef),
+                                       **kw)
+    elif replicas == 1 and (kw or args.grad_bits < 32):      # plain FSDP2: gradients and/or weights
+        handle = bitscom.fsdp.compress(model, gradients=LowBitConfig(bitwidth=args.grad_bits,
+                                                                     error_feedback=args.grad_bits < 32), **kw)
+    elif kw:
+        raise SystemExit("--weights with --replicate exact on a 2-D mesh: native HSDP has no hook for it here")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     return model, handle, opt
 
@@ -161,7 +171,7 @@ def train(args) -> dict:
     stats = handle.comm_stats() if handle is not None else None
     if rank == 0:
         print(f"held-out loss {final:.4f}  params {digest[:16]}", flush=True)
-        if stats is not None:
+        if stats is not None and "intra_node_bytes" in stats:
             print(f"bytes this rank: intra-node {stats['intra_node_bytes']} (fp32 {stats['intra_node_dense_bytes']}), "
                   f"inter-node {stats['inter_node_bytes']} (fp32 {stats['inter_node_dense_bytes']}, "
                   f"{stats['inter_node_ratio']:.1f}x fewer)", flush=True)
@@ -173,6 +183,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", default="2x2", help="replicate x shard, e.g. 2x2 (product = ranks)")
     p.add_argument("--replicate", default="4", help="'exact' (native HSDP) or the bit width of the inter-node all-reduce")
     p.add_argument("--no-ef", action="store_true", help="no error feedback on the inter-node all-reduce")
+    p.add_argument("--weights", default="none", choices=("none", "blockwise", "difference"),
+                   help="the parameter all-gather: FSDP's own, 8-bit blockwise (qwZ) or 4-bit differences (qWD)")
+    p.add_argument("--grad-bits", type=int, default=32,
+                   help="plain FSDP2 (mesh 1xN) only: bit width of the gradient reduce-scatter (32 = exact)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dim", type=int, default=64)

@@ -18,6 +18,12 @@ from simranks import lockstep
 native = pytest.mark.skipif(not cpu_native.available(), reason="no C++ compiler: no native path")
 
 
+def _residuals(state):
+    """The worker residual's bits, and the server (stage-2) residual's where the state has one."""
+    feedbacks = [state.residual] + ([state.stage2_residual] if hasattr(state, "stage2_residual") else [])
+    return tuple(None if r.residual is None else r.residual.view(torch.int32).clone() for r in feedbacks)
+
+
 def _run(comp, sizes, P, steps=3, seed=0):
     """Every rank's outputs, wire bytes and residuals over ``steps`` steps."""
     params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
@@ -33,8 +39,7 @@ def _run(comp, sizes, P, steps=3, seed=0):
             f[3], f[4] = 0.0, -0.0
         sent.append(lockstep(comp, flats, states, layout, wire))
         outs.append([f.view(torch.int32).clone() for f in flats])
-    res = [None if s.residual.residual is None else s.residual.residual.view(torch.int32).clone()
-           for s in states]
+    res = [_residuals(s) for s in states]
     return outs, wire, res, sent
 
 
@@ -47,7 +52,9 @@ def _equal(a, b):
     for step1, step2 in zip(o1, o2):
         for x, y in zip(step1, step2):
             assert torch.equal(x, y)
-    for x, y in zip(r1, r2):
+    def flat(rs):                                     # worker (and server) residuals
+        return [t for r in rs for t in (r if isinstance(r, tuple) else (r,))]
+    for x, y in zip(flat(r1), flat(r2)):
         assert (x is None and y is None) or torch.equal(x, y)
 
 
@@ -59,6 +66,10 @@ CASES = [
     dict(bitwidth=1, error_feedback=True),
     dict(bitwidth=12, stage2_bitwidth=16, block_size=64),
     dict(bitwidth=4, stage2_bitwidth=8, stochastic_rounding=True, error_feedback=True),
+    # 1-bit Adam's codec: worker and server error feedback (bitscom.onebit.config.momentum_codec)
+    dict(bitwidth=1, stage2_bitwidth=1, block_size=64, error_feedback_mode="residual", stage2_error_feedback=True),
+    dict(bitwidth=1, stage2_bitwidth=4, block_size=32, error_feedback_mode="residual", stage2_error_feedback=True),
+    dict(bitwidth=4, stage2_error_feedback=True, stochastic_rounding=True),
 ]
 
 
@@ -89,7 +100,7 @@ def test_lowbit_fast_path_not_taken_where_it_does_not_apply(monkeypatch):
     calls = []
     monkeypatch.setattr(AR, "_flat_rounds", lambda *a: calls.append(1))
     for settings in (dict(hadamard=True), dict(simulate_quantization=True), dict(stage2_bitwidth=32),
-                     dict(error_feedback_mode="ef21"), dict(chunk_size=256), dict(stage2_error_feedback=True)):
+                     dict(error_feedback_mode="ef21"), dict(chunk_size=256)):
         _run(LowBit(**settings), [2048], 2, steps=1)
     assert calls == []
 
@@ -205,7 +216,7 @@ def test_lowbit_residual_feedback_is_fused_on_the_fast_path(monkeypatch):
         assert torch.equal(x, y)
     for x, y in zip(a[1], b[1]):
         assert torch.equal(x, y)
-    assert fast[2][0] is not None
+    assert fast[2][0][0] is not None
 
 
 @native

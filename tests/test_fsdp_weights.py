@@ -208,14 +208,25 @@ def test_difference_weights_4bit_close_to_exact(pools):
 
 def _exact_fallback(rank, world):
     """Nothing quantized (min_numel above every shard): training bitwise equal to FSDP2's own
-    all-gather (both with the same exact gradient path); an integer parameter in the group (FSDP
-    then gathers uint8) comes through exactly."""
+    all-gather (both with the same exact gradient path)."""
     out = {}
     for name, weights in (("stock", None), ("fallback", WeightConfig(min_numel=10**9))):
         model = _shard(_model(), world)
         bitscom.fsdp.compress(model, gradients=EXACT_GRADS, weights=weights)
         _train(model, rank, 5)
         out[name] = _digest(_masters(model))
+    return out
+
+
+def test_exact_fallback_for_small_tensors(pools):
+    results = pools.run(2, _exact_fallback, timeout=240)
+    for r in results:
+        assert r["stock"] == r["fallback"]                     # lossless: bitwise FSDP2's own all-gather
+    assert results[0]["stock"] == results[1]["stock"]
+
+
+def _integer_parameter(rank, world):
+    """An integer parameter in the group (FSDP then gathers uint8) comes through exactly."""
     torch.manual_seed(0)
     layer = nn.Linear(64, 64)
     layer.register_parameter("ids", nn.Parameter(torch.arange(-50, 50, dtype=torch.int64) * 1_000_003,
@@ -227,21 +238,20 @@ def _exact_fallback(rank, world):
                                                             b=m.bias.detach().clone()))
     model(torch.randn(3, 64)).sum().backward()
     master = _masters(model)
-    out["ids"] = torch.equal(seen["ids"], torch.arange(-50, 50, dtype=torch.int64) * 1_000_003)
-    out["bias"] = torch.equal(seen["b"], master[1])
-    out["weight_err"] = float((seen["w"] - master[0]).abs().max())
-    out["bytes"] = handle.comm_stats()["all_gather_bytes_sent"]
-    return out
+    return {"ids": torch.equal(seen["ids"], torch.arange(-50, 50, dtype=torch.int64) * 1_000_003),
+            "bias": torch.equal(seen["b"], master[1]), "weight_err": float((seen["w"] - master[0]).abs().max()),
+            "bytes": handle.comm_stats()["all_gather_bytes_sent"]}
 
 
-def test_exact_fallback_for_small_and_integer_tensors(pools):
-    results = pools.run(2, _exact_fallback, timeout=240)
-    for r in results:
-        assert r["stock"] == r["fallback"]                     # lossless: bitwise FSDP2's own all-gather
+# torch 2.11's FSDPParam makes nn.Parameter(shard) (requires_grad=True) before copying the flag,
+# which an integer tensor refuses; 2.12 passes requires_grad= to the constructor.
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 12),
+                    reason="fully_shard cannot shard an integer parameter before torch 2.12")
+def test_integer_parameter_is_gathered_exactly(pools):
+    for r in pools.run(2, _integer_parameter, timeout=240):
         assert r["ids"] and r["bias"] and 0 < r["weight_err"] < 0.01
         w, b, ids = 32 * 64, 32, 50                             # per-rank shard elements
         assert r["bytes"] == 2 * (_wire(w, 8, 128) + 4 * b + 8 * ids)   # forward + backward gather
-    assert results[0]["stock"] == results[1]["stock"]
 
 
 def _bf16(rank, world):

@@ -1,6 +1,5 @@
-"""Checkpoints through ``torch.distributed.checkpoint`` (DCP): every rank saves in one call,
-in parallel, and a run of another world size can load where the state allows it (what loads
-where, and the key layout: docs/checkpoints.md).
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP): every rank saves in one call, in parallel, and a run of
+another world size can load where the state allows it (what loads where, and the key layout: docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -35,21 +34,17 @@ def save(opt, path, *, extra=None) -> None:
     Example::
 
         bitscom.checkpointing.save(opt, "ckpt/step100", extra={"model": model.state_dict()})
+        bitscom.checkpointing.load(opt, "ckpt/step100", extra={"model": model.state_dict()})   # in place
     """
     _face(opt, "save").save_dcp(path, extra=extra)
 
 
 def load(opt, path, *, extra=None, reset_compressor_state: bool = False,
          load_replicas: bool = True) -> None:
-    """Load a :func:`save` checkpoint into ``opt`` (and ``extra``, the same keys, in place); every
-    rank calls it. ``reset_compressor_state`` (DistributedOptimizer): start the compressor state
-    from zero, needed to load per-rank error-feedback state on another world size.
-    ``load_replicas`` (ShardedOptimizer): also set the model's parameters.
-
-    Example::
-
-        bitscom.checkpointing.load(opt, "ckpt/step100", extra={"model": model.state_dict()})
-    """
+    """Load a :func:`save` checkpoint into ``opt`` (and ``extra``, the same keys, in place); every rank calls it.
+    ``reset_compressor_state`` (DistributedOptimizer): start the compressor state from zero, needed to load per-rank
+    error-feedback state on another world size. ``load_replicas`` (ShardedOptimizer): also set the model's parameters
+    (example: :func:`save`'s)."""
     face = _face(opt, "load")
     options: Dict[str, Any] = {}
     if reset_compressor_state:

@@ -1,7 +1,6 @@
-"""What both optimizers' DCP checkpoints share: DCP calls over the optimizer's group, a
-checkpoint's key list, and splitting a nested state into tensors (one DCP entry each) and a
-pickled *skeleton* (why: docs/checkpoints.md, "Key layout"). Loading unpickles the skeletons,
-as ``torch.load(weights_only=False)`` does: load checkpoints you wrote.
+"""What both optimizers' DCP checkpoints share: DCP calls over the optimizer's group, a checkpoint's key list, and
+splitting a nested state into tensors (one DCP entry each) and a pickled *skeleton* (why: docs/checkpoints.md, "Key
+layout"). Loading unpickles the skeletons, as ``torch.load(weights_only=False)`` does: load checkpoints you wrote.
 """
 
 from __future__ import annotations

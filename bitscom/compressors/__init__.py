@@ -1,7 +1,5 @@
-"""Gradient compressors, one algorithm family per module, and the registry.
-
-``bitscom.compressors.get(name, **settings)`` builds one by name; the classes are also
-importable directly (``bitscom.compressors.ACPSGD(rank=4)``).
+"""Gradient compressors, one algorithm family per module, and the registry: ``bitscom.compressors.get(name,
+**settings)`` builds one by name, or import the class (``bitscom.compressors.ACPSGD(rank=4)``).
 """
 
 from .acpsgd import ACPSGD

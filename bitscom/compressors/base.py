@@ -30,13 +30,7 @@ def plain_average(flat: torch.Tensor, comm) -> Iterator[Any]:
 
 @dataclass(frozen=True)
 class TensorSlot:
-    """Where one parameter's gradient lives inside its bucket's flat buffer.
-
-    Example::
-
-        for slot in layout.slots:
-            grad = flat[slot.offset:slot.end].view(slot.shape)
-    """
+    """Where one parameter's gradient lives inside its bucket's flat buffer (``flat[offset:end]``)."""
 
     name: str
     offset: int
@@ -50,14 +44,7 @@ class TensorSlot:
 
 @dataclass(frozen=True)
 class BucketLayout:
-    """The identity and shape of one bucket (``index``: its position in the plan, which keys
-    every per-bucket state).
-
-    Example::
-
-        layout = BucketLayout.for_tensor(torch.zeros(1000))   # one slot, index 0
-        state = compressor.init_state(layout)
-    """
+    """The identity and shape of one bucket (``index``: its position in the plan, which keys every per-bucket state)."""
 
     index: int
     slots: tuple
@@ -91,7 +78,6 @@ class State:
 
         class MyState(State):
             def __init__(self, numel):
-                self.step = 0
                 self.residual = torch.zeros(numel)   # saved and restored automatically
     """
 
@@ -190,11 +176,11 @@ class Compressor(abc.ABC, Generic[StateT]):
     """
 
     name = "base"
+    #: True for :class:`MomentumCorrection`: only :class:`bitscom.DistributedOptimizer` runs it.
     applies_momentum = False
-    """True for :class:`MomentumCorrection`: only :class:`bitscom.DistributedOptimizer` runs it."""
+    #: Whether the cost model may run large buckets on ``meta`` tensors (shapes only): cheaper where
+    #: the local run grows with ranks × bucket, slower for many small operations (LowBit).
     models_on_meta = True
-    """Whether the cost model may run large buckets on ``meta`` tensors, shapes only: cheaper
-    where the local run grows with ranks × bucket, slower for many small operations (LowBit)."""
 
     @property
     def uses_names(self) -> bool:

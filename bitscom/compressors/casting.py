@@ -16,12 +16,7 @@ __all__ = ["NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
 
 @dataclass(frozen=True)
 class NoneCompressor(Compressor):
-    """Plain all-reduce in the gradient's own dtype (S-SGD). One round, no state.
-
-    Example::
-
-        opt = bitscom.DistributedOptimizer(opt, compression=bitscom.Compression.none)
-    """
+    """Plain all-reduce in the gradient's own dtype (S-SGD). One round, no state."""
 
     name = "none"
 
@@ -63,10 +58,7 @@ class _CastCompressor(Compressor):
 @dataclass(frozen=True)
 class FP16Compressor(_CastCompressor):
     """Send gradients as IEEE fp16: 2 bytes per element, ~3 significant digits, range ±65504
-    (beyond: Inf, which AMP's GradScaler sees). Example::
-
-        opt = bitscom.DistributedOptimizer(opt, compression=bitscom.Compression.fp16)
-    """
+    (beyond: Inf, which AMP's GradScaler sees)."""
 
     name = "fp16"
     wire_dtype = torch.float16
@@ -74,11 +66,7 @@ class FP16Compressor(_CastCompressor):
 
 @dataclass(frozen=True)
 class BF16Compressor(_CastCompressor):
-    """Send gradients as bfloat16: 2 bytes per element, fp32's range, ~2 significant digits.
-    Example::
-
-        opt = bitscom.DistributedOptimizer(opt, compression=bitscom.Compression.bf16)
-    """
+    """Send gradients as bfloat16: 2 bytes per element, fp32's range, ~2 significant digits."""
 
     name = "bf16"
     wire_dtype = torch.bfloat16

@@ -1,6 +1,5 @@
-"""Error feedback for compressors: the one implementation lives in :mod:`bitscom.error_feedback`
-(below the compressors, so the low-bit collectives use it too); this name is kept for imports.
-"""
+"""Error feedback for compressors: the one implementation is :mod:`bitscom.lowbit.error_feedback`
+(the low-bit collectives share it); this name is kept for imports."""
 
 from ..lowbit.error_feedback import ErrorFeedback
 

@@ -1,9 +1,5 @@
-"""Horovod-style codecs (``compress(t) -> (t, ctx)`` / ``decompress(t, ctx)``) as bitscom compressors.
-
-Why an adapter: wrapped, a user's codec is an ordinary one-round compressor every face drives
-like ``Compression.fp16``: ``wire, ctx = compress(flat)``, ``wire /= N``, all-reduce (sum),
-``flat = decompress(wire, ctx)``. The wire must be floating point: a codec whose wire values
-need a per-rank ``ctx`` (int8 with a local scale) cannot be summed.
+"""Horovod-style codecs (``compress(t) -> (t, ctx)`` / ``decompress(t, ctx)``) as one-round bitscom compressors:
+compress, divide by N, all-reduce (sum), decompress; the wire must be floating point (docs/horovod.md).
 """
 
 from __future__ import annotations
@@ -33,12 +29,7 @@ def _codec_name(codec: Any) -> str:
 
 @dataclass(frozen=True)
 class HorovodAdapter(Compressor):
-    """A Horovod-style codec as a one-round bitscom compressor.
-
-    Example::
-
-        opt = bitscom.DistributedOptimizer(opt, compression=HorovodAdapter(HalfCodec))
-    """
+    """A Horovod-style codec as a one-round bitscom compressor (what ``get(codec)`` returns)."""
 
     codec: Any
     name = "horovod_codec"

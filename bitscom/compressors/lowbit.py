@@ -17,17 +17,13 @@ __all__ = ["LowBit"]
 
 @dataclass(frozen=True, init=False)
 class LowBit(Compressor[LowBitState]):
-    """Two-stage low-bit all-reduce of each bucket (quantize shards -> all-to-all -> sum ->
-    requantize -> all-gather), flat or hierarchical.
-
-    Takes a :class:`~bitscom.collectives.LowBitConfig` (``config=``) or its settings as keywords.
-    A hierarchical one also needs ``intra_group`` and ``inter_group``, for this optimizer only.
+    """Two-stage low-bit all-reduce of each bucket (quantize shards -> all-to-all -> sum -> requantize -> all-gather),
+    flat or hierarchical, from a :class:`~bitscom.collectives.LowBitConfig` (``config=``) or its settings as keywords;
+    a hierarchical one also needs ``intra_group`` and ``inter_group``, for this optimizer only.
 
     Example::
 
-        comp = bitscom.compressors.LowBit(bitwidth=4, error_feedback=True)
-        opt = bitscom.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                           compression=comp)
+        comp = bitscom.compressors.LowBit(bitwidth=4, error_feedback=True)   # then compression=comp
     """
 
     name = "lowbit"

@@ -1,9 +1,7 @@
-"""Shared machinery of the low-rank compressors (PowerSGD, ACP-SGD): each gradient of a bucket
-is a matrix M of shape (shape[0], -1), sent as factors P (n × r) and Q (m × r), M ≈ P Qᵀ.
-
-The plan is a pure function of the layout and the initial factors come from a state-owned CPU
-generator, so both are identical on ranks. Factors travel in fp32 whatever the gradient dtype:
-the residual is fp32 and orthogonalizing half-precision factors underflows.
+"""Shared machinery of the low-rank compressors (PowerSGD, ACP-SGD): each gradient of a bucket is a matrix M of
+shape (shape[0], -1), sent as factors P (n × r) and Q (m × r), M ≈ P Qᵀ. The plan (a pure function of the layout)
+and the initial factors (a state-owned CPU generator) are identical on ranks; factors travel in fp32 whatever the
+gradient dtype (the residual is fp32, and orthogonalizing half-precision factors underflows).
 """
 
 from __future__ import annotations
@@ -43,25 +41,25 @@ LowRankStateT = TypeVar("LowRankStateT", bound="LowRankState")
 class LowRankCompressor(StartIter, Compressor[LowRankStateT]):
     """Settings both low-rank compressors share (each redeclares ``rank`` and ``start_iter``)."""
 
+    #: Approximation rank r: bytes grow linearly with r, and so does fidelity (try 1, 2, 4…).
     rank: int = 1
-    """Approximation rank r: bytes grow linearly with r, and so does fidelity (try 1, 2, 4…)."""
+    #: Plain all-reduce steps first: protects the sensitive early phase, costs full bytes.
     start_iter: int = 0
-    """Plain all-reduce steps first: protects the sensitive early phase, costs full bytes."""
+    #: Send a matrix uncompressed unless its factors are this many times smaller (saves compute).
     min_compression_rate: float = 2
-    """Send a matrix uncompressed unless its factors are this many times smaller (saves compute)."""
+    #: Carry what was not sent into the next step: needed for accuracy; one bucket-sized buffer.
     error_feedback: bool = True
-    """Carry what was not sent into the next step: needed for accuracy; one bucket-sized buffer."""
+    #: Reuse the last reduced factor (a power iteration spread over steps); no extra bytes.
     warm_start: bool = True
-    """Reuse the last reduced factor (a power iteration spread over steps); no extra bytes."""
+    #: Gram–Schmidt ("gram_schmidt": fast for thin r, half-safe), "qr" (larger r) or "auto".
     orthogonalization: str = "auto"
-    """Gram–Schmidt ("gram_schmidt": fast for thin r, half-safe), "qr" (larger r) or "auto"."""
+    #: One bmm per group of same-shaped matrices: fewer kernel launches; may copy to batch.
     batch_same_shape: bool = True
-    """One bmm per group of same-shaped matrices: fewer kernel launches; may copy to batch."""
+    #: Seed of the initial factors (with the bucket index); must match on ranks (checked).
     seed: int = 0
-    """Seed of the initial factors (with the bucket index); must match on ranks (checked)."""
 
+    #: The cost model's shape-less bucket is the most nearly square matrix (the best case).
     matrix_buckets = True
-    """The cost model's shape-less bucket is the most nearly square matrix (the best case)."""
 
     def __post_init__(self):
         check_low_rank_settings(self)
@@ -173,10 +171,9 @@ class MatrixGroup:
 
     def project(self, flat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor,
                 transpose: bool, grad: Optional[torch.Tensor] = None) -> None:
-        """:func:`project` of this group's matrices in ``flat`` into ``out``; with ``grad``,
-        ``flat[group] += grad[group]`` first (the compensate, fused into the native pass).
-        CPU views go matrix by matrix through the same BLAS call as a stacked copy (bitwise the
-        same); GPUs keep one batched call (cuBLAS may pick another kernel per batch count)."""
+        """:func:`project` of this group's matrices in ``flat`` into ``out``; with ``grad``, ``flat[group] +=
+        grad[group]`` first (the compensate, fused into the native pass). CPUs go matrix by matrix (the bits of a
+        stacked copy); GPUs keep one batched call (cuBLAS may pick another kernel per batch count)."""
         native = self._native(flat, factor, out)
         if grad is not None and (native is None or self._native(grad) is None):
             self._add(flat, grad)
@@ -193,9 +190,8 @@ class MatrixGroup:
             project(mat, factor[cut], out[cut], transpose)
 
     def set_product(self, flat: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
-        """``flat[group] = P Qᵀ``: the native kernel (no FMA, fixed order: the same bits on every
-        CPU), else ``bmm(out=...)`` into each run's row-major view (no temporary), else through
-        a temporary (another dtype than the fp32 factors, uneven GPU slots)."""
+        """``flat[group] = P Qᵀ``: the native kernel, else ``bmm(out=...)`` into each run's row-major view (no
+        temporary), else through a temporary (another dtype than the fp32 factors, uneven GPU slots)."""
         native = self._native(flat, p, q)
         if native is not None:      # same bits on every CPU (no FMA, fixed order): native kernel
             for b, ptr in enumerate(self._addresses(flat)):
@@ -363,9 +359,8 @@ def random_factors(buf: torch.Tensor, groups: Sequence[MatrixGroup], which: str,
 
 
 def forget_if_nonfinite(reduced: torch.Tensor, state: "LowRankState") -> None:
-    """After a step whose reduced factors hold NaN/Inf (which AMP's GradScaler sees in the
-    output), forget the residual and the warm start so later steps start clean; ``reduced`` is
-    identical on every rank, so every rank decides alike."""
+    """After a step whose reduced factors hold NaN/Inf (AMP's GradScaler sees them in the output), forget the
+    residual and the warm start; ``reduced`` is the same on every rank, so every rank decides alike."""
     if not reduced.is_meta and not bool(torch.isfinite(reduced).all()):   # meta: the cost model's run
         state.ef.reset()
         state.ready = False

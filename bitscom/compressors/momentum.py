@@ -32,19 +32,16 @@ class MomentumState(State):
 
 @dataclass(frozen=True)
 class MomentumCorrection(Wrapper, Compressor[MomentumState]):
-    """Apply SGD momentum on each rank before ``inner`` compresses; the optimizer runs with
-    ``momentum=0``.
+    """Apply SGD momentum on each rank before ``inner`` compresses; the optimizer runs with ``momentum=0``.
 
     Args:
         inner: the compressor of the velocity (default ``"topk"``); error-feedback ones.
         momentum: the SGD momentum ``m`` in [0, 1) applied here instead of in the optimizer.
-        masking: zero the velocity where :class:`TopK` sent this step. Off by default: at 5% a
-            coordinate is sent every ~20 steps and masking keeps wiping its momentum.
+        masking: zero the velocity where :class:`TopK` sent (off: at 5% it keeps wiping momentum).
 
     Example::
 
-        comp = bitscom.compressors.MomentumCorrection(bitscom.compressors.TopK(ratio=0.01))
-        opt = bitscom.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), compression=comp)
+        opt = bitscom.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), compression=MomentumCorrection(TopK(0.01)))
     """
 
     inner: Union[Compressor, str, None] = None

@@ -29,20 +29,17 @@ class PowerSGDState(LowRankState):
 
 @dataclass(frozen=True)
 class PowerSGD(LowRankCompressor[PowerSGDState]):
-    """Rank-r PowerSGD with error feedback and warm start: two fused all-reduces per bucket
-    (bytes: docs/compressors.md).
+    """Rank-r PowerSGD, error feedback and warm start: two fused all-reduces per bucket (bytes: docs/compressors.md).
 
     Example::
 
-        comp = bitscom.compressors.PowerSGD(rank=2, start_iter=100)
-        opt = bitscom.DistributedOptimizer(opt, model.named_parameters(), compression=comp)
+        comp = bitscom.compressors.PowerSGD(rank=2, start_iter=100)   # then compression=comp
     """
 
+    #: Approximation rank r: bytes and accuracy grow linearly with r; with AdamW prefer 16 (docs/convergence.md).
     rank: int = 8
-    """Approximation rank r: bytes and accuracy grow linearly with r; with AdamW prefer 16
-    (docs/convergence.md)."""
+    #: Plain all-reduce steps first (torch's hook counts the same way).
     start_iter: int = 10
-    """Plain all-reduce steps first (torch's hook counts the same way)."""
 
     name = "powersgd"
 

@@ -32,8 +32,7 @@ def names() -> list:
 
     Example::
 
-        for name in bitscom.compressors.names():
-            print(name, bitscom.compressors.get(name))
+        print(bitscom.compressors.names())   # ['acpsgd', 'auto', 'bf16', ...]
     """
     return sorted(_REGISTRY)
 
@@ -85,13 +84,7 @@ def _setting_hint(key: str, kwargs: dict) -> str:
 
 def resolve(compressor, what: str = "compression") -> Compressor:
     """A compressor instance, the one a registry name builds, or a Horovod-style codec wrapped
-    in ``HorovodAdapter``; anything else is a TypeError naming ``what`` (the caller's argument).
-
-    Example::
-
-        comp = resolve("fp16")                  # == get("fp16")
-        comp = resolve(PowerSGD(rank=2), "compressor")
-    """
+    in ``HorovodAdapter``; anything else is a TypeError naming ``what`` (the caller's argument)."""
     if isinstance(compressor, str) or is_codec(compressor):
         compressor = get(compressor)
     return instance(what, compressor, Compressor, "a bitscom compressor, a Horovod-style codec "

@@ -1,12 +1,11 @@
-"""Sign compression: EF-SignSGD (Karimireddy et al. 2019) with blockwise scales (Zheng et al.
-2019), and signSGD with majority vote (Bernstein et al. 2018/2019).
+"""Sign compression: EF-SignSGD (Karimireddy et al. 2019) with blockwise scales (Zheng et al. 2019), and signSGD
+with majority vote (Bernstein et al. 2018/2019).
 
-Why a scale per block: ``s · sign(x)`` with ``s = ‖x‖₁ / d`` is the best scaled-sign
-approximation and keeps S-SGD's learning rates usable; the finer the blocks, the less each
-message distorts (docs/compressors.md). Signs cannot be summed on the wire: one ``all_gather``.
-EF-SignSGD: 1. ``x = g + e``; 2. ``s_k = ‖x_k‖₁ / d_k`` per block; 3. all-gather (bits, s);
-4. ``(1/N) Σ_r s_r · sign_r`` in rank order; 5. ``e = x − s · sign(x)``. Majority vote: steps
-1–3, then ``sign(Σ_r sign_r) · mean_r s_r`` (a tie gives 0).
+Why a scale per block: ``s · sign(x)`` with ``s = ‖x‖₁ / d`` is the best scaled-sign approximation and keeps
+S-SGD's learning rates usable; the finer the blocks, the less each message distorts (docs/compressors.md).
+Signs cannot be summed on the wire: one ``all_gather``. EF-SignSGD: 1. ``x = g + e``; 2. ``s_k = ‖x_k‖₁ / d_k``
+per block; 3. all-gather (bits, s); 4. ``(1/N) Σ_r s_r · sign_r`` in rank order; 5. ``e = x − s · sign(x)``.
+Majority vote: steps 1–3, then ``sign(Σ_r sign_r) · mean_r s_r`` (a tie gives 0).
 """
 
 from __future__ import annotations
@@ -63,14 +62,11 @@ class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
     """One bit per gradient entry plus one fp32 scale per 16-entry block, with error feedback.
 
     Args:
-        error_feedback: keep ``x − s·sign(x)`` for the next gradient (scaled sign is biased
-            without it). ``None`` (default): on without majority vote, off with it.
-        majority_vote: ``True``: the elementwise majority of the signs times the mean scale
-            (robust to a minority of bad ranks, less accurate); ``False``: EF-SignSGD.
-        block_size: entries per scale, inside each tensor (16: 3 bits per entry, 10.7× fewer
-            bytes than fp32); ``None``: one per tensor (~32×, diverged on some seeds).
-        start_iter: plain all-reduce steps first; with Adam pair it with
-            :class:`bitscom.FrozenVarianceAdamW` (``freeze_step == start_iter``), as 1-bit Adam.
+        error_feedback: keep ``x − s·sign(x)`` (scaled sign is biased without); ``None``: on unless majority vote.
+        majority_vote: majority of the signs times the mean scale: robust to a few bad ranks, less accurate.
+        block_size: entries per scale (16: 10.7× fewer bytes than fp32); ``None``: one per tensor (~32×, some
+            seeds diverged).
+        start_iter: plain all-reduce steps first (with Adam: ``FrozenVarianceAdamW(freeze_step=start_iter)``).
 
     Example::
 

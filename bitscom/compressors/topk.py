@@ -1,8 +1,7 @@
 """Top-k sparsification with error feedback (Aji & Heafield 2017; Stich et al. 2018).
 
-Why all-gather: each rank keeps different coordinates, so sparse vectors cannot be summed on
-the wire; with the same k everywhere one ``all_gather`` of fixed-size (values, indices) records
-suffices. Every rank adds the records in rank order (bitwise identical) and divides by N.
+Why all-gather: ranks keep different coordinates, so sparse vectors cannot be summed on the wire; with the same k
+everywhere one ``all_gather`` of fixed-size (values, indices) records suffices, averaged in rank order (bitwise).
 """
 
 from __future__ import annotations
@@ -70,15 +69,11 @@ class TopK(StartIter, Compressor[SteppedErrorFeedback]):
     """Send the ``ratio`` fraction of largest-magnitude gradient entries (values + indices).
 
     Args:
-        ratio: fraction of each bucket's entries sent, in (0, 1]: fewer bytes against more of
-            the gradient delayed in the residual; 1 is exact.
+        ratio: fraction of each bucket's entries sent, in (0, 1]: fewer bytes, more delayed in the residual.
         error_feedback: keep the unsent entries (without it small coordinates never move).
-        per_tensor: pick ``ceil(ratio · numel)`` of *each* tensor (DGC's layer-wise selection),
-            so tensors with small gradients are not starved.
-        selection: ``"exact"`` or ``"sampled"`` (the same set from the entries above a
-            sampled threshold: less compute; only the records' order differs).
-        start_iter: plain all-reduce steps first; with Adam pair it with
-            :class:`bitscom.FrozenVarianceAdamW` (``freeze_step == start_iter``).
+        per_tensor: pick ``ceil(ratio · numel)`` of *each* tensor (DGC's), so small-gradient tensors still send.
+        selection: ``"exact"``, or ``"sampled"``: the same set from above a sampled threshold, less compute.
+        start_iter: plain all-reduce steps first (with Adam: ``FrozenVarianceAdamW(freeze_step=start_iter)``).
 
     Example::
 
@@ -139,8 +134,7 @@ class TopK(StartIter, Compressor[SteppedErrorFeedback]):
         return x[indices], indices, False
 
     def _cuts(self, k, layout) -> list:
-        """``(start, end, k)`` of each selection: the whole bucket, or with ``per_tensor`` each
-        non-empty tensor."""
+        """``(start, end, k)`` of each selection: the whole bucket, or with ``per_tensor`` each non-empty tensor."""
         if self.per_tensor and layout is not None and len(layout.slots) > 1:
             return [(s.offset, s.end, self.k_for(s.numel)) for s in layout.slots if s.numel]
         return [(0, None, k)]
@@ -184,9 +178,8 @@ def _keep_residual(state, native, indices, values) -> None:
 
 
 def _sum_into(flat, gathered, k: int, index_dtype, native) -> bool:
-    """Average every rank's (values, indices) record into ``flat`` in rank order (bitwise the
-    same on every rank; in place when fp32, whose values were read before the all-gather);
-    returns whether any rank sent NaN/Inf."""
+    """Average every rank's (values, indices) record into ``flat`` in rank order (bitwise the same on every rank; in
+    place when fp32, whose values were read before the all-gather); returns whether any rank sent NaN/Inf."""
     size, numel = gathered.shape[0], flat.numel()
     in_place = flat.dtype == torch.float32 and flat.is_contiguous()
     dense = flat.view(-1).zero_() if in_place else torch.zeros(numel, dtype=torch.float32, device=flat.device)

@@ -1,10 +1,9 @@
 """Warm-up: the first ``start_iter`` steps of a bucket are a plain exact average (full bytes,
 its own dtype), then the compressor runs.
 
-Why: compressing from the first step hurts where the gradient changes fastest (PowerSGD, DGC
-and 1-bit Adam warm up). Written once: :class:`WarmUp` around any compressor, :class:`StartIter`
-for the ``start_iter=`` settings (counted in the compressor's own state). An empty bucket has
-no step.
+Why: compressing from the first step hurts where the gradient changes fastest (PowerSGD, DGC and 1-bit Adam warm up).
+Written once: :class:`WarmUp` around any compressor, :class:`StartIter` for the ``start_iter=`` settings (counted in the
+compressor's own state). An empty bucket has no step.
 """
 
 from __future__ import annotations
@@ -64,8 +63,7 @@ class WarmUp(Wrapper, Compressor[WarmUpState]):
 
     Example::
 
-        comp = bitscom.compressors.WarmUp("lowbit", start_iter=100)
-        opt = bitscom.DistributedOptimizer(opt, model.named_parameters(), compression=comp)
+        comp = bitscom.compressors.WarmUp("lowbit", start_iter=100)   # then compression=comp
     """
 
     inner: Union[Compressor, str, None] = None

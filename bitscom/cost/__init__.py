@@ -2,12 +2,6 @@
 group and device (docs/cost_model.md): links and topologies, the rounds a compressor issues
 (learned by running it on a :class:`LocalTransport`), their times, calibration, whole-step
 prediction with backward overlap, and :class:`Auto` (``compression="auto"``, registered here).
-
-Example::
-
-    from bitscom.cost import Link, Topology, rounds_for, round_seconds
-    topo = Topology.flat(4, Link.from_gbit(1, latency_s=1e-4))
-    sum(round_seconds(r, topo) for r in rounds_for("lowbit", 1 << 22, 4))
 """
 
 from .auto import Auto, candidates_for

@@ -1,7 +1,6 @@
-"""``compression="auto"``: per bucket, the compressor the calibrated cost model predicts to be
-fastest on this group and device, never one predicted slower than the plain all-reduce. The
-first ``probe_steps`` steps are plain all-reduces that probe the link; then every rank times
-the codecs, rank 0 predicts and broadcasts the choice (docs/cost_model.md).
+"""``compression="auto"``: per bucket, the compressor the calibrated cost model predicts to be fastest on this group and
+device, never one predicted slower than the plain all-reduce. The first ``probe_steps`` steps are plain all-reduces that
+probe the link; then every rank times the codecs, rank 0 predicts and broadcasts the choice (docs/cost_model.md).
 """
 
 from __future__ import annotations
@@ -29,23 +28,17 @@ __all__ = ["Auto", "AutoState", "decide", "labels", "candidates_for", "ADAM_SAFE
 
 log = logging.getLogger("bitscom")
 
-ADAM_SAFE = (NoneCompressor(), FP16Compressor(), BF16Compressor(), LowBit(),
-             PowerSGD(rank=16, start_iter=0))
-"""Within 2% of S-SGD's loss with AdamW on the convergence suite (docs/convergence.md)."""
+#: Within 2% of S-SGD's loss with AdamW on the convergence suite (docs/convergence.md).
+ADAM_SAFE = (NoneCompressor(), FP16Compressor(), BF16Compressor(), LowBit(), PowerSGD(rank=16, start_iter=0))
+#: Within 0.5 pp of S-SGD on every SGD task of the convergence suite (docs/convergence.md).
 SGD_SAFE = ADAM_SAFE + (PowerSGD(),)
-"""Within 0.5 pp of S-SGD on every SGD task of the convergence suite (docs/convergence.md)."""
+#: Every compressor: ACP-SGD, Top-k and Sign-SGD lose 4-6 pp on the suite's narrow ResNet.
 SGD_ALL = SGD_SAFE + (ACPSGD(), TopK(), SignSGD())
-"""Every compressor: ACP-SGD, Top-k and Sign-SGD lose 4-6 pp on the suite's narrow ResNet."""
 
 
 def candidates_for(optimizer) -> tuple:
     """The candidates ``compression="auto"`` may choose from with ``optimizer``:
-    :data:`SGD_SAFE` for ``torch.optim.SGD``, :data:`ADAM_SAFE` for anything else.
-
-    Example::
-
-        comp = Auto(candidates=candidates_for(torch.optim.SGD(params, lr=0.1)))
-    """
+    :data:`SGD_SAFE` for ``torch.optim.SGD``, :data:`ADAM_SAFE` for anything else."""
     return SGD_SAFE if isinstance(optimizer, torch.optim.SGD) else ADAM_SAFE
 
 
@@ -65,12 +58,7 @@ def labels(candidates: Sequence[Compressor]) -> list:
 
 
 def decide(costs: Sequence[float]) -> int:
-    """Index of the cheapest predicted cost; ties (and NaN) resolve to the earlier candidate.
-
-    Example::
-
-        decide([1.0, 0.6, 0.6])    # 1
-    """
+    """Index of the cheapest predicted cost; ties (and NaN) resolve to the earlier candidate."""
     return min(range(len(costs)), key=lambda i: costs[i], default=0)
 
 
@@ -117,11 +105,8 @@ def _completion_clock(work, clock) -> list:
 def _timed_plain(flat: torch.Tensor, comm: Comm, pieces: int, samples: Optional[list],
                  clock=time.perf_counter):
     """Round generator: the plain average of ``flat`` in ``pieces`` all-reduces, each timed
-    from its issue to its completion (or, without a future, to the resume: an upper bound).
-
-    Never waited on here: where ranks launch buckets at different moments (a parameter unused
-    on one rank) a wait would block on a collective the other rank has not issued yet.
-    """
+    from its issue to its completion (or, without a future, to the resume: an upper bound);
+    never waited on here, so ranks whose buckets are ready later cannot deadlock it."""
     bounds = [flat.numel() * i // pieces for i in range(pieces + 1)]
     for s, t in zip(bounds, bounds[1:]):
         if t == s:
@@ -143,17 +128,16 @@ class Auto(Compressor):
     Example::
 
         comp = Auto(candidates=candidates_for(opt))      # or compression="auto"
-        opt = bitscom.DistributedOptimizer(opt, model.named_parameters(), compression=comp)
     """
 
+    #: Compressors to choose from, ``none`` first (ties and doubt resolve to it).
     candidates: tuple = ADAM_SAFE
-    """Compressors to choose from, ``none`` first (ties and doubt resolve to it)."""
+    #: Plain all-reduce steps that probe the link before the decision (>= 2: step 0 warms up).
     probe_steps: int = 3
-    """Plain all-reduce steps that probe the link before the decision (>= 2: step 0 warms up)."""
+    #: A :class:`bitscom.cost.Link` to use instead of the probe's fit (tests, known clusters).
     link: Any = field(default=None)
-    """A :class:`bitscom.cost.Link` to use instead of the probe's fit (tests, known clusters)."""
+    #: ``callable(compressor, layout, world) -> seconds`` instead of timing the codec (tests).
     codec_seconds: Any = field(default=None, compare=False, repr=False)
-    """``callable(compressor, layout, world) -> seconds`` instead of timing the codec (tests)."""
 
     name = "auto"
 
@@ -254,12 +238,7 @@ class Auto(Compressor):
     @staticmethod
     def plan(states: Sequence[Any]) -> list:
         """The chosen compressor's name per bucket (``None`` while undecided), from the
-        optimizer's per-bucket states (``comm_stats()["auto_plan"]``).
-
-        Example::
-
-            Auto.plan(opt._reducer.states)      # ['lowbit', 'fp16', None]
-        """
+        optimizer's per-bucket states (``comm_stats()["auto_plan"]``, e.g. ``['lowbit', 'fp16', None]``)."""
         return [labels(s._candidates)[s.choice] if isinstance(s, AutoState) and s.choice >= 0 else None
                 for s in states]
 

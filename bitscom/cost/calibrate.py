@@ -102,12 +102,7 @@ def parse_samples(text: str) -> List[Tuple[int, float]]:
 def probe_link(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 3,
                clock: Callable[[], float] = time.perf_counter) -> List[Tuple[int, float]]:
     """``(nbytes, seconds)`` of all-reduces of ``sizes`` bytes on ``group``: the minimum of
-    ``repeats`` timed runs after one warm-up. Every rank of the group must call it.
-
-    Example::
-
-        samples = probe_link(group)
-    """
+    ``repeats`` timed runs after one warm-up. Every rank of the group must call it."""
     _probe_settings(sizes, repeats)
     comm = Comm(resolve_group(group))
     out = []
@@ -130,8 +125,7 @@ def calibrate_link(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: in
 
     Example::
 
-        link = calibrate_link(group)
-        topo = Topology.flat(dist.get_world_size(group), link)
+        topo = Topology.flat(dist.get_world_size(group), calibrate_link(group))
     """
     _probe_settings(sizes, repeats)
     group = resolve_group(group)
@@ -157,11 +151,10 @@ def _codec_settings(compressor, layout, world, repeats, warmup, with_copies) -> 
 def time_codec(compressor: Compressor, layout: BucketLayout, world: int, grad: Optional[torch.Tensor] = None,
                repeats: int = 3, warmup: int = 2, clock: Callable[[], float] = time.perf_counter,
                with_copies: bool = False, statistic: Callable[[List[float]], float] = min) -> float:
-    """Seconds of ``compressor``'s compute for one bucket on ``world`` ranks, network excluded
-    (a :class:`~bitscom.cost.local.LocalTransport` on this device): ``statistic`` of
-    ``repeats`` timed steps after ``warmup`` untimed ones and the compressor's own
-    ``start_iter`` steps. A hierarchical compressor is timed flat. ``with_copies`` adds the
-    two copies the optimizer makes around every compressor (bucket fill, write-back).
+    """Seconds of ``compressor``'s compute for one bucket on ``world`` ranks, network excluded (a
+    :class:`~bitscom.cost.local.LocalTransport` on this device): ``statistic`` of ``repeats`` timed steps after
+    ``warmup`` untimed ones and the compressor's own ``start_iter`` steps. A hierarchical compressor is timed flat.
+    ``with_copies`` adds the two copies the optimizer makes around every compressor (bucket fill, write-back).
 
     Example::
 

@@ -24,9 +24,8 @@ def messages(kind: str, p: int) -> float:
 
 
 def wire_bytes(kind: str, nbytes: int, p: int) -> float:
-    """Bytes one rank puts on the wire (sequentially) for a collective whose Comm count is
-    ``nbytes`` (an int >= 0) on ``p`` ranks (an int >= 1); all-to-all's count includes the
-    chunk a rank keeps."""
+    """Bytes one rank puts on the wire (sequentially) for a collective whose Comm count is ``nbytes`` (an int >= 0) on
+    ``p`` ranks (an int >= 1); all-to-all's count includes the chunk a rank keeps."""
     choice("kind", kind, KINDS)
     number("nbytes", nbytes, minimum=0, integer=True)
     if number("p", p, minimum=1, integer=True) == 1:
@@ -41,8 +40,7 @@ def round_seconds(round: Round, topo: Topology) -> float:
 
     Example::
 
-        topo = Topology.flat(4, Link.from_gbit(1))
-        round_seconds(Round("all_reduce", 4 << 20, "flat"), topo)   # ~0.05 s
+        round_seconds(Round("all_reduce", 4 << 20, "flat"), Topology.flat(4, Link.from_gbit(1)))   # ~0.05 s
     """
     instance("round", round, Round, "a bitscom.cost.Round")
     instance("topo", topo, Topology, "a bitscom.cost.Topology")

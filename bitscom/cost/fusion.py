@@ -1,7 +1,6 @@
-"""``fusion_threshold_mb="auto"``: the bucket size chosen once by the calibrated model
-(Horovod's autotune tunes by trial). Each candidate threshold is planned as the optimizer would
-and the step predicted, assuming backward as long as the uncompressed all-reduce (where overlap
-matters most); the smallest prediction wins (ties: the larger threshold).
+"""``fusion_threshold_mb="auto"``: the bucket size chosen once by the calibrated model (Horovod's autotune tunes by
+trial). Each candidate threshold is planned as the optimizer would and the step predicted, assuming backward as long as
+the uncompressed all-reduce (where overlap matters most); the smallest prediction wins (ties: the larger threshold).
 """
 
 from __future__ import annotations
@@ -26,14 +25,12 @@ CANDIDATE_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 32, 64)
 def choose_fusion_threshold_mb(params: Sequence[Tuple[str, torch.Tensor]], topo: Topology,
                                compressor="none", candidates: Sequence[float] = CANDIDATE_MB,
                                backward_s: Optional[float] = None) -> float:
-    """The candidate threshold (MiB) with the smallest predicted step for ``params``
-    (name, tensor) in registration order on ``topo``; ``backward_s``: the seconds of backward
-    to overlap with (default: see the module).
+    """The candidate threshold (MiB) with the smallest predicted step for ``params`` (name, tensor) in registration
+    order on ``topo``; ``backward_s``: the seconds of backward to overlap with (default: see the module).
 
     Example::
 
-        mb = choose_fusion_threshold_mb(list(model.named_parameters()),
-                                        Topology.flat(4, Link.from_gbit(10, latency_s=1e-4)))
+        mb = choose_fusion_threshold_mb(list(model.named_parameters()), Topology.flat(4, Link.from_gbit(10)))
     """
     candidates = numbers("candidates", candidates, nonempty=True, minimum=0, inclusive=False, finite=True)
     instance("topo", topo, Topology, "a bitscom.cost.Topology")
@@ -62,12 +59,7 @@ def choose_fusion_threshold_mb(params: Sequence[Tuple[str, torch.Tensor]], topo:
 def auto_fusion_threshold_mb(params: Sequence[Tuple[str, torch.Tensor]], group=None,
                              compressor="none", link: Optional[Link] = None) -> float:
     """Calibrate the link of ``group`` (unless ``link`` is given), choose on group rank 0 and
-    broadcast: every rank gets the same threshold. Every rank of the group must call it.
-
-    Example::
-
-        mb = auto_fusion_threshold_mb(list(model.named_parameters()), group)
-    """
+    broadcast: every rank gets the same threshold. Every rank of the group must call it."""
     if link is not None:
         instance("link", link, Link, "None (calibrate the group) or a bitscom.cost.Link")
     group = resolve_group(group)

@@ -19,8 +19,7 @@ class Link:
 
     Example::
 
-        link = Link.from_gbit(10, latency_s=50e-6)     # 10 Gbit/s, 50 us per message
-        link.seconds(1 << 20)                           # one 1 MiB message
+        Link.from_gbit(10, latency_s=50e-6).seconds(1 << 20)   # one 1 MiB message at 10 Gbit/s, 50 us each
     """
 
     alpha_s: float
@@ -32,12 +31,7 @@ class Link:
 
     @staticmethod
     def from_gbit(gbit: float, latency_s: float = 0.0) -> "Link":
-        """A link of ``gbit`` Gbit/s (10**9 bits per second) and ``latency_s`` per message.
-
-        Example::
-
-            Link.from_gbit(1, latency_s=100e-6).beta_s_per_byte   # 8e-9
-        """
+        """A link of ``gbit`` Gbit/s (10**9 bits per second: 1 is 8e-9 s per byte) and ``latency_s`` per message."""
         number("Link.from_gbit gbit", gbit, minimum=0, inclusive=False, finite=True)
         return Link(latency_s, 8.0 / (gbit * 1e9))
 
@@ -58,16 +52,14 @@ _FREE = Link(0.0, 0.0)
 
 @dataclass(frozen=True)
 class Topology:
-    """``world`` ranks on ``world // local_size`` nodes; ``intra`` joins ranks of a node,
-    ``inter`` the nodes. Flat collectives across nodes run at ``world_link`` when given, else
-    at ``inter``. ``inter`` is what one inter-node group sees while every node's groups talk at
-    once; a flat ring has one stream per node, so it can run ``local_size`` times faster:
-    probe the world group for ``world_link`` (docs/cost_model.md).
+    """``world`` ranks on ``world // local_size`` nodes; ``intra`` joins ranks of a node, ``inter`` the
+    nodes (as one inter-node group sees them while every node's groups talk at once). Flat collectives
+    across nodes run at ``world_link`` (probe the world group: one stream per node, up to ``local_size``
+    times faster) when given, else at ``inter``.
 
     Example::
 
-        topo = Topology(4, local_size=2, intra=Link.from_gbit(100), inter=Link.from_gbit(1))
-        topo.nodes      # 2
+        Topology(4, local_size=2, intra=Link.from_gbit(100), inter=Link.from_gbit(1)).nodes   # 2
     """
 
     world: int
@@ -87,12 +79,7 @@ class Topology:
 
     @staticmethod
     def flat(world: int, link: Link) -> "Topology":
-        """``world`` ranks joined by one kind of link (every rank its own node).
-
-        Example::
-
-            Topology.flat(8, Link.from_gbit(10))
-        """
+        """``world`` ranks joined by one kind of link (every rank its own node)."""
         return Topology(world, 1, link, link)
 
     @property

@@ -23,12 +23,7 @@ LEVELS = ("flat", "intra", "inter")
 @dataclass(frozen=True)
 class Round:
     """One collective: ``kind``, the ``nbytes`` this rank hands to it (Comm's count) and the
-    ``level`` it runs at (``flat`` over the world, ``intra``-node, ``inter``-node).
-
-    Example::
-
-        Round("all_reduce", 4000, "flat")
-    """
+    ``level`` it runs at (``flat`` over the world, ``intra``-node, ``inter``-node)."""
 
     kind: str
     nbytes: int
@@ -76,8 +71,7 @@ class LocalTransport:
         self.log: List[Round] = [] if log is None else log
 
     def levels(self) -> Tuple[Comm, Comm]:
-        """``(intra, inter)`` local Comms of ``local_size`` and ``size / local_size`` ranks, recording
-        into this log."""
+        """``(intra, inter)`` local Comms of ``local_size`` and ``size / local_size`` ranks, recording into this log."""
         nodes = self._size // self._local
         intra = LocalTransport(self._local, level="intra", log=self.log)
         inter = LocalTransport(nodes, level="inter" if self._local > 1 else "flat", log=self.log)
@@ -127,12 +121,7 @@ def local_comm(world: int, local_size: int = 1) -> "tuple[Comm, LocalTransport]"
 def recorded_rounds(compressor: Compressor, layout: BucketLayout, world: int, steps: int = 1,
                     grad=None, local_size: int = 1) -> List[List[Round]]:
     """The rounds ``compressor`` issues for ``steps`` consecutive steps of ``layout`` on
-    ``world`` ranks (``local_size`` per node), recorded from a local run (group rank 0's view).
-
-    Example::
-
-        recorded_rounds(bitscom.compressors.get("fp16"), layout_of(100), 4)
-    """
+    ``world`` ranks (``local_size`` per node), recorded from a local run (group rank 0's view)."""
     instance("compressor", compressor, Compressor, "a bitscom compressor (bitscom.compressors.get(name))")
     instance("layout", layout, BucketLayout, "a BucketLayout (bitscom.cost.layout_of(numel))")
     check_world(world, local_size)

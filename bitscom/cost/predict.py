@@ -33,23 +33,13 @@ class Prediction:
 
 
 def bucket_seconds(rounds: Sequence[Round], topo: Topology) -> float:
-    """Network seconds of one bucket's rounds, run one after the other.
-
-    Example::
-
-        bucket_seconds(rounds_for("fp16", 1 << 20, 4), Topology.flat(4, Link.from_gbit(1)))
-    """
+    """Network seconds of one bucket's rounds, run one after the other."""
     return sum(round_seconds(r, topo) for r in rounds)
 
 
 def ready_times(numels: Sequence[int], backward_s: float) -> List[float]:
-    """When each bucket is ready, in plan order, if backward spends time in proportion to
-    elements: bucket ``i`` is ready after its own and every earlier bucket's share.
-
-    Example::
-
-        ready_times([100, 300], 0.4)    # [0.1, 0.4]
-    """
+    """When each bucket is ready, in plan order, if backward spends time in proportion to elements: bucket ``i`` is
+    ready after its own and every earlier bucket's share (``ready_times([100, 300], 0.4) == [0.1, 0.4]``)."""
     numels = numbers("numels", numels, minimum=0, integer=True)
     number("backward_s", backward_s, minimum=0, finite=True)
     total = sum(numels)
@@ -81,17 +71,13 @@ def predict_step(bucket_rounds: Sequence[Sequence[Round]], topo: Topology, *, ba
                  poll_s: Optional[Sequence[float]] = None) -> Prediction:
     """Predict one step from each bucket's rounds (plan order) on ``topo``.
 
-    ``codec_overlaps``: True when the codec runs beside backward (a CUDA stream, spare cores),
-    False when it takes its time from backward. ``poll_s``: the seconds into backward at which
-    the engine advances buckets (its gradient hooks); a later round is issued at the first
-    poll after the previous round finished. ``None``: continuous progress.
+    ``codec_overlaps``: True when the codec runs beside backward (a CUDA stream, spare cores), False when it takes its
+    time from backward. ``poll_s``: the seconds into backward at which the engine advances buckets (its gradient hooks);
+    a later round is issued at the first poll after the previous round finished. ``None``: continuous progress.
 
     Example::
 
-        rounds = [rounds_for("lowbit", n, 4) for n in (1 << 20, 1 << 22)]
-        p = predict_step(rounds, Topology.flat(4, Link.from_gbit(1)), backward_s=0.2,
-                         ready_s=ready_times([1 << 20, 1 << 22], 0.2))
-        p.step_s
+        predict_step([rounds_for("lowbit", 1 << 22, 4)], Topology.flat(4, Link.from_gbit(1)), backward_s=0.2).step_s
     """
     k = len(bucket_rounds)
     ready, codec, poll_s = _timeline(k, backward_s, forward_s, optimizer_s, ready_s, codec_s, poll_s,

@@ -1,7 +1,6 @@
-"""The rounds (collectives) one bucket costs with a compressor: kind, bytes, level. Learned,
-not written down: the compressor's own ``reduce`` runs on a
-:class:`~bitscom.cost.local.LocalTransport` recording what :class:`bitscom.comm.Comm` counts,
-so the model and ``comm_stats()`` agree by construction.
+"""The rounds (collectives) one bucket costs with a compressor: kind, bytes, level. Learned, not written down: the
+compressor's own ``reduce`` runs on a :class:`~bitscom.cost.local.LocalTransport` recording what
+:class:`bitscom.comm.Comm` counts, so the model and ``comm_stats()`` agree by construction.
 """
 
 from __future__ import annotations
@@ -75,15 +74,13 @@ _CACHE: Dict[tuple, List[Round]] = {}
 
 def rounds_of(compressor, layout: BucketLayout, world: int, *, local_size: int = 1,
               step: Optional[int] = None, warm: bool = True) -> List[Round]:
-    """The rounds ``compressor`` issues for one step of ``layout`` on ``world`` ranks
-    (``local_size`` per node), learned from a local run of its ``reduce``: step ``step``
-    (0-based, warm-up included), or the steady state after the warm-up (the mean of two
-    steps); ``warm=False`` asks for a warm-up step instead.
+    """The rounds ``compressor`` issues for one step of ``layout`` on ``world`` ranks (``local_size`` per node), learned
+    from a local run of its ``reduce``: step ``step`` (0-based, warm-up included), or the steady state after the warm-up
+    (the mean of two steps); ``warm=False`` asks for a warm-up step instead.
 
     Example::
 
-        rounds_of("topk", BucketLayout.for_tensor(torch.zeros(1000)), 4)
-        # [Round('all_gather', 400, 'flat')]
+        rounds_of("topk", layout_of(1000), 4)   # [Round('all_gather', 400, 'flat')]
     """
     comp = resolve(compressor, "compressor")
     _check_step(layout, world, local_size, step, warm)

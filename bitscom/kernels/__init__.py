@@ -128,14 +128,9 @@ def unpack_dequantize(payload, scales, numel, bits, block_size=128, *, out=None,
 
 def unpack_dequantize_accumulate(payloads, scales, numel, bits, block_size=128, *, out=None,
                                  accumulate=False, impl=None):
-    """Dequantize P peers' shards and sum them into float32 ``out = [out +] v_0 + ... + v_{P-1}``
-    (returned), left to right, so every rank and device gets the same bits. ``payloads`` uint8
-    ``[P, >=payload_bytes]`` and ``scales`` bfloat16 ``[P, >=nblocks]`` may be views of a buffer.
-
-    Example::
-
-        y = unpack_dequantize_accumulate(recv[:, :pb], recv[:, pb:].view(torch.bfloat16), m, 8)
-    """
+    """Dequantize P peers' shards and sum them into float32 ``out = [out +] v_0 + ... + v_{P-1}`` (returned), left to
+    right, so every rank and device gets the same bits. ``payloads`` uint8 ``[P, >=payload_bytes]`` and ``scales``
+    bfloat16 ``[P, >=nblocks]`` may be views of one buffer (``recv[:, :pb]``, ``recv[:, pb:].view(torch.bfloat16)``)."""
     payloads, scales = _received(payloads, scales, numel, bits, block_size)
     out = _out_buf(out, (numel,), torch.float32, payloads.device, "out")
     return _backend(impl, payloads.device).unpack_dequantize_accumulate(payloads, scales, numel, bits,
@@ -145,15 +140,13 @@ def unpack_dequantize_accumulate(payloads, scales, numel, bits, block_size=128, 
 def dequantize_sum_requantize(payloads, scales, numel, bits, block_size=128, *, out_bits=None,
                               alpha=1.0, stochastic=False, seed=0, index_offset=0, payload=None,
                               out_scales=None, sum_out=None, impl=None):
-    """Fused reduce step of the two-stage all-reduce: ``acc = v_0 + ... + v_{P-1}`` (float32, left
-    to right), ``acc *= alpha`` (skipped when 1.0), then :func:`quantize_pack` of ``acc`` at
-    ``out_bits`` (default ``bits``); ``sum_out`` (float32 ``[numel]``), when given, receives ``acc``.
-    Returns ``(payload, scales)``.
+    """Fused reduce step of the two-stage all-reduce: ``acc = v_0 + ... + v_{P-1}`` (float32, left to right),
+    ``acc *= alpha`` (skipped when 1.0), then :func:`quantize_pack` of ``acc`` at ``out_bits`` (default ``bits``);
+    ``sum_out`` (float32 ``[numel]``), when given, receives ``acc``. Returns ``(payload, scales)``.
 
     Example::
 
-        p, s = dequantize_sum_requantize(recv[:, :pb], recv[:, pb:].view(torch.bfloat16), m, 8,
-                                         alpha=1 / world, out_bits=4, index_offset=rank * m)
+        p, s = dequantize_sum_requantize(payloads, scales, m, 8, alpha=1 / world, out_bits=4, index_offset=rank * m)
     """
     out_bits = bits if out_bits is None else out_bits
     fmt.check_bits(out_bits)

@@ -122,9 +122,7 @@ def cache_dir(root: Optional[pathlib.Path] = None) -> Optional[pathlib.Path]:
     with mode 0700, symbolic links above it resolved; None, with a warning (the torch path is used
     instead), when it or a directory above it could be replaced by another user (the rules:
     ``docs/format.md``, "The kernel cache"). Deliberately no fallback to a shared temporary
-    directory: a library planted there by another local user would run inside this process.
-
-    """
+    directory: a library planted there by another local user would run inside this process."""
     d = pathlib.Path.home() / ".cache" / "bitscom" if root is None else pathlib.Path(root)
     d = pathlib.Path(os.path.abspath(d))
     try:

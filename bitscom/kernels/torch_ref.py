@@ -71,9 +71,8 @@ def _tree_sum(a: torch.Tensor) -> torch.Tensor:
 
 
 def _stored_scales(raw: torch.Tensor, amax: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-    """fp32 scales rounded *up* to bfloat16 (so no code clips) as int64 bit patterns, by integer
-    ops (exact everywhere): non-zero blocks at least the smallest subnormal, overflow to the
-    largest finite, non-finite to NaN."""
+    """fp32 scales rounded *up* to bfloat16 (so no code clips) as int64 bit patterns, by integer ops (exact everywhere):
+    non-zero blocks at least the smallest subnormal, overflow to the largest finite, non-finite to NaN."""
     raw = torch.where(finite, raw, torch.zeros_like(raw))
     b = raw.view(torch.int32).to(torch.int64)
     b = ((b + 0xFFFF) >> 16)

@@ -1,13 +1,6 @@
-"""The low-bit algorithm of bitscom, in one package (imports flow downward; nothing here imports
-a face). Which file holds what: ``docs/lowbit.md``, "Where the code lives"; the hot loops are
-:mod:`bitscom.kernels`. ``bitscom.collectives``, ``bitscom.quantization`` and
-``bitscom.error_feedback`` re-export these names unchanged.
-
-Example::
-
-    from bitscom.lowbit import LowBitConfig, LowBitState, all_reduce_rounds
-    from bitscom.comm import Comm, drive
-    drive(all_reduce_rounds(grad, Comm(group), LowBitConfig(bitwidth=4), LowBitState()))
+"""The low-bit algorithm of bitscom, in one package (imports flow downward; nothing here imports a face). Which file
+holds what: ``docs/lowbit.md``, "Where the code lives"; the hot loops are :mod:`bitscom.kernels`.
+``bitscom.collectives``, ``bitscom.quantization`` and ``bitscom.error_feedback`` re-export these names unchanged.
 """
 
 from .all_reduce import all_reduce_rounds, wire_bytes_all_reduce

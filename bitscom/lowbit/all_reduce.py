@@ -11,7 +11,7 @@ import torch
 from .config import LowBitConfig
 from .error_feedback import ErrorFeedback
 from .hadamard import hadamard
-from .rounds import chunk_bounds, leader_rounds, levels_rounds, pad, pipeline, world_rank
+from .rounds import chunk_bounds, encode_with_feedback, leader_rounds, levels_rounds, pad, pipeline, world_rank
 from .seeds import key_id, stage_seed
 from .state import LowBitState
 
@@ -74,9 +74,8 @@ class _Feedback:
             return out
         if not cfg.ef21:
             return out
-        # ``out`` is identical on every rank, so all ranks agree whether this step was finite.
-        # A step with NaN/Inf (an overflow AMP will skip) shows in the result but moves no
-        # estimate, keeping g the mean of the g_i and later steps finite.
+        # ``out`` is the same on every rank, so all agree whether the step was finite; a NaN/Inf step
+        # (AMP skips it) shows in the result but moves no estimate, keeping g the mean of the g_i.
         finite = bool(torch.isfinite(out).all())
         if finite and not follower:
             state.local_estimate.add_(self.sent)
@@ -103,7 +102,7 @@ def _chunk_rounds(hier, comm, intra, inter, cfg, fb: _Feedback, alpha, seeds, s,
 def _fast_flat(cfg: LowBitConfig, hier: str, flat: torch.Tensor, N: int, unit: int) -> bool:
     """Whether this is the common flat case :func:`_flat_rounds` runs."""
     return (hier == "none" and not cfg.hadamard and not cfg.simulate_quantization
-            and cfg.error_feedback_mode in ("none", "residual") and not cfg.stage2_error_feedback
+            and cfg.error_feedback_mode in ("none", "residual")
             and not cfg.codec(cfg.bitwidth).raw and not cfg.codec(cfg.resolved_stage2_bitwidth).raw
             and flat.device.type == "cpu" and flat.dtype == torch.float32 and flat.is_contiguous()
             and len(chunk_bounds(N, unit, cfg.chunk_size)) == 1)
@@ -113,6 +112,23 @@ def _fused_feedback(ef: ErrorFeedback, x: torch.Tensor, N: int, codec) -> bool:
     """Whether the residual update can be fused into the quantizer (making the residual if absent)."""
     e = ef.ensure(N, x.device)
     return ef.enabled and e.is_contiguous() and codec.fused_feedback(x)
+
+
+def _server_feedback(recv, m: int, alpha: float, codecs, buf, seed: int, offset: int, state: LowBitState) -> None:
+    """The shard owner's stage 2 with server error feedback (1-bit Adam's): decode-sum the P
+    rows, scale, encode ``shard + e2`` into ``buf`` and keep ``e2 = shard + e2 - D(C(.))``: the
+    steps of :func:`~bitscom.lowbit.rounds.levels_rounds`' general path, in one fused quantizer
+    pass where the codec has one (the bits are the same; tested against the torch path)."""
+    c1, c2 = codecs
+    shard = state.scratch("stage2", (m,), torch.float32, recv.device)
+    c1.decode_sum(recv, m, shard)
+    if alpha != 1.0:
+        shard.mul_(alpha)
+    e2 = state.stage2_residual
+    if _fused_feedback(e2, shard, m, c2):
+        c2.encode_feedback(shard, e2.ensure(m, recv.device), buf, seed, offset)
+    else:
+        encode_with_feedback(shard, c2, buf, seed, offset, e2)
 
 
 def _flat_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: LowBitState, alpha: float,
@@ -145,7 +161,10 @@ def _flat_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: LowBitState
             c1.decode(send[j], m, sent[j * m:(j + 1) * m])
     yield comm.all_to_all(recv.view(-1), send.view(-1))
     buf = state.scratch("row", (r2,), torch.uint8, dev)
-    c1.decode_sum_encode(recv, m, alpha, c2, buf, seeds(1), comm.rank * m)
+    if cfg.stage2_error_feedback:
+        _server_feedback(recv, m, alpha, (c1, c2), buf, seeds(1), comm.rank * m, state)
+    else:
+        c1.decode_sum_encode(recv, m, alpha, c2, buf, seeds(1), comm.rank * m)
     gathered = state.scratch("gathered", (P * r2,), torch.uint8, dev)
     yield comm.all_gather(gathered, buf)
     rows, out = gathered.view(P, r2), flat.view(-1)
@@ -220,12 +239,7 @@ def _pipelined(x, hier, comms, cfg, state, alpha, seeds, unit, sizes) -> Generat
 
 def wire_bytes_all_reduce(numel: int, world: int, cfg: LowBitConfig) -> int:
     """Bytes one rank hands to the network for a flat low-bit all_reduce of ``numel`` elements:
-    the all-to-all's P rows plus the all-gather's one (what :class:`~bitscom.comm.Comm` counts).
-
-    Example::
-
-        wire_bytes_all_reduce(1 << 20, 4, LowBitConfig(bitwidth=4))
-    """
+    the all-to-all's P rows plus the all-gather's one (what :class:`~bitscom.comm.Comm` counts)."""
     unit = world * cfg.block_size
     m = max(unit, -(-numel // unit) * unit) // world
     return world * cfg.codec(cfg.bitwidth).row_bytes(m) + cfg.codec(cfg.resolved_stage2_bitwidth).row_bytes(m)

@@ -106,9 +106,8 @@ class Codec:
         return kernels.unpack_dequantize_accumulate(payloads, scales, m, self.bits, self.block_size, out=out)
     def decode_sum_encode(self, rows: torch.Tensor, m: int, alpha: float, out: "Codec",
                           row: torch.Tensor, seed: int, offset: int) -> None:
-        """The reduce step of the two-stage all-reduce: decode and sum ``rows``, scale by ``alpha``,
-        encode into ``row`` with codec ``out``; one fused kernel pass when both are low-bit (the
-        bytes of the separate steps, tested)."""
+        """The reduce step of the two-stage all-reduce: decode and sum ``rows``, scale by ``alpha``, encode into ``row``
+        with codec ``out``; one fused kernel pass when both are low-bit (the bytes of the separate steps, tested)."""
         if self.raw or out.raw or self.block_size != out.block_size:
             acc = torch.empty(m, dtype=torch.float32, device=rows.device)
             self.decode_sum(rows, m, acc)

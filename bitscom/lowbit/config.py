@@ -1,7 +1,5 @@
-"""Settings of the low-bit collectives: :class:`LowBitConfig`, one frozen object for every face.
-
-The config stores canonical names (the seed's mode ``"legacy"`` is stored as ``"residual"``),
-so configs that differ only in spelling are equal and fingerprint alike on every rank.
+"""Settings of the low-bit collectives: :class:`LowBitConfig`, one frozen object for every face, stored by canonical
+names (``"legacy"`` as ``"residual"``), so configs that differ only in spelling are equal on every rank.
 """
 
 from __future__ import annotations
@@ -19,38 +17,35 @@ from .format import FULL_PRECISION, SUPPORTED_BITS
 __all__ = ["FULL_PRECISION", "EF_MODES", "EF_MODE_ALIASES", "HIERARCHIES", "BACKEND_OPS", "ALIASES",
            "DEFAULT_STAGE2_BITS", "LowBitConfig", "canonical_ef_mode", "canonical_fingerprint"]
 
+#: Error-feedback modes (see :class:`LowBitConfig`); :data:`EF_MODE_ALIASES` lists other spellings.
 EF_MODES = ("none", "residual", "ef21", "ef21_plus")
-"""Error-feedback modes (see :class:`LowBitConfig`); :data:`EF_MODE_ALIASES` lists other spellings."""
+#: Accepted spellings of a mode: the seed project's ``"legacy"`` is ``"residual"``.
 EF_MODE_ALIASES = {"legacy": "residual"}
-"""Accepted spellings of a mode: the seed project's ``"legacy"`` is ``"residual"``."""
 HIERARCHIES = ("none", "leader", "two_level")
+#: Collectives the ``lowbit`` backend can send in low bit (:attr:`LowBitConfig.backend_ops`).
 BACKEND_OPS = ("all_reduce", "reduce_scatter", "all_gather")
-"""Collectives the ``lowbit`` backend can send in low bit (:attr:`LowBitConfig.backend_ops`)."""
+#: Exact aliases :meth:`LowBitConfig.build` accepts for a setting (older bitscom names).
 ALIASES = {"bits": "bitwidth", "stage2_bits": "stage2_bitwidth", "intra_bits": "intra_bitwidth",
            "hierarchical": "hierarchy"}
-"""Exact aliases :meth:`LowBitConfig.build` accepts for a setting (older bitscom names)."""
 
+#: Default width of the requantized reduced shard per first-stage width: never below 4, as stage 2 is not
+#: averaged over ranks (alone 0.6-1.1 relative error at 1-2 bits, ~0.12 at 4: docs/lowbit.md, "Stage-2 width").
 DEFAULT_STAGE2_BITS = {1: 4, 2: 4, 4: 4, 8: 8, 12: 12, 16: 16, 32: 32}
-"""Default width of the requantized reduced shard, per first-stage width: never below 4, since
-stage 2 is not averaged over ranks and alone costs 0.6-1.1 relative error at 1-2 bits, ~0.12 at
-4 (measured: docs/lowbit.md, "Stage-2 width")."""
 
 _WIDTHS = tuple(SUPPORTED_BITS) + (FULL_PRECISION,)
 
 
 @dataclass(frozen=True)
 class LowBitConfig:
-    """Settings of the low-bit collectives, one object for every face (``compressors.LowBit``,
-    ``LowBitGroup``, the ``lowbit`` backend, ``bitscom.init(bitwidth=...)``: each takes
-    ``config=`` or these names as keywords, :meth:`build`); every rank must use equal settings
-    (checked). Each setting: ``docs/lowbit.md``, "Settings". Trade-offs: fewer ``bitwidth`` bits,
-    fewer bytes and more error; ``stage2_bitwidth`` costs as many bytes as stage 1 on a ring but
-    its error is not averaged over ranks; small ``block_size`` tracks magnitudes better at 16 bits
-    of scale each; ``stochastic_rounding`` is unbiased at about twice RTN's variance; ``hadamard``
-    spreads outliers for two extra passes over memory; error feedback ``"residual"`` is unbiased
-    over time for one buffer, ``"ef21"`` keeps two and returns the estimate, not the raw average;
-    ``hierarchy="leader"`` has fewer inter-node flows, ``"two_level"`` has every rank carry 1/L
-    of them; smaller ``chunk_size`` overlaps stages better in more, smaller collectives;
+    """Settings of the low-bit collectives, one object for every face (``compressors.LowBit``, ``LowBitGroup``, the
+    ``lowbit`` backend, ``bitscom.init(bitwidth=...)``: each takes ``config=`` or these names as keywords,
+    :meth:`build`); every rank must use equal settings (checked). Each setting: ``docs/lowbit.md``, "Settings".
+    Trade-offs: fewer ``bitwidth`` bits, fewer bytes and more error; ``stage2_bitwidth`` costs as many bytes as stage 1
+    on a ring but its error is not averaged over ranks; small ``block_size`` tracks magnitudes better at 16 bits of
+    scale each; ``stochastic_rounding`` is unbiased at about twice RTN's variance; ``hadamard`` spreads outliers for two
+    extra passes over memory; error feedback ``"residual"`` is unbiased over time for one buffer, ``"ef21"`` keeps two
+    and returns the estimate, not the raw average; ``hierarchy="leader"`` has fewer inter-node flows, ``"two_level"``
+    has every rank carry 1/L of them; smaller ``chunk_size`` overlaps stages better in more, smaller collectives;
     ``simulate_quantization`` gives a setting's accuracy without its bandwidth saving.
 
     Example::
@@ -123,12 +118,7 @@ class LowBitConfig:
     @classmethod
     def build(cls, config: Optional["LowBitConfig"] = None, **settings) -> "LowBitConfig":
         """``config`` (default: all defaults) with ``settings`` replaced, by their names or
-        :data:`ALIASES`; an unknown name is a ``TypeError`` listing the allowed ones.
-
-        Example::
-
-            LowBitConfig.build(bits=2, error_feedback_mode="ef21")
-        """
+        :data:`ALIASES`; an unknown name is a ``TypeError`` listing the allowed ones."""
         if config is not None:
             instance("config", config, LowBitConfig, "a LowBitConfig")
         names = [f.name for f in dataclasses.fields(cls)]
@@ -176,13 +166,8 @@ class LowBitConfig:
 
 
 def canonical_ef_mode(mode) -> str:
-    """The canonical name of an error-feedback mode (:data:`EF_MODE_ALIASES` resolved); anything
-    but :data:`EF_MODES` is a ``ValueError`` listing them.
-
-    Example::
-
-        canonical_ef_mode("legacy")   # 'residual'
-    """
+    """The canonical name of an error-feedback mode (:data:`EF_MODE_ALIASES` resolved: ``"legacy"`` is
+    ``"residual"``); anything but :data:`EF_MODES` is a ``ValueError`` listing them."""
     if isinstance(mode, str):
         mode = EF_MODE_ALIASES.get(mode, mode)
     if mode not in EF_MODES:
@@ -194,12 +179,8 @@ def canonical_ef_mode(mode) -> str:
 
 def canonical_fingerprint(text: str) -> str:
     """A settings fingerprint (text holding a :class:`LowBitConfig` ``repr``) with the seed's mode
-    spelling made canonical: what a checkpoint written before the rename compares equal to.
-
-    Example::
-
-        canonical_fingerprint("LowBitConfig(..., error_feedback_mode='legacy', ...)")   # ...='residual'...
-    """
+    spelling made canonical (``error_feedback_mode='legacy'`` becomes ``'residual'``): what a checkpoint
+    written before the rename compares equal to."""
     for alias, name in EF_MODE_ALIASES.items():
         text = text.replace(f"error_feedback_mode={alias!r}", f"error_feedback_mode={name!r}")
     return text

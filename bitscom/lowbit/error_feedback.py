@@ -1,17 +1,15 @@
 """Error feedback: the one residual every lossy compressor and the low-bit collectives share.
 
-Why: a biased compressor C loses part of every gradient; error feedback (Seide et al. 2014;
-Karimireddy et al. 2019) keeps it in a residual ``e`` for the next step, so it is only delayed
-and biased compressors converge like SGD. Per bucket and step:
+Why: a biased compressor C loses part of every gradient; error feedback (Seide et al. 2014; Karimireddy et al.
+2019) keeps it in a residual ``e`` for the next step, so it is only delayed and biased compressors converge like
+SGD. Per bucket and step:
 
-1. ``x = g + e``        (:meth:`ErrorFeedback.compensate`; the residual buffer *is* ``x``, so
-                         a compressor must not modify it in place)
-2. send ``C(x)``        (the compressor's business)
-3. ``e = x − D(C(x))``  (:meth:`~ErrorFeedback.update` dense, :meth:`~ErrorFeedback.update_sparse`
-                         for values at indices)
+1. ``x = g + e`` (:meth:`ErrorFeedback.compensate`; the residual buffer *is* ``x``: do not modify it in place)
+2. send ``C(x)`` (the compressor's business)
+3. ``e = x − D(C(x))`` (:meth:`~ErrorFeedback.update` dense, :meth:`~ErrorFeedback.update_sparse` sparse)
 
-The residual is fp32 whatever the gradient dtype, so fp16/bf16 gradients keep their small
-leftovers. EF21 (sending ``C(∇f_i − g_i)``) is a different algorithm, not this class.
+The residual is fp32 whatever the gradient dtype, so fp16/bf16 gradients keep their small leftovers. EF21
+(sending ``C(∇f_i − g_i)``) is a different algorithm, not this class.
 """
 
 from __future__ import annotations
@@ -135,13 +133,7 @@ class ErrorFeedback:
 
 class SteppedErrorFeedback(ErrorFeedback):
     """:class:`ErrorFeedback` plus the bucket's step count, for compressors with a warm-up
-    (``start_iter``): it checkpoints with the residual, so a resume neither repeats nor skips it.
-
-    Example::
-
-        state = SteppedErrorFeedback.for_layout(layout, enabled=True)
-        step, state.step = state.step, state.step + 1
-    """
+    (``start_iter``): it checkpoints with the residual, so a resume neither repeats nor skips it."""
 
     def __init__(self, numel: int, device=None, enabled: bool = True):
         super().__init__(numel, device, enabled)

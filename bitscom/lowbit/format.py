@@ -21,8 +21,8 @@ __all__ = ["SUPPORTED_BITS", "FULL_PRECISION", "HADAMARD_BLOCK", "Quantized", "q
            "quantize_tensor", "dequantize_tensor", "pack", "unpack", "pack_signs", "unpack_signs",
            "wire_bytes", "bits_per_element"]
 
+#: A width of 32 means "send raw float32" (allowed for every stage of the collectives).
 FULL_PRECISION = 32
-"""A width of 32 means "send raw float32" (allowed for every stage of the collectives)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +53,8 @@ class Quantized:
 def quantize(tensor, bits, block_size=128, stochastic_rounding=False, seed=0, hadamard=False) -> Quantized:
     """Quantize a floating tensor of any shape to ``bits`` per element with one scale per block.
 
-    Fewer ``bits`` = fewer bytes, more error; smaller ``block_size`` (power of two, 32..65536)
-    tracks local magnitude better but pays 16 bits per block; ``stochastic_rounding`` is unbiased
-    at about twice the RTN variance; the same ``seed`` gives the same bytes (vary it per step and
-    bucket); ``hadamard`` rotates each 32-element run first (smooths outliers; SDP4Bit).
+    ``bits``, ``block_size`` (a power of two, 32..65536), ``stochastic_rounding`` and ``hadamard`` (32-element runs)
+    trade as :class:`LowBitConfig`'s; the same ``seed`` gives the same bytes (vary it per step and bucket).
 
     Example::
 
@@ -89,12 +87,7 @@ def quantize_tensor(tensor, bitwidth, *, block_size=128, stochastic_rounding=Fal
 
 
 def dequantize_tensor(q: Quantized, out=None) -> torch.Tensor:
-    """The seed's name for :func:`dequantize`.
-
-    Example::
-
-        dequantize_tensor(quantize_tensor(torch.ones(8), 8))   # eight 1.0
-    """
+    """The seed's name for :func:`dequantize`."""
     return dequantize(q, out=out)
 
 
@@ -138,12 +131,7 @@ def pack(codes, bits) -> torch.Tensor:
 
 
 def unpack(payload, bits, count) -> torch.Tensor:
-    """Inverse of :func:`pack`: the first ``count`` codes as int32.
-
-    Example::
-
-        unpack(torch.tensor([33, 3], dtype=torch.uint8), 4, 3)   # tensor([1, 2, 3], dtype=torch.int32)
-    """
+    """Inverse of :func:`pack`: the first ``count`` codes as int32."""
     fmt.check_bits(bits)
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
         got = payload.dtype if isinstance(payload, torch.Tensor) else type(payload).__name__
@@ -167,11 +155,6 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_signs(packed: torch.Tensor, numel: int, dtype=torch.float32) -> torch.Tensor:
-    """Inverse of :func:`pack_signs`: ``numel`` values of ±1 in ``dtype``.
-
-    Example::
-
-        unpack_signs(torch.tensor([129], dtype=torch.uint8), 8)   # -1, six +1, -1
-    """
+    """Inverse of :func:`pack_signs`: ``numel`` values of ±1 in ``dtype``."""
     codes = torch_ref.unpack_codes(packed, 1, numel)
     return 1 - 2 * codes.to(dtype)

@@ -16,8 +16,8 @@ from ..validate import choice, instance, number
 
 __all__ = ["HADAMARD_BLOCK", "HADAMARD_BACKENDS", "hadamard", "inverse_hadamard", "hadamard_matrix"]
 
+#: The ways :func:`hadamard` can compute the transform (same values, see the module docstring).
 HADAMARD_BACKENDS = ("butterfly", "gemm")
-"""The ways :func:`hadamard` can compute the transform (same values, see the module docstring)."""
 
 
 def check_float_tensor(x, name: str) -> None:
@@ -48,12 +48,7 @@ def _matrix(n: int, dtype: torch.dtype, device: str) -> torch.Tensor:
 
 
 def hadamard_matrix(n: int = HADAMARD_BLOCK, dtype=torch.float32, device="cpu") -> torch.Tensor:
-    """The orthonormal ``n x n`` Sylvester Hadamard matrix (symmetric, its own inverse); cached.
-
-    Example::
-
-        H = hadamard_matrix(32); torch.allclose(H @ H, torch.eye(32), atol=1e-6)   # True
-    """
+    """The orthonormal ``n x n`` Sylvester Hadamard matrix (symmetric, its own inverse); cached."""
     if number("n", n, minimum=1, integer=True) & (n - 1):
         raise ValueError(f"n must be a power of two, got {n!r}")
     return _matrix(n, dtype, str(torch.device(device)))
@@ -86,10 +81,5 @@ def hadamard(x: torch.Tensor, block: int = HADAMARD_BLOCK, *, backend: str = "bu
 
 
 def inverse_hadamard(x: torch.Tensor, block: int = HADAMARD_BLOCK, *, backend: str = "butterfly") -> torch.Tensor:
-    """Inverse of :func:`hadamard` (the same transform: H is symmetric and orthonormal).
-
-    Example::
-
-        x = inverse_hadamard(hadamard(x))      # x again, to float rounding
-    """
+    """Inverse of :func:`hadamard` (the same transform: H is symmetric and orthonormal)."""
     return hadamard(x, block, backend=backend)

@@ -1,12 +1,10 @@
-"""Level-wise low-bit reduce-scatter (SDP4Bit's two-level gradient quantization, TLq / TLq-HS).
+"""Level-wise low-bit reduce-scatter (SDP4Bit's TLq / TLq-HS; the algorithm: ``docs/sharded.md``, "TLq").
 
-The ranks form a grid of *levels* (SDP4Bit: intra-node, then inter-node); each level is one
-quantized all-to-all and a float32 sum in peer order (the algorithm: ``docs/sharded.md``, "TLq").
-A level of one rank sends nothing but still takes its round (yielding ``None``). A rank owns
-the shard numbered by its level coordinates read as a mixed-radix number, ``order`` listing the
-levels from the most significant digit (default: the last, giving ``node * L + local``, the ZeRO
-layout). Seeds: ``mix_seed(*seed_parts, chunk, level + 1)``, shared by a level's rows, as what
-a peer sums always comes from different ranks.
+Each level of the rank grid (SDP4Bit: intra-node, then inter-node) is one quantized all-to-all and a float32
+sum in peer order; a level of one rank sends nothing but still takes its round (yielding ``None``). A rank owns
+the shard its level coordinates number as a mixed-radix number, ``order`` listing the levels from the most
+significant digit (default: the last, ``node * L + local``, the ZeRO layout). Seeds:
+``mix_seed(*seed_parts, chunk, level + 1)``, shared by a level's rows (a peer sums rows of different ranks).
 """
 
 from __future__ import annotations
@@ -29,12 +27,8 @@ __all__ = ["levelwise_chunks", "levelwise_reduce_scatter_rounds", "levelwise_wir
 
 
 def default_order(levels: int) -> Tuple[int, ...]:
-    """The shard order where the last level is the most significant digit: ``(levels - 1, ..., 0)``.
-
-    Example::
-
-        default_order(2)   # (1, 0): shard = inter_rank * L + intra_rank
-    """
+    """The shard order where the last level is the most significant digit: ``(levels - 1, ..., 0)``
+    (two levels: shard = inter_rank * L + intra_rank)."""
     return tuple(reversed(range(levels)))
 
 
@@ -94,17 +88,10 @@ def levelwise_chunks(flat: torch.Tensor, out: torch.Tensor, levels: Sequence[Tup
                      chunks: int = 1, order: Optional[Sequence[int]] = None, hadamard: bool = False,
                      hadamard_backend: str = "gemm", alpha: float = 1.0,
                      seed_parts: Sequence[int] = ()) -> List[Iterator]:
-    """One round generator per pipeline chunk of a level-wise reduce-scatter of ``flat`` (all
-    shards; read here, converted to float32 and rotated once) into ``out`` (this rank's shard),
-    each yielding once per level of ``levels``, ``[(comm, codec), ...]`` in round order. Per level,
-    issue chunk ``k``'s round only after every earlier chunk's, or use
-    :func:`levelwise_reduce_scatter_rounds`.
-
-    Example::
-
-        gens = levelwise_chunks(bucket, shard, [(intra, Codec(8, 512, True)), (inter, Codec(4, 128, True))],
-                                chunks=2, alpha=1 / world, seed_parts=(seed, step, rank, bucket_id))
-    """
+    """One round generator per pipeline chunk of a level-wise reduce-scatter of ``flat`` (all shards; read here,
+    converted to float32 and rotated once) into ``out`` (this rank's shard), each yielding once per level of ``levels``,
+    ``[(comm, codec), ...]`` in round order. Per level, issue chunk ``k``'s round only after every earlier chunk's, or
+    use :func:`levelwise_reduce_scatter_rounds`."""
     order = default_order(len(levels)) if order is None else tuple(order)
     _check(flat, out, levels, chunks, order, hadamard, hadamard_backend)
     S = out.numel()
@@ -133,14 +120,8 @@ def levelwise_reduce_scatter_rounds(flat: torch.Tensor, out: torch.Tensor,
 
 
 def levelwise_wire_bytes(shard_numel: int, levels: Sequence[Tuple[int, Codec]], chunks: int = 1) -> int:
-    """Bytes one rank sends in a level-wise reduce-scatter with shards of ``shard_numel``
-    elements (per chunk and level of ``P > 1`` ranks, the all-to-all's ``P`` rows);
-    ``levels`` are ``(size, codec)`` pairs.
-
-    Example::
-
-        levelwise_wire_bytes(4096, [(2, Codec(8, 512, True)), (2, Codec(4, 128, True))])
-    """
+    """Bytes one rank sends in a level-wise reduce-scatter with shards of ``shard_numel`` elements (per chunk and level
+    of ``P > 1`` ranks, the all-to-all's ``P`` rows); ``levels`` are ``(size, codec)`` pairs."""
     C = shard_numel // chunks
     return chunks * sum(size * codec.row_bytes(math.prod(s for s, _ in levels[j + 1:]) * C)
                         for j, (size, codec) in enumerate(levels) if size > 1)

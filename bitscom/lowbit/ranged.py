@@ -1,9 +1,8 @@
 """The flat two-stage low-bit all-reduce, one block-aligned range at a time (:func:`range_rounds`).
 
-Why: 1-bit Adam sends each part of its flat momentum as soon as backward fills it, yet must
-get the very bits of :func:`~bitscom.lowbit.all_reduce_rounds` (``docs/onebit.md``). Every step
-of that algorithm is local to one block, so a range of whole blocks inside one owner's shard
-runs alone, its bytes summing to the whole-tensor call's.
+Why: 1-bit Adam sends each part of its flat momentum as soon as backward fills it, yet must get the very bits of
+:func:`~bitscom.lowbit.all_reduce_rounds` (``docs/onebit.md``). Every step of that algorithm is local to one block, so a
+range of whole blocks inside one owner's shard runs alone, its bytes summing to the whole-tensor call's.
 """
 
 from __future__ import annotations
@@ -30,15 +29,9 @@ def check_ranged(cfg: LowBitConfig) -> None:
 
 
 def owner_ranges(numel: int, world: int, block_size: int, max_elements: int) -> List[Tuple[int, int, int]]:
-    """``(start, stop, owner)`` pieces that tile the padded ``[0, N)`` of a flat all-reduce of
-    ``numel`` elements over ``world`` ranks: whole blocks, inside one owner's shard, at most
-    ``max(block_size, max_elements)`` long; last piece first (a flat buffer filled by backward
-    in reverse parameter order completes from its end).
-
-    Example::
-
-        owner_ranges(1000, 2, 32, 128)[0]      # (960, 1024, 1)
-    """
+    """``(start, stop, owner)`` pieces that tile the padded ``[0, N)`` of a flat all-reduce of ``numel`` elements over
+    ``world`` ranks: whole blocks, inside one owner's shard, at most ``max(block_size, max_elements)`` long; last piece
+    first (a flat buffer filled by backward in reverse parameter order completes from its end)."""
     unit = world * block_size
     N = max(unit, -(-numel // unit) * unit)
     m = N // world
@@ -52,14 +45,7 @@ def range_rounds(flat: torch.Tensor, start: int, stop: int, owner: int, comm, cf
     """Round generator: replace ``flat[start:stop]`` by the low-bit average over ranks, bitwise
     what ``all_reduce_rounds(flat, comm, cfg, state)`` gives there. ``(start, stop, owner)`` is
     one of :func:`owner_ranges`; ``step`` is the whole-tensor call's ``state.step`` (the caller
-    advances it and calls ``state.bind(flat.numel())`` once per all-reduce).
-
-    Example::
-
-        step = state.step; state.step += 1; state.bind(flat.numel())
-        for s, t, j in owner_ranges(flat.numel(), P, cfg.block_size, 1 << 20):
-            drive(range_rounds(flat, s, t, j, comm, cfg, state, step))
-    """
+    advances it and calls ``state.bind(flat.numel())`` once per all-reduce)."""
     n, P, dev = flat.numel(), comm.size, flat.device
     unit = P * cfg.block_size
     N = max(unit, -(-n // unit) * unit)

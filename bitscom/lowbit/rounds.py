@@ -1,7 +1,6 @@
 """Building blocks of the low-bit round generators (which issue asynchronous collectives through
-:class:`bitscom.comm.Comm`, yield the work handles and go on once they completed): one all-to-all
-stage, the reduce-then-gather ladder over levels, lockstep pipelining, padding. Names outside
-``__all__`` are package-internal.
+:class:`bitscom.comm.Comm`, yield the work handles and go on once they completed): one all-to-all stage, the
+reduce-then-gather ladder over levels, lockstep pipelining, padding. Names outside ``__all__`` are package-internal.
 """
 
 from __future__ import annotations
@@ -130,10 +129,9 @@ def leader_rounds(x, intra, inter, cfg, alpha, seeds, offset, sent=None, stage2_
 
 
 def pipeline(gens: Sequence[Iterator[Any]]) -> Generator[List[Any], None, List[Any]]:
-    """Run several round generators in lockstep, starting one more each round: round t advances
-    chunk t's first stage with chunk t-1's second, and so on, in list order (the same on every
-    rank, so each group sees the same collective order). Yields lists of work handles; returns
-    the generators' results.
+    """Run several round generators in lockstep, starting one more each round: round t advances chunk t's first stage
+    with chunk t-1's second, and so on, in list order (the same on every rank, so each group sees the same collective
+    order). Yields lists of work handles; returns the generators' results.
 
     Example::
 

@@ -39,9 +39,8 @@ def _begin(kind: str, full, full_name: str, part, part_name: str, comm, cfg: Low
 def reduce_scatter_rounds(output: torch.Tensor, input: torch.Tensor, comm, cfg: LowBitConfig,
                           state: Optional[LowBitState] = None, *, average: bool = False,
                           key=0) -> Iterator:
-    """Round generator: ``output`` (k elements) = this rank's shard of the low-bit sum of ``input``
-    (P shards of k elements, shard j going to rank j), not requantized. Mode ``"residual"``
-    keeps the input residual.
+    """Round generator: ``output`` (k elements) = this rank's shard of the low-bit sum of ``input`` (P shards of k
+    elements, shard j going to rank j), not requantized. Mode ``"residual"`` keeps the input residual.
 
     Example::
 
@@ -74,12 +73,8 @@ def all_gather_rounds(output: torch.Tensor, input: torch.Tensor, comm, cfg: LowB
                       state: Optional[LowBitState] = None, *, key=0) -> Iterator:
     """Round generator: ``output`` (P x k) receives every rank's ``input`` (k), quantized once by
     its sender and decoded from the gathered bytes by every rank, so all outputs are bitwise
-    identical. Mode ``"residual"`` adds the previous quantization residual to the input.
-
-    Example::
-
-        drive(all_gather_rounds(out, inp, Comm(group), LowBitConfig(bitwidth=8)))
-    """
+    identical. Mode ``"residual"`` adds the previous quantization residual to the input (driven as
+    :func:`reduce_scatter_rounds`)."""
     P, k = comm.size, input.numel()
     state, m, seed = _begin("all_gather", output, "output", input, "input", comm, cfg, state, key, 1)
     x = pad(input, m, cfg, state)

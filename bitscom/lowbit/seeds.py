@@ -1,7 +1,6 @@
-"""The one seed mixer of bitscom: every stochastic-rounding seed of every face comes from
-:func:`mix_seed`, a splitmix64 chain. Different parts give unrelated seeds, the same parts the
-same seed in every process, so a resumed run repeats its bytes and no two ranks, stages or steps
-share a stream.
+"""The one seed mixer of bitscom: every stochastic-rounding seed of every face comes from :func:`mix_seed`, a splitmix64
+chain. Different parts give unrelated seeds, the same parts the same seed in every process, so a resumed run repeats its
+bytes and no two ranks, stages or steps share a stream.
 """
 
 from __future__ import annotations
@@ -34,22 +33,12 @@ def mix_seed(*parts: int, start: int = 0) -> int:
 
 
 def stage_seed(seed: int, key: int, step: int, rank: int, stage: int) -> int:
-    """The stochastic-rounding seed of one (key, step, rank, stage) of a collective.
-
-    Example::
-
-        stage_seed(0, key=3, step=10, rank=1, stage=0) != stage_seed(0, 3, 10, 1, 1)   # True
-    """
+    """The stochastic-rounding seed of one (key, step, rank, stage) of a collective."""
     return mix_seed(key, step, rank, stage, start=seed)
 
 
 def key_id(key) -> int:
-    """A stable integer for a user key (ints as they are, anything else via CRC32 of its repr).
-
-    Example::
-
-        key_id("layer1.weight") == key_id("layer1.weight")   # True, in every process
-    """
+    """A stable integer for a user key, the same in every process (ints as they are, else CRC32 of the repr)."""
     if isinstance(key, int) and not isinstance(key, bool):
         return key & _M64
     return zlib.crc32(repr(key).encode())

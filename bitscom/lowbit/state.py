@@ -14,12 +14,7 @@ class LowBitState:
     """Mutable state of one stream of reductions (one bucket, or one user key): ``step`` (advanced
     once per reduction, keys the seeds), the :class:`~bitscom.lowbit.error_feedback.ErrorFeedback`
     residuals ``residual`` and ``stage2_residual``, the EF21 estimates ``local_estimate`` (g_i)
-    and ``global_estimate`` (g); tensors are made on first use (rotated when ``hadamard`` is on).
-
-    Example::
-
-        drive(all_reduce_rounds(grad, Comm(group), LowBitConfig(), state := LowBitState()))
-    """
+    and ``global_estimate`` (g); tensors are made on first use (rotated when ``hadamard`` is on)."""
 
     _ESTIMATES = ("local_estimate", "global_estimate", "global_shard")
 

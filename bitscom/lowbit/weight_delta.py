@@ -18,13 +18,7 @@ def delta_codec(bits: int, group_size: int) -> Codec:
 
 
 def encode_delta(codec: Codec, new: torch.Tensor, replica: torch.Tensor, row: torch.Tensor, seed: int) -> None:
-    """Write ``Q(new - replica)`` (flat, any float dtype; subtracted in float32) into ``row``.
-
-    Example::
-
-        encode_delta(delta_codec(4, 2048), master_shard, replica_shard, row, seed=mix_seed(0, step, rank))
-        replica_shard.copy_(add_delta(replica_shard, codec.decode(row, n)))
-    """
+    """Write ``Q(new - replica)`` (flat, any float dtype; subtracted in float32) into ``row``."""
     codec.encode(new.to(torch.float32) - replica.to(torch.float32), row, seed)
 
 
