@@ -19,6 +19,7 @@ from .channel import Channel
 from .comm import Comm, Rounds, is_sum_or_avg
 from .call_header import Call, agree_rounds
 from .face import ByteLedger, dense_bytes, group_alive
+from .validate import number
 
 __all__ = ["register_lowbit_backend", "LowBitProcessGroup", "registered_config", "BACKEND_NAME",
            "FutureWork", "InnerTransport", "StateSlots", "MAX_STATES"]
@@ -104,9 +105,7 @@ class StateSlots:
     so the slot this rank found travels in the header and is used only if every rank found it."""
 
     def __init__(self, capacity: int = MAX_STATES, warn: bool = False):
-        if not 1 <= capacity < 1 << _SLOT_BITS:
-            raise ValueError(f"capacity={capacity} must be in [1, {(1 << _SLOT_BITS) - 1}]")
-        self.capacity = capacity
+        self.capacity = number("capacity", capacity, minimum=1, maximum=(1 << _SLOT_BITS) - 1, integer=True)
         self.evicted = 0
         self._warn = warn
         self._lru: "OrderedDict[int, list]" = OrderedDict()   # slot -> states, least recent first

@@ -13,6 +13,7 @@ from .comm import Comm, drive, wait
 from .horovod.failures import guard
 from .horovod.groups import group_device, require_group
 from .horovod.objects import broadcast_object_rounds
+from .validate import instance
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object"]
 
@@ -25,8 +26,7 @@ def _active(group, what: str) -> bool:
 
 
 def _check_root(root_rank, group) -> None:
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
-        raise TypeError(f"root_rank must be an int (a global rank), got {root_rank!r}")
+    instance("root_rank", root_rank, int, "an int (a global rank)")
     ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
     if root_rank not in ranks:
         raise ValueError(f"root_rank {root_rank} is not a rank of the process group (ranks {list(ranks)})")
@@ -93,8 +93,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
 
         bitscom.broadcast_optimizer_state(optimizer, root_rank=0)
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"broadcast_optimizer_state expects an optimizer, got {type(optimizer).__name__}")
+    instance("broadcast_optimizer_state optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
     group = require_group(process_group, "bitscom.broadcast_optimizer_state")
     if not _active(group, "broadcast_optimizer_state"):
         return

@@ -8,14 +8,14 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from .compressors.base import BucketLayout, TensorSlot
+from .validate import number
 
 __all__ = ["plan_buckets", "plan_groups", "FlatBucket"]
 
 
 def plan_buckets(params: Sequence[Tuple[str, torch.Tensor]], threshold_bytes: int) -> List[BucketLayout]:
     """Buckets of ``params`` up to ``threshold_bytes`` each (0: one parameter each)."""
-    if threshold_bytes < 0:
-        raise ValueError(f"fusion threshold must be >= 0 bytes, got {threshold_bytes}")
+    number("threshold_bytes", threshold_bytes, minimum=0, integer=True)
     open_buckets: Dict[tuple, list] = {}
     used: Dict[tuple, int] = {}
     order: List[list] = []

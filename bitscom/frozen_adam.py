@@ -11,33 +11,21 @@ with a compressor warm-up of the same length (docs/api.md). Example::
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from .validate import number, numbers
 
 __all__ = ["FrozenVarianceAdamW"]
 
 
-def _check(name, value, low, high=None, *, integer=False):
-    bad = isinstance(value, bool) or not isinstance(value, (int,) if integer else (int, float))
-    if not bad:
-        bad = math.isnan(value) or value < low or (high is not None and value >= high)
-    if bad:
-        allowed = f"an int >= {low}" if integer else (
-            f"a number in [{low}, {high})" if high is not None else f"a number >= {low}")
-        raise ValueError(f"FrozenVarianceAdamW {name} must be {allowed}, got {value!r}")
-
-
 def _check_group(group: dict) -> None:
-    _check("lr", group["lr"], 0.0)
-    _check("eps", group["eps"], 0.0)
-    _check("weight_decay", group["weight_decay"], 0.0)
+    for name in ("lr", "eps", "weight_decay"):
+        number(f"FrozenVarianceAdamW {name}", group[name], minimum=0)
     betas = group["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"FrozenVarianceAdamW betas must be a pair, got {betas!r}")
-    _check("betas[0]", betas[0], 0.0, 1.0)
-    _check("betas[1]", betas[1], 0.0, 1.0)
-    _check("freeze_step", group["freeze_step"], 1, integer=True)
+    numbers("FrozenVarianceAdamW betas", betas, minimum=0, maximum=1, inclusive=(True, False))
+    number("FrozenVarianceAdamW freeze_step", group["freeze_step"], minimum=1, integer=True)
 
 
 class FrozenVarianceAdamW(torch.optim.Optimizer):

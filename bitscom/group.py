@@ -14,6 +14,7 @@ from .comm import Comm, Rounds, is_sum_or_avg
 from .call_header import Call, agree_rounds
 from .face import ByteLedger, Face, dense_bytes, load_all_or_nothing
 from .lowbit import FULL_PRECISION, Quantized, dequantize, quantize
+from .validate import instance
 
 __all__ = ["LowBitGroup", "LowBitWork"]
 
@@ -220,8 +221,7 @@ class LowBitGroup(Face):
             work = lb.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True, key="t")
             work.wait()
         """
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        instance("tensor", tensor, torch.Tensor, "a torch.Tensor")
         self._before_call()
         call = Call.of("all_reduce", op, tensor.dtype, tensor.numel())
         if not tensor.is_floating_point() or not is_sum_or_avg(op):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import math
-import numbers
 import zlib
 from typing import Any, Dict
 
@@ -27,25 +25,9 @@ from .engine import Reducer
 from .horovod.sparse import SparseGradients
 from .ops import Adasum, Average, ReduceOp, Sum
 from .params import named_parameters_of
+from .validate import choice, instance, number, real
 
 __all__ = ["DistributedOptimizer"]
-
-
-def _number(name: str, value, minimum: float, inclusive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    value = float(value)
-    ok = value >= minimum if inclusive else value > minimum
-    if not (math.isfinite(value) and ok):
-        relation = ">=" if inclusive else ">"
-        raise ValueError(f"{name} must be a finite number {relation} {minimum:g}, got {value!r}")
-    return value
-
-
-def _passes(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"backward_passes_per_step must be an int >= 1, got {value!r}")
-    return value
 
 
 def _check_momentum_free(optimizer, compression) -> None:
@@ -116,8 +98,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         optimizer = args[0] if args else kwargs.get("optimizer")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a bitscom.DistributedOptimizer; wrap it only once")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        instance("optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
         return super().__new__(_distributed_class(type(optimizer)))
 
     def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
@@ -126,11 +107,12 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
                  process_group=None, *, sparse_as_dense: bool = False, groups=None,
                  num_groups: int = 0):
         compression = _checked_compression(optimizer, compression, named_parameters)
-        backward_passes_per_step = _passes(backward_passes_per_step)
+        backward_passes_per_step = number("backward_passes_per_step", backward_passes_per_step, minimum=1,
+                                          integer=True)
         gradient_predivide_factor = _checked_op(op, gradient_predivide_factor)
         auto_fusion = isinstance(fusion_threshold_mb, str) and fusion_threshold_mb.lower() == "auto"
         if not auto_fusion:
-            fusion_threshold_mb = _number("fusion_threshold_mb", fusion_threshold_mb, 0, True)
+            fusion_threshold_mb = real("fusion_threshold_mb", fusion_threshold_mb, minimum=0, finite=True)
         groups = _groups(groups, num_groups)
 
         # Take over the wrapped optimizer; a step wrapper an LR scheduler put on it stays there.
@@ -432,7 +414,8 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         if self._life.in_step or self._next_launch or self._life.completed:
             raise RuntimeError("set_backward_passes_per_step() was called in the middle of a step; "
                                "call it after step() or zero_grad()")
-        self.backward_passes_per_step = self._life.passes = _passes(passes)
+        self.backward_passes_per_step = self._life.passes = number(
+            "backward_passes_per_step", passes, minimum=1, integer=True)
         self._life.agreed = False      # the ranks check the new setting together on the next step
 
     def close(self) -> None:
@@ -528,9 +511,9 @@ def _checked_op(op, gradient_predivide_factor) -> float:
     if op is Adasum:
         raise NotImplementedError("op=Adasum is not supported by bitscom (Horovod's Adasum has no "
                                   "compressed counterpart here); use bitscom.Average or bitscom.Sum")
-    if op not in (Average, Sum):
-        raise ValueError(f"op must be bitscom.Average or bitscom.Sum, got {op!r}")
-    gradient_predivide_factor = _number("gradient_predivide_factor", gradient_predivide_factor, 0, False)
+    choice("op", op, (Average, Sum))
+    gradient_predivide_factor = real("gradient_predivide_factor", gradient_predivide_factor, minimum=0,
+                                     inclusive=False, finite=True)
     if op is Sum and gradient_predivide_factor != 1.0:
         raise ValueError("gradient_predivide_factor applies to op=Average only; "
                          f"got {gradient_predivide_factor} with op=Sum")
@@ -539,8 +522,7 @@ def _checked_op(op, gradient_predivide_factor) -> float:
 
 def _split_state_dict(state_dict):
     """(the wrapped optimizer's state dict, bitscom's part or None) of any accepted form."""
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    instance("state_dict", state_dict, dict, "a dict (an optimizer's state_dict())")
     if "optimizer" in state_dict and "bitscom" in state_dict and "state" not in state_dict:
         return state_dict["optimizer"], state_dict["bitscom"]
     if "state" in state_dict and "param_groups" in state_dict:
@@ -567,9 +549,7 @@ def _groups(groups, num_groups):
     if isinstance(groups, bool):
         raise TypeError(f"groups must be an int or a list of lists of parameters, got {groups!r}")
     if isinstance(groups, int):
-        if groups < 0:
-            raise ValueError(f"groups must be >= 0 (0: no explicit groups), got {groups}")
-        return groups or None
+        return number("groups", groups, minimum=0, integer=True) or None
     if not isinstance(groups, (list, tuple)) or not all(
             isinstance(g, (list, tuple)) and all(isinstance(p, torch.Tensor) for p in g) for g in groups):
         raise TypeError("groups must be an int or a list of lists of parameters, got "

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .build_info import __version__
 from .channel import Channel
-from .validate import number
+from .validate import instance, number
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "world_group", "intra_group", "inter_group", "device",
@@ -229,8 +229,7 @@ def init(backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta]
     _forget_if_stale()
     if _rt.info is not None and not _rt.adopted:
         return _rt.info
-    if timeout is not None and not isinstance(timeout, datetime.timedelta):
-        raise TypeError(f"timeout must be a datetime.timedelta, got {timeout!r}")
+    instance("timeout", timeout, (type(None), datetime.timedelta), "None or a datetime.timedelta")
     _rt.adopted = False
     if bitwidth is not None or lowbit_options:
         if bitwidth is not None:
@@ -403,7 +402,7 @@ def node_layout(ranks: Iterable[int], local_size: int, rank: int) -> tuple:
 def node_groups(group, local_size: int) -> tuple:
     """(intra, inter) groups for this rank of ``group``: :func:`init`'s if they fit, else shared."""
     ranks = dist.get_process_group_ranks(group)
-    if local_size < 1 or len(ranks) % local_size:
+    if len(ranks) % number("local_size", local_size, minimum=1, integer=True):
         raise ValueError(f"local_size={local_size} must divide the group size {len(ranks)}")
     _forget_if_stale()
     pair = zip(node_layout(ranks, local_size, dist.get_rank(group)), (_rt.intra, _rt.inter))

@@ -4,18 +4,24 @@ allowed. ``True`` is never a number here and NaN never passes a bound."""
 from __future__ import annotations
 
 import math
+import numbers as _numbers
+import reprlib
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional, Sequence, Tuple, Union
 
-__all__ = ["number", "numbers", "flag", "choice", "instance"]
+__all__ = ["number", "real", "numbers", "flag", "choice", "instance"]
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60     # a model, an optimizer or a tensor prints pages
 
 
 def _bounds(minimum, maximum, inclusive: Tuple[bool, bool]) -> str:
+    low, high = (f"{v:g}" if isinstance(v, float) else v for v in (minimum, maximum))   # ints exactly
     if minimum is not None and maximum is not None:
-        return f" in {'[' if inclusive[0] else '('}{minimum:g}, {maximum:g}{']' if inclusive[1] else ')'}"
+        return f" in {'[' if inclusive[0] else '('}{low}, {high}{']' if inclusive[1] else ')'}"
     if minimum is not None or maximum is not None:
         below = maximum is not None
-        return f" {'<' if below else '>'}{'=' if inclusive[below] else ''} {maximum if below else minimum:g}"
+        return f" {'<' if below else '>'}{'=' if inclusive[below] else ''} {high if below else low}"
     return ""
 
 
@@ -41,6 +47,11 @@ def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: O
     if not ok:
         raise ValueError(f"{name} must be {kind}{_bounds(minimum, maximum, closed)}, got {value!r}")
     return value
+
+
+def real(name: str, value: Any, **bounds) -> float:
+    """``float(value)`` checked by :func:`number`; no real number at all is :func:`instance`'s TypeError."""
+    return number(name, float(instance(name, value, _numbers.Real, "a number")), **bounds)
 
 
 def numbers(name: str, values: Any, *, nonempty: bool = False, minimum: Optional[float] = None,
@@ -75,8 +86,10 @@ def choice(name: str, value: Any, allowed: Sequence[Any]) -> Any:
 
 
 def instance(name: str, value: Any, types: Union[type, Tuple[type, ...]], allowed: str) -> Any:
-    """``value`` if an instance of ``types`` (a bool only where named), else a TypeError naming it."""
+    """``value`` if an instance of ``types`` (a bool only where named), else a TypeError naming it
+    (its repr shortened to one line)."""
     kinds = types if isinstance(types, tuple) else (types,)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise TypeError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
+        shown = " ".join(_SHORT.repr(value).split())
+        raise TypeError(f"{name} must be {allowed}, got {shown} ({type(value).__name__})")
     return value

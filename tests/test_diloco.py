@@ -524,7 +524,7 @@ def _single(**kw):
     ({"sync_every": 0}, ValueError, "sync_every must be an int >= 1, got 0"),
     ({"fragments": 7}, ValueError, "fragments=7 is more than the 6 trainable"),
     ({"outer_lr": -0.1}, ValueError, "outer_lr must be a finite number >= 0, got -0.1"),
-    ({"outer_momentum": 1.0}, ValueError, "outer_momentum must be in"),
+    ({"outer_momentum": 1.0}, ValueError, r"outer_momentum must be a finite number in \[0, 1\), got 1.0"),
     ({"outer_momentum": 0.0}, ValueError, "nesterov=True needs outer_momentum > 0"),
     ({"compression": "nope"}, ValueError, "unknown compressor"),
     ({"warmup_steps": -1}, ValueError, "warmup_steps must be an int >= 0, got -1"),

@@ -100,7 +100,7 @@ def test_hierarchical_on_two_nodes(pools, settings):
 
 def test_registry_and_bad_settings():
     assert get("lowbit", bitwidth=2) == LowBit(bitwidth=2)
-    with pytest.raises(ValueError, match="bitwidth=3"):
+    with pytest.raises(ValueError, match=r"bitwidth must be one of \(1, 2, 4, 8, 12, 16, 32\), got 3"):
         LowBit(bitwidth=3)
     with pytest.raises(ValueError, match="intra_group"):
         LowBit(hierarchy="two_level")

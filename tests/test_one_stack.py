@@ -294,11 +294,11 @@ def test_grad_scaler_refusal_leaves_the_optimizer_usable():
 # ---------------------------------------------------------------------- 13. clear errors
 
 @pytest.mark.parametrize("kw,match", [
-    ({"fusion_threshold_mb": math.inf}, "fusion_threshold_mb=inf must be a finite number"),
-    ({"fusion_threshold_mb": math.nan}, "fusion_threshold_mb=nan"),
-    ({"local_size": 0}, "local_size=0 must be an int >= 1"),
-    ({"local_size": -1}, "local_size=-1"),
-    ({"local_size": 1.5}, "local_size=1.5"),
+    ({"fusion_threshold_mb": math.inf}, "fusion_threshold_mb must be a finite number >= 0, got inf"),
+    ({"fusion_threshold_mb": math.nan}, "fusion_threshold_mb must be a finite number >= 0, got nan"),
+    ({"local_size": 0}, "local_size must be an int >= 1, got 0"),
+    ({"local_size": -1}, "local_size must be an int >= 1, got -1"),
+    ({"local_size": 1.5}, "local_size must be an int >= 1, got 1.5"),
 ])
 def test_sharded_bad_settings_name_the_value(kw, match):
     model = make_model()

@@ -285,8 +285,7 @@ def test_settings_disagreement_errors_on_every_rank(pools, kind, match):
     (dict(freeze_step=0), "freeze_step must be an int >= 1"), (dict(betas=(1.0, 0.9)), r"betas\[0\]"),
     (dict(betas=(0.9, -0.1)), r"betas\[1\]"), (dict(betas=0.9), "betas must be a pair"),
     (dict(eps=float("nan")), "eps must be"), (dict(weight_decay=-0.1), "weight_decay"),
-    (dict(block_size=33), "block_size=33"), (dict(stage2_bits=3), "stage2_bits"),
-    (dict(bias_correction=1), "bias_correction must be True or False")])
+    (dict(block_size=33), "block_size=33"), (dict(stage2_bits=3), "stage2_bits")])
 def test_bad_settings_name_the_value(kw, match):
     with pytest.warns(UserWarning, match="single-process"), pytest.raises(ValueError, match=match):
         OneBitAdam(make_model().parameters(), **kw)
@@ -294,10 +293,16 @@ def test_bad_settings_name_the_value(kw, match):
 
 def test_bad_zero_one_settings_name_the_value():
     for kw, match in [(dict(var_freeze_step=0), "var_freeze_step"), (dict(local_step_clipper=0), "clipper"),
-                      (dict(var_update_scaler=True), "var_update_scaler"), (dict(lr=float("inf")), "lr"),
-                      (dict(bias_correction="yes"), "bias_correction must be True or False")]:
+                      (dict(var_update_scaler=True), "var_update_scaler"), (dict(lr=float("inf")), "lr")]:
         with pytest.warns(UserWarning), pytest.raises(ValueError, match=match):
             ZeroOneAdam(make_model().parameters(), **kw)
+
+
+@pytest.mark.parametrize("cls,value", [(OneBitAdam, 1), (ZeroOneAdam, "yes")])
+def test_a_bias_correction_that_is_no_bool_is_a_type_error_naming_it(cls, value):
+    with pytest.warns(UserWarning), pytest.raises(
+            TypeError, match=rf"{cls.__name__} bias_correction must be a bool \(True or False\), got {value!r}"):
+        cls(make_model().parameters(), bias_correction=value)
 
 
 def test_wrapping_in_distributed_optimizer_is_refused():

@@ -438,7 +438,7 @@ def test_failed_load_replaces_nothing(pools):
     ({"fusion_threshold_mb": "25"}, TypeError, "fusion_threshold_mb must be a number, got '25'"),
     ({"gradient_predivide_factor": float("inf")}, ValueError, "gradient_predivide_factor must be a finite number > 0"),
     ({"gradient_predivide_factor": "2"}, TypeError, "gradient_predivide_factor must be a number, got '2'"),
-    ({"groups": -1}, ValueError, "groups must be >= 0"),
+    ({"groups": -1}, ValueError, "groups must be an int >= 0, got -1"),
     ({"groups": "x"}, TypeError, "groups must be an int or a list of lists"),
 ])
 def test_bad_settings_name_the_value(kwargs, exc, words):

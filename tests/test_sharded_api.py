@@ -103,18 +103,20 @@ def test_per_rank_state_dict_round_trip_and_refuses_other_layouts(pools):
 # -- errors -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw,match", [
-    ({"weight_quantization_bits": 3}, "weight_quantization_bits=3"),
-    ({"gradient_quantization_bits_intra": 5}, "gradient_quantization_bits_intra=5"),
-    ({"gradient_quantization_bits_inter": 0}, "gradient_quantization_bits_inter=0"),
-    ({"wq_group_size": 1000}, "wq_group_size=1000"),
-    ({"gq_group_size_intra": 16}, "gq_group_size_intra=16"),
-    ({"gq_group_size_inter": 3}, "gq_group_size_inter=3"),
-    ({"gradient_alltoall_pipeline": 0}, "gradient_alltoall_pipeline=0"),
-    ({"fusion_threshold_mb": -1}, "fusion_threshold_mb=-1"),
-    ({"backward_passes_per_step": 0}, "backward_passes_per_step=0"),
+    ({"weight_quantization_bits": 3}, r"weight_quantization_bits must be one of \(1, 2, 4, 8, 12, 16\), got 3"),
+    ({"gradient_quantization_bits_intra": 5},
+     r"gradient_quantization_bits_intra must be one of \(1, 2, 4, 8, 12, 16, 32\), got 5"),
+    ({"gradient_quantization_bits_inter": 0},
+     r"gradient_quantization_bits_inter must be one of \(1, 2, 4, 8, 12, 16, 32\), got 0"),
+    ({"wq_group_size": 1000}, r"wq_group_size must be a power of two in \[32, 65536\].*got 1000"),
+    ({"gq_group_size_intra": 16}, r"gq_group_size_intra must be an int in \[32, 65536\], got 16"),
+    ({"gq_group_size_inter": 3}, r"gq_group_size_inter must be an int in \[32, 65536\], got 3"),
+    ({"gradient_alltoall_pipeline": 0}, "gradient_alltoall_pipeline must be an int >= 1, got 0"),
+    ({"fusion_threshold_mb": -1}, "fusion_threshold_mb must be a finite number >= 0, got -1"),
+    ({"backward_passes_per_step": 0}, "backward_passes_per_step must be an int >= 1, got 0"),
     ({"hadamard_transform": True}, "quantized_gradients=True"),
-    ({"op": "mean"}, "op='mean'"),
-    ({"quantized_weights": 1}, "quantized_weights must be a bool"),
+    ({"op": "mean"}, r"op must be one of \(.*AVERAGE.*SUM.*\), got 'mean'"),
+    ({"quantized_weights": 1}, r"quantized_weights must be a bool \(True or False\), got 1"),
 ])
 def test_bad_settings_name_the_value(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -139,7 +141,7 @@ def test_bad_inputs():
             pass
     with pytest.raises(RuntimeError, match="add every parameter group"):
         opt.add_param_group({"params": []})
-    with pytest.raises(ValueError, match="to_rank=3"):
+    with pytest.raises(ValueError, match=r"to_rank must be an int in \[0, 0\], got 3"):
         opt.consolidated_state_dict(to_rank=3)
     x, y = global_batch(0, 1)
     nn.functional.mse_loss(model(x), y).backward()

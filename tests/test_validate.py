@@ -52,3 +52,29 @@ def test_numbers_names_the_bad_item_and_instance_names_value_and_type():
     with pytest.raises(TypeError) as err:
         instance("x", True, int, "an int bit width")   # a bool is no int here
     assert str(err.value) == "x must be an int bit width, got True (bool)"
+
+
+def test_real_is_a_float_checked_by_number_and_no_number_at_all_is_a_type_error():
+    from bitscom.validate import real
+    assert real("x", 2, minimum=0) == 2.0 and isinstance(real("x", 2), float)
+    for bad, shown in (("2", "'2' (str)"), (True, "True (bool)"), (None, "None (NoneType)")):
+        with pytest.raises(TypeError) as err:
+            real("x", bad, minimum=0)
+        assert str(err.value) == f"x must be a number, got {shown}"
+    with pytest.raises(ValueError) as err:
+        real("x", -1, minimum=0, finite=True)
+    assert str(err.value) == "x must be a finite number >= 0, got -1.0"
+
+
+def test_instance_shows_a_long_repr_short_and_on_one_line():
+    from bitscom.validate import instance
+
+    class Model:
+        def __repr__(self):
+            return "Model(\n" + "  (layer): Linear()\n" * 200 + ")"
+
+    with pytest.raises(TypeError) as err:
+        instance("optimizer", Model(), int, "a torch.optim.Optimizer")
+    msg = str(err.value)
+    assert msg.startswith("optimizer must be a torch.optim.Optimizer, got Model( (layer)") and msg.endswith(" (Model)")
+    assert "\n" not in msg and "..." in msg and len(msg) < 140, msg

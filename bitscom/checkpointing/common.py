@@ -12,6 +12,8 @@ from typing import Any, Dict, List
 
 import torch
 
+from ..validate import instance
+
 __all__ = ["blob", "unblob", "split_tensors", "join_tensors", "digest", "read_entries",
            "template", "save_dict", "load_dict"]
 
@@ -105,9 +107,7 @@ def check_extra(extra) -> dict:
     """The user's own entries saved with the optimizer (e.g. ``{"model": model.state_dict()}``)."""
     if extra is None:
         return {}
-    if not isinstance(extra, dict):
-        raise TypeError(f"extra must be a dict of DCP state (e.g. {{'model': model.state_dict()}}), "
-                        f"got {type(extra).__name__}")
+    instance("extra", extra, dict, "a dict of DCP state (e.g. {'model': model.state_dict()})")
     bad = [k for k in extra if not isinstance(k, str) or k.startswith("bitscom")]
     if bad:
         raise ValueError(f"extra keys must be strings not starting with 'bitscom' (reserved), got {bad}")

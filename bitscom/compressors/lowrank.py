@@ -336,14 +336,12 @@ def orthogonalize(x: torch.Tensor, method: str = "auto") -> None:
     ``auto``: Gram–Schmidt for r ≤ 2 or half precision (QR has no half kernels), else QR."""
     if x.numel() == 0:
         return
-    if method == "auto":
+    if choice("orthogonalization", method, ORTHOGONALIZATIONS) == "auto":
         method = "gram_schmidt" if x.shape[2] <= 2 or x.dtype in _HALF else "qr"
     if method == "gram_schmidt":
         _gram_schmidt(x)
-    elif method == "qr":
-        x.copy_(torch.linalg.qr(x.float() if x.dtype in _HALF else x).Q)
     else:
-        raise ValueError(f"orthogonalization must be one of {ORTHOGONALIZATIONS}, got {method!r}")
+        x.copy_(torch.linalg.qr(x.float() if x.dtype in _HALF else x).Q)
 
 
 def bucket_generator(seed: int, index: int) -> torch.Generator:

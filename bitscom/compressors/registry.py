@@ -9,6 +9,7 @@ from typing import Callable, Dict
 
 from .base import Compressor
 from ..suggest import did_you_mean
+from ..validate import instance
 from .hvd_adapter import HorovodAdapter, is_codec
 
 _REGISTRY: Dict[str, Callable[..., Compressor]] = {}
@@ -86,9 +87,6 @@ def resolve(compressor, what: str = "compression") -> Compressor:
     in ``HorovodAdapter``; anything else is a TypeError naming ``what`` (the caller's argument)."""
     if isinstance(compressor, str) or is_codec(compressor):
         compressor = get(compressor)
-    if not isinstance(compressor, Compressor):
-        raise TypeError(f"{what} must be a bitscom compressor, a Horovod-style codec "
-                        f"(compress/decompress) or a registry name (one of {names()}), "
-                        f"got {compressor!r}")
-    return compressor
+    return instance(what, compressor, Compressor, "a bitscom compressor, a Horovod-style codec "
+                    f"(compress/decompress) or a registry name (one of {names()})")
 

@@ -18,7 +18,7 @@ import torch.distributed
 from ..compressors import (ACPSGD, BF16Compressor, FP16Compressor, LowBit, NoneCompressor, PowerSGD,
                            SignSGD, TopK, register)
 from ..compressors.base import BucketLayout, Comm, Compressor, State
-from ..validate import number
+from ..validate import instance, number
 from .calibrate import fit_link, time_codec
 from .formulas import round_seconds
 from .links import Link, Topology
@@ -149,9 +149,8 @@ class Auto(Compressor):
         if any(isinstance(c, Auto) for c in cands):
             raise ValueError("Auto candidates cannot contain Auto itself")
         number("Auto probe_steps", self.probe_steps, minimum=2, integer=True)
-        if self.link is not None and not isinstance(self.link, Link):
-            raise TypeError(f"Auto link must be None (fit the probe) or a bitscom.cost.Link, e.g. "
-                            f"Link.from_gbit(10, latency_s=5e-5); got {self.link!r}")
+        instance("Auto link", self.link, (type(None), Link),
+                 "None (fit the probe) or a bitscom.cost.Link, e.g. Link.from_gbit(10, latency_s=5e-5)")
         if self.codec_seconds is not None and not callable(self.codec_seconds):
             raise TypeError(f"Auto codec_seconds must be None (time the codecs) or a callable "
                             f"(compressor, layout, world) -> seconds; got {self.codec_seconds!r}")

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..validate import instance, number
+from ..validate import choice, instance, number
 
 __all__ = ["Link", "Topology"]
 
@@ -92,8 +92,7 @@ class Topology:
             return self.local_size, self.intra
         if level == "inter":
             return self.nodes, self.inter
-        if level == "flat":
-            if self.nodes == 1:
-                return self.world, self.intra
-            return self.world, (self.inter if self.world_link is None else self.world_link)
-        raise ValueError(f"level must be one of ('flat', 'intra', 'inter'), got {level!r}")
+        choice("level", level, ("flat", "intra", "inter"))
+        if self.nodes == 1:
+            return self.world, self.intra
+        return self.world, (self.inter if self.world_link is None else self.world_link)

@@ -4,28 +4,12 @@ each trades, and its measured sensitivity: docs/diloco.md, Hyper-parameters.
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 from typing import List
 
+from ..validate import flag, number, real
+
 __all__ = ["DiLoCoConfig"]
-
-
-def _int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _real(name: str, value, low: float, high: float = math.inf) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    value = float(value)
-    if not (math.isfinite(value) and low <= value <= high):
-        bound = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -56,24 +40,18 @@ class DiLoCoConfig:
     """α in [0, 1]: the share of θ_local kept when a delayed update lands (0 = replace; needs delay)."""
 
     def __post_init__(self):
-        object.__setattr__(self, "sync_every", _int("sync_every", self.sync_every, 1))
-        object.__setattr__(self, "fragments", _int("fragments", self.fragments, 1))
-        object.__setattr__(self, "warmup_steps", _int("warmup_steps", self.warmup_steps, 0))
-        object.__setattr__(self, "outer_lr", _real("outer_lr", self.outer_lr, 0.0))
-        momentum = _real("outer_momentum", self.outer_momentum, 0.0)
-        if momentum >= 1.0:
-            raise ValueError(f"outer_momentum must be in [0, 1), got {momentum!r}")
-        object.__setattr__(self, "outer_momentum", momentum)
-        if not isinstance(self.nesterov, bool):
-            raise TypeError(f"nesterov must be a bool, got {self.nesterov!r}")
-        if self.nesterov and momentum == 0.0:
+        for name, low in (("sync_every", 1), ("fragments", 1), ("warmup_steps", 0), ("delay", 0)):
+            number(name, getattr(self, name), minimum=low, integer=True)
+        for name, high, closed in (("outer_lr", None, True), ("outer_momentum", 1.0, (True, False)),
+                                   ("mix", 1.0, True)):
+            value = real(name, getattr(self, name), minimum=0.0, maximum=high, inclusive=closed, finite=True)
+            object.__setattr__(self, name, value)
+        if flag("nesterov", self.nesterov) and self.outer_momentum == 0.0:
             raise ValueError("nesterov=True needs outer_momentum > 0 (torch's SGD rule); pass "
                              "nesterov=False for outer_momentum=0")
-        object.__setattr__(self, "delay", _int("delay", self.delay, 0))
         if self.delay >= self.sync_every:
             raise ValueError(f"delay must be < sync_every={self.sync_every} (a fragment's reduction "
                              f"must land before its next one starts), got {self.delay}")
-        object.__setattr__(self, "mix", _real("mix", self.mix, 0.0, 1.0))
         if self.mix > 0.0 and self.delay == 0:
             raise ValueError(f"mix={self.mix:g} needs delay > 0: it keeps part of the local progress "
                              "made while a reduction was in flight, and with delay=0 there is none "

@@ -5,7 +5,6 @@ The pseudo-gradient goes through the same :class:`~bitscom.engine.Reducer` as
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -20,6 +19,7 @@ from ..engine import Reducer
 from ..face import Face, check_trainable, dense_bytes, renamed, report
 from ..lifecycle import StepFace
 from ..params import named_parameters_of
+from ..validate import instance, number
 from .config import DiLoCoConfig
 from .fragments import plan_fragments
 from .state import has_tensor, load_checked
@@ -39,8 +39,7 @@ def _inner_checked(inner) -> torch.optim.Optimizer:
         raise TypeError(f"inner_optimizer is a bitscom DistributedOptimizer/ShardedOptimizer "
                         f"({type(inner).__name__}) that reduces gradients every step; DiLoCo's inner steps are "
                         "local by design. Pass the plain optimizer (e.g. torch.optim.AdamW(...)) to DiLoCo instead")
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner).__name__}")
+    instance("inner_optimizer", inner, torch.optim.Optimizer, "a torch.optim.Optimizer")
     if callable(getattr(inner, "comm_stats", None)):
         raise TypeError(f"inner_optimizer {type(inner).__name__} communicates by itself "
                         "(it has comm_stats()); DiLoCo needs a local optimizer such as "
@@ -110,9 +109,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         if self.compression.applies_momentum:
             raise ValueError(f"compression={self.compression.fingerprint()} applies SGD momentum "
                              "itself; DiLoCo's outer SGD already has momentum (outer_momentum)")
-        if isinstance(fusion_threshold_mb, bool) or not isinstance(fusion_threshold_mb, (int, float)) \
-                or not math.isfinite(fusion_threshold_mb) or fusion_threshold_mb < 0:
-            raise ValueError(f"fusion_threshold_mb must be a finite number >= 0, got {fusion_threshold_mb!r}")
+        number("fusion_threshold_mb", fusion_threshold_mb, minimum=0, finite=True)
         named = named_parameters_of(self.inner, named_parameters)
         check_trainable(named, "DiLoCo")
         self._plan_requires_grad(named)

@@ -10,6 +10,7 @@ from typing import Any, Dict
 import torch.distributed as dist
 
 from ..checkpointing.common import blob, unblob
+from ..validate import flag, instance
 from .compress import FSDPCompression, handle
 
 __all__ = ["FSDPCheckpointState", "checkpoint_state"]
@@ -27,9 +28,7 @@ class FSDPCheckpointState:
     """
 
     def __init__(self, compression: FSDPCompression, reset_compressor_state: bool = False):
-        if not isinstance(compression, FSDPCompression):
-            raise TypeError(f"expected a bitscom.fsdp handle (or a compressed model), got "
-                            f"{type(compression).__name__}")
+        instance("compression", compression, FSDPCompression, "a bitscom.fsdp handle (or a compressed model)")
         self.compression = compression
         self.reset_compressor_state = bool(reset_compressor_state)
 
@@ -71,7 +70,5 @@ def checkpoint_state(model_or_handle, *, reset_compressor_state: bool = False) -
                   "bitscom": bitscom.fsdp.checkpoint_state(model)}, checkpoint_id=path)
     """
     h = model_or_handle if isinstance(model_or_handle, FSDPCompression) else handle(model_or_handle)
-    if not isinstance(reset_compressor_state, bool):
-        raise TypeError(f"reset_compressor_state must be True or False, got {reset_compressor_state!r}")
-    return FSDPCheckpointState(h, reset_compressor_state)
+    return FSDPCheckpointState(h, flag("reset_compressor_state", reset_compressor_state))
 

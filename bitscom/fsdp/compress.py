@@ -13,6 +13,7 @@ from ..agreement import describe_state
 from ..face import Face, describe_parameters, load_all_or_nothing, report
 from ..lowbit.config import LowBitConfig
 from ..lowbit.state import LowBitState
+from ..validate import instance
 from .reduce_scatter import ByteCount, LowBitReduceScatter
 from .replicate import HSDPBytes, ReplicateAllReduce, native_hsdp, replicate_config
 from .settings import gradient_config, require_hook
@@ -306,9 +307,7 @@ def _check_module(module, hsdp: bool, weights: bool) -> list:
     require_hook(FSDPModule, "set_all_reduce_hook" if hsdp else "set_custom_reduce_scatter")
     if weights:
         require_hook(FSDPModule, "set_custom_all_gather")
-    if not isinstance(module, FSDPModule):
-        raise TypeError(f"module must be an FSDP2 module (call torch.distributed.fsdp.fully_shard on it "
-                        f"first), got {type(module).__name__}")
+    instance("module", module, FSDPModule, "an FSDP2 module (call torch.distributed.fsdp.fully_shard on it first)")
     if getattr(module, _ATTR, None) is not None:
         raise RuntimeError("this model is already compressed by bitscom.fsdp.compress; use the handle "
                            "it returned (or bitscom.fsdp.handle(model))")

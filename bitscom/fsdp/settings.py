@@ -7,7 +7,7 @@ import torch
 
 from ..lowbit.config import LowBitConfig
 from ..lowbit.format import FULL_PRECISION, SUPPORTED_BITS
-from ..validate import instance
+from ..validate import choice, instance
 
 __all__ = ["gradient_config", "require_hook", "LOWBIT_WIDTHS"]
 
@@ -34,9 +34,7 @@ def gradient_config(gradients) -> LowBitConfig:
     if cfg.stage2_error_feedback:
         raise ValueError("stage2_error_feedback=True has no meaning here: a reduce-scatter has no "
                          "second (all-gather) stage; leave it False")
-    if cfg.hierarchy not in ("none", "two_level"):
-        raise ValueError(f"hierarchy={cfg.hierarchy!r} is not available for the FSDP reduce-scatter; "
-                         "use 'none' (flat) or 'two_level' (SDP4Bit intra/inter)")
+    choice("the FSDP reduce-scatter's hierarchy", cfg.hierarchy, ("none", "two_level"))
     if cfg.hierarchy == "two_level" and cfg.error_feedback:
         raise ValueError("error_feedback with hierarchy='two_level' is not supported (the level-wise "
                          "reduce-scatter keeps no residual); use hierarchy='none' for error feedback")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..kernels.format import check_block_size
 from ..lowbit.codec import Codec
 from ..lowbit.format import SUPPORTED_BITS
 from ..lowbit.weight_delta import delta_codec
@@ -46,9 +47,7 @@ class WeightConfig:
         object.__setattr__(self, "bitwidth", bits if self.bitwidth is None else self.bitwidth)
         object.__setattr__(self, "block_size", block if self.block_size is None else self.block_size)
         choice("WeightConfig bitwidth", self.bitwidth, SUPPORTED_BITS)
-        number("WeightConfig block_size", self.block_size, minimum=32, maximum=65536, integer=True)
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"WeightConfig block_size must be a power of two, got {self.block_size!r}")
+        check_block_size(self.block_size, "WeightConfig block_size")
         number("WeightConfig min_numel", self.min_numel, minimum=0, integer=True)
         number("WeightConfig seed", self.seed, minimum=0, integer=True)
 

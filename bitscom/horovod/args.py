@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 
 from ..ops import Adasum, Average, ReduceOp, Sum
+from ..validate import choice, instance
 from .negotiation import DTYPES, OPS
 
 __all__ = ["resolve_op", "check_tensor", "check_name", "check_root", "label"]
@@ -22,15 +23,12 @@ def resolve_op(op: Optional[ReduceOp], average: Optional[bool]) -> ReduceOp:
     if op is Adasum:
         raise NotImplementedError("hvd.Adasum is not supported by bitscom; use op=bitscom.Average "
                                   "(or a compressor to cut traffic)")
-    if op not in OPS:
-        raise ValueError(f"op must be one of bitscom.Average, Sum, Min, Max, Product; got {op!r}")
-    return op
+    return choice("op", op, tuple(OPS))
 
 
 def check_tensor(fn: str, tensor: Any) -> None:
     """A dense tensor of a dtype the header can describe."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"bitscom.{fn} expects a torch.Tensor, got {type(tensor).__name__}")
+    instance(f"bitscom.{fn} tensor", tensor, torch.Tensor, "a torch.Tensor")
     if tensor.is_sparse:
         raise TypeError(f"bitscom.{fn} reduces dense tensors; got a sparse tensor (call .to_dense())")
     if tensor.dtype not in DTYPES:
@@ -40,14 +38,12 @@ def check_tensor(fn: str, tensor: Any) -> None:
 
 def check_name(name: Any) -> None:
     """Horovod's ``name=``: a label for error messages."""
-    if name is not None and not isinstance(name, str):
-        raise TypeError(f"name must be a str or None, got {type(name).__name__}")
+    instance("name", name, (str, type(None)), "a str or None")
 
 
 def check_root(root_rank: Any) -> None:
     """``root_rank`` is a global rank (an int)."""
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
-        raise TypeError(f"root_rank must be an int (a global rank), got {root_rank!r}")
+    instance("root_rank", root_rank, int, "an int (a global rank)")
 
 
 def label(fn: str, name: Optional[str]) -> str:

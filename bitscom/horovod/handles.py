@@ -7,6 +7,7 @@ from typing import Any, Iterator, Optional
 from .. import runtime
 from ..channel import Channel
 from ..comm import Comm, Rounds
+from ..validate import instance
 
 __all__ = ["Handle", "submit", "synchronize", "poll"]
 
@@ -47,8 +48,7 @@ def synchronize(handle: Handle) -> Any:
         h = bitscom.allgather_async(x)
         everything = bitscom.synchronize(h)
     """
-    if not isinstance(handle, Handle):
-        raise TypeError(f"synchronize expects a bitscom.Handle, got {type(handle).__name__}")
+    instance("synchronize handle", handle, Handle, "a bitscom.Handle")
     handle._channel.wait(handle)
     return handle.result
 
@@ -61,7 +61,6 @@ def poll(handle: Handle) -> bool:
         while not bitscom.poll(h):
             do_other_work()
     """
-    if not isinstance(handle, Handle):
-        raise TypeError(f"poll expects a bitscom.Handle, got {type(handle).__name__}")
+    instance("poll handle", handle, Handle, "a bitscom.Handle")
     handle._channel.poll()
     return handle.done

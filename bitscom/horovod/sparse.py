@@ -13,6 +13,7 @@ import torch
 from ..face import live_objects
 from ..comm import Comm, drive
 from ..ops import Average, ReduceOp, Sum
+from ..validate import choice, instance
 from .args import check_name, label, resolve_op
 from .failures import guard
 from .groups import face_comm, face_group
@@ -29,8 +30,7 @@ _LAYOUT_NAMES = {NONE: "no gradient", SPARSE: "sparse", DENSE: "dense"}
 
 
 def _check_sparse(fn: str, tensor: Any) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"bitscom.{fn} expects a torch.Tensor, got {type(tensor).__name__}")
+    instance(f"bitscom.{fn} tensor", tensor, torch.Tensor, "a torch.Tensor")
     if tensor.layout != torch.sparse_coo:
         raise TypeError(f"bitscom.{fn} reduces sparse COO tensors; got layout {tensor.layout} "
                         "(use bitscom.allreduce for dense tensors, or .to_sparse())")
@@ -43,11 +43,7 @@ def _check_sparse(fn: str, tensor: Any) -> None:
 
 
 def _resolve_sparse_op(op: Optional[ReduceOp]) -> ReduceOp:
-    op = resolve_op(op, None)
-    if op not in (Average, Sum):
-        raise ValueError(f"sparse_allreduce sums the gathered rows: op must be bitscom.Average or "
-                         f"bitscom.Sum, got {op!r}")
-    return op
+    return choice("sparse_allreduce op", resolve_op(op, None), (Average, Sum))
 
 
 def _check_rows(lbl: str, rows: List[List[int]]) -> Optional[Tuple[List[int], int]]:

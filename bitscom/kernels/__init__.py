@@ -8,6 +8,7 @@ import torch
 
 from . import format as fmt
 from . import torch_ref
+from ..validate import choice, instance
 from .format import (SUPPORTED_BITS, num_blocks, payload_bytes, scale_bytes, wire_bytes,
                      bits_per_element)
 
@@ -48,11 +49,10 @@ def implementation(device) -> str:
 
 
 def _backend(impl, device):
+    choice("impl", impl, IMPLEMENTATIONS + (None,))
     name = implementation(device) if impl is None else impl
     if name == "torch":
         return torch_ref
-    if name not in _COMPILED:
-        raise ValueError(f"impl={impl!r} is not one of {IMPLEMENTATIONS} or None")
     needs, fix = _COMPILED[name]
     if device.type != needs:
         raise ValueError(f"impl={name!r} needs {needs.upper()} tensors, got device {device}")
@@ -105,9 +105,7 @@ def quantize_pack(x, bits, block_size=128, *, stochastic=False, seed=0, index_of
     fmt.check_block_size(block_size)
     fmt.check_seed(seed)
     fmt.check_index_offset(index_offset)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
+    if instance("x", x, torch.Tensor, "a torch.Tensor").dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
         raise TypeError(f"x must be a contiguous 1-D float32 tensor, got {x.dtype} shape "
                         f"{tuple(x.shape)} (contiguous={x.is_contiguous()})")
     n = x.numel()

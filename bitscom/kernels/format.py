@@ -5,6 +5,8 @@ stochastic-rounding key schedule), so the implementations cannot drift apart (``
 """
 from __future__ import annotations
 
+from ..validate import choice, number
+
 SUPPORTED_BITS = (1, 2, 4, 8, 12, 16)
 MIN_BLOCK_SIZE = 32
 MAX_BLOCK_SIZE = 65536
@@ -28,31 +30,22 @@ def group(bits: int) -> tuple[int, int]:
 
 
 def check_bits(bits) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits={bits!r} is not supported; allowed widths are {SUPPORTED_BITS}")
-    return bits
+    return choice("bits", bits, SUPPORTED_BITS)
 
 
-def check_block_size(block_size) -> int:
-    if (isinstance(block_size, bool) or not isinstance(block_size, int)
-            or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1)):
-        raise ValueError(f"block_size={block_size!r} is not allowed; use a power of two from {MIN_BLOCK_SIZE} "
-                         f"to {MAX_BLOCK_SIZE} (e.g. 128)")
+def check_block_size(block_size, name: str = "block_size") -> int:
+    if number(name, block_size, minimum=MIN_BLOCK_SIZE, maximum=MAX_BLOCK_SIZE, integer=True) & (block_size - 1):
+        raise ValueError(f"{name} must be a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}] (e.g. 128), "
+                         f"got {block_size!r}")
     return block_size
 
 
-def _check_uint(name: str, value, bits: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** bits:
-        raise ValueError(f"{name}={value!r} must be an int in [0, 2**{bits})")
-    return value
-
-
 def check_seed(seed) -> int:
-    return _check_uint("seed", seed, 64)
+    return number("seed", seed, minimum=0, maximum=2 ** 64 - 1, integer=True)
 
 
 def check_index_offset(index_offset) -> int:
-    return _check_uint("index_offset", index_offset, 62)
+    return number("index_offset", index_offset, minimum=0, maximum=2 ** 62 - 1, integer=True)
 
 
 def num_blocks(numel: int, block_size: int) -> int:
@@ -80,8 +73,7 @@ def wire_bytes(numel: int, bits: int, block_size: int) -> int:
     """
     check_bits(bits)
     check_block_size(block_size)
-    if numel < 0:
-        raise ValueError(f"numel={numel!r} must be >= 0")
+    number("numel", numel, minimum=0, integer=True)
     return payload_bytes(numel, bits, block_size) + scale_bytes(numel, block_size)
 
 

@@ -10,6 +10,7 @@ from typing import Optional
 
 from .. import kernels
 from ..suggest import did_you_mean
+from ..validate import choice, flag, instance, number
 from .codec import Codec
 from .format import FULL_PRECISION, SUPPORTED_BITS
 
@@ -32,14 +33,6 @@ ALIASES = {"bits": "bitwidth", "stage2_bits": "stage2_bitwidth", "intra_bits": "
 DEFAULT_STAGE2_BITS = {1: 4, 2: 4, 4: 4, 8: 8, 12: 12, 16: 16, 32: 32}
 
 _WIDTHS = tuple(SUPPORTED_BITS) + (FULL_PRECISION,)
-
-
-def _check_width(name, value, allow_none=False):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value not in _WIDTHS:
-        raise ValueError(f"{name}={value!r} is not supported; allowed widths are {_WIDTHS} "
-                         f"({FULL_PRECISION} = full-precision float32)")
 
 
 @dataclass(frozen=True)
@@ -79,25 +72,20 @@ class LowBitConfig:
     backend_ops: tuple = ("all_reduce",)
 
     def __post_init__(self):
-        _check_width("bitwidth", self.bitwidth)
-        _check_width("stage2_bitwidth", self.stage2_bitwidth, allow_none=True)
-        _check_width("intra_bitwidth", self.intra_bitwidth)
+        choice("bitwidth", self.bitwidth, _WIDTHS)
+        choice("stage2_bitwidth", self.stage2_bitwidth, _WIDTHS + (None,))
+        choice("intra_bitwidth", self.intra_bitwidth, _WIDTHS)
         kernels.format.check_block_size(self.block_size)
         for name in ("stochastic_rounding", "hadamard", "error_feedback", "stage2_error_feedback",
                      "local_quantize", "simulate_quantization"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool (True or False), got {getattr(self, name)!r}"
-                                + (f"; pick a mode with error_feedback_mode={EF_MODES}"
-                                   if name == "error_feedback" else ""))
+            flag(name, getattr(self, name))
         self._resolve_error_feedback()
-        if self.hierarchy not in HIERARCHIES:
-            raise ValueError(f"hierarchy={self.hierarchy!r} is not one of {HIERARCHIES}")
+        choice("hierarchy", self.hierarchy, HIERARCHIES)
         if self.local_quantize and self.hierarchy != "leader":
             raise ValueError("local_quantize=True applies to hierarchy='leader' only, "
                              f"got hierarchy={self.hierarchy!r}")
-        c = self.chunk_size
-        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
-            raise ValueError(f"chunk_size={self.chunk_size!r} must be None or an int >= 1")
+        if self.chunk_size is not None:
+            number("chunk_size", self.chunk_size, minimum=1, integer=True)
         kernels.format.check_seed(self.seed)
         self._resolve_backend_ops()
 
@@ -131,8 +119,8 @@ class LowBitConfig:
     def build(cls, config: Optional["LowBitConfig"] = None, **settings) -> "LowBitConfig":
         """``config`` (default: all defaults) with ``settings`` replaced, by their names or
         :data:`ALIASES`; an unknown name is a ``TypeError`` listing the allowed ones."""
-        if config is not None and not isinstance(config, LowBitConfig):
-            raise TypeError(f"config must be a LowBitConfig, got {type(config).__name__}")
+        if config is not None:
+            instance("config", config, LowBitConfig, "a LowBitConfig")
         names = [f.name for f in dataclasses.fields(cls)]
         values = {}
         for key, value in settings.items():

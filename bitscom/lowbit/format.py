@@ -14,6 +14,7 @@ from .. import kernels
 from ..kernels import format as fmt
 from ..kernels import torch_ref
 from ..kernels.format import SUPPORTED_BITS, HADAMARD_BLOCK, wire_bytes, bits_per_element
+from ..validate import instance, number
 from .hadamard import check_float_tensor, hadamard as _hadamard
 
 __all__ = ["SUPPORTED_BITS", "FULL_PRECISION", "HADAMARD_BLOCK", "Quantized", "quantize", "dequantize",
@@ -97,8 +98,7 @@ def dequantize(q: Quantized, out=None) -> torch.Tensor:
 
         dequantize(quantize(torch.randn(10, dtype=torch.bfloat16), 16)).dtype   # torch.bfloat16
     """
-    if not isinstance(q, Quantized):
-        raise TypeError(f"q must be a Quantized, got {type(q).__name__}")
+    instance("q", q, Quantized, "a Quantized")
     n = q.numel
     padded = fmt.num_blocks(n, q.block_size) * q.block_size if q.hadamard else n
     v = kernels.unpack_dequantize(q.payload, q.scales, padded, q.bits, q.block_size)
@@ -136,8 +136,7 @@ def unpack(payload, bits, count) -> torch.Tensor:
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
         got = payload.dtype if isinstance(payload, torch.Tensor) else type(payload).__name__
         raise TypeError(f"payload must be a uint8 tensor, got {got}")
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"count={count!r} must be an int >= 0")
+    number("count", count, minimum=0, integer=True)
     need = (count * bits + 7) // 8
     if payload.numel() < need:
         raise ValueError(f"payload has {payload.numel()} bytes; {count} codes of {bits} bits need {need}")

@@ -12,6 +12,7 @@ from functools import lru_cache
 import torch
 
 from ..kernels.format import HADAMARD_BLOCK
+from ..validate import choice, instance, number
 
 __all__ = ["HADAMARD_BLOCK", "HADAMARD_BACKENDS", "hadamard", "inverse_hadamard", "hadamard_matrix"]
 
@@ -21,9 +22,7 @@ HADAMARD_BACKENDS = ("butterfly", "gemm")
 
 def check_float_tensor(x, name: str) -> None:
     """A TypeError unless ``x`` is a dense floating tensor (naming it ``name``)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.layout != torch.strided:
+    if instance(name, x, torch.Tensor, "a torch.Tensor").layout != torch.strided:
         raise TypeError(f"{name} must be dense (strided), got layout {x.layout}")
     if not x.dtype.is_floating_point:
         raise TypeError(f"{name} has dtype {x.dtype}; allowed: floating dtypes (float32, float16, "
@@ -32,13 +31,12 @@ def check_float_tensor(x, name: str) -> None:
 
 def _check(x, block, backend) -> None:
     check_float_tensor(x, "x")
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block & (block - 1):
-        raise ValueError(f"block={block!r} must be a power of two (e.g. 32)")
+    if number("block", block, minimum=1, integer=True) & (block - 1):
+        raise ValueError(f"block must be a power of two (e.g. 32), got {block!r}")
     if x.numel() % block:
         raise ValueError(f"x.numel()={x.numel()} must be a multiple of block={block} (pad it to a "
                          f"multiple of {block})")
-    if backend not in HADAMARD_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {HADAMARD_BACKENDS}")
+    choice("backend", backend, HADAMARD_BACKENDS)
 
 
 @lru_cache(maxsize=16)
@@ -51,8 +49,8 @@ def _matrix(n: int, dtype: torch.dtype, device: str) -> torch.Tensor:
 
 def hadamard_matrix(n: int = HADAMARD_BLOCK, dtype=torch.float32, device="cpu") -> torch.Tensor:
     """The orthonormal ``n x n`` Sylvester Hadamard matrix (symmetric, its own inverse); cached."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
-        raise ValueError(f"n={n!r} must be a power of two")
+    if number("n", n, minimum=1, integer=True) & (n - 1):
+        raise ValueError(f"n must be a power of two, got {n!r}")
     return _matrix(n, dtype, str(torch.device(device)))
 
 

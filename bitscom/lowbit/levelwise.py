@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..validate import choice, instance, number
 from .codec import Codec
 from .hadamard import HADAMARD_BACKENDS, HADAMARD_BLOCK, hadamard as _hadamard
 from .rounds import pipeline, scatter_reduce
@@ -34,9 +35,8 @@ def default_order(levels: int) -> Tuple[int, ...]:
 def _check_levels(levels) -> None:
     if not levels:
         raise ValueError("levels must list at least one (comm, codec) pair")
-    for _, codec in levels:
-        if not isinstance(codec, Codec):
-            raise TypeError(f"each level is a (comm, Codec) pair, got codec {codec!r}")
+    for i, (_, codec) in enumerate(levels):
+        instance(f"levels[{i}] codec", codec, Codec, "a bitscom.lowbit.Codec (levels are (comm, Codec) pairs)")
 
 
 def _check(flat, out, levels, chunks, order, hadamard, hadamard_backend):
@@ -48,7 +48,7 @@ def _check(flat, out, levels, chunks, order, hadamard, hadamard_backend):
     if flat.numel() != world * S:
         raise ValueError(f"input has {flat.numel()} elements; the levels' sizes "
                          f"{[c.size for c, _ in levels]} x output numel {S} need {world * S}")
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or S % chunks:
+    if S % number("chunks", chunks, minimum=1, integer=True):
         raise ValueError(f"chunks={chunks!r} must be an int >= 1 dividing the shard size {S}")
     if sorted(order) != list(range(len(levels))):
         raise ValueError(f"order={tuple(order)!r} must be a permutation of the level indices "
@@ -56,8 +56,7 @@ def _check(flat, out, levels, chunks, order, hadamard, hadamard_backend):
     if hadamard and (S // chunks) % HADAMARD_BLOCK:
         raise ValueError(f"hadamard needs chunks of whole {HADAMARD_BLOCK}-element runs; shard {S} / "
                          f"chunks {chunks} = {S // chunks}")
-    if hadamard_backend not in HADAMARD_BACKENDS:
-        raise ValueError(f"hadamard_backend={hadamard_backend!r} is not one of {HADAMARD_BACKENDS}")
+    choice("hadamard_backend", hadamard_backend, HADAMARD_BACKENDS)
 
 
 def _chunk_rounds(x: torch.Tensor, out: torch.Tensor, levels, order, seeds: List[int],

@@ -3,7 +3,6 @@ frozen, validated once, compared across ranks at construction."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from .. import validate
@@ -12,36 +11,13 @@ from ..lowbit import LowBitConfig
 __all__ = ["OneBitConfig", "ZeroOneConfig", "OverlapConfig", "momentum_codec"]
 
 
-def _number(owner: str, name: str, value, low: float, high=None, *, open_high=True) -> None:
-    bad = isinstance(value, bool) or not isinstance(value, (int, float))
-    if not bad:
-        bad = math.isnan(value) or value < low or (high is not None and (value >= high if open_high else value > high))
-    if bad:
-        allowed = f"a number in [{low}, {high})" if high is not None else f"a finite number >= {low}"
-        raise ValueError(f"{owner} {name} must be {allowed}, got {value!r}")
-    if math.isinf(value):
-        raise ValueError(f"{owner} {name} must be finite, got {value!r}")
-
-
-def _integer(owner: str, name: str, value, low: int, why: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{owner} {name} must be an int >= {low}{why}, got {value!r}")
-
-
-def _flag(owner: str, name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{owner} {name} must be True or False, got {value!r}")
-
-
 def check_common(owner: str, lr, betas, eps, weight_decay) -> tuple:
     """The Adam settings both optimizers share; returns ``betas`` as a tuple."""
-    _number(owner, "lr", lr, 0.0)
-    _number(owner, "eps", eps, 0.0)
-    _number(owner, "weight_decay", weight_decay, 0.0)
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        validate.number(f"{owner} {name}", value, minimum=0, finite=True)
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"{owner} betas must be a pair (beta1, beta2), got {betas!r}")
-    _number(owner, "betas[0]", betas[0], 0.0, 1.0)
-    _number(owner, "betas[1]", betas[1], 0.0, 1.0)
+    validate.numbers(f"{owner} betas", betas, minimum=0, maximum=1, inclusive=(True, False))
     return (float(betas[0]), float(betas[1]))
 
 
@@ -74,10 +50,9 @@ class OneBitConfig:
     bias_correction: bool = True
 
     def __post_init__(self):
-        _integer("OneBitAdam", "freeze_step", self.freeze_step, 1,
-                 " (the exact warm-up that estimates the variance; 0 would freeze it at zero)")
+        validate.number("OneBitAdam freeze_step", self.freeze_step, minimum=1, integer=True)
         _check_codec("OneBitAdam", self.block_size, self.stage2_bits)
-        _flag("OneBitAdam", "bias_correction", self.bias_correction)
+        validate.flag("OneBitAdam bias_correction", self.bias_correction)
 
     @property
     def codec(self) -> LowBitConfig:
@@ -108,12 +83,9 @@ class ZeroOneConfig:
     bias_correction: bool = True
 
     def __post_init__(self):
-        _flag("ZeroOneAdam", "bias_correction", self.bias_correction)
-        _integer("ZeroOneAdam", "var_freeze_step", self.var_freeze_step, 1,
-                 " (the variance needs at least one exact update)")
-        _integer("ZeroOneAdam", "var_update_scaler", self.var_update_scaler, 1)
-        _integer("ZeroOneAdam", "local_step_scaler", self.local_step_scaler, 1)
-        _integer("ZeroOneAdam", "local_step_clipper", self.local_step_clipper, 1)
+        validate.flag("ZeroOneAdam bias_correction", self.bias_correction)
+        for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
+            validate.number(f"ZeroOneAdam {name}", getattr(self, name), minimum=1, integer=True)
         _check_codec("ZeroOneAdam", self.block_size, self.stage2_bits)
 
     @property
@@ -122,8 +94,7 @@ class ZeroOneConfig:
 
 
 def _check_codec(owner: str, block_size, stage2_bits) -> None:
-    if stage2_bits not in (1, 2, 4, 8) or isinstance(stage2_bits, bool):
-        raise ValueError(f"{owner} stage2_bits must be one of (1, 2, 4, 8), got {stage2_bits!r}")
+    validate.choice(f"{owner} stage2_bits", stage2_bits, (1, 2, 4, 8))
     try:
         momentum_codec(block_size, stage2_bits)
     except (TypeError, ValueError) as err:

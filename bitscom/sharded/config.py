@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..kernels import format as fmt
 from ..ops import Average, ReduceOp, Sum
+from ..validate import choice, flag, number
 
 __all__ = ["ShardedConfig", "FULL_PRECISION", "GRADIENT_WIDTHS", "WEIGHT_WIDTHS"]
 
@@ -16,22 +17,6 @@ FULL_PRECISION = 32
 
 WEIGHT_WIDTHS = tuple(fmt.SUPPORTED_BITS)
 GRADIENT_WIDTHS = tuple(fmt.SUPPORTED_BITS) + (FULL_PRECISION,)
-
-
-def _check_int(name, value, allowed=None, minimum=None):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if allowed is not None and value not in allowed:
-        raise ValueError(f"{name}={value!r} is not supported; allowed: {allowed}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}={value!r} must be >= {minimum}")
-
-
-def _check_group(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < fmt.MIN_BLOCK_SIZE \
-            or value > fmt.MAX_BLOCK_SIZE or value & (value - 1):
-        raise ValueError(f"{name}={value!r} is not allowed; use a power of two from "
-                         f"{fmt.MIN_BLOCK_SIZE} to {fmt.MAX_BLOCK_SIZE} (elements per scale)")
 
 
 @dataclass(frozen=True)
@@ -77,21 +62,16 @@ class ShardedConfig:
 
     def __post_init__(self):
         for name in ("quantized_weights", "quantized_gradients", "hadamard_transform"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        _check_int("weight_quantization_bits", self.weight_quantization_bits, WEIGHT_WIDTHS)
-        _check_int("gradient_quantization_bits_intra", self.gradient_quantization_bits_intra, GRADIENT_WIDTHS)
-        _check_int("gradient_quantization_bits_inter", self.gradient_quantization_bits_inter, GRADIENT_WIDTHS)
-        _check_group("wq_group_size", self.wq_group_size)
-        _check_group("gq_group_size_intra", self.gq_group_size_intra)
-        _check_group("gq_group_size_inter", self.gq_group_size_inter)
-        _check_int("gradient_alltoall_pipeline", self.gradient_alltoall_pipeline, minimum=1)
-        _check_int("backward_passes_per_step", self.backward_passes_per_step, minimum=1)
-        if isinstance(self.fusion_threshold_mb, bool) or \
-                not isinstance(self.fusion_threshold_mb, (int, float)) or not self.fusion_threshold_mb >= 0:
-            raise ValueError(f"fusion_threshold_mb={self.fusion_threshold_mb!r} must be a number >= 0")
-        if self.op not in (Average, Sum):
-            raise ValueError(f"op={self.op!r} must be bitscom.Average or bitscom.Sum")
+            flag(name, getattr(self, name))
+        choice("weight_quantization_bits", self.weight_quantization_bits, WEIGHT_WIDTHS)
+        for name in ("gradient_quantization_bits_intra", "gradient_quantization_bits_inter"):
+            choice(name, getattr(self, name), GRADIENT_WIDTHS)
+        for name in ("wq_group_size", "gq_group_size_intra", "gq_group_size_inter"):
+            fmt.check_block_size(getattr(self, name), name)
+        for name in ("gradient_alltoall_pipeline", "backward_passes_per_step"):
+            number(name, getattr(self, name), minimum=1, integer=True)
+        number("fusion_threshold_mb", self.fusion_threshold_mb, minimum=0, finite=True)
+        choice("op", self.op, (Average, Sum))
         fmt.check_seed(self.seed)
         if self.hadamard_transform and not self.quantized_gradients:
             raise ValueError("hadamard_transform=True smooths gradient quantization; it needs "

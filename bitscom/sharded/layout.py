@@ -12,6 +12,7 @@ import torch
 from ..buckets import plan_buckets
 from ..compressors.base import TensorSlot
 from ..lowbit.format import HADAMARD_BLOCK
+from ..validate import number
 
 __all__ = ["Slot", "Piece", "BucketShard", "ShardPlan", "plan_shards"]
 
@@ -82,10 +83,9 @@ def plan_shards(params: Sequence[Tuple[str, Tuple[int, ...], int]], world: int, 
         plan = plan_shards([(n, tuple(p.shape), p.numel()) for n, p in model.named_parameters()],
                            world=4, rank=0, threshold_bytes=25 * 2**20)
     """
-    if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"rank={rank} must lie in [0, world={world})")
-    if threshold_bytes < 0:
-        raise ValueError(f"threshold_bytes={threshold_bytes} must be >= 0")
+    number("world", world, minimum=1, integer=True)
+    number("rank", rank, minimum=0, maximum=world - 1, integer=True)
+    number("threshold_bytes", threshold_bytes, minimum=0, integer=True)
     unit = HADAMARD_BLOCK * pipeline
     # The one bucket planner (reverse registration order, closed at the threshold), on meta
     # stand-ins with the master dtype's element size: no memory, the same plan everywhere.

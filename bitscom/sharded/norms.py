@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..comm import Comm
+from ..validate import number
 
 __all__ = ["norm_summary", "global_norm", "clip_coefficient"]
 
@@ -71,8 +72,7 @@ def _nonzero_parameters(grads, owners: Sequence[int], n_params: int, device, top
 def global_norm(grads: Sequence[torch.Tensor], norm_type: float, summary: Optional[torch.Tensor],
                 device, topo, owners: Sequence[int] = (), n_params: int = 0) -> torch.Tensor:
     """The norm of order ``norm_type`` of the whole gradient (float64; ``owners`` for order 0)."""
-    if math.isnan(norm_type):
-        raise ValueError(f"norm_type must be a number (inf, -inf and 0 included), got {norm_type!r}")
+    number("norm_type", norm_type)
     if summary is not None:
         if norm_type == 2.0:
             return summary[_SUMSQ] ** 0.5

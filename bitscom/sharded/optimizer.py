@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import math
 import zlib
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, cast
@@ -22,6 +21,7 @@ from ..lifecycle import StepFace, StepLifecycle
 from ..runtime import node_groups, node_layout
 from ..ops import Average, ReduceOp
 from ..params import named_parameters_of
+from ..validate import number
 from .norms import clip_coefficient, global_norm, norm_summary
 from .checkpoint import FORMAT, join_pieces, piece_state, split_state
 from .config import ShardedConfig
@@ -40,19 +40,6 @@ running them on a 1-D slice of a parameter equals running them on the whole para
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _check_local_size(local_size) -> None:
-    if local_size is None:
-        return
-    if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1:
-        raise ValueError(f"local_size={local_size!r} must be an int >= 1 (ranks per node) or None")
-
-
-def _check_threshold(value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0:
-        raise ValueError(f"fusion_threshold_mb={value!r} must be a finite number >= 0")
-
-
 def _resolve_topology(process_group, intra_group, inter_group, local_size):
     """(topology, "consistent" or this rank's layout problem, node size of groups yet to build)."""
     if process_group is None:
@@ -60,8 +47,7 @@ def _resolve_topology(process_group, intra_group, inter_group, local_size):
     world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
     intra_group, inter_group, local_size = _node_choice(process_group, intra_group, inter_group, local_size)
     if intra_group is None:
-        if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \
-                or world % local_size:
+        if world % local_size:
             raise ValueError(f"local_size={local_size!r} must be an int >= 1 dividing the world size {world}")
         return Topology(process_group, None, None, world, rank, local_size), "consistent", local_size
     topology = Topology(process_group, intra_group, inter_group, world, rank, dist.get_world_size(intra_group))
@@ -157,8 +143,8 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                  local_size: Optional[int] = None, elementwise: bool = False, seed: int = 0):
         settings = locals()          # every ShardedConfig field is a keyword argument of that name
         _check_optimizer(optimizer, elementwise)
-        _check_local_size(local_size)
-        _check_threshold(fusion_threshold_mb)
+        if local_size is not None:
+            number("local_size", local_size, minimum=1, integer=True)
         self.config = ShardedConfig(**{f.name: settings[f.name] for f in dataclasses.fields(ShardedConfig)})
         named = named_parameters_of(optimizer, named_parameters)
         self._face_init("ShardedOptimizer", process_group, named, warn_single=False, dtypes=_DTYPES)
@@ -524,9 +510,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             if bitscom.rank() == 0:
                 torch.save(ckpt, "opt.pt")
         """
-        world = self.topo.world
-        if isinstance(to_rank, bool) or not isinstance(to_rank, int) or not 0 <= to_rank < world:
-            raise ValueError(f"to_rank={to_rank!r} must be a rank of the group, in [0, {world})")
+        number("to_rank", to_rank, minimum=0, maximum=self.topo.world - 1, integer=True)
         gathered = gather_objects(self._my_pieces(), self.topo.group, to_rank)
         if gathered is None:          # not the destination rank
             return None
