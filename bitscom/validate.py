@@ -36,8 +36,9 @@ def _closed(inclusive: Union[bool, Tuple[bool, bool]]) -> Tuple[bool, bool]:
 
 def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: Optional[float] = None,
            inclusive: Union[bool, Tuple[bool, bool]] = True, integer: bool = False,
-           finite: bool = False) -> Any:
-    """``value`` if an int (``integer``) or real number within the bounds, else a ValueError."""
+           finite: bool = False, why: str = "") -> Any:
+    """``value`` if an int (``integer``) or real number within the bounds, else a ValueError
+    (``why``, when given, ends the message: what the bound protects)."""
     closed = _closed(inclusive)
     kind = "an int" if integer else ("a finite number" if finite else "a number")
     ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
@@ -45,7 +46,7 @@ def number(name: str, value: Any, *, minimum: Optional[float] = None, maximum: O
         v = float(value)
         ok = not math.isnan(v) and not (finite and math.isinf(v)) and _within(v, minimum, maximum, closed)
     if not ok:
-        raise ValueError(f"{name} must be {kind}{_bounds(minimum, maximum, closed)}, got {value!r}")
+        raise ValueError(f"{name} must be {kind}{_bounds(minimum, maximum, closed)}, got {value!r}{_why(why)}")
     return value
 
 
@@ -71,17 +72,21 @@ def numbers(name: str, values: Any, *, nonempty: bool = False, minimum: Optional
     return items
 
 
-def flag(name: str, value: Any) -> bool:
+def _why(why: str) -> str:
+    return f"; {why}" if why else ""
+
+
+def flag(name: str, value: Any, why: str = "") -> bool:
     """``value`` if it is a bool, else a TypeError (``'no'`` would read as True)."""
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r}{_why(why)}")
     return value
 
 
-def choice(name: str, value: Any, allowed: Sequence[Any]) -> Any:
+def choice(name: str, value: Any, allowed: Sequence[Any], why: str = "") -> Any:
     """``value`` if it is one of ``allowed``, else a ValueError listing them."""
     if not any(value == a and type(value) is type(a) for a in allowed):
-        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}{_why(why)}")
     return value
 
 

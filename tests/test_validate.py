@@ -78,3 +78,17 @@ def test_instance_shows_a_long_repr_short_and_on_one_line():
     msg = str(err.value)
     assert msg.startswith("optimizer must be a torch.optim.Optimizer, got Model( (layer)") and msg.endswith(" (Model)")
     assert "\n" not in msg and "..." in msg and len(msg) < 140, msg
+
+
+def test_the_why_of_a_bound_ends_the_message():
+    """Where a bound has a reason the user needs, the error says it after the value."""
+    from bitscom.lowbit import LowBitConfig
+    from bitscom.onebit.config import OneBitConfig
+    with pytest.raises(ValueError, match=r"got 3; 32 = full-precision float32$"):
+        LowBitConfig(bitwidth=3)
+    with pytest.raises(TypeError, match=r"got 'yes'; pick a mode with error_feedback_mode="):
+        LowBitConfig(error_feedback="yes")
+    with pytest.raises(ValueError, match=r"freeze_step must be an int >= 1, got 0; the exact warm-up"):
+        OneBitConfig(freeze_step=0)
+    with pytest.raises(ValueError, match=r"^x must be a number >= 0, got -1$"):
+        number("x", -1, minimum=0)                     # no why: nothing appended

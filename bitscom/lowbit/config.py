@@ -72,13 +72,14 @@ class LowBitConfig:
     backend_ops: tuple = ("all_reduce",)
 
     def __post_init__(self):
-        choice("bitwidth", self.bitwidth, _WIDTHS)
-        choice("stage2_bitwidth", self.stage2_bitwidth, _WIDTHS + (None,))
-        choice("intra_bitwidth", self.intra_bitwidth, _WIDTHS)
+        full = f"{FULL_PRECISION} = full-precision float32"
+        choice("bitwidth", self.bitwidth, _WIDTHS, full)
+        choice("stage2_bitwidth", self.stage2_bitwidth, _WIDTHS + (None,), full)
+        choice("intra_bitwidth", self.intra_bitwidth, _WIDTHS, full)
         kernels.format.check_block_size(self.block_size)
         for name in ("stochastic_rounding", "hadamard", "error_feedback", "stage2_error_feedback",
                      "local_quantize", "simulate_quantization"):
-            flag(name, getattr(self, name))
+            flag(name, getattr(self, name), f"pick a mode with error_feedback_mode={EF_MODES}" if name == "error_feedback" else "")
         self._resolve_error_feedback()
         choice("hierarchy", self.hierarchy, HIERARCHIES)
         if self.local_quantize and self.hierarchy != "leader":

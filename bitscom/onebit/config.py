@@ -50,7 +50,8 @@ class OneBitConfig:
     bias_correction: bool = True
 
     def __post_init__(self):
-        validate.number("OneBitAdam freeze_step", self.freeze_step, minimum=1, integer=True)
+        validate.number("OneBitAdam freeze_step", self.freeze_step, minimum=1, integer=True,
+                        why="the exact warm-up that estimates the variance; 0 would freeze it at zero")
         _check_codec("OneBitAdam", self.block_size, self.stage2_bits)
         validate.flag("OneBitAdam bias_correction", self.bias_correction)
 
@@ -84,7 +85,9 @@ class ZeroOneConfig:
 
     def __post_init__(self):
         validate.flag("ZeroOneAdam bias_correction", self.bias_correction)
-        for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
+        validate.number("ZeroOneAdam var_freeze_step", self.var_freeze_step, minimum=1, integer=True,
+                        why="the variance needs at least one exact update")
+        for name in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
             validate.number(f"ZeroOneAdam {name}", getattr(self, name), minimum=1, integer=True)
         _check_codec("ZeroOneAdam", self.block_size, self.stage2_bits)
 
