@@ -8,8 +8,9 @@ over seeds with the worst seed beside it, since the issue's bar is "every seed w
 
     python scripts/fsdp_report.py /tmp/gpt/hsdp_seed* /tmp/gpt/fsdp_seed* --out docs
 
-Writes ``<out>/fsdp_gpt_summary.csv`` and ``<out>/fsdp_gpt_loss.png`` (training loss relative to
-the exact run of the same seed, one panel per mesh) and prints a markdown table.
+Writes ``<out>/fsdp_gpt_summary.csv``, ``<out>/fsdp_gpt_runs.csv`` (every run's row) and
+``<out>/fsdp_gpt_loss.png`` (training loss of every run, exact in black, one panel per mesh)
+and prints a markdown table.
 """
 from __future__ import annotations
 
@@ -70,23 +71,24 @@ def plot(curves: list, path: str) -> None:
     except ImportError:
         print("matplotlib not installed: skipping the PNG (pip install matplotlib)")
         return
-    ref = {(c["mesh"], c["seed"], c["step"]): float(c["train_loss"]) for c in curves if c["group"] == "exact"}
     meshes = sorted({c["mesh"] for c in curves})
     fig, axes = plt.subplots(1, len(meshes), figsize=(5.5 * len(meshes), 3.8), squeeze=False)
+    colors = {"exact": "black", "hsdp4ef": "tab:red", "hsdp4": "tab:orange", "w8": "tab:blue",
+              "wd4": "tab:green", "g4w8": "tab:purple"}
     for ax, mesh in zip(axes[0], meshes):
         lines = defaultdict(list)
         for c in curves:
-            key = (c["mesh"], c["seed"], c["step"])
-            if c["mesh"] == mesh and c["group"] != "exact" and key in ref:
-                lines[(c["group"], c["seed"])].append((int(c["step"]), 100 * (float(c["train_loss"]) / ref[key] - 1)))
+            if c["mesh"] == mesh:
+                lines[(c["group"], c["seed"])].append((int(c["step"]), float(c["train_loss"])))
         for (group, seed), pts in sorted(lines.items()):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{group}, seed {seed}", lw=1)
-        ax.axhline(0, color="black", lw=0.8)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors.get(group), lw=1,
+                    ls=("-", "--", ":")[int(seed) % 3], label=f"{group}, seed {seed}")
         kind = "plain FSDP2" if mesh.startswith("1x") else "HSDP"
-        ax.set_title(f"{kind} ({mesh} ranks): loss vs exact, same seed", fontsize=10)
+        ax.set_title(f"{kind} ({mesh} ranks), 1 Gbit/s between nodes", fontsize=10)
         ax.set_xlabel("step")
-        ax.set_ylabel("training loss difference (%)")
+        ax.set_ylabel("training loss (mean over ranks)")
+        ax.set_yscale("log")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -110,10 +112,11 @@ def main(argv=None) -> list:
     if not summary:
         raise SystemExit(f"no compressed group with an exact group of the same mesh and seed in {args.dirs}")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "fsdp_gpt_summary.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(summary[0]))
-        w.writeheader()
-        w.writerows(summary)
+    for name, table in (("fsdp_gpt_summary.csv", summary), ("fsdp_gpt_runs.csv", rows)):
+        with open(os.path.join(args.out, name), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(table[0]))
+            w.writeheader()
+            w.writerows(table)
     print("| " + " | ".join(summary[0]) + " |")
     print("|" + "---|" * len(summary[0]))
     for s in summary:
