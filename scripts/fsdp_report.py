@@ -30,8 +30,19 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den else float("nan")
 
 
-def summarize(rows: list) -> list:
-    """One line per (mesh, group) other than ``exact``, against ``exact`` of the same mesh and seed."""
+def _tail(curves: list, mesh: str, seed: str, group: str, last: int = 50) -> float:
+    """Summed training loss over the logged steps of the last ``last`` steps (NaN: none logged)."""
+    pts = [(int(c["step"]), float(c["train_loss"])) for c in curves
+           if (c["mesh"], str(c["seed"]), c["group"]) == (mesh, str(seed), group)]
+    end = max((step for step, _ in pts), default=0)
+    tail = [loss for step, loss in pts if step > end - last]
+    return sum(tail) if tail else float("nan")
+
+
+def summarize(rows: list, curves: list = ()) -> list:
+    """One line per (mesh, group) other than ``exact``, against ``exact`` of the same mesh and seed.
+    ``tail_train_diff_pct``: the training loss summed over the last 50 steps' logged points (every
+    rank's batch each), against exact's: steadier than one held-out batch."""
     exact = {(r["mesh"], r["seed"]): r for r in rows if r["group"] == "exact"}
     by_group = defaultdict(list)
     for r in rows:
@@ -46,6 +57,8 @@ def summarize(rows: list) -> list:
             "wire_x": _ratio(float(ref["wire_tx_bytes_per_node_step"]), float(r["wire_tx_bytes_per_node_step"])),
             "time_x": _ratio(float(r["seconds_per_step"]), float(ref["seconds_per_step"])),
             "loss": float(r["held_out_loss"]), "exact_loss": float(ref["held_out_loss"]), "steps": r["steps"],
+            "tail_pct": 100 * (_tail(curves, r["mesh"], r["seed"], r["group"])
+                               / _tail(curves, r["mesh"], r["seed"], "exact") - 1),
         })
     out = []
     for (mesh, group), seeds in sorted(by_group.items()):
@@ -56,6 +69,8 @@ def summarize(rows: list) -> list:
             "loss_mean": round(statistics.mean(s["loss"] for s in seeds), 4),
             "loss_diff_pct_mean": round(statistics.mean(s["loss_pct"] for s in seeds), 3),
             "loss_diff_pct_worst": round(worst["loss_pct"], 3),
+            "tail_train_diff_pct_mean": round(statistics.mean(s["tail_pct"] for s in seeds), 3),
+            "tail_train_diff_pct_worst": round(max((s["tail_pct"] for s in seeds), key=abs), 3),
             "counted_bytes_x_fewer": round(statistics.mean(s["counted_x"] for s in seeds), 2),
             "wire_bytes_x_fewer": round(statistics.mean(s["wire_x"] for s in seeds), 2),
             "step_time_ratio": round(statistics.mean(s["time_x"] for s in seeds), 3),
@@ -108,7 +123,7 @@ def main(argv=None) -> list:
             curve = _read(os.path.join(d, "fsdp_curve.csv"))
             mesh = rows[-1]["mesh"]
             curves += [dict(c, mesh=mesh) for c in curve]
-    summary = summarize(rows)
+    summary = summarize(rows, curves)
     if not summary:
         raise SystemExit(f"no compressed group with an exact group of the same mesh and seed in {args.dirs}")
     os.makedirs(args.out, exist_ok=True)

@@ -62,3 +62,16 @@ def test_report_compares_each_group_with_exact_of_the_same_seed_and_mesh():
     assert s["counted_bytes_x_fewer"] == pytest.approx(6.0)        # mean of 8x and 4x
     assert s["wire_bytes_x_fewer"] == pytest.approx(6.0)
     assert s["step_time_ratio"] == pytest.approx(0.625)
+
+
+def test_report_tail_compares_the_last_50_steps_of_training_loss():
+    """The steadier metric: summed logged training loss after step end-50, against exact's."""
+    row = {"seed": "0", "mesh": "2x2", "steps": "300", "held_out_loss": "1.0", "inter_bytes_per_step": "1",
+           "inter_fp32_bytes_per_step": "8", "all_gather_bytes_per_step": "0", "all_gather_fp_bytes_per_step": "0",
+           "wire_tx_bytes_per_node_step": "1", "seconds_per_step": "1"}
+    rows = [dict(row, group="exact"), dict(row, group="hsdp4ef")]
+    curves = [{"mesh": "2x2", "seed": "0", "group": g, "step": str(step), "train_loss": str(loss)}
+              for g, scale in (("exact", 1.0), ("hsdp4ef", 1.02)) for step in range(10, 301, 10)
+              for loss in [(5.0 if step <= 250 else 1.0) * scale]]
+    (s,) = fsdp_report.summarize(rows, curves)
+    assert s["tail_train_diff_pct_mean"] == pytest.approx(2.0)      # only steps 260..300 count
