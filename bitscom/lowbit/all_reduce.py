@@ -11,7 +11,7 @@ import torch
 from .config import LowBitConfig
 from .error_feedback import ErrorFeedback
 from .hadamard import hadamard
-from .rounds import chunk_bounds, encode_with_feedback, leader_rounds, levels_rounds, pad, pipeline, world_rank
+from .rounds import chunk_bounds, decode_sum_scaled, encode_with_feedback, leader_rounds, levels_rounds, pad, pipeline, world_rank
 from .seeds import key_id, stage_seed
 from .state import LowBitState
 
@@ -108,29 +108,6 @@ def _fast_flat(cfg: LowBitConfig, hier: str, flat: torch.Tensor, N: int, unit: i
             and len(chunk_bounds(N, unit, cfg.chunk_size)) == 1)
 
 
-def _fused_feedback(ef: ErrorFeedback, x: torch.Tensor, N: int, codec) -> bool:
-    """Whether the residual update can be fused into the quantizer (making the residual if absent)."""
-    e = ef.ensure(N, x.device)
-    return ef.enabled and e.is_contiguous() and codec.fused_feedback(x)
-
-
-def _server_feedback(recv, m: int, alpha: float, codecs, buf, seed: int, offset: int, state: LowBitState) -> None:
-    """The shard owner's stage 2 with server error feedback (1-bit Adam's): decode-sum the P
-    rows, scale, encode ``shard + e2`` into ``buf`` and keep ``e2 = shard + e2 - D(C(.))``: the
-    steps of :func:`~bitscom.lowbit.rounds.levels_rounds`' general path, in one fused quantizer
-    pass where the codec has one (the bits are the same; tested against the torch path)."""
-    c1, c2 = codecs
-    shard = state.scratch("stage2", (m,), torch.float32, recv.device)
-    c1.decode_sum(recv, m, shard)
-    if alpha != 1.0:
-        shard.mul_(alpha)
-    e2 = state.stage2_residual
-    if _fused_feedback(e2, shard, m, c2):
-        c2.encode_feedback(shard, e2.ensure(m, recv.device), buf, seed, offset)
-    else:
-        encode_with_feedback(shard, c2, buf, seed, offset, e2)
-
-
 def _flat_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: LowBitState, alpha: float,
                  seeds, unit: int) -> Iterator:
     """The flat two-stage all-reduce of :func:`levels_rounds` with one level, minus its copies
@@ -142,27 +119,18 @@ def _flat_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: LowBitState
     m, dev = N // P, flat.device
     c1, c2 = cfg.codec(cfg.bitwidth), cfg.codec(cfg.resolved_stage2_bitwidth)
     r1, r2 = c1.row_bytes(m), c2.row_bytes(m)
-    ef = state.residual if cfg.residual else None
+    e = state.residual.ensure(N, dev) if cfg.residual else None
     send = state.scratch("send", (P, r1), torch.uint8, dev)
     recv = state.scratch("recv", (P, r1), torch.uint8, dev)
-    if ef is not None and _fused_feedback(ef, x, N, c1):
-        e = ef.ensure(N, dev)
-        for j in range(P):                        # e = x + e - D(C(x + e)), NaN/Inf -> 0: one pass
-            c1.encode_feedback(x[j * m:(j + 1) * m], e[j * m:(j + 1) * m], send[j], seeds(0), j * m)
-        ef = None                                 # done: no separate update
-    else:
-        if ef is not None:
-            x = ef.compensate(x)                  # x + e, in the residual buffer
-        for j in range(P):
-            c1.encode(x[j * m:(j + 1) * m], send[j], seeds(0), j * m)
-    if ef is not None:                            # e = x + e - D(C(x + e))
-        sent = state.scratch("sent", (N,), torch.float32, dev)
-        for j in range(P):
-            c1.decode(send[j], m, sent[j * m:(j + 1) * m])
+    for j in range(P):                            # with EF: e = x + e - D(C(x + e)), NaN/Inf -> 0
+        ef = None if e is None else ErrorFeedback.over(e[j * m:(j + 1) * m])
+        encode_with_feedback(x[j * m:(j + 1) * m], c1, send[j], seeds(0), j * m, ef)
     yield comm.all_to_all(recv.view(-1), send.view(-1))
     buf = state.scratch("row", (r2,), torch.uint8, dev)
-    if cfg.stage2_error_feedback:
-        _server_feedback(recv, m, alpha, (c1, c2), buf, seeds(1), comm.rank * m, state)
+    if cfg.stage2_error_feedback:                 # server error feedback (1-bit Adam's stage 2)
+        shard = decode_sum_scaled(c1, recv, m, alpha, state.scratch("stage2", (m,), torch.float32, dev))
+        e2 = ErrorFeedback.over(state.stage2_residual.ensure(m, dev))
+        encode_with_feedback(shard, c2, buf, seeds(1), comm.rank * m, e2)
     else:
         c1.decode_sum_encode(recv, m, alpha, c2, buf, seeds(1), comm.rank * m)
     gathered = state.scratch("gathered", (P * r2,), torch.uint8, dev)
@@ -172,9 +140,6 @@ def _flat_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: LowBitState
         s, t = i * m, min(n, (i + 1) * m)
         if t > s:
             c2.decode_prefix(rows[i], m, out[s:t])
-    if ef is not None:
-        ef.update(sent)
-        ef.drop_nonfinite()
 
 
 def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Optional[LowBitState] = None,

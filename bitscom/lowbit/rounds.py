@@ -49,7 +49,12 @@ def scatter_reduce(x, comm, codec, seed, offset, sent=None, row_stride=None):
 
 def encode_with_feedback(x, codec, row, seed, offset, ef: Optional[ErrorFeedback]):
     """Encode ``x`` into ``row``; with ``ef``, encode ``x + e`` and keep ``e = x + e - D(C(x + e))``
-    (NaN/Inf entries of the new residual dropped: that step's output shows them)."""
+    (NaN/Inf entries of the new residual dropped: that step's output shows them). In one native
+    pass where the codec has one (:meth:`~bitscom.lowbit.codec.Codec.encode_feedback`: same bits)."""
+    e = None if ef is None or not ef.enabled else ef.residual
+    if e is not None and e.numel() == x.numel() and e.is_contiguous() and codec.fused_feedback(x):
+        codec.encode_feedback(x, e, row, seed, offset)
+        return
     if ef is not None:
         x = ef.compensate(x)
     codec.encode(x, row, seed, offset)
@@ -59,6 +64,12 @@ def encode_with_feedback(x, codec, row, seed, offset, ef: Optional[ErrorFeedback
     codec.decode(row, x.numel(), decoded)
     ef.update(decoded)
     ef.drop_nonfinite()
+
+
+def decode_sum_scaled(codec, recv, m: int, alpha: float, out: torch.Tensor) -> torch.Tensor:
+    """``alpha`` times the sum of the decoded rows of ``recv`` into ``out`` (float32 [m])."""
+    codec.decode_sum(recv, m, out)
+    return out.mul_(alpha) if alpha != 1.0 else out
 
 
 def levels_rounds(x, levels, out_codec, alpha, seeds, offset, sent=None, stage2_ef=None,
@@ -86,10 +97,7 @@ def levels_rounds(x, levels, out_codec, alpha, seeds, offset, sent=None, stage2_
     if anchor is None and stage2_ef is None:   # the fused dequantize-sum-scale-requantize kernel
         codec.decode_sum_encode(recv, m, alpha, out_codec, buf, seeds(len(levels)), off)
     else:
-        shard = torch.empty(m, dtype=torch.float32, device=x.device)
-        codec.decode_sum(recv, m, shard)
-        if alpha != 1.0:
-            shard.mul_(alpha)
+        shard = decode_sum_scaled(codec, recv, m, alpha, torch.empty(m, dtype=torch.float32, device=x.device))
         if anchor is not None:
             out_codec.encode(anchor + shard, buf, seeds(len(levels)), off)
             pending.append((anchor, shard))
