@@ -140,22 +140,16 @@ class OneBitBase(Face, torch.optim.Optimizer):
         self.exp_avg_sq = torch.zeros(self._numel, dtype=torch.float32, device=dev)
 
     # -- pieces of a step --------------------------------------------------------------------
-    def _views(self, flat: torch.Tensor):
-        for p, off in zip(self._params, self._offsets):
-            yield p, flat[off:off + p.numel()].view(p.shape)
-
-    def _groups(self):
-        """(param, lr, weight_decay, mask or None, index) for every parameter, in flat order."""
-        i = 0
-        for g in self.param_groups:
-            for p in g["params"]:
-                yield p, g["lr"], g["weight_decay"], g.get("exp_avg_mask"), i
-                i += 1
+    def _views(self, *flats: torch.Tensor):
+        """(param, its group, its view of each of ``flats``) for every parameter, in flat order."""
+        groups = [g for g in self.param_groups for _ in g["params"]]
+        for p, g, off in zip(self._params, groups, self._offsets):
+            yield (p, g, *[f[off:off + p.numel()].view(p.shape) for f in flats])
 
     def _local_gradient(self) -> torch.Tensor:
         """This rank's gradient as one flat fp32 tensor (missing = zeros), unscaled under GradScaler."""
         flat = torch.zeros(self._numel, dtype=torch.float32, device=self.exp_avg.device)
-        for p, view in self._views(flat):
+        for p, _, view in self._views(flat):
             if p.grad is not None:
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{self._NAME} does not support sparse gradients "
@@ -186,18 +180,18 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
     def _mask(self, flat: torch.Tensor) -> None:
         """``exp_avg_mask``: 1-bit codes cannot say 0, so always-zero rows would collect error for ever."""
-        for (_p, _, _, mask, _), (_, view) in zip(self._groups(), self._views(flat)):
-            if mask is not None:
-                view.mul_(mask.to(view.device, view.dtype))
+        for _, g, view in self._views(flat):
+            if g.get("exp_avg_mask") is not None:
+                view.mul_(g["exp_avg_mask"].to(view.device, view.dtype))
 
-    def _apply(self, update: torch.Tensor, extra: Optional[torch.Tensor] = None) -> None:
-        """``p -= lr * (update + wd * p)`` (decoupled weight decay); ``extra`` (0/1 Adam's u) alike."""
-        for (p, lr, wd, _, i), (_, u) in zip(self._groups(), self._views(update)):
+    def _apply(self, update: torch.Tensor, *also: torch.Tensor) -> None:
+        """``p -= lr * (update + wd * p)`` (decoupled weight decay); each of ``also`` (0/1 Adam's u) alike."""
+        for p, g, u, *rest in self._views(update, *also):
+            lr, wd = g["lr"], g["weight_decay"]
             step = u + wd * p if wd > 0 else u
             step = step * lr
-            if extra is not None:
-                off = self._offsets[i]
-                extra[off:off + p.numel()].view(p.shape).sub_(step)
+            for acc in rest:
+                acc.sub_(step)
             p.sub_(step)
 
     def _denominator(self, bias_correction2: float = 1.0) -> torch.Tensor:
