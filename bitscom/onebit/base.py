@@ -269,8 +269,8 @@ class OneBitBase(Face, torch.optim.Optimizer):
         if b.kind is None:
             self._begin_overlap(b)
         if b.kind != "none":
-            for i in b.missing():
-                b.fill(i, self._params[i].grad)
+            for i, p in enumerate(self._params):     # fill skips those backward already filled
+                b.fill(i, p.grad)
             self._launch_ready(b)
         life.completed = True
 
