@@ -44,12 +44,7 @@ class FragmentReducers:
 
     def wait(self, fragment: int) -> int:
         """Finish ``fragment``'s reduction (and what was submitted before it); the bytes it sent."""
-        reducer = self.reducers[fragment]
-        try:
-            return reducer.wait_all()
-        except BaseException:
-            reducer.abort()
-            raise
+        return self.reducers[fragment].wait_all()      # which aborts the fragment's buckets on failure
 
     def poll(self) -> None:
         """Advance every reduction whose current round completed (issue its next round)."""
