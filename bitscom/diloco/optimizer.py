@@ -92,7 +92,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         # Validated on every rank, then compared: a bad value on one rank is an error on every rank.
         error: Optional[Exception] = None
         try:
-            self._setup(inner_optimizer, named_parameters, sync_every, compression,
+            self._setup(inner_optimizer, named_parameters, compression,
                         DiLoCoConfig(sync_every, outer_lr, outer_momentum, nesterov, fragments,
                                      warmup_steps, delay, mix), fusion_threshold_mb)
         except (TypeError, ValueError) as err:
@@ -102,7 +102,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         self._start()
 
     # -- construction --------------------------------------------------------------------
-    def _setup(self, inner, named_parameters, sync_every, compression, config, fusion_threshold_mb) -> None:
+    def _setup(self, inner, named_parameters, compression, config, fusion_threshold_mb) -> None:
         self.inner = _inner_checked(inner)
         self.config = config
         self.compression = resolve_compressor("none" if compression is None else compression, "compression")
@@ -299,17 +299,16 @@ class DiLoCo(Face, torch.optim.Optimizer):
             # one process: Δ is its own average, already there
             self._flights[f] = Flight(f, step, arrived=self._size == 1)
 
-    def _arrive(self, fragment: int) -> None:
-        """Wait for ``fragment``'s reduction (its result lands in its flat buckets)."""
-        flight = self._flights[fragment]
-        if not flight.arrived:
-            flight.bytes_sent = self._reducer.wait(fragment)
-            flight.arrived = True
+    def _arrive(self, fragments: Sequence[int]) -> None:
+        """Wait for ``fragments``' reductions (their results land in their flat buckets)."""
+        for flight in (self._flights[f] for f in fragments):
+            if not flight.arrived:
+                flight.bytes_sent = self._reducer.wait(flight.fragment)
+                flight.arrived = True
 
     def _land(self, fragments: List[int], replace: Sequence[int] = ()) -> None:
         """Finish ``fragments``' reductions, step θ_global, and merge (``mix``) or replace (``replace``)."""
-        for f in fragments:
-            self._arrive(f)
+        self._arrive(fragments)
         chosen = [b for f in fragments for b in self._members[f]]
         sent = sum(self._flights.pop(f).bytes_sent for f in fragments)
         with torch.no_grad():
@@ -398,8 +397,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
 
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"ckpt.{rank}.pt")
         """
-        for f in sorted(self._flights):
-            self._arrive(f)
+        self._arrive(sorted(self._flights))
         flights = [{"fragment": f, "start": fl.start, "bytes_sent": fl.bytes_sent,
                     "reduced": [self._buckets[b].flat.detach().clone() for b in self._members[f]]}
                    for f, fl in sorted(self._flights.items())]
@@ -428,8 +426,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
             return
         inner = {k: v for k, v in state_dict.items() if k != "diloco"}
         flights = saved_flights(extra, self._members, [b.flat for b in self._buckets])
-        for f in sorted(self._flights):      # this object's own reductions finish (every rank's do)
-            self._arrive(f)
+        self._arrive(sorted(self._flights))      # this object's own reductions finish (every rank's do)
         load_checked(self, inner, extra)
         self._flights = {}
         with torch.no_grad():
