@@ -179,27 +179,24 @@ class DiLoCo(Face, torch.optim.Optimizer):
         """One inner step; after every ``sync_every``-th (per fragment), the outer step."""
         before = self._counters["bytes_sent"]
         try:
-            return self._step(closure)
+            self._check_live()
+            self._check_requires_grad()
+            self._agree_if_resumed(self._resume_description, "DiLoCo resumed state")
+            if self.config.in_warmup(self._counters["inner_steps"] + 1):
+                return self._warmup_step(closure)
+            if self._flights:       # issue the next rounds of the reductions in flight, if they can go
+                self._reducer.poll()
+            loss = self._inner_step(closure)
+            self._counters["inner_steps"] += 1
+            self._fresh = [False] * self.config.fragments
+            step = self._counters["inner_steps"]
+            self._launch(self.config.due(step))
+            lands = [f for f in self.config.lands(step) if f in self._flights]
+            if lands:
+                self._land(lands)
+            return loss
         finally:
             self._last_step = (self._counters["bytes_sent"] - before, self._dense_per_step)
-
-    def _step(self, closure):
-        self._check_live()
-        self._check_requires_grad()
-        self._agree_if_resumed(self._resume_description, "DiLoCo resumed state")
-        if self.config.in_warmup(self._counters["inner_steps"] + 1):
-            return self._warmup_step(closure)
-        if self._flights:       # issue the next rounds of the reductions in flight, if they can go
-            self._reducer.poll()
-        loss = self._inner_step(closure)
-        self._counters["inner_steps"] += 1
-        self._fresh = [False] * self.config.fragments
-        step = self._counters["inner_steps"]
-        self._launch(self.config.due(step))
-        lands = [f for f in self.config.lands(step) if f in self._flights]
-        if lands:
-            self._land(lands)
-        return loss
 
     @torch.no_grad()
     def _params_to_global(self) -> None:
