@@ -61,10 +61,9 @@ class OneBitBase(Face, torch.optim.Optimizer):
         ddp = None
         if error is None:
             ddp = self._ddp_wrapped(self._params)
-            description.update({"settings": repr(self.config), "overlap": repr(self.overlap_config),
-                                "groups": [(g["lr"], g["weight_decay"]) for g in self.param_groups],
-                                "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._params],
-                                "wrapped in DistributedDataParallel": ddp is not None})
+            description = {**self._description(), "wrapped in DistributedDataParallel": ddp is not None,
+                           "groups": [(g["lr"], g["weight_decay"]) for g in self.param_groups],
+                           "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._params]}
         self._face_agree(description, error, what=f"{name} settings")
         self._refuse_ddp(ddp)
         if self._size > 1:        # every replica starts from rank 0's weights, as DDP does
@@ -109,7 +108,6 @@ class OneBitBase(Face, torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def _plan(self) -> None:
-        self._params: List[torch.Tensor] = []
         params: List[torch.Tensor] = []
         for i, g in enumerate(self.param_groups):
             for p in g["params"]:
