@@ -103,6 +103,10 @@ class ZeroOneAdam(OneBitBase):
             g = self._exact_average(grad)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
             self._counters["exact_steps"] += 1
+            s["var_counter"] += 1
+            if s["var_counter"] == cfg.var_update_scaler:
+                s["var_counter"] = 0
+                s["var_interval"] *= 2
         else:
             g = self._onebit_average(grad)
             self._mask(g)
@@ -111,11 +115,6 @@ class ZeroOneAdam(OneBitBase):
         bc1, bc2 = self._bias_corrections(t)
         update = m / self._denominator(bc2)
         self._apply(update.div_(bc1) if bc1 != 1.0 else update)
-        if t % s["var_interval"] == 0:
-            s["var_counter"] += 1
-            if s["var_counter"] == cfg.var_update_scaler:
-                s["var_counter"] = 0
-                s["var_interval"] *= 2
 
     def _frozen_phase(self, grad: torch.Tensor, t: int) -> None:
         cfg, s = self.config, self._sched
