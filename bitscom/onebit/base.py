@@ -72,6 +72,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         self._lowbit = LowBitState()
         self._counters = {"step": 0, "exact_steps": 0, "compressed_steps": 0, "skipped_steps": 0, "bytes_sent": 0}
         self._last_step: Tuple[int, int] = (0, 0)     # (bytes sent, dense bytes) of the last step
+        self._dense_per_step = dense_bytes(self._numel) if self._size > 1 else 0
         self._sent: Optional[str] = None      # this step's 1-bit all-reduce already ran from the hooks
         self._buckets: Optional[OverlapBuckets] = None
         self._life: Optional[StepLifecycle] = None
@@ -341,11 +342,8 @@ class OneBitBase(Face, torch.optim.Optimizer):
         finally:
             self._sent = None
             self._reset_overlap()
-        self._last_step = (self._counters["bytes_sent"] - before, self._dense_per_step())
+        self._last_step = (self._counters["bytes_sent"] - before, self._dense_per_step)
         return loss
-
-    def _dense_per_step(self) -> int:
-        return dense_bytes(self._numel) if self._size > 1 else 0
 
     def _update(self, grad: torch.Tensor, t: int) -> None:
         raise NotImplementedError
@@ -369,7 +367,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         """Whole-run ``bytes_sent`` against an exact fp32 gradient all-reduce per step, and counters."""
         c = dict(self._counters)
         sent = c.pop("bytes_sent")
-        dense = (c["step"] + c["skipped_steps"]) * self._dense_per_step()
+        dense = (c["step"] + c["skipped_steps"]) * self._dense_per_step
         return report(*self._last_step, sent, dense, **c)
 
     def _extra_state(self) -> Dict[str, Any]:
