@@ -63,10 +63,8 @@ class FragmentReducers:
         if len(saved) != total:
             raise ValueError(f"checkpoint holds compressor state for {len(saved)} buckets, "
                              f"this plan has {total}")
-        start = 0
         for r, m in zip(self.reducers, self.members):
-            r.load_state_dict(dict(state, states=saved[start:start + len(m)]))
-            start += len(m)
+            r.load_state_dict(dict(state, states=[saved[b] for b in m]))
 
 
 def saved_flights(extra: dict, members: Sequence[Sequence[int]], flats: Sequence[torch.Tensor]) -> Dict[int, tuple]:
