@@ -12,7 +12,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..comm import Comm, resolve_group
+from ..comm import Comm, resolve_group, wait
 from ..compressors.base import BucketLayout, Compressor
 from ..validate import choice, flag, instance, number, numbers
 from .formulas import messages, wire_bytes
@@ -108,13 +108,11 @@ def probe_link(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 
     out = []
     for nbytes in sizes:
         buf = torch.zeros(max(1, nbytes // 4))
-        comm.all_reduce(buf).wait() if not comm.solo else None
+        wait(comm.all_reduce(buf))        # warm-up (one rank: no work to wait for)
         best = float("inf")
         for _ in range(repeats):
             t0 = clock()
-            work = comm.all_reduce(buf)
-            if work is not None:
-                work.wait()
+            wait(comm.all_reduce(buf))
             best = min(best, clock() - t0)
         out.append((buf.numel() * 4, best))
     return out
