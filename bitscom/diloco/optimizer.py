@@ -169,10 +169,8 @@ class DiLoCo(Face, torch.optim.Optimizer):
         if scale is not None:
             inv = scale.double().reciprocal().float()
             with torch.no_grad():
-                for group in self.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            p.grad.mul_(inv.to(p.grad.device))
+                for grad in [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]:
+                    grad.mul_(inv.to(grad.device))
         return self.inner.step() if closure is None else self.inner.step(closure)
 
     def step(self, closure=None):  # type: ignore[override]
