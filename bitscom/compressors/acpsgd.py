@@ -50,17 +50,6 @@ class ACPSGD(LowRankCompressor[ACPSGDState]):
     def init_state(self, layout: BucketLayout) -> ACPSGDState:
         return ACPSGDState(layout, self.plan(layout), self.seed, self.error_feedback)
 
-    def _project(self, g, x, p, q, send_p: bool, fresh: bool, ef: bool, grad) -> None:
-        """One group's half step: orthogonalize last step's factor (unless fresh), project onto
-        it, and with error feedback keep E = x − P Qᵀ."""
-        factor, out = (q, p) if send_p else (p, q)
-        if not fresh:
-            orthogonalize(factor, self.orthogonalization)
-        if ef:                                       # and E = x − P Qᵀ from the local factors
-            g.project_subtract(x, factor, out, transpose=not send_p, grad=grad)
-        else:
-            g.project(x, factor, out, transpose=not send_p)
-
     def compressed(self, flat, layout, state: ACPSGDState, comm: Comm):
         plan, ef = state.plan, state.ef
         native = plan.native_compensate(ef, flat)    # the matrices' e + g is fused below
@@ -77,7 +66,10 @@ class ACPSGD(LowRankCompressor[ACPSGDState]):
         tail = wire[wire.numel() - plan.uncompressed_numel:]
         plan.gather_uncompressed(x, tail)
         for g in plan.groups:
-            self._project(g, x, g.p(p_all), g.q(q_all), send_p, fresh, ef.enabled, flat if fused else None)
+            factor, out = (g.q(q_all), g.p(p_all)) if send_p else (g.p(p_all), g.q(q_all))
+            if not fresh:
+                orthogonalize(factor, self.orthogonalization)
+            g.project(x, factor, out, transpose=not send_p, grad=flat if fused else None, subtract=ef.enabled)
         if ef.enabled:                               # sent exactly: nothing left over
             plan.zero_uncompressed(x)
         yield comm.all_reduce(wire)

@@ -144,50 +144,34 @@ class MatrixGroup:
         base, size = flat.data_ptr(), flat.element_size()
         return [base + o * size for o in self.offsets]
 
-    def native_applies(self, flat: torch.Tensor) -> bool:
-        """Whether :meth:`project` runs the native kernels on ``flat`` (can fuse the compensate)."""
-        return self._native(flat) is not None
-
     def _add(self, flat: torch.Tensor, grad: torch.Tensor) -> None:
         size = self.n * self.m
         for o in self.offsets:
             flat[o:o + size].add_(grad[o:o + size])
 
-    def project_subtract(self, flat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor,
-                         transpose: bool, grad: Optional[torch.Tensor] = None) -> None:
-        """:meth:`project`, then ``flat[group] -= P Qᵀ`` with the factors just formed (error
-        feedback's update; the same pass per matrix on CPUs)."""
-        native = self._native(flat, factor, out)
-        if native is None or (grad is not None and self._native(grad) is None):
-            if grad is not None:
-                self._add(flat, grad)
-            self.project(flat, factor, out, transpose)
-            p, q = (factor, out) if transpose else (out, factor)
-            self.sub_product(flat, p, q)
-            return
-        grads = self._addresses(grad) if grad is not None else [None] * self.batch
-        for b, (ptr, g) in enumerate(zip(self._addresses(flat), grads)):
-            native.lowrank_project(ptr, self.n, self.m, factor[b], out[b], transpose, True, g)
-
-    def project(self, flat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor,
-                transpose: bool, grad: Optional[torch.Tensor] = None) -> None:
+    def project(self, flat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor, transpose: bool,
+                grad: Optional[torch.Tensor] = None, subtract: bool = False) -> None:
         """:func:`project` of this group's matrices in ``flat`` into ``out``; with ``grad``, ``flat[group] +=
-        grad[group]`` first (the compensate, fused into the native pass). CPUs go matrix by matrix (the bits of a
-        stacked copy); GPUs keep one batched call (cuBLAS may pick another kernel per batch count)."""
+        grad[group]`` first (the compensate); with ``subtract``, then ``flat[group] -= P Qᵀ`` (error feedback's update);
+        both fused into the native pass. CPUs go matrix by matrix (the bits of a stacked copy); GPUs keep one batched
+        call (cuBLAS may pick another kernel per batch count)."""
         native = self._native(flat, factor, out)
         if grad is not None and (native is None or self._native(grad) is None):
             self._add(flat, grad)
             grad = None
-        if flat.device.type != "cpu":
-            project(self.load(flat), factor, out, transpose)
-            return
         if native is not None:              # one pass per matrix, no temporary (native kernel)
             grads = self._addresses(grad) if grad is not None else [None] * self.batch
             for b, (ptr, g) in enumerate(zip(self._addresses(flat), grads)):
-                native.lowrank_project(ptr, self.n, self.m, factor[b], out[b], transpose, False, g)
+                native.lowrank_project(ptr, self.n, self.m, factor[b], out[b], transpose, subtract, g)
             return
-        for cut, mat in self.views(flat):
-            project(mat, factor[cut], out[cut], transpose)
+        if flat.device.type != "cpu":
+            project(self.load(flat), factor, out, transpose)
+        else:
+            for cut, mat in self.views(flat):
+                project(mat, factor[cut], out[cut], transpose)
+        if subtract:
+            p, q = (factor, out) if transpose else (out, factor)
+            self.sub_product(flat, p, q)
 
     def set_product(self, flat: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
         """``flat[group] = P Qᵀ``: the native kernel, else ``bmm(out=...)`` into each run's row-major view (no
@@ -281,7 +265,7 @@ class LowRankPlan:
         """When every group runs the native kernels on ``grad``: add ``grad`` into the residual
         everywhere *but* the matrices (the kernels add those on their pass) and return the
         residual; else None. Together the same bits as ``ef.compensate(grad)``."""
-        if not ef.enabled or not self.groups or not all(g.native_applies(grad) for g in self.groups):
+        if not ef.enabled or not self.groups or not all(g._native(grad) is not None for g in self.groups):
             return None
         x = ef.ensure(grad.numel(), grad.device)
         for offset, numel in self._outside_groups:

@@ -66,10 +66,7 @@ class PowerSGD(LowRankCompressor[PowerSGDState]):
         for g in plan.groups:                        # x is unchanged since round 1
             p, q = g.p(pbuf), g.q(state.q)
             orthogonalize(p, self.orthogonalization)
-            if ef.enabled:                           # and E = x − P Qᵀ (local Q), in the residual
-                g.project_subtract(x, p, q, transpose=True)
-            else:
-                g.project(x, p, q, transpose=True)
+            g.project(x, p, q, transpose=True, subtract=ef.enabled)    # with EF: E = x − P Qᵀ (local Q)
         if ef.enabled:                               # sent exactly: nothing left over
             plan.zero_uncompressed(x)
         tail.div_(comm.size)
