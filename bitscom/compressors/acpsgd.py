@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import BucketLayout, Comm
-from .lowrank import LowRankCompressor, LowRankPlan, LowRankState, forget_if_nonfinite, \
+from .lowrank import LowRankCompressor, LowRankState, forget_if_nonfinite, \
     orthogonalize, random_factors
 
 __all__ = ["ACPSGD", "ACPSGDState"]
@@ -27,8 +27,7 @@ class ACPSGDState(LowRankState):
     """Per-bucket ACP-SGD memory: ``p`` and ``q`` each end with the uncompressed tail, so each is
     its step's fused buffer, all-reduced in place (the reduced factor stays as the warm start)."""
 
-    def __init__(self, layout: BucketLayout, plan: LowRankPlan, seed: int, error_feedback: bool):
-        super().__init__(layout, plan, seed, error_feedback, q_tail=True)
+    q_tail = True
 
 
 @dataclass(frozen=True)

@@ -355,14 +355,15 @@ class LowRankState(State):
     included), ``ready`` (the factors hold a warm start), ``p`` (P factors, then the
     uncompressed tail), ``q`` (Q factors, with a tail too when ``q_tail``), ``generator``, ``ef``."""
 
-    def __init__(self, layout: BucketLayout, plan: LowRankPlan, seed: int,
-                 error_feedback: bool, q_tail: bool = False):
+    q_tail = False
+
+    def __init__(self, layout: BucketLayout, plan: LowRankPlan, seed: int, error_feedback: bool):
         self._plan = plan
         self.step = 0
         self.ready = False
         tail = plan.uncompressed_numel
         self.p = torch.zeros(plan.p_numel + tail, dtype=torch.float32, device=layout.device)
-        self.q = torch.zeros(plan.q_numel + (tail if q_tail else 0), dtype=torch.float32,
+        self.q = torch.zeros(plan.q_numel + (tail if self.q_tail else 0), dtype=torch.float32,
                              device=layout.device)
         self.generator = bucket_generator(seed, layout.index)
         self.ef = ErrorFeedback.for_layout(layout, enabled=error_feedback)
