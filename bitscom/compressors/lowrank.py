@@ -117,12 +117,9 @@ class MatrixGroup:
 
     def load(self, flat: torch.Tensor) -> torch.Tensor:
         """The (B, n, m) batch in ``flat``: a view when evenly spaced, else a stacked copy."""
-        stride = self._stride
-        if stride is not None:
-            return flat.as_strided((self.batch, self.n, self.m), (stride, self.m, 1),
-                                   flat.storage_offset() + self.offsets[0])
-        size = self.n * self.m
-        return torch.stack([flat[o:o + size].view(self.n, self.m) for o in self.offsets])
+        if self._stride is not None:
+            return self.views(flat)[0][1]
+        return torch.stack([flat[o:o + self.n * self.m].view(self.n, self.m) for o in self.offsets])
 
     def store(self, flat: torch.Tensor, value: torch.Tensor) -> None:
         """Write a (B, n, m) batch back into this group's slots of ``flat``."""
@@ -274,10 +271,8 @@ class LowRankPlan:
 
     def gather_uncompressed(self, flat: torch.Tensor, tail: torch.Tensor) -> None:
         """Copy the uncompressed slots of ``flat`` into ``tail`` (length uncompressed_numel)."""
-        at = 0
-        for offset, numel in self.runs:
-            tail[at:at + numel].copy_(flat[offset:offset + numel])
-            at += numel
+        if self.runs:
+            torch.cat([flat[offset:offset + numel] for offset, numel in self.runs], out=tail)
 
     def zero_uncompressed(self, flat: torch.Tensor) -> None:
         """Zero the uncompressed slots (their error-feedback residual: they are sent exactly)."""
@@ -286,10 +281,8 @@ class LowRankPlan:
 
     def scatter_uncompressed(self, tail: torch.Tensor, flat: torch.Tensor) -> None:
         """Inverse of :meth:`gather_uncompressed`."""
-        at = 0
-        for offset, numel in self.runs:
-            flat[offset:offset + numel].copy_(tail[at:at + numel])
-            at += numel
+        for (offset, numel), part in zip(self.runs, tail.split([numel for _, numel in self.runs])):
+            flat[offset:offset + numel].copy_(part)
 
 
 def project(mat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor, transpose: bool) -> None:
