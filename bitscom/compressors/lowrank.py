@@ -232,8 +232,7 @@ class LowRankPlan:
                 else:
                     runs.append([slot.offset, slot.numel])
         groups, p_off, q_off = [], 0, 0
-        for key, offsets in by_shape.items():
-            n, m = key[0], key[1]
+        for (n, m, *_), offsets in by_shape.items():
             r = min(n, m, rank)
             groups.append(MatrixGroup(n, m, r, tuple(offsets), p_off, q_off))
             p_off += len(offsets) * n * r
