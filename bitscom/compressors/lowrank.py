@@ -128,9 +128,7 @@ class MatrixGroup:
 
     def _native(self, flat: torch.Tensor, *factors: torch.Tensor):
         """The native kernels when they apply (contiguous fp32 CPU bucket and factors, rank <= 64)."""
-        if flat.device.type != "cpu" or flat.dtype != torch.float32 or not flat.is_contiguous():
-            return None
-        if any(f.dtype != torch.float32 or not f.is_contiguous() for f in factors):
+        if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in (flat, *factors)):
             return None
         from ..kernels import cpu_native
         if self.r > cpu_native.LOWRANK_MAX_RANK or not cpu_native.has_lowrank():
