@@ -175,12 +175,10 @@ class MatrixGroup:
         if native is not None:      # same bits on every CPU (no FMA, fixed order): native kernel
             for b, ptr in enumerate(self._addresses(flat)):
                 native.lowrank_product(ptr, self.n, self.m, p[b], q[b])
-        elif flat.dtype != p.dtype:
-            self.store(flat, torch.bmm(p, q.transpose(1, 2)))
-        elif flat.device.type == "cpu":
+        elif flat.dtype == p.dtype and flat.device.type == "cpu":
             for cut, view in self.views(flat):
                 torch.bmm(p[cut], q[cut].transpose(1, 2), out=view)
-        elif self._stride is not None and self.load(flat).is_contiguous():
+        elif flat.dtype == p.dtype and self._stride is not None and self.load(flat).is_contiguous():
             torch.bmm(p, q.transpose(1, 2), out=self.load(flat))
         else:
             self.store(flat, torch.bmm(p, q.transpose(1, 2)))
