@@ -94,14 +94,12 @@ class MatrixGroup:
     def _runs(self) -> Tuple[Tuple[int, int, int], ...]:
         """``(first, count, stride)``: the group cut into runs of evenly spaced slots."""
         runs: List[Tuple[int, int, int]] = []
-        i, size = 0, self.n * self.m
+        i = 0
         while i < self.batch:
-            count, stride = 1, size
-            if i + 1 < self.batch:
-                stride = self.offsets[i + 1] - self.offsets[i]
-                while (i + count < self.batch
-                       and self.offsets[i + count] - self.offsets[i + count - 1] == stride):
-                    count += 1
+            stride = self.offsets[i + 1] - self.offsets[i] if i + 1 < self.batch else self.n * self.m
+            count = 1
+            while i + count < self.batch and self.offsets[i + count] - self.offsets[i + count - 1] == stride:
+                count += 1
             runs.append((i, count, stride))
             i += count
         return tuple(runs)
