@@ -23,8 +23,7 @@ __all__ = ["PowerSGD", "PowerSGDState"]
 
 
 class PowerSGDState(LowRankState):
-    """Per-bucket PowerSGD memory: ``p`` is the fused round-1 buffer (P factors, then the
-    uncompressed tail), ``q`` the fused Q factors."""
+    """Per-bucket PowerSGD memory (:class:`LowRankState`): ``p`` is round 1's fused buffer, ``q`` round 2's."""
 
 
 @dataclass(frozen=True)
