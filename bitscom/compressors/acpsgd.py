@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import BucketLayout, Comm
-from .lowrank import LowRankCompressor, LowRankPlan, LowRankState, forget_if_nonfinite, \
+from .lowrank import LowRankCompressor, LowRankState, forget_if_nonfinite, \
     orthogonalize, random_factors
 
 __all__ = ["ACPSGD", "ACPSGDState"]
@@ -27,8 +27,7 @@ class ACPSGDState(LowRankState):
     """Per-bucket ACP-SGD memory: ``p`` and ``q`` each end with the uncompressed tail, so each is
     its step's fused buffer, all-reduced in place (the reduced factor stays as the warm start)."""
 
-    def __init__(self, layout: BucketLayout, plan: LowRankPlan, seed: int, error_feedback: bool):
-        super().__init__(layout, plan, seed, error_feedback, q_tail=True)
+    q_tail = True
 
 
 @dataclass(frozen=True)
@@ -50,17 +49,6 @@ class ACPSGD(LowRankCompressor[ACPSGDState]):
     def init_state(self, layout: BucketLayout) -> ACPSGDState:
         return ACPSGDState(layout, self.plan(layout), self.seed, self.error_feedback)
 
-    def _project(self, g, x, p, q, send_p: bool, fresh: bool, ef: bool, grad) -> None:
-        """One group's half step: orthogonalize last step's factor (unless fresh), project onto
-        it, and with error feedback keep E = x − P Qᵀ."""
-        factor, out = (q, p) if send_p else (p, q)
-        if not fresh:
-            orthogonalize(factor, self.orthogonalization)
-        if ef:                                       # and E = x − P Qᵀ from the local factors
-            g.project_subtract(x, factor, out, transpose=not send_p, grad=grad)
-        else:
-            g.project(x, factor, out, transpose=not send_p)
-
     def compressed(self, flat, layout, state: ACPSGDState, comm: Comm):
         plan, ef = state.plan, state.ef
         native = plan.native_compensate(ef, flat)    # the matrices' e + g is fused below
@@ -77,7 +65,10 @@ class ACPSGD(LowRankCompressor[ACPSGDState]):
         tail = wire[wire.numel() - plan.uncompressed_numel:]
         plan.gather_uncompressed(x, tail)
         for g in plan.groups:
-            self._project(g, x, g.p(p_all), g.q(q_all), send_p, fresh, ef.enabled, flat if fused else None)
+            factor, out = (g.q(q_all), g.p(p_all)) if send_p else (g.p(p_all), g.q(q_all))
+            if not fresh:
+                orthogonalize(factor, self.orthogonalization)
+            g.project(x, factor, out, transpose=not send_p, grad=flat if fused else None, subtract=ef.enabled)
         if ef.enabled:                               # sent exactly: nothing left over
             plan.zero_uncompressed(x)
         yield comm.all_reduce(wire)

@@ -36,7 +36,7 @@ class NoneCompressor(Compressor):
 class _CastCompressor(Compressor):
     """All-reduce a copy cast to ``wire_dtype``, pre-divided by the world size."""
 
-    wire_dtype = torch.float16
+    wire_dtype = torch.float16      # FP16Compressor's; BF16Compressor sets its own
 
     def reduce(self, flat, layout, state, comm):
         wire = flat.to(self.wire_dtype).div_(comm.size)     # flat itself when already that dtype
@@ -61,7 +61,6 @@ class FP16Compressor(_CastCompressor):
     (beyond: Inf, which AMP's GradScaler sees)."""
 
     name = "fp16"
-    wire_dtype = torch.float16
 
 
 @dataclass(frozen=True)

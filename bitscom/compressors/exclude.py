@@ -98,7 +98,5 @@ class Exclude(Wrapper, Compressor[ExcludeState]):
                 flat[src.offset:src.end].copy_(sub[dst.offset:dst.end])
         yield work
         exact.div_(comm.size)
-        at = 0
-        for s in excluded:
-            flat[s.offset:s.end].copy_(exact[at:at + s.numel])
-            at += s.numel
+        for s, part in zip(excluded, exact.split([e.numel for e in excluded])):
+            flat[s.offset:s.end].copy_(part)

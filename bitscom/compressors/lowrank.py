@@ -94,14 +94,12 @@ class MatrixGroup:
     def _runs(self) -> Tuple[Tuple[int, int, int], ...]:
         """``(first, count, stride)``: the group cut into runs of evenly spaced slots."""
         runs: List[Tuple[int, int, int]] = []
-        i, size = 0, self.n * self.m
+        i = 0
         while i < self.batch:
-            count, stride = 1, size
-            if i + 1 < self.batch:
-                stride = self.offsets[i + 1] - self.offsets[i]
-                while (i + count < self.batch
-                       and self.offsets[i + count] - self.offsets[i + count - 1] == stride):
-                    count += 1
+            stride = self.offsets[i + 1] - self.offsets[i] if i + 1 < self.batch else self.n * self.m
+            count = 1
+            while i + count < self.batch and self.offsets[i + count] - self.offsets[i + count - 1] == stride:
+                count += 1
             runs.append((i, count, stride))
             i += count
         return tuple(runs)
@@ -117,12 +115,9 @@ class MatrixGroup:
 
     def load(self, flat: torch.Tensor) -> torch.Tensor:
         """The (B, n, m) batch in ``flat``: a view when evenly spaced, else a stacked copy."""
-        stride = self._stride
-        if stride is not None:
-            return flat.as_strided((self.batch, self.n, self.m), (stride, self.m, 1),
-                                   flat.storage_offset() + self.offsets[0])
-        size = self.n * self.m
-        return torch.stack([flat[o:o + size].view(self.n, self.m) for o in self.offsets])
+        if self._stride is not None:
+            return self.views(flat)[0][1]
+        return torch.stack([flat[o:o + self.n * self.m].view(self.n, self.m) for o in self.offsets])
 
     def store(self, flat: torch.Tensor, value: torch.Tensor) -> None:
         """Write a (B, n, m) batch back into this group's slots of ``flat``."""
@@ -131,9 +126,7 @@ class MatrixGroup:
 
     def _native(self, flat: torch.Tensor, *factors: torch.Tensor):
         """The native kernels when they apply (contiguous fp32 CPU bucket and factors, rank <= 64)."""
-        if flat.device.type != "cpu" or flat.dtype != torch.float32 or not flat.is_contiguous():
-            return None
-        if any(f.dtype != torch.float32 or not f.is_contiguous() for f in factors):
+        if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in (flat, *factors)):
             return None
         from ..kernels import cpu_native
         if self.r > cpu_native.LOWRANK_MAX_RANK or not cpu_native.has_lowrank():
@@ -144,50 +137,34 @@ class MatrixGroup:
         base, size = flat.data_ptr(), flat.element_size()
         return [base + o * size for o in self.offsets]
 
-    def native_applies(self, flat: torch.Tensor) -> bool:
-        """Whether :meth:`project` runs the native kernels on ``flat`` (can fuse the compensate)."""
-        return self._native(flat) is not None
-
     def _add(self, flat: torch.Tensor, grad: torch.Tensor) -> None:
         size = self.n * self.m
         for o in self.offsets:
             flat[o:o + size].add_(grad[o:o + size])
 
-    def project_subtract(self, flat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor,
-                         transpose: bool, grad: Optional[torch.Tensor] = None) -> None:
-        """:meth:`project`, then ``flat[group] -= P Qᵀ`` with the factors just formed (error
-        feedback's update; the same pass per matrix on CPUs)."""
-        native = self._native(flat, factor, out)
-        if native is None or (grad is not None and self._native(grad) is None):
-            if grad is not None:
-                self._add(flat, grad)
-            self.project(flat, factor, out, transpose)
-            p, q = (factor, out) if transpose else (out, factor)
-            self.sub_product(flat, p, q)
-            return
-        grads = self._addresses(grad) if grad is not None else [None] * self.batch
-        for b, (ptr, g) in enumerate(zip(self._addresses(flat), grads)):
-            native.lowrank_project(ptr, self.n, self.m, factor[b], out[b], transpose, True, g)
-
-    def project(self, flat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor,
-                transpose: bool, grad: Optional[torch.Tensor] = None) -> None:
+    def project(self, flat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor, transpose: bool,
+                grad: Optional[torch.Tensor] = None, subtract: bool = False) -> None:
         """:func:`project` of this group's matrices in ``flat`` into ``out``; with ``grad``, ``flat[group] +=
-        grad[group]`` first (the compensate, fused into the native pass). CPUs go matrix by matrix (the bits of a
-        stacked copy); GPUs keep one batched call (cuBLAS may pick another kernel per batch count)."""
+        grad[group]`` first (the compensate); with ``subtract``, then ``flat[group] -= P Qᵀ`` (error feedback's update);
+        both fused into the native pass. CPUs go matrix by matrix (the bits of a stacked copy); GPUs keep one batched
+        call (cuBLAS may pick another kernel per batch count)."""
         native = self._native(flat, factor, out)
         if grad is not None and (native is None or self._native(grad) is None):
             self._add(flat, grad)
             grad = None
-        if flat.device.type != "cpu":
-            project(self.load(flat), factor, out, transpose)
-            return
         if native is not None:              # one pass per matrix, no temporary (native kernel)
             grads = self._addresses(grad) if grad is not None else [None] * self.batch
             for b, (ptr, g) in enumerate(zip(self._addresses(flat), grads)):
-                native.lowrank_project(ptr, self.n, self.m, factor[b], out[b], transpose, False, g)
+                native.lowrank_project(ptr, self.n, self.m, factor[b], out[b], transpose, subtract, g)
             return
-        for cut, mat in self.views(flat):
-            project(mat, factor[cut], out[cut], transpose)
+        if flat.device.type != "cpu":
+            project(self.load(flat), factor, out, transpose)
+        else:
+            for cut, mat in self.views(flat):
+                project(mat, factor[cut], out[cut], transpose)
+        if subtract:
+            p, q = (factor, out) if transpose else (out, factor)
+            self.sub_product(flat, p, q)
 
     def set_product(self, flat: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
         """``flat[group] = P Qᵀ``: the native kernel, else ``bmm(out=...)`` into each run's row-major view (no
@@ -196,12 +173,10 @@ class MatrixGroup:
         if native is not None:      # same bits on every CPU (no FMA, fixed order): native kernel
             for b, ptr in enumerate(self._addresses(flat)):
                 native.lowrank_product(ptr, self.n, self.m, p[b], q[b])
-        elif flat.dtype != p.dtype:
-            self.store(flat, torch.bmm(p, q.transpose(1, 2)))
-        elif flat.device.type == "cpu":
+        elif flat.dtype == p.dtype and flat.device.type == "cpu":
             for cut, view in self.views(flat):
                 torch.bmm(p[cut], q[cut].transpose(1, 2), out=view)
-        elif self._stride is not None and self.load(flat).is_contiguous():
+        elif flat.dtype == p.dtype and self._stride is not None and self.load(flat).is_contiguous():
             torch.bmm(p, q.transpose(1, 2), out=self.load(flat))
         else:
             self.store(flat, torch.bmm(p, q.transpose(1, 2)))
@@ -251,8 +226,7 @@ class LowRankPlan:
                 else:
                     runs.append([slot.offset, slot.numel])
         groups, p_off, q_off = [], 0, 0
-        for key, offsets in by_shape.items():
-            n, m = key[0], key[1]
+        for (n, m, *_), offsets in by_shape.items():
             r = min(n, m, rank)
             groups.append(MatrixGroup(n, m, r, tuple(offsets), p_off, q_off))
             p_off += len(offsets) * n * r
@@ -281,7 +255,7 @@ class LowRankPlan:
         """When every group runs the native kernels on ``grad``: add ``grad`` into the residual
         everywhere *but* the matrices (the kernels add those on their pass) and return the
         residual; else None. Together the same bits as ``ef.compensate(grad)``."""
-        if not ef.enabled or not self.groups or not all(g.native_applies(grad) for g in self.groups):
+        if not ef.enabled or not self.groups or not all(g._native(grad) is not None for g in self.groups):
             return None
         x = ef.ensure(grad.numel(), grad.device)
         for offset, numel in self._outside_groups:
@@ -290,10 +264,8 @@ class LowRankPlan:
 
     def gather_uncompressed(self, flat: torch.Tensor, tail: torch.Tensor) -> None:
         """Copy the uncompressed slots of ``flat`` into ``tail`` (length uncompressed_numel)."""
-        at = 0
-        for offset, numel in self.runs:
-            tail[at:at + numel].copy_(flat[offset:offset + numel])
-            at += numel
+        if self.runs:
+            torch.cat([flat[offset:offset + numel] for offset, numel in self.runs], out=tail)
 
     def zero_uncompressed(self, flat: torch.Tensor) -> None:
         """Zero the uncompressed slots (their error-feedback residual: they are sent exactly)."""
@@ -302,10 +274,8 @@ class LowRankPlan:
 
     def scatter_uncompressed(self, tail: torch.Tensor, flat: torch.Tensor) -> None:
         """Inverse of :meth:`gather_uncompressed`."""
-        at = 0
-        for offset, numel in self.runs:
-            flat[offset:offset + numel].copy_(tail[at:at + numel])
-            at += numel
+        for (offset, numel), part in zip(self.runs, tail.split([numel for _, numel in self.runs])):
+            flat[offset:offset + numel].copy_(part)
 
 
 def project(mat: torch.Tensor, factor: torch.Tensor, out: torch.Tensor, transpose: bool) -> None:
@@ -371,14 +341,15 @@ class LowRankState(State):
     included), ``ready`` (the factors hold a warm start), ``p`` (P factors, then the
     uncompressed tail), ``q`` (Q factors, with a tail too when ``q_tail``), ``generator``, ``ef``."""
 
-    def __init__(self, layout: BucketLayout, plan: LowRankPlan, seed: int,
-                 error_feedback: bool, q_tail: bool = False):
+    q_tail = False
+
+    def __init__(self, layout: BucketLayout, plan: LowRankPlan, seed: int, error_feedback: bool):
         self._plan = plan
         self.step = 0
         self.ready = False
         tail = plan.uncompressed_numel
         self.p = torch.zeros(plan.p_numel + tail, dtype=torch.float32, device=layout.device)
-        self.q = torch.zeros(plan.q_numel + (tail if q_tail else 0), dtype=torch.float32,
+        self.q = torch.zeros(plan.q_numel + (tail if self.q_tail else 0), dtype=torch.float32,
                              device=layout.device)
         self.generator = bucket_generator(seed, layout.index)
         self.ef = ErrorFeedback.for_layout(layout, enabled=error_feedback)

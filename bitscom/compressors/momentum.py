@@ -54,7 +54,7 @@ class MomentumCorrection(Wrapper, Compressor[MomentumState]):
     def __post_init__(self):
         from .registry import resolve
         inner = resolve("topk" if self.inner is None else self.inner, "MomentumCorrection inner")
-        if getattr(inner, "applies_momentum", False) or _contains_momentum(inner):
+        if _applies_momentum(inner):
             raise ValueError(f"MomentumCorrection inner must not apply momentum itself, got {inner!r}")
         object.__setattr__(self, "inner", inner)
         m = number("MomentumCorrection momentum", self.momentum, minimum=0, maximum=1, inclusive=(True, False))
@@ -81,7 +81,7 @@ class MomentumCorrection(Wrapper, Compressor[MomentumState]):
         torch.nan_to_num_(u, nan=0.0, posinf=0.0, neginf=0.0)    # NaN/Inf reached the output already
 
 
-def _contains_momentum(compressor) -> bool:
-    inner = getattr(compressor, "inner", None)
-    return isinstance(inner, Compressor) and (getattr(inner, "applies_momentum", False)
-                                               or _contains_momentum(inner))
+def _applies_momentum(compressor) -> bool:
+    """Whether ``compressor``, or a compressor it wraps (``inner``, recursively), applies momentum."""
+    return isinstance(compressor, Compressor) and (compressor.applies_momentum
+                                                   or _applies_momentum(getattr(compressor, "inner", None)))

@@ -23,8 +23,7 @@ __all__ = ["PowerSGD", "PowerSGDState"]
 
 
 class PowerSGDState(LowRankState):
-    """Per-bucket PowerSGD memory: ``p`` is the fused round-1 buffer (P factors, then the
-    uncompressed tail), ``q`` the fused Q factors."""
+    """Per-bucket PowerSGD memory (:class:`LowRankState`): ``p`` is round 1's fused buffer, ``q`` round 2's."""
 
 
 @dataclass(frozen=True)
@@ -66,10 +65,7 @@ class PowerSGD(LowRankCompressor[PowerSGDState]):
         for g in plan.groups:                        # x is unchanged since round 1
             p, q = g.p(pbuf), g.q(state.q)
             orthogonalize(p, self.orthogonalization)
-            if ef.enabled:                           # and E = x − P Qᵀ (local Q), in the residual
-                g.project_subtract(x, p, q, transpose=True)
-            else:
-                g.project(x, p, q, transpose=True)
+            g.project(x, p, q, transpose=True, subtract=ef.enabled)    # with EF: E = x − P Qᵀ (local Q)
         if ef.enabled:                               # sent exactly: nothing left over
             plan.zero_uncompressed(x)
         tail.div_(comm.size)

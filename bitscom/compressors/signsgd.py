@@ -152,7 +152,7 @@ class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
             else:
                 acc.add_(signs * scales[ids])
         flat.copy_(acc.sign_().mul_((scale_sum / comm.size)[ids]) if self.majority_vote else acc.div_(comm.size))
-        if not flat.is_meta and not bool(torch.isfinite(torch.stack(gathered_scales)).all()):
+        if not bool(torch.isfinite(torch.stack(gathered_scales)).all()):
             state.reset()  # NaN/Inf reached the output (visible to AMP); don't carry it on
 
     def _reduce_native(self, native, flat, sizes, state, comm: Comm):
@@ -161,11 +161,9 @@ class SignSGD(StartIter, Compressor[SteppedErrorFeedback]):
         results and residual as the torch path, without its ~12 passes and temporaries."""
         numel = flat.numel()
         if state.enabled:
-            if state.residual is None:
-                state.ensure(numel, flat.device)
-            elif state.residual.numel() != numel:
+            if state.residual is not None and state.residual.numel() != numel:
                 state.compensate(flat)          # raises: the bucket layout changed
-            x, grad = state.residual, flat      # x = e, and the kernel adds g into it
+            x, grad = state.ensure(numel, flat.device), flat      # x = e, and the kernel adds g into it
         else:
             x, grad = flat, None
         counts = _counts(sizes)

@@ -107,10 +107,6 @@ class TopK(StartIter, Compressor[SteppedErrorFeedback]):
         """Entries one rank sends per compressed step of ``layout`` (``per_tensor``: summed per tensor)."""
         return sum(self.k_for(s.numel) for s in layout.slots) if self.per_tensor else self.k_for(layout.numel)
 
-    @staticmethod
-    def _index_dtype(numel: int) -> torch.dtype:
-        return torch.int32 if numel <= _INT32_LIMIT else torch.int64
-
     def init_state(self, layout: BucketLayout) -> SteppedErrorFeedback:
         return SteppedErrorFeedback.for_layout(layout, enabled=self.error_feedback)
 
@@ -140,7 +136,6 @@ class TopK(StartIter, Compressor[SteppedErrorFeedback]):
         return [(0, None, k)]
 
     def compressed(self, flat, layout, state, comm: Comm):
-        numel = flat.numel()                     # == layout.numel: callers pass the bucket's flat
         k = self.k_of(layout)
         if k == 0:
             return
@@ -149,13 +144,15 @@ class TopK(StartIter, Compressor[SteppedErrorFeedback]):
         values, indices, updated = self._select(x, k, layout, residual)
         state.last_sent = indices    # which entries this step sent (MomentumCorrection's masking)
         native = _native_for(flat)
-        index_dtype = self._index_dtype(numel)
+        index_dtype = torch.int32 if flat.numel() <= _INT32_LIMIT else torch.int64
         words = 1 if index_dtype == torch.int32 else 2          # int32 words per index
         record = torch.empty(k * (1 + words), dtype=torch.int32, device=flat.device)
         record[:k] = values.view(torch.int32)
         record[k:] = indices.to(index_dtype).view(torch.int32)
-        if not updated:                            # (the native selection fuses update_sparse)
-            _keep_residual(state, native, indices, values)
+        if not updated and native is not None and state.enabled:   # error feedback's sparse update
+            native.scatter(state.residual, indices, values, subtract=True)
+        elif not updated:                        # (the native selection fuses update_sparse)
+            state.update_sparse(indices, values)
         gathered = torch.empty(comm.size * record.numel(), dtype=torch.int32, device=flat.device)
         yield comm.all_gather(gathered, record)
         if _sum_into(flat, gathered.view(comm.size, -1), k, index_dtype, native):
@@ -167,14 +164,6 @@ def _joined(parts, cuts=None):
     if cuts is not None:
         parts = [p + a if a else p for p, (a, _, _) in zip(parts, cuts)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _keep_residual(state, native, indices, values) -> None:
-    """Error feedback's sparse update: the sent entries leave the residual."""
-    if native is not None and state.enabled:
-        native.scatter(state.residual, indices, values, subtract=True)
-    else:
-        state.update_sparse(indices, values)
 
 
 def _sum_into(flat, gathered, k: int, index_dtype, native) -> bool:

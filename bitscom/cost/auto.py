@@ -5,6 +5,7 @@ probe the link; then every rank times the codecs, rank 0 predicts and broadcasts
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import statistics
@@ -95,10 +96,8 @@ def _completion_clock(work, clock) -> list:
     cell: list = []
     get_future = getattr(work, "get_future", None)
     if get_future is not None:
-        try:
+        with contextlib.suppress(RuntimeError):      # a backend without futures: the caller falls back
             get_future().then(lambda _fut: cell.append(clock()))
-        except RuntimeError:      # a backend without futures: the caller falls back
-            pass
     return cell
 
 

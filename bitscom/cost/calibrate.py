@@ -12,7 +12,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..comm import Comm, resolve_group
+from ..comm import Comm, resolve_group, wait
 from ..compressors.base import BucketLayout, Compressor
 from ..validate import choice, flag, instance, number, numbers
 from .formulas import messages, wire_bytes
@@ -108,13 +108,11 @@ def probe_link(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 
     out = []
     for nbytes in sizes:
         buf = torch.zeros(max(1, nbytes // 4))
-        comm.all_reduce(buf).wait() if not comm.solo else None
+        wait(comm.all_reduce(buf))        # warm-up (one rank: no work to wait for)
         best = float("inf")
         for _ in range(repeats):
             t0 = clock()
-            work = comm.all_reduce(buf)
-            if work is not None:
-                work.wait()
+            wait(comm.all_reduce(buf))
             best = min(best, clock() - t0)
         out.append((buf.numel() * 4, best))
     return out
@@ -138,16 +136,6 @@ def calibrate_link(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: in
     return Link(float(values[0]), float(values[1]))
 
 
-def _codec_settings(compressor, layout, world, repeats, warmup, with_copies) -> None:
-    """:func:`time_codec`'s arguments, each named when bad."""
-    instance("compressor", compressor, Compressor, "a bitscom compressor (bitscom.compressors.get(name))")
-    instance("layout", layout, BucketLayout, "a BucketLayout (bitscom.cost.layout_of(numel))")
-    check_world(world)
-    number("repeats", repeats, minimum=1, integer=True)
-    number("warmup", warmup, minimum=0, integer=True)
-    flag("with_copies", with_copies)
-
-
 def time_codec(compressor: Compressor, layout: BucketLayout, world: int, grad: Optional[torch.Tensor] = None,
                repeats: int = 3, warmup: int = 2, clock: Callable[[], float] = time.perf_counter,
                with_copies: bool = False, statistic: Callable[[List[float]], float] = min) -> float:
@@ -161,7 +149,12 @@ def time_codec(compressor: Compressor, layout: BucketLayout, world: int, grad: O
         time_codec(bitscom.compressors.get("lowbit"), layout_of(1 << 20), world=4)
     """
     from ..compressors.lowbit import LowBit
-    _codec_settings(compressor, layout, world, repeats, warmup, with_copies)
+    instance("compressor", compressor, Compressor, "a bitscom compressor (bitscom.compressors.get(name))")
+    instance("layout", layout, BucketLayout, "a BucketLayout (bitscom.cost.layout_of(numel))")
+    check_world(world)
+    number("repeats", repeats, minimum=1, integer=True)
+    number("warmup", warmup, minimum=0, integer=True)
+    flag("with_copies", with_copies)
     if isinstance(compressor, LowBit) and compressor.config.hierarchy != "none":
         compressor = LowBit(dataclasses.replace(compressor.config, hierarchy="none", chunk_size=None))
     if grad is None:

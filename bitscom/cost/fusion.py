@@ -5,7 +5,7 @@ the uncompressed all-reduce (where overlap matters most); the smallest predictio
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,18 +42,14 @@ def choose_fusion_threshold_mb(params: Sequence[Tuple[str, torch.Tensor]], topo:
     if backward_s is None:
         backward_s = bucket_seconds(rounds_for("none", sum(p.numel() for _, p in params), topo.world,
                                                dtype=params[0][1].dtype), topo)
-    best: Optional[Tuple[float, float]] = None
+    predicted: Dict[float, float] = {}       # larger thresholds first: min() keeps the first of a tie
     for mb in sorted(candidates, reverse=True):
         layouts = plan_buckets(params, int(mb * 2 ** 20))
-        numels = [l.numel for l in layouts]
         rounds = [rounds_for(compressor, l.numel, topo.world, local_size=topo.local_size, dtype=l.dtype,
                              shapes=[s.shape for s in l.slots]) for l in layouts]
-        step = predict_step(rounds, topo, backward_s=backward_s,
-                            ready_s=ready_times(numels, backward_s)).step_s
-        if best is None or step < best[0]:
-            best = (step, float(mb))
-    assert best is not None          # candidates is not empty (checked above)
-    return best[1]
+        predicted[float(mb)] = predict_step(rounds, topo, backward_s=backward_s,
+                                            ready_s=ready_times([l.numel for l in layouts], backward_s)).step_s
+    return min(predicted, key=predicted.__getitem__)
 
 
 def auto_fusion_threshold_mb(params: Sequence[Tuple[str, torch.Tensor]], group=None,

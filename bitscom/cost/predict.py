@@ -9,6 +9,7 @@ With ``codec_overlaps=False`` every codec second is taken from backward (one cor
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -43,11 +44,7 @@ def ready_times(numels: Sequence[int], backward_s: float) -> List[float]:
     numels = numbers("numels", numels, minimum=0, integer=True)
     number("backward_s", backward_s, minimum=0, finite=True)
     total = sum(numels)
-    out, acc = [], 0
-    for n in numels:
-        acc += n
-        out.append(backward_s * acc / total if total else 0.0)
-    return out
+    return [backward_s * acc / total if total else 0.0 for acc in itertools.accumulate(numels)]
 
 
 def _timeline(k: int, backward_s, forward_s, optimizer_s, ready_s, codec_s, poll_s, codec_overlaps) -> tuple:
@@ -82,10 +79,8 @@ def predict_step(bucket_rounds: Sequence[Sequence[Round]], topo: Topology, *, ba
     k = len(bucket_rounds)
     ready, codec, poll_s = _timeline(k, backward_s, forward_s, optimizer_s, ready_s, codec_s, poll_s,
                                      codec_overlaps)
-    taken = [0.0] * k                 # codec seconds taken from backward up to bucket i's codec
-    if not codec_overlaps:
-        for i in range(k):
-            taken[i] = (taken[i - 1] if i else 0.0) + codec[i]
+    # codec seconds taken from backward up to bucket i's codec
+    taken = [0.0] * k if codec_overlaps else list(itertools.accumulate(codec))
     shift = [0.0] + taken[:-1]        # ... and before bucket i is ready
     backward_end = backward_s + (taken[-1] if k else 0.0)
     polls = None

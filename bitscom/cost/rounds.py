@@ -83,7 +83,11 @@ def rounds_of(compressor, layout: BucketLayout, world: int, *, local_size: int =
         rounds_of("topk", layout_of(1000), 4)   # [Round('all_gather', 400, 'flat')]
     """
     comp = resolve(compressor, "compressor")
-    _check_step(layout, world, local_size, step, warm)
+    instance("layout", layout, BucketLayout, "a BucketLayout (bitscom.cost.layout_of(numel))")
+    check_world(world, local_size)
+    if step is not None:
+        number("step", step, minimum=0, integer=True)
+    flag("warm", warm)
     if world == 1 or layout.numel == 0:
         return []
     start = warm_up_steps(comp)
@@ -104,15 +108,6 @@ def rounds_of(compressor, layout: BucketLayout, world: int, *, local_size: int =
             _CACHE.clear()
         _CACHE[key] = out
     return list(out)
-
-
-def _check_step(layout, world, local_size, step, warm) -> None:
-    """The arguments of :func:`rounds_of` besides the compressor, each named when bad."""
-    instance("layout", layout, BucketLayout, "a BucketLayout (bitscom.cost.layout_of(numel))")
-    check_world(world, local_size)
-    if step is not None:
-        number("step", step, minimum=0, integer=True)
-    flag("warm", warm)
 
 
 META_FROM = 1 << 20     # buckets of at least this many elements × ranks run on meta tensors

@@ -45,9 +45,7 @@ def plan_fragments(params: Sequence[Tuple[str, torch.Tensor]], fragments: int,
     layouts: List[BucketLayout] = []
     members: List[List[int]] = []
     for run in split_fragments(params, fragments):
-        mine = []
-        for layout in plan_buckets(run, threshold_bytes):
-            mine.append(len(layouts))
-            layouts.append(dataclasses.replace(layout, index=len(layouts)))
-        members.append(mine)
+        start = len(layouts)
+        layouts += [dataclasses.replace(l, index=start + i) for i, l in enumerate(plan_buckets(run, threshold_bytes))]
+        members.append(list(range(start, len(layouts))))
     return layouts, members

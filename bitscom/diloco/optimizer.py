@@ -92,7 +92,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         # Validated on every rank, then compared: a bad value on one rank is an error on every rank.
         error: Optional[Exception] = None
         try:
-            self._setup(inner_optimizer, named_parameters, sync_every, compression,
+            self._setup(inner_optimizer, named_parameters, compression,
                         DiLoCoConfig(sync_every, outer_lr, outer_momentum, nesterov, fragments,
                                      warmup_steps, delay, mix), fusion_threshold_mb)
         except (TypeError, ValueError) as err:
@@ -102,7 +102,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
         self._start()
 
     # -- construction --------------------------------------------------------------------
-    def _setup(self, inner, named_parameters, sync_every, compression, config, fusion_threshold_mb) -> None:
+    def _setup(self, inner, named_parameters, compression, config, fusion_threshold_mb) -> None:
         self.inner = _inner_checked(inner)
         self.config = config
         self.compression = resolve_compressor("none" if compression is None else compression, "compression")
@@ -169,37 +169,32 @@ class DiLoCo(Face, torch.optim.Optimizer):
         if scale is not None:
             inv = scale.double().reciprocal().float()
             with torch.no_grad():
-                for group in self.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            p.grad.mul_(inv.to(p.grad.device))
+                for grad in [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]:
+                    grad.mul_(inv.to(grad.device))
         return self.inner.step() if closure is None else self.inner.step(closure)
 
     def step(self, closure=None):  # type: ignore[override]
         """One inner step; after every ``sync_every``-th (per fragment), the outer step."""
         before = self._counters["bytes_sent"]
         try:
-            return self._step(closure)
+            self._check_live()
+            self._check_requires_grad()
+            self._agree_if_resumed(self._resume_description, "DiLoCo resumed state")
+            if self.config.in_warmup(self._counters["inner_steps"] + 1):
+                return self._warmup_step(closure)
+            if self._flights:       # issue the next rounds of the reductions in flight, if they can go
+                self._reducer.poll()
+            loss = self._inner_step(closure)
+            self._counters["inner_steps"] += 1
+            self._fresh = [False] * self.config.fragments
+            step = self._counters["inner_steps"]
+            self._launch(self.config.due(step))
+            lands = [f for f in self.config.lands(step) if f in self._flights]
+            if lands:
+                self._land(lands)
+            return loss
         finally:
             self._last_step = (self._counters["bytes_sent"] - before, self._dense_per_step)
-
-    def _step(self, closure):
-        self._check_live()
-        self._check_requires_grad()
-        self._agree_if_resumed(self._resume_description, "DiLoCo resumed state")
-        if self.config.in_warmup(self._counters["inner_steps"] + 1):
-            return self._warmup_step(closure)
-        if self._flights:       # issue the next rounds of the reductions in flight, if they can go
-            self._reducer.poll()
-        loss = self._inner_step(closure)
-        self._counters["inner_steps"] += 1
-        self._fresh = [False] * self.config.fragments
-        step = self._counters["inner_steps"]
-        self._launch(self.config.due(step))
-        lands = [f for f in self.config.lands(step) if f in self._flights]
-        if lands:
-            self._land(lands)
-        return loss
 
     @torch.no_grad()
     def _params_to_global(self) -> None:
@@ -299,17 +294,16 @@ class DiLoCo(Face, torch.optim.Optimizer):
             # one process: Δ is its own average, already there
             self._flights[f] = Flight(f, step, arrived=self._size == 1)
 
-    def _arrive(self, fragment: int) -> None:
-        """Wait for ``fragment``'s reduction (its result lands in its flat buckets)."""
-        flight = self._flights[fragment]
-        if not flight.arrived:
-            flight.bytes_sent = self._reducer.wait(fragment)
-            flight.arrived = True
+    def _arrive(self, fragments: Sequence[int]) -> None:
+        """Wait for ``fragments``' reductions (their results land in their flat buckets)."""
+        for flight in (self._flights[f] for f in fragments):
+            if not flight.arrived:
+                flight.bytes_sent = self._reducer.wait(flight.fragment)
+                flight.arrived = True
 
     def _land(self, fragments: List[int], replace: Sequence[int] = ()) -> None:
         """Finish ``fragments``' reductions, step θ_global, and merge (``mix``) or replace (``replace``)."""
-        for f in fragments:
-            self._arrive(f)
+        self._arrive(fragments)
         chosen = [b for f in fragments for b in self._members[f]]
         sent = sum(self._flights.pop(f).bytes_sent for f in fragments)
         with torch.no_grad():
@@ -398,8 +392,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
 
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"ckpt.{rank}.pt")
         """
-        for f in sorted(self._flights):
-            self._arrive(f)
+        self._arrive(sorted(self._flights))
         flights = [{"fragment": f, "start": fl.start, "bytes_sent": fl.bytes_sent,
                     "reduced": [self._buckets[b].flat.detach().clone() for b in self._members[f]]}
                    for f, fl in sorted(self._flights.items())]
@@ -428,8 +421,7 @@ class DiLoCo(Face, torch.optim.Optimizer):
             return
         inner = {k: v for k, v in state_dict.items() if k != "diloco"}
         flights = saved_flights(extra, self._members, [b.flat for b in self._buckets])
-        for f in sorted(self._flights):      # this object's own reductions finish (every rank's do)
-            self._arrive(f)
+        self._arrive(sorted(self._flights))      # this object's own reductions finish (every rank's do)
         load_checked(self, inner, extra)
         self._flights = {}
         with torch.no_grad():

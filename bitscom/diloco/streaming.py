@@ -44,12 +44,7 @@ class FragmentReducers:
 
     def wait(self, fragment: int) -> int:
         """Finish ``fragment``'s reduction (and what was submitted before it); the bytes it sent."""
-        reducer = self.reducers[fragment]
-        try:
-            return reducer.wait_all()
-        except BaseException:
-            reducer.abort()
-            raise
+        return self.reducers[fragment].wait_all()      # which aborts the fragment's buckets on failure
 
     def poll(self) -> None:
         """Advance every reduction whose current round completed (issue its next round)."""
@@ -68,10 +63,8 @@ class FragmentReducers:
         if len(saved) != total:
             raise ValueError(f"checkpoint holds compressor state for {len(saved)} buckets, "
                              f"this plan has {total}")
-        start = 0
         for r, m in zip(self.reducers, self.members):
-            r.load_state_dict(dict(state, states=saved[start:start + len(m)]))
-            start += len(m)
+            r.load_state_dict(dict(state, states=[saved[b] for b in m]))
 
 
 def saved_flights(extra: dict, members: Sequence[Sequence[int]], flats: Sequence[torch.Tensor]) -> Dict[int, tuple]:

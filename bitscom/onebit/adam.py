@@ -71,8 +71,7 @@ class OneBitAdam(OneBitBase):
         """The bucket's momentum update, ``m = b1 m + (1-b1) g`` on ``[start, stop)``."""
         assert self._buckets is not None
         b1 = self.config.betas[0]
-        if stop > start:
-            self.exp_avg[start:stop].mul_(b1).add_(self._buckets.grad[start:stop], alpha=1 - b1)
+        self.exp_avg[start:stop].mul_(b1).add_(self._buckets.grad[start:stop], alpha=1 - b1)
         return self.exp_avg
 
     def _update(self, grad: torch.Tensor, t: int) -> None:

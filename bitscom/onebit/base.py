@@ -61,10 +61,9 @@ class OneBitBase(Face, torch.optim.Optimizer):
         ddp = None
         if error is None:
             ddp = self._ddp_wrapped(self._params)
-            description.update({"settings": repr(self.config), "overlap": repr(self.overlap_config),
-                                "groups": [(g["lr"], g["weight_decay"]) for g in self.param_groups],
-                                "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._params],
-                                "wrapped in DistributedDataParallel": ddp is not None})
+            description = {**self._description(), "wrapped in DistributedDataParallel": ddp is not None,
+                           "groups": [(g["lr"], g["weight_decay"]) for g in self.param_groups],
+                           "parameters": [(tuple(p.shape), str(p.dtype)) for p in self._params]}
         self._face_agree(description, error, what=f"{name} settings")
         self._refuse_ddp(ddp)
         if self._size > 1:        # every replica starts from rank 0's weights, as DDP does
@@ -73,6 +72,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         self._lowbit = LowBitState()
         self._counters = {"step": 0, "exact_steps": 0, "compressed_steps": 0, "skipped_steps": 0, "bytes_sent": 0}
         self._last_step: Tuple[int, int] = (0, 0)     # (bytes sent, dense bytes) of the last step
+        self._dense_per_step = dense_bytes(self._numel) if self._size > 1 else 0
         self._sent: Optional[str] = None      # this step's 1-bit all-reduce already ran from the hooks
         self._buckets: Optional[OverlapBuckets] = None
         self._life: Optional[StepLifecycle] = None
@@ -109,7 +109,6 @@ class OneBitBase(Face, torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def _plan(self) -> None:
-        self._params: List[torch.Tensor] = []
         params: List[torch.Tensor] = []
         for i, g in enumerate(self.param_groups):
             for p in g["params"]:
@@ -140,22 +139,16 @@ class OneBitBase(Face, torch.optim.Optimizer):
         self.exp_avg_sq = torch.zeros(self._numel, dtype=torch.float32, device=dev)
 
     # -- pieces of a step --------------------------------------------------------------------
-    def _views(self, flat: torch.Tensor):
-        for p, off in zip(self._params, self._offsets):
-            yield p, flat[off:off + p.numel()].view(p.shape)
-
-    def _groups(self):
-        """(param, lr, weight_decay, mask or None, index) for every parameter, in flat order."""
-        i = 0
-        for g in self.param_groups:
-            for p in g["params"]:
-                yield p, g["lr"], g["weight_decay"], g.get("exp_avg_mask"), i
-                i += 1
+    def _views(self, *flats: torch.Tensor):
+        """(param, its group, its view of each of ``flats``) for every parameter, in flat order."""
+        groups = [g for g in self.param_groups for _ in g["params"]]
+        for p, g, off in zip(self._params, groups, self._offsets):
+            yield (p, g, *[f[off:off + p.numel()].view(p.shape) for f in flats])
 
     def _local_gradient(self) -> torch.Tensor:
         """This rank's gradient as one flat fp32 tensor (missing = zeros), unscaled under GradScaler."""
         flat = torch.zeros(self._numel, dtype=torch.float32, device=self.exp_avg.device)
-        for p, view in self._views(flat):
+        for p, _, view in self._views(flat):
             if p.grad is not None:
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{self._NAME} does not support sparse gradients "
@@ -186,18 +179,18 @@ class OneBitBase(Face, torch.optim.Optimizer):
 
     def _mask(self, flat: torch.Tensor) -> None:
         """``exp_avg_mask``: 1-bit codes cannot say 0, so always-zero rows would collect error for ever."""
-        for (_p, _, _, mask, _), (_, view) in zip(self._groups(), self._views(flat)):
-            if mask is not None:
-                view.mul_(mask.to(view.device, view.dtype))
+        for _, g, view in self._views(flat):
+            if g.get("exp_avg_mask") is not None:
+                view.mul_(g["exp_avg_mask"].to(view.device, view.dtype))
 
-    def _apply(self, update: torch.Tensor, extra: Optional[torch.Tensor] = None) -> None:
-        """``p -= lr * (update + wd * p)`` (decoupled weight decay); ``extra`` (0/1 Adam's u) alike."""
-        for (p, lr, wd, _, i), (_, u) in zip(self._groups(), self._views(update)):
+    def _apply(self, update: torch.Tensor, *also: torch.Tensor) -> None:
+        """``p -= lr * (update + wd * p)`` (decoupled weight decay); each of ``also`` (0/1 Adam's u) alike."""
+        for p, g, u, *rest in self._views(update, *also):
+            lr, wd = g["lr"], g["weight_decay"]
             step = u + wd * p if wd > 0 else u
             step = step * lr
-            if extra is not None:
-                off = self._offsets[i]
-                extra[off:off + p.numel()].view(p.shape).sub_(step)
+            for acc in rest:
+                acc.sub_(step)
             p.sub_(step)
 
     def _denominator(self, bias_correction2: float = 1.0) -> torch.Tensor:
@@ -275,8 +268,8 @@ class OneBitBase(Face, torch.optim.Optimizer):
         if b.kind is None:
             self._begin_overlap(b)
         if b.kind != "none":
-            for i in b.missing():
-                b.fill(i, self._params[i].grad)
+            for i, p in enumerate(self._params):     # fill skips those backward already filled
+                b.fill(i, p.grad)
             self._launch_ready(b)
         life.completed = True
 
@@ -349,11 +342,8 @@ class OneBitBase(Face, torch.optim.Optimizer):
         finally:
             self._sent = None
             self._reset_overlap()
-        self._last_step = (self._counters["bytes_sent"] - before, self._dense_per_step())
+        self._last_step = (self._counters["bytes_sent"] - before, self._dense_per_step)
         return loss
-
-    def _dense_per_step(self) -> int:
-        return dense_bytes(self._numel) if self._size > 1 else 0
 
     def _update(self, grad: torch.Tensor, t: int) -> None:
         raise NotImplementedError
@@ -377,7 +367,7 @@ class OneBitBase(Face, torch.optim.Optimizer):
         """Whole-run ``bytes_sent`` against an exact fp32 gradient all-reduce per step, and counters."""
         c = dict(self._counters)
         sent = c.pop("bytes_sent")
-        dense = (c["step"] + c["skipped_steps"]) * self._dense_per_step()
+        dense = (c["step"] + c["skipped_steps"]) * self._dense_per_step
         return report(*self._last_step, sent, dense, **c)
 
     def _extra_state(self) -> Dict[str, Any]:

@@ -67,10 +67,6 @@ class OverlapBuckets:
             self.work = torch.zeros_like(self.grad)
         return self.work
 
-    def missing(self) -> List[int]:
-        """Parameters not filled this step (no gradient from backward, or frozen)."""
-        return [i for i, done in enumerate(self.filled) if not done]
-
     def ready(self) -> List[Tuple[int, int, int]]:
         """The buckets to launch now, in order (advances the cursor)."""
         out = []

@@ -103,20 +103,18 @@ class ZeroOneAdam(OneBitBase):
             g = self._exact_average(grad)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
             self._counters["exact_steps"] += 1
-            m.mul_(b1).add_(g, alpha=1 - b1)
-        else:
-            g = self._onebit_average(grad)
-            self._mask(g)
-            self._counters["compressed_steps"] += 1
-            m.mul_(b1).add_(g, alpha=1 - b1)
-        bc1, bc2 = self._bias_corrections(t)
-        update = m / self._denominator(bc2)
-        self._apply(update.div_(bc1) if bc1 != 1.0 else update)
-        if t % s["var_interval"] == 0:
             s["var_counter"] += 1
             if s["var_counter"] == cfg.var_update_scaler:
                 s["var_counter"] = 0
                 s["var_interval"] *= 2
+        else:
+            g = self._onebit_average(grad)
+            self._mask(g)
+            self._counters["compressed_steps"] += 1
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        bc1, bc2 = self._bias_corrections(t)
+        update = m / self._denominator(bc2)
+        self._apply(update.div_(bc1) if bc1 != 1.0 else update)
 
     def _frozen_phase(self, grad: torch.Tensor, t: int) -> None:
         cfg, s = self.config, self._sched
@@ -126,7 +124,7 @@ class ZeroOneAdam(OneBitBase):
             self._lowbit.residual.reset()
             self._lowbit.stage2_residual.reset()
             s["errors_reset"] = True
-            for p, view in self._views(self.anchor):
+            for p, _, view in self._views(self.anchor):
                 view.copy_(p)
         m.mul_(b1).add_(grad, alpha=1 - b1)
         # With bias correction, the step size is lr / bc1 (torch's Adam); lrs sums it, so
@@ -135,7 +133,7 @@ class ZeroOneAdam(OneBitBase):
         s["lrs"] = [acc + g["lr"] / bc1 for acc, g in zip(s["lrs"], self.param_groups)]
         denom = self._denominator(bc2)
         update = m / denom
-        self._apply(update.div_(bc1) if bc1 != 1.0 else update, extra=u)
+        self._apply(update.div_(bc1) if bc1 != 1.0 else update, u)
         if t % s["local_step_interval"] == 0:
             self._synchronize(denom)
         s["local_step_counter"] += 1
@@ -149,12 +147,11 @@ class ZeroOneAdam(OneBitBase):
         u.mul_(denom)
         self._onebit_average(u)
         self._mask(u)
-        group_of = self._group_of
-        for (p, _, _, _, i), (_, uv) in zip(self._groups(), self._views(u)):
-            off, lrs = self._offsets[i], s["lrs"][group_of[i]]
-            m[off:off + p.numel()].copy_(uv.reshape(-1) / lrs).neg_()
+        lrs = [acc for acc, g in zip(s["lrs"], self.param_groups) for _ in g["params"]]
+        for (_, _, uv, mv), lr_sum in zip(self._views(u, m), lrs):
+            mv.copy_(uv / lr_sum).neg_()
         self.anchor.add_(u / denom)
-        for p, view in self._views(self.anchor):
+        for p, _, view in self._views(self.anchor):
             p.copy_(view)
         u.zero_()
         s["lrs"] = [0.0] * len(self.param_groups)
@@ -183,7 +180,3 @@ class ZeroOneAdam(OneBitBase):
             return 1.0, 1.0
         b1, b2 = self.config.betas
         return 1 - b1 ** t, 1 - b2 ** self._counters["exact_steps"]
-
-    @property
-    def _group_of(self):
-        return [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
