@@ -51,10 +51,7 @@ def _allreduce_rounds(lbl: str, tensor: torch.Tensor, out: torch.Tensor, op: Red
     if comm is not None:
         yield guard(comm.all_reduce(buf, _TORCH_OPS[op]), lbl)
     if op is Average:
-        if tensor.is_floating_point() or tensor.is_complex():
-            buf.div_(size)
-        else:
-            buf.copy_(torch.div(buf, size, rounding_mode="trunc"))
+        buf.div_(size, rounding_mode=None if tensor.is_floating_point() or tensor.is_complex() else "trunc")
     if post != 1.0:
         buf.mul_(post)
     if not contiguous:

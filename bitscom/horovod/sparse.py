@@ -42,10 +42,6 @@ def _check_sparse(fn: str, tensor: Any) -> None:
                          f"{MAX_DIMS} are supported")
 
 
-def _resolve_sparse_op(op: Optional[ReduceOp]) -> ReduceOp:
-    return choice("sparse_allreduce op", resolve_op(op, None), (Average, Sum))
-
-
 def _check_rows(lbl: str, rows: List[List[int]]) -> Optional[Tuple[List[int], int]]:
     """(every rank's nnz, the common sparse_dim), or ``None`` when no rank is sparse."""
     layouts = [row[_NNZ + 1] % 4 for row in rows]
@@ -82,13 +78,9 @@ def _combine(parts: Sequence[Tuple[torch.Tensor, torch.Tensor]], shape: torch.Si
 
 
 def _apply_op(result: torch.Tensor, op: ReduceOp, size: int) -> torch.Tensor:
-    if op is not Average or size == 1:
-        return result
-    values = result.values()
-    if values.is_floating_point() or values.is_complex():
-        values.div_(size)
-    else:
-        values.copy_(torch.div(values, size, rounding_mode="trunc"))
+    if op is Average and size > 1:
+        values = result.values()
+        values.div_(size, rounding_mode=None if values.is_floating_point() or values.is_complex() else "trunc")
     return result
 
 
@@ -176,7 +168,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op:
     """
     _check_sparse("sparse_allreduce_async", tensor)
     check_name(name)
-    op = _resolve_sparse_op(op)
+    op = choice("sparse_allreduce op", resolve_op(op, None), (Average, Sum))
     lbl = label("sparse_allreduce_async", name)
     group = face_group(process_group, process_set, lbl)
     comm = face_comm(group, lbl)
