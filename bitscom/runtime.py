@@ -13,7 +13,7 @@ import subprocess
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -324,9 +324,7 @@ def _start(info: LaunchInfo, backend: str, timeout: Optional[datetime.timedelta]
     if port is None:                  # a new port needs no wait: the old server may live on
         _PreviousStore.wait_until_gone(timeout)
     _PreviousStore.store = None
-    kwargs: dict = {"backend": backend, "rank": info.rank, "world_size": info.size}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
+    kwargs: dict = {"backend": backend, "rank": info.rank, "world_size": info.size, "timeout": timeout}
     if port is not None and info.master_addr is not None:
         kwargs["init_method"] = f"tcp://{info.master_addr}:{port}"
     elif info.launcher == "torchrun":
@@ -441,10 +439,8 @@ def timeout() -> Optional[datetime.timedelta]:
 def new_group(ranks: Iterable[int], *, backend: Optional[str] = None, use_local_synchronization: bool = False,
               settle: bool = False) -> Any:
     """``dist.new_group`` with :func:`init`'s timeout; ``settle``: all connected before any leaves."""
-    kwargs: Dict[str, Any] = {"backend": backend, "use_local_synchronization": use_local_synchronization}
-    if _rt.timeout is not None:
-        kwargs["timeout"] = _rt.timeout
-    group = dist.new_group(list(ranks), **kwargs)
+    group = dist.new_group(list(ranks), timeout=_rt.timeout, backend=backend,
+                           use_local_synchronization=use_local_synchronization)
     if settle and group is not dist.GroupMember.NON_GROUP_MEMBER:
         cuda = dist.get_backend(group) == "nccl"
         probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu")
