@@ -154,7 +154,6 @@ class _Runtime:
         self.reset()
 
     def reset(self) -> None:
-        """Forget everything (a fresh, uninitialized runtime)."""
         self.info: Optional[LaunchInfo] = None
         self.owns_pg = False
         self._world: Callable[[], Any] = _none
@@ -280,18 +279,14 @@ class _PreviousStore:
         cls.store, cls.world_id = None, None
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             return
-        getter = getattr(dist.distributed_c10d, "_get_default_store", None)
         try:
-            store = getter() if getter is not None else None
-            if store is None:
-                return
+            store = dist.distributed_c10d._get_default_store()
             if info.rank == 0:
                 store.set(cls.KEY, f"{os.getpid()}-{time.time_ns()}")
-                return
-            cls.world_id = store.get(cls.KEY).decode()
-            cls.store = store
+            else:
+                cls.world_id, cls.store = store.get(cls.KEY).decode(), store
         except (RuntimeError, ValueError):
-            cls.store, cls.world_id = None, None
+            pass                     # no store to name: the next init does not wait for it
 
     @classmethod
     def _old_server_up(cls, store) -> bool:
@@ -320,7 +315,7 @@ class _PreviousStore:
 
 def _start(info: LaunchInfo, backend: str, timeout: Optional[datetime.timedelta]) -> None:
     """``init_process_group`` on the agreed port, else after the old store is gone."""
-    port = _NextWorld.take()
+    port, _NextWorld.port = _NextWorld.port, None
     if port is None:                  # a new port needs no wait: the old server may live on
         _PreviousStore.wait_until_gone(timeout)
     _PreviousStore.store = None
@@ -522,11 +517,6 @@ class _NextWorld:
         except (RuntimeError, ValueError, OSError):
             return                             # a peer is gone: the next init uses MASTER_PORT
         cls.port = port
-
-    @classmethod
-    def take(cls) -> Optional[int]:
-        port, cls.port = cls.port, None
-        return port
 
 
 def is_initialized() -> bool:
