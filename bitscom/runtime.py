@@ -25,7 +25,7 @@ from .validate import instance, number
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "world_group", "intra_group", "inter_group", "device",
            "LaunchInfo", "discover", "timeout", "new_group", "shared_group", "channel", "node_layout",
-           "node_groups", "world_token", "on_world_gone"]
+           "node_groups", "world_token", "on_world_gone", "group_device"]
 
 
 @dataclass(frozen=True)
@@ -437,10 +437,16 @@ def new_group(ranks: Iterable[int], *, backend: Optional[str] = None, use_local_
     group = dist.new_group(list(ranks), timeout=_rt.timeout, backend=backend,
                            use_local_synchronization=use_local_synchronization)
     if settle and group is not dist.GroupMember.NON_GROUP_MEMBER:
-        cuda = dist.get_backend(group) == "nccl"
-        probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu")
-        dist.all_reduce(probe, group=group)
+        dist.all_reduce(torch.zeros(1, device=group_device(group)), group=group)
     return group
+
+
+def group_device(group: Any, tensor: Optional[torch.Tensor] = None) -> torch.device:
+    """Where small control tensors for ``group`` live: CUDA for NCCL, CPU for gloo (else ``tensor``'s)."""
+    backend = str(dist.get_backend(group))
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu") if backend == "gloo" or tensor is None else tensor.device
 
 
 _shared: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # world -> {key: group}
