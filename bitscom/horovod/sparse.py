@@ -121,10 +121,8 @@ def reduce_rounds(lbl: str, template: torch.Tensor, local: Optional[torch.Tensor
         sparse_dim = 0
         indices = torch.zeros(0, 0, dtype=torch.int64, device=template.device)
         values = torch.zeros(0, dtype=template.dtype, device=template.device)
-    if comm is None:
-        if layout != SPARSE:
-            return None
-        return _apply_op(_combine([(indices, values)], shape, sparse_dim), op, 1)
+    if comm is None:                                   # one rank: nothing to average
+        return _combine([(indices, values)], shape, sparse_dim) if layout == SPARSE else None
     rows = yield from negotiate(comm, lbl, template, KIND, OPS[op], extra=[indices.shape[1], layout + 4 * sparse_dim])
     checked = _check_rows(lbl, rows)
     if checked is None:
@@ -191,12 +189,8 @@ def sparse_allreduce(tensor: torch.Tensor, name: Optional[str] = None, op: Optio
 
 def sparse_embedding_weights(params: Sequence[torch.Tensor], objects: Optional[list] = None) -> Set[int]:
     """The ids of those ``params`` that are the weight of an ``nn.Embedding`` or
-    ``nn.EmbeddingBag`` built with ``sparse=True`` (their gradients are sparse).
-
-    Why by module: a gradient is only seen once computed, and a rank whose batch did not use
-    the embedding sees none, yet it must take part in the same reduction as the others
-    (Horovod cannot tell either, and mismatches there). The module says it up front, the same
-    on every rank that built the same model."""
+    ``nn.EmbeddingBag`` built with ``sparse=True``: known up front on every rank, also on one
+    whose batch made no gradient (why by module: docs/horovod.md)."""
     ours = {id(p) for p in params}
     found: Set[int] = set()
     kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
@@ -209,13 +203,7 @@ def sparse_embedding_weights(params: Sequence[torch.Tensor], objects: Optional[l
 
 
 class SparseGradients:
-    """DistributedOptimizer's sparse path (``sparse_as_dense=False``): state of one optimizer.
-
-    On the pass that completes a step, :meth:`on_gradient` takes a sparse ``p.grad`` of a
-    sparse-embedding weight out (the caller zeros its bucket slot); after the dense buckets,
-    :meth:`finish` reduces every such parameter in plan order on every rank (a rank without a
-    gradient contributes nothing) into ``p.grad``.
-    """
+    """DistributedOptimizer's sparse path (``sparse_as_dense=False``): state of one optimizer."""
 
     def __init__(self, trainable: Sequence[Tuple[str, torch.Tensor]], objects: Optional[list] = None):
         ids = sparse_embedding_weights([p for _, p in trainable], objects)
