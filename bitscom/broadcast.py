@@ -10,9 +10,10 @@ import torch.distributed as dist
 
 from .agreement import check_agreement
 from .comm import Comm, drive, wait
+from .face import require_group
 from .horovod.failures import guard
-from .horovod.groups import group_device, require_group
 from .horovod.objects import broadcast_object_rounds
+from .runtime import group_device
 from .validate import instance
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object"]
