@@ -46,10 +46,8 @@ def _cuda() -> str:
         return "no (torch built without CUDA)"
     if not torch.cuda.is_available():
         return "no (CUDA build, but no usable GPU or driver)"
-    devices = []
-    for i in range(torch.cuda.device_count()):
-        p = torch.cuda.get_device_properties(i)
-        devices.append(f"{i}: {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB)")
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    devices = [f"{i}: {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB)" for i, p in enumerate(props)]
     return f"yes, {len(devices)} device(s): " + "; ".join(devices)
 
 

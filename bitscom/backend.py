@@ -360,7 +360,7 @@ class LowBitProcessGroup(dist.ProcessGroup):
         op = opts.reduceOp
         call = Call.of("all_reduce", op, tensors[0].dtype, sum(t.numel() for t in tensors))
         if not (is_sum_or_avg(op) and all(t.is_floating_point() for t in tensors)):
-            return self._exact(call, tensors, self._exact_all_reduce(tensors, op), list(tensors))
+            return self._exact(call, tensors, lambda comm: self._exact_all_reduce(comm, tensors, op), list(tensors))
         average = op == dist.ReduceOp.AVG
 
         def body(comm, states):
@@ -373,20 +373,15 @@ class LowBitProcessGroup(dist.ProcessGroup):
         key = ("all_reduce",) + tuple(_storage(t) for t in tensors)
         return self._launch(call, tensors, key, body, list(tensors), counted=True)
 
-    def _exact_all_reduce(self, tensors, op):
-        integer_avg = op == dist.ReduceOp.AVG and not tensors[0].is_floating_point() \
-            and tensors[0].device.type != "cuda"
-        dtype = tensors[0].dtype
-
-        def issue(comm):
-            if integer_avg:
-                raise RuntimeError(f"bitscom lowbit backend: all_reduce with op=AVG of {dtype} tensors: the "
-                                   "inner gloo backend cannot average integers (it divides in floating point "
-                                   "and cannot store the result). Use op=SUM and divide, e.g. "
-                                   "t.div_(world_size, rounding_mode='floor'), or pass a floating tensor")
-            return [comm.all_reduce(t, op) for t in tensors]
-
-        return issue
+    @staticmethod
+    def _exact_all_reduce(comm, tensors, op):
+        t0 = tensors[0]
+        if op == dist.ReduceOp.AVG and not t0.is_floating_point() and t0.device.type != "cuda":
+            raise RuntimeError(f"bitscom lowbit backend: all_reduce with op=AVG of {t0.dtype} tensors: the "
+                               "inner gloo backend cannot average integers (it divides in floating point "
+                               "and cannot store the result). Use op=SUM and divide, e.g. "
+                               "t.div_(world_size, rounding_mode='floor'), or pass a floating tensor")
+        return [comm.all_reduce(t, op) for t in tensors]
 
     def _reduce_scatter_base(self, output, input, opts=None):
         opts = opts or dist.ReduceScatterOptions()

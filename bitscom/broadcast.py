@@ -8,21 +8,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .agreement import check_agreement, require_member
+from .agreement import check_agreement
 from .comm import Comm, drive, wait
+from .face import require_group
 from .horovod.failures import guard
-from .horovod.groups import group_device, require_group
 from .horovod.objects import broadcast_object_rounds
+from .runtime import group_device
 from .validate import instance
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object"]
-
-
-def _active(group, what: str) -> bool:
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    require_member(group, what)
-    return dist.get_world_size(group) > 1
 
 
 def _check_root(root_rank, group) -> None:
@@ -46,9 +40,8 @@ def broadcast_parameters(params: Any, root_rank: int = 0, process_group: Optiona
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
             raise TypeError("broadcast_parameters expects tensors or (name, tensor) pairs, got "
                             f"{type(item).__name__} {repr(item)[:80]}")
-    if not _active(group, "broadcast_parameters"):
+    if group is None or dist.get_world_size(group) == 1:     # require_group checked membership
         return
-    assert group is not None  # _active: torch.distributed is initialized, so require_group gave a group
     _check_root(root_rank, group)
     check_agreement({"tensors": [(str(n), tuple(t.shape), str(t.dtype)) for n, t in items]}, group,
                     "tensors given to broadcast_parameters")
@@ -77,9 +70,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
         epoch = bitscom.broadcast_object(epoch, root_rank=0)
     """
     group = require_group(process_group, "bitscom.broadcast_object")
-    if not _active(group, "broadcast_object"):
+    if group is None or dist.get_world_size(group) == 1:
         return obj
-    assert group is not None  # _active: torch.distributed is initialized, so require_group gave a group
     _check_root(root_rank, group)
     comm = Comm(group)
     rounds = broadcast_object_rounds(comm, obj, dist.get_group_rank(group, root_rank),
@@ -95,7 +87,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     """
     instance("broadcast_optimizer_state optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
     group = require_group(process_group, "bitscom.broadcast_optimizer_state")
-    if not _active(group, "broadcast_optimizer_state"):
+    if group is None or dist.get_world_size(group) == 1:
         return
     _check_root(root_rank, group)
     layout = [[(tuple(p.shape), str(p.dtype)) for p in g["params"]] for g in optimizer.param_groups]
@@ -103,7 +95,6 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                     "optimizers given to broadcast_optimizer_state")
     state = None
     if dist.get_rank() == root_rank:
-        state = optimizer.state_dict()
-        state = _to_cpu({k: v for k, v in state.items() if k != "bitscom"})
+        state = _to_cpu({k: v for k, v in optimizer.state_dict().items() if k != "bitscom"})
     state = broadcast_object(state, root_rank, process_group=group)
     optimizer.load_state_dict(state)

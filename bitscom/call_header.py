@@ -23,10 +23,6 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uin
 """The dtypes a header names (and the Horovod face accepts)."""
 
 
-def _op_code(op) -> int:
-    return int(getattr(op, "op", op))
-
-
 @dataclass(frozen=True)
 class Call:
     """What one rank called, as the header carries it: kind, op, dtype and element count. Example::
@@ -43,7 +39,7 @@ class Call:
     @classmethod
     def of(cls, kind: str, op, dtype: torch.dtype, numel: int) -> "Call":
         code = DTYPES.index(dtype) + 1 if dtype in DTYPES else 0
-        return cls(_KINDS.index(kind), _op_code(op), code, int(numel))
+        return cls(_KINDS.index(kind), int(getattr(op, "op", op)), code, int(numel))
 
     def header(self, slot_code: int = 0) -> List[int]:
         return [self.numel, self.kind | self.op << 2 | self.dtype << 6 | slot_code << 12]

@@ -144,7 +144,7 @@ class Channel:
             self.bytes_sent += w.bytes_sent
             # Keep a finished work's last handle until the next submit: dropped on torch's
             # worker thread at interpreter exit, it aborts the process (docs/reliability.md).
-            self._retired.append(w.retain())
+            self._retired.append(w._last_work)
 
 
 def _step(w: Rounds, block: bool) -> None:

@@ -195,7 +195,7 @@ class Rounds:
         self.keep_going = keep_going    # its errors leave the group in step (a call header's)
         self._seq = -1                  # its place on a Channel, and whether the channel counted it
         self._counted = False
-        self._last_work: Any = None     # its final round's handle (see retain)
+        self._last_work: Any = None     # its final round's handle (Channel._finished keeps it)
 
     @property
     def released(self) -> bool:
@@ -242,10 +242,6 @@ class Rounds:
 
     def is_completed(self) -> bool:
         return self.done
-
-    def retain(self) -> Any:
-        """The finished work's last round handle (see ``Channel._finished``)."""
-        return self._last_work
 
     bytes_sent = property(lambda self: sum(c.bytes_sent for c in self.comms))
 

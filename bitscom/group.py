@@ -200,13 +200,10 @@ class LowBitGroup(Face):
 
     def _call_config(self, hierarchical: bool, chunk_size: Optional[int], local_quantize: Optional[bool]):
         cfg = self.config
-        changes: Dict[str, Any] = {}   # LowBitConfig settings by name
-        if chunk_size is not None:
-            changes["chunk_size"] = chunk_size
-        if hierarchical or cfg.hierarchy != "none":
-            changes["hierarchy"] = cfg.hierarchy if cfg.hierarchy != "none" else "leader"
-        if local_quantize is not None:
-            changes["local_quantize"] = local_quantize
+        given = (("chunk_size", chunk_size), ("local_quantize", local_quantize))
+        changes: Dict[str, Any] = {name: value for name, value in given if value is not None}
+        if hierarchical and cfg.hierarchy == "none":
+            changes["hierarchy"] = "leader"
         return dataclasses.replace(cfg, **changes) if changes else cfg
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,

@@ -13,7 +13,7 @@ import subprocess
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from .validate import instance, number
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "world_group", "intra_group", "inter_group", "device",
            "LaunchInfo", "discover", "timeout", "new_group", "shared_group", "channel", "node_layout",
-           "node_groups", "world_token", "on_world_gone"]
+           "node_groups", "world_token", "on_world_gone", "group_device"]
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,6 @@ class _Runtime:
         self.reset()
 
     def reset(self) -> None:
-        """Forget everything (a fresh, uninitialized runtime)."""
         self.info: Optional[LaunchInfo] = None
         self.owns_pg = False
         self._world: Callable[[], Any] = _none
@@ -280,18 +279,14 @@ class _PreviousStore:
         cls.store, cls.world_id = None, None
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             return
-        getter = getattr(dist.distributed_c10d, "_get_default_store", None)
         try:
-            store = getter() if getter is not None else None
-            if store is None:
-                return
+            store = dist.distributed_c10d._get_default_store()
             if info.rank == 0:
                 store.set(cls.KEY, f"{os.getpid()}-{time.time_ns()}")
-                return
-            cls.world_id = store.get(cls.KEY).decode()
-            cls.store = store
+            else:
+                cls.world_id, cls.store = store.get(cls.KEY).decode(), store
         except (RuntimeError, ValueError):
-            cls.store, cls.world_id = None, None
+            pass                     # no store to name: the next init does not wait for it
 
     @classmethod
     def _old_server_up(cls, store) -> bool:
@@ -320,13 +315,11 @@ class _PreviousStore:
 
 def _start(info: LaunchInfo, backend: str, timeout: Optional[datetime.timedelta]) -> None:
     """``init_process_group`` on the agreed port, else after the old store is gone."""
-    port = _NextWorld.take()
+    port, _NextWorld.port = _NextWorld.port, None
     if port is None:                  # a new port needs no wait: the old server may live on
         _PreviousStore.wait_until_gone(timeout)
     _PreviousStore.store = None
-    kwargs: dict = {"backend": backend, "rank": info.rank, "world_size": info.size}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
+    kwargs: dict = {"backend": backend, "rank": info.rank, "world_size": info.size, "timeout": timeout}
     if port is not None and info.master_addr is not None:
         kwargs["init_method"] = f"tcp://{info.master_addr}:{port}"
     elif info.launcher == "torchrun":
@@ -441,15 +434,19 @@ def timeout() -> Optional[datetime.timedelta]:
 def new_group(ranks: Iterable[int], *, backend: Optional[str] = None, use_local_synchronization: bool = False,
               settle: bool = False) -> Any:
     """``dist.new_group`` with :func:`init`'s timeout; ``settle``: all connected before any leaves."""
-    kwargs: Dict[str, Any] = {"backend": backend, "use_local_synchronization": use_local_synchronization}
-    if _rt.timeout is not None:
-        kwargs["timeout"] = _rt.timeout
-    group = dist.new_group(list(ranks), **kwargs)
+    group = dist.new_group(list(ranks), timeout=_rt.timeout, backend=backend,
+                           use_local_synchronization=use_local_synchronization)
     if settle and group is not dist.GroupMember.NON_GROUP_MEMBER:
-        cuda = dist.get_backend(group) == "nccl"
-        probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu")
-        dist.all_reduce(probe, group=group)
+        dist.all_reduce(torch.zeros(1, device=group_device(group)), group=group)
     return group
+
+
+def group_device(group: Any, tensor: Optional[torch.Tensor] = None) -> torch.device:
+    """Where small control tensors for ``group`` live: CUDA for NCCL, CPU for gloo (else ``tensor``'s)."""
+    backend = str(dist.get_backend(group))
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu") if backend == "gloo" or tensor is None else tensor.device
 
 
 _shared: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # world -> {key: group}
@@ -526,11 +523,6 @@ class _NextWorld:
         except (RuntimeError, ValueError, OSError):
             return                             # a peer is gone: the next init uses MASTER_PORT
         cls.port = port
-
-    @classmethod
-    def take(cls) -> Optional[int]:
-        port, cls.port = cls.port, None
-        return port
 
 
 def is_initialized() -> bool:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from .agreement import check_agreement
 from .comm import Comm, wait
 from .face import require_group
+from .runtime import group_device
 
 __all__ = ["join", "register", "unregister", "notify"]
 
@@ -30,18 +31,12 @@ def unregister(optimizer) -> None:
     _live.discard(optimizer)
 
 
-def _device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def notify(optimizer):
     """Issue the step's notice (a buffer refilled on the device: no blocking copy)."""
     buffers = _notices.get(optimizer)
     if buffers is None:
         template = torch.tensor([1, optimizer._uid], dtype=torch.int64,
-                                device=_device(optimizer.process_group))
+                                device=group_device(optimizer.process_group))
         buffers = _notices[optimizer] = (template, torch.empty_like(template))
     template, notice = buffers
     notice.copy_(template)
@@ -76,7 +71,7 @@ def join(process_group=None) -> int:
     if dist.get_world_size(group) == 1:
         return dist.get_rank()
     mine = _joining(group)
-    device = _device(group)
+    device = group_device(group)
     comm = Comm(group)
     shadowed = 0
     while True:

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from ..comm import Comm
 from ..ops import Sum
 from .allreduce import allreduce
-from .args import check_name, check_tensor, label
+from .args import call_group, label
 from .failures import guard
-from .groups import face_comm, face_group
+from .groups import face_comm
 from .handles import Handle, submit, synchronize
 from .negotiation import ERRORS, H_FIXED, KINDS, MAX_DIMS, negotiate
 
@@ -61,9 +61,7 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_se
         h = bitscom.allgather_async(predictions)
         all_predictions = bitscom.synchronize(h)
     """
-    check_tensor("allgather_async", tensor)
-    check_name(name)
-    group = face_group(process_group, process_set, label("allgather_async", name))
+    group = call_group("allgather_async", tensor, name, process_group, process_set)
     return _allgather_async("allgather", tensor, name, group)
 
 
@@ -92,9 +90,7 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any
 
         everyone = bitscom.allgather(torch.tensor([bitscom.rank()]))   # tensor([0, 1, ...])
     """
-    check_tensor("allgather", tensor)
-    check_name(name)
-    group = face_group(process_group, process_set, label("allgather", name))
+    group = call_group("allgather", tensor, name, process_group, process_set)
     if torch.is_grad_enabled() and tensor.requires_grad:
         return _AllgatherFn.apply(tensor, name, group)
     return synchronize(_allgather_async("allgather", tensor, name, group))

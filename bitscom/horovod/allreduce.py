@@ -10,7 +10,7 @@ import torch.distributed as dist
 from ..comm import Comm
 from ..compressors.casting import Compression
 from ..ops import Average, Max, Min, Product, ReduceOp, Sum
-from .args import check_name, check_tensor, label, resolve_op
+from .args import call_group, check_tensor, label, resolve_op
 from .codec import check_compression
 from .failures import guard
 from .groups import face_comm, face_group
@@ -51,10 +51,7 @@ def _allreduce_rounds(lbl: str, tensor: torch.Tensor, out: torch.Tensor, op: Red
     if comm is not None:
         yield guard(comm.all_reduce(buf, _TORCH_OPS[op]), lbl)
     if op is Average:
-        if tensor.is_floating_point() or tensor.is_complex():
-            buf.div_(size)
-        else:
-            buf.copy_(torch.div(buf, size, rounding_mode="trunc"))
+        buf.div_(size, rounding_mode=None if tensor.is_floating_point() or tensor.is_complex() else "trunc")
     if post != 1.0:
         buf.mul_(post)
     if not contiguous:
@@ -64,11 +61,9 @@ def _allreduce_rounds(lbl: str, tensor: torch.Tensor, out: torch.Tensor, op: Red
 
 def _allreduce_async(fn: str, tensor: torch.Tensor, out: Optional[torch.Tensor], average, name,
                      op, pre, post, process_group, process_set) -> Handle:
-    check_tensor(fn, tensor)
-    check_name(name)
+    group = call_group(fn, tensor, name, process_group, process_set)
     op = resolve_op(op, average)
     lbl = label(fn, name)
-    group = face_group(process_group, process_set, lbl)
     pre, post = float(pre), float(post)
     out = tensor.detach().clone() if out is None else out
     comm = face_comm(group, lbl)

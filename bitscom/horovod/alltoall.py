@@ -8,9 +8,9 @@ from typing import Any, Generator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..comm import Comm
-from .args import check_name, check_tensor, label
+from .args import call_group, label
 from .failures import guard
-from .groups import face_comm, face_group
+from .groups import face_comm
 from .handles import Handle, submit, synchronize
 from .negotiation import ERRORS, H_FIXED, KINDS, MAX_DIMS, negotiate
 
@@ -77,9 +77,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Splits = None, name: Optional[s
 
         out, received = bitscom.synchronize(bitscom.alltoall_async(x, splits=[1, 3]))
     """
-    check_tensor("alltoall_async", tensor)
-    check_name(name)
-    group = face_group(process_group, process_set, label("alltoall_async", name))
+    group = call_group("alltoall_async", tensor, name, process_group, process_set)
     return _alltoall_async("alltoall", tensor, splits, name, group, splits is not None)
 
 
@@ -109,9 +107,7 @@ def alltoall(tensor: torch.Tensor, splits: Splits = None, name: Optional[str] = 
         shards = bitscom.alltoall(torch.arange(4.0))          # 2 ranks: 2 rows to each
         rows, received = bitscom.alltoall(x, splits=torch.tensor([3, 1]))
     """
-    check_tensor("alltoall", tensor)
-    check_name(name)
-    group = face_group(process_group, process_set, label("alltoall", name))
+    group = call_group("alltoall", tensor, name, process_group, process_set)
     if torch.is_grad_enabled() and tensor.requires_grad:
         out, received = _AlltoallFn.apply(tensor, splits, name, group)
         return out if splits is None else (out, received)

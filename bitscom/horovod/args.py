@@ -8,9 +8,10 @@ import torch
 
 from ..ops import Adasum, Average, ReduceOp, Sum
 from ..validate import choice, instance
+from .groups import face_group
 from .negotiation import DTYPES, OPS
 
-__all__ = ["resolve_op", "check_tensor", "check_name", "check_root", "label"]
+__all__ = ["resolve_op", "check_tensor", "check_name", "check_root", "label", "call_group"]
 
 
 def resolve_op(op: Optional[ReduceOp], average: Optional[bool]) -> ReduceOp:
@@ -49,3 +50,10 @@ def check_root(root_rank: Any) -> None:
 def label(fn: str, name: Optional[str]) -> str:
     """How errors name a call: ``bitscom.allreduce 'loss'``."""
     return f"bitscom.{fn}" + ("" if name is None else f" {name!r}")
+
+
+def call_group(fn: str, tensor: Any, name: Any, process_group: Any, process_set: Any) -> Optional[Any]:
+    """The group call ``fn`` runs on, after checking its ``tensor`` and ``name``."""
+    check_tensor(fn, tensor)
+    check_name(name)
+    return face_group(process_group, process_set, label(fn, name))

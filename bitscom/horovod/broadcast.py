@@ -12,9 +12,9 @@ from .. import runtime
 from ..comm import Comm
 from ..ops import Sum
 from .allreduce import allreduce
-from .args import check_name, check_root, check_tensor, label
+from .args import call_group, check_root, label
 from .failures import guard
-from .groups import face_comm, face_group
+from .groups import face_comm
 from .handles import Handle, submit, synchronize
 from .negotiation import KINDS, negotiate
 
@@ -42,11 +42,9 @@ def _broadcast_rounds(lbl: str, out: torch.Tensor, root_rank: int, comm: Optiona
 
 def _broadcast_async(fn: str, tensor: torch.Tensor, out: Optional[torch.Tensor], root_rank: int,
                      name: Optional[str], process_group: Any, process_set: Any) -> Handle:
-    check_tensor(fn, tensor)
-    check_name(name)
+    group = call_group(fn, tensor, name, process_group, process_set)
     check_root(root_rank)
     lbl = label(fn, name)
-    group = face_group(process_group, process_set, lbl)
     out = tensor.detach().clone() if out is None else out
     comm = face_comm(group, lbl)
     return submit(fn, name, _broadcast_rounds(lbl, out, root_rank, comm, name), comm)
@@ -113,8 +111,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 
         start = bitscom.broadcast(torch.randn(10), root_rank=0)
     """
-    check_tensor("broadcast", tensor)
-    group = face_group(process_group, process_set, label("broadcast", name))
+    group = call_group("broadcast", tensor, name, process_group, process_set)
     if torch.is_grad_enabled() and tensor.requires_grad:
         return _BroadcastFn.apply(tensor, root_rank, name, group)
     return synchronize(_broadcast_async("broadcast", tensor, None, root_rank, name, group, None))

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 
 from .. import runtime
 from ..comm import Comm
+from ..runtime import group_device   # the face's name for it (one device rule)
 from ..face import require_group    # the library's one group/membership check
 from .failures import peer_failure
 
@@ -28,16 +28,6 @@ def face_group(process_group: Optional[Any], process_set: Optional[Any], what: s
 def group_size(group: Optional[Any]) -> int:
     """Members of ``group`` (1 for ``None``: a single process)."""
     return 1 if group is None else dist.get_world_size(group)
-
-
-def group_device(group: Any, tensor: Optional[torch.Tensor] = None) -> torch.device:
-    """Where small control tensors for ``group`` live: CUDA for NCCL, CPU for gloo."""
-    backend = str(dist.get_backend(group))
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend == "gloo" or tensor is None:
-        return torch.device("cpu")
-    return tensor.device
 
 
 def face_comm(group: Optional[Any], what: str) -> Optional[Comm]:

@@ -51,18 +51,10 @@ def _bits_float(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
-def _kind_name(code: int) -> str:
-    return next((k for k, v in KINDS.items() if v == code), "?")
-
-
-def _op_name(code: int) -> str:
-    return next((o.name.title() for o, v in OPS.items() if v == code), "-")
-
-
 # (header index, what it is, how to show it)
 _FIELDS: List[Tuple[int, str, Callable[[List[int]], object]]] = [
-    (0, "operation", lambda h: _kind_name(h[0])),
-    (1, "op", lambda h: _op_name(h[1])),
+    (0, "operation", lambda h: next((k for k, v in KINDS.items() if v == h[0]), "?")),
+    (1, "op", lambda h: next((o.name.title() for o, v in OPS.items() if v == h[1]), "-")),
     (2, "root_rank", lambda h: h[2]),
     (3, "dtype", lambda h: DTYPES[h[3]]),
     (4, "prescale_factor", lambda h: _bits_float(h[4])),

@@ -5,11 +5,11 @@ object broadcast (receivers unpickle peers' bytes: the trust this assumes, docs/
 from __future__ import annotations
 
 import pickle
-from typing import Any, Generator, Iterator, List, Optional
+from typing import Any, Generator, List, Optional
 
 import torch
 
-from ..comm import Comm, drive
+from ..comm import Comm, drive, wait
 from .args import check_name, label
 from .failures import guard
 from .groups import face_group, group_device, group_size
@@ -69,10 +69,6 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set: Any = No
     return drive(gather_object_rounds(comm, obj, group_device(group), what), comm)
 
 
-def _barrier_rounds(comm: Comm, device: torch.device) -> Iterator:
-    yield guard(comm.all_reduce(torch.zeros(1, device=device)), "bitscom.barrier")
-
-
 def barrier(process_set: Any = None, *, process_group: Any = None) -> None:
     """Block until every rank of the group reached this call (Horovod's ``hvd.barrier``).
 
@@ -84,5 +80,4 @@ def barrier(process_set: Any = None, *, process_group: Any = None) -> None:
     """
     group = face_group(process_group, process_set, "bitscom.barrier")
     if group_size(group) > 1:
-        comm = Comm(group)
-        drive(_barrier_rounds(comm, group_device(group)), comm)
+        wait(guard(Comm(group).all_reduce(torch.zeros(1, device=group_device(group))), "bitscom.barrier"))

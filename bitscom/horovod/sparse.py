@@ -42,10 +42,6 @@ def _check_sparse(fn: str, tensor: Any) -> None:
                          f"{MAX_DIMS} are supported")
 
 
-def _resolve_sparse_op(op: Optional[ReduceOp]) -> ReduceOp:
-    return choice("sparse_allreduce op", resolve_op(op, None), (Average, Sum))
-
-
 def _check_rows(lbl: str, rows: List[List[int]]) -> Optional[Tuple[List[int], int]]:
     """(every rank's nnz, the common sparse_dim), or ``None`` when no rank is sparse."""
     layouts = [row[_NNZ + 1] % 4 for row in rows]
@@ -82,13 +78,9 @@ def _combine(parts: Sequence[Tuple[torch.Tensor, torch.Tensor]], shape: torch.Si
 
 
 def _apply_op(result: torch.Tensor, op: ReduceOp, size: int) -> torch.Tensor:
-    if op is not Average or size == 1:
-        return result
-    values = result.values()
-    if values.is_floating_point() or values.is_complex():
-        values.div_(size)
-    else:
-        values.copy_(torch.div(values, size, rounding_mode="trunc"))
+    if op is Average and size > 1:
+        values = result.values()
+        values.div_(size, rounding_mode=None if values.is_floating_point() or values.is_complex() else "trunc")
     return result
 
 
@@ -129,10 +121,8 @@ def reduce_rounds(lbl: str, template: torch.Tensor, local: Optional[torch.Tensor
         sparse_dim = 0
         indices = torch.zeros(0, 0, dtype=torch.int64, device=template.device)
         values = torch.zeros(0, dtype=template.dtype, device=template.device)
-    if comm is None:
-        if layout != SPARSE:
-            return None
-        return _apply_op(_combine([(indices, values)], shape, sparse_dim), op, 1)
+    if comm is None:                                   # one rank: nothing to average
+        return _combine([(indices, values)], shape, sparse_dim) if layout == SPARSE else None
     rows = yield from negotiate(comm, lbl, template, KIND, OPS[op], extra=[indices.shape[1], layout + 4 * sparse_dim])
     checked = _check_rows(lbl, rows)
     if checked is None:
@@ -176,7 +166,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op:
     """
     _check_sparse("sparse_allreduce_async", tensor)
     check_name(name)
-    op = _resolve_sparse_op(op)
+    op = choice("sparse_allreduce op", resolve_op(op, None), (Average, Sum))
     lbl = label("sparse_allreduce_async", name)
     group = face_group(process_group, process_set, lbl)
     comm = face_comm(group, lbl)
@@ -199,12 +189,8 @@ def sparse_allreduce(tensor: torch.Tensor, name: Optional[str] = None, op: Optio
 
 def sparse_embedding_weights(params: Sequence[torch.Tensor], objects: Optional[list] = None) -> Set[int]:
     """The ids of those ``params`` that are the weight of an ``nn.Embedding`` or
-    ``nn.EmbeddingBag`` built with ``sparse=True`` (their gradients are sparse).
-
-    Why by module: a gradient is only seen once computed, and a rank whose batch did not use
-    the embedding sees none, yet it must take part in the same reduction as the others
-    (Horovod cannot tell either, and mismatches there). The module says it up front, the same
-    on every rank that built the same model."""
+    ``nn.EmbeddingBag`` built with ``sparse=True``: known up front on every rank, also on one
+    whose batch made no gradient (why by module: docs/horovod.md)."""
     ours = {id(p) for p in params}
     found: Set[int] = set()
     kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
@@ -217,13 +203,7 @@ def sparse_embedding_weights(params: Sequence[torch.Tensor], objects: Optional[l
 
 
 class SparseGradients:
-    """DistributedOptimizer's sparse path (``sparse_as_dense=False``): state of one optimizer.
-
-    On the pass that completes a step, :meth:`on_gradient` takes a sparse ``p.grad`` of a
-    sparse-embedding weight out (the caller zeros its bucket slot); after the dense buckets,
-    :meth:`finish` reduces every such parameter in plan order on every rank (a rank without a
-    gradient contributes nothing) into ``p.grad``.
-    """
+    """DistributedOptimizer's sparse path (``sparse_as_dense=False``): state of one optimizer."""
 
     def __init__(self, trainable: Sequence[Tuple[str, torch.Tensor]], objects: Optional[list] = None):
         ids = sparse_embedding_weights([p for _, p in trainable], objects)
