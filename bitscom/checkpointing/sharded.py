@@ -71,19 +71,7 @@ def _saved_pieces(entries: dict):
 def _check_meta(opt, meta: dict) -> None:
     if meta.get("format") != FORMAT:
         raise ValueError(f"checkpoint format {meta.get('format')!r}, expected {FORMAT!r}")
-    mine = {n: tuple(p.shape) for n, p in opt._trainable}
-    if sorted(meta["params"]) != sorted(mine):
-        missing = sorted(set(mine) - set(meta["params"]))[:5]
-        extra = sorted(set(meta["params"]) - set(mine))[:5]
-        raise ValueError(f"checkpoint parameters differ from this model's: missing {missing}, "
-                         f"unexpected {extra}")
-    for n, shape in mine.items():
-        if tuple(meta["params"][n]) != shape:
-            raise ValueError(f"parameter {n!r}: checkpoint shape {tuple(meta['params'][n])}, model "
-                             f"shape {shape}")
-    if len(meta["param_groups"]) != len(opt.optimizer.param_groups):
-        raise ValueError(f"checkpoint has {len(meta['param_groups'])} param groups, the optimizer "
-                         f"{len(opt.optimizer.param_groups)}")
+    opt._check_checkpoint(meta["params"], len(meta["param_groups"]))
 
 
 def _overlaps(opt, masters) -> Dict[tuple, List[Tuple[int, int]]]:

@@ -535,18 +535,21 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                                       for k, (kind, v) in st.items()}))
         return dict(mine)
 
-    def _check_consolidated_params(self, params: dict) -> None:
-        """A consolidated checkpoint holds this model's parameters, by name and shape."""
+    def _check_checkpoint(self, shapes: dict, n_groups: int) -> None:
+        """A checkpoint (consolidated or DCP) holds this model's parameters and param group count."""
         names = [n for n, _ in self._trainable]
-        if sorted(params) != sorted(names):
-            missing = sorted(set(names) - set(params))[:5]
-            extra = sorted(set(params) - set(names))[:5]
+        if sorted(shapes) != sorted(names):
+            missing = sorted(set(names) - set(shapes))[:5]
+            extra = sorted(set(shapes) - set(names))[:5]
             raise ValueError(f"checkpoint parameters differ from this model's: missing {missing}, "
                              f"unexpected {extra}")
         for n, p in self._trainable:
-            if tuple(params[n]["master"].shape) != tuple(p.shape):
-                raise ValueError(f"parameter {n!r}: checkpoint shape {tuple(params[n]['master'].shape)}, "
+            if tuple(shapes[n]) != tuple(p.shape):
+                raise ValueError(f"parameter {n!r}: checkpoint shape {tuple(shapes[n])}, "
                                  f"model shape {tuple(p.shape)}")
+        if n_groups != len(self.optimizer.param_groups):
+            raise ValueError(f"checkpoint has {n_groups} param groups, the "
+                             f"optimizer {len(self.optimizer.param_groups)}")
 
     def load_consolidated_state_dict(self, state_dict: dict, load_replicas: bool = True) -> None:
         """Load a :meth:`consolidated_state_dict` of any world size (and the replicas)."""
@@ -554,10 +557,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             raise ValueError(f"not a consolidated ShardedOptimizer checkpoint (format "
                              f"{state_dict.get('format')!r}, expected {FORMAT!r})")
         params = state_dict["params"]
-        self._check_consolidated_params(params)
-        if len(state_dict["param_groups"]) != len(self.optimizer.param_groups):
-            raise ValueError(f"checkpoint has {len(state_dict['param_groups'])} param groups, the "
-                             f"optimizer {len(self.optimizer.param_groups)}")
+        self._check_checkpoint({n: e["master"].shape for n, e in params.items()}, len(state_dict["param_groups"]))
         new_state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
         with torch.no_grad():
             for piece, tensor in zip(self.plan.pieces, self._pieces):
