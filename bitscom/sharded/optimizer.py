@@ -290,7 +290,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         if last_pass:
             self._mark_ready(bi, slot.index)
             self._launch_ready()
-        self._reducer.poll(self._step_count)
+        self._reducer.poll()
 
     def _mark_ready(self, bi: int, index: int) -> None:
         if not self._ready[index]:
@@ -316,7 +316,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                         self._buckets[bi][s.offset:s.end].zero_()
                     self._mark_ready(bi, s.index)
             self._launch_ready()
-            sent = self._reducer.wait_all(self._step_count)
+            sent = self._reducer.wait_all()
             for piece, tensor in zip(self.plan.pieces, self._pieces):
                 tensor.grad = self._master_grad[piece.master_offset:piece.master_offset + piece.numel]
             self._norms = norm_summary([cast(torch.Tensor, t.grad) for t in self._pieces], self._master.device, self.topo)
