@@ -169,7 +169,6 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             topo = Topology(topo.group, intra, inter, topo.world, topo.rank, pending_local)
         self.topo = topo
         self._params = [p for _, p in self._trainable]
-        self._names = [n for n, _ in self._trainable]
         self._broadcast_parameters()
         self._build_master(device)
         self.optimizer = optimizer
@@ -226,28 +225,20 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
     def _take_over(self, optimizer) -> None:
         """Re-point ``optimizer`` at this rank's pieces, slicing any state it already has."""
-        index_of = {id(p): i for i, p in enumerate(self._params)}
-        pieces_of = defaultdict(list)
-        for k, piece in enumerate(self.plan.pieces):
-            pieces_of[piece.index].append(k)
-        old_state = optimizer.state
+        owned = defaultdict(list)      # id(parameter) -> its (piece, master view) pairs; frozen: none
+        for piece, tensor in zip(self.plan.pieces, self._pieces):
+            owned[id(self._params[piece.index])].append((piece, tensor))
         new_state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
         for group in optimizer.param_groups:
-            new_params = []
             for p in group["params"]:
-                i = index_of.get(id(p))
-                if i is None:
-                    continue  # frozen parameter: never updated
-                for k in pieces_of[i]:
-                    piece, tensor = self.plan.pieces[k], self._pieces[k]
-                    new_params.append(tensor)
-                    st = {key: piece_state(self._names[i], key, v, p.numel())
-                          for key, v in old_state.get(p, {}).items()}
+                for piece, tensor in owned[id(p)]:
+                    st = {key: piece_state(piece.name, key, v, p.numel())
+                          for key, v in optimizer.state.get(p, {}).items()}
                     if st:
                         entry = {"master": p.detach(), "state": {key: v for key, (_, v) in st.items()},
                                  "element_keys": [key for key, (kind, _) in st.items() if kind == "elements"]}
                         new_state[tensor] = split_state(entry, piece.start, piece.stop)
-            group["params"] = new_params
+            group["params"] = [tensor for p in group["params"] for _, tensor in owned[id(p)]]
         optimizer.state = new_state
 
     # -- delegation so schedulers see a normal optimizer --------------------------------------
