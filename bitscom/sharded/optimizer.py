@@ -327,8 +327,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._passes = [0] * len(self._params)
         self._ready = [False] * len(self._params)
         self._pending = [len(b.slots) for b in self.plan.buckets]
-        if hasattr(self, "_life"):
-            self._life.reset_collectives()
+        self._life.reset_collectives()
 
     def shadow_step(self) -> None:
         """Join the others' step with zero gradients (join()): their all-gather needs this shard."""
