@@ -119,11 +119,9 @@ def load_sharded(opt, path, extra=None, load_replicas: bool = True) -> None:
     _check_meta(opt, meta)
     masters, states = _saved_pieces(entries)
     overlaps = _overlaps(opt, masters)
-    wanted = set()
-    for (name, _, _), found in overlaps.items():
-        for a, b in found:
-            wanted.add(f"{_P}master/{name}/{_span(a, b)}")
-            wanted.update(states.get((name, a, b), {}).values())
+    spans = {(name, a, b) for (name, _, _), found in overlaps.items() for a, b in found}   # saved pieces to read
+    wanted = {f"{_P}master/{name}/{_span(a, b)}" for name, a, b in spans}
+    wanted.update(k for span in spans for k in states.get(span, {}).values())
     request: Dict[str, Any] = {k: template(entries[k]) for k in sorted(wanted)}
     if load_replicas:
         request.update({f"{_P}replica/{n}": p.detach() for n, p in opt._trainable})
