@@ -68,12 +68,6 @@ def _saved_pieces(entries: dict):
     return masters, states
 
 
-def _check_meta(opt, meta: dict) -> None:
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"checkpoint format {meta.get('format')!r}, expected {FORMAT!r}")
-    opt._check_checkpoint(meta["params"], len(meta["param_groups"]))
-
-
 def _overlaps(opt, masters) -> Dict[tuple, List[Tuple[int, int]]]:
     """For each of this rank's pieces, the saved pieces that overlap it."""
     out = {}
@@ -116,7 +110,9 @@ def load_sharded(opt, path, extra=None, load_replicas: bool = True) -> None:
         raise ValueError(f"{path!s} is not a bitscom ShardedOptimizer DCP checkpoint (no {_META!r} "
                          "entry); DistributedOptimizer checkpoints load into a DistributedOptimizer")
     meta = unblob(load_dict({_META: b""}, path, opt.topo.group)[_META])
-    _check_meta(opt, meta)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"checkpoint format {meta.get('format')!r}, expected {FORMAT!r}")
+    opt._check_checkpoint(meta["params"], len(meta["param_groups"]))
     masters, states = _saved_pieces(entries)
     overlaps = _overlaps(opt, masters)
     spans = {(name, a, b) for (name, _, _), found in overlaps.items() for a, b in found}   # saved pieces to read
