@@ -41,17 +41,17 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _resolve_topology(process_group, intra_group, inter_group, local_size):
-    """(topology, "consistent" or this rank's layout problem, node size of groups yet to build)."""
+    """(topology, "consistent" or this rank's layout problem); no intra group: one still to build."""
     if process_group is None:
-        return Topology(None, None, None, 1, 0, 1), "consistent", None
+        return Topology(None, None, None, 1, 0, 1), "consistent"
     world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
     intra_group, inter_group, local_size = _node_choice(process_group, intra_group, inter_group, local_size)
     if intra_group is None:
         if world % local_size:
             raise ValueError(f"local_size={local_size!r} must be an int >= 1 dividing the world size {world}")
-        return Topology(process_group, None, None, world, rank, local_size), "consistent", local_size
+        return Topology(process_group, None, None, world, rank, local_size), "consistent"
     topology = Topology(process_group, intra_group, inter_group, world, rank, dist.get_world_size(intra_group))
-    return topology, _layout_problem(topology), None
+    return topology, _layout_problem(topology)
 
 
 def _node_choice(process_group, intra_group, inter_group, local_size):
@@ -152,7 +152,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._param_dtype = self._trainable[0][1].dtype
         self._master_dtype = torch.float64 if self._param_dtype == torch.float64 else torch.float32
         device = self._trainable[0][1].device
-        topo, layout, pending_local = _resolve_topology(self.process_group, intra_group, inter_group, local_size)
+        topo, layout = _resolve_topology(self.process_group, intra_group, inter_group, local_size)
         self.process_group = topo.group
         self.plan = plan_shards([(n, tuple(p.shape), p.numel()) for n, p in self._trainable], topo.world, topo.rank,
                                 self.config.fusion_threshold_bytes, self.config.gradient_alltoall_pipeline,
@@ -164,9 +164,9 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         if layout != "consistent":
             raise RuntimeError(layout)
         self._refuse_ddp(self._ddp)
-        if pending_local is not None and topo.world > 1 and self.config.quantized_gradients:
-            intra, inter = node_groups(topo.group, pending_local)
-            topo = Topology(topo.group, intra, inter, topo.world, topo.rank, pending_local)
+        if topo.intra is None and topo.world > 1 and self.config.quantized_gradients:
+            intra, inter = node_groups(topo.group, topo.local_size)
+            topo = Topology(topo.group, intra, inter, topo.world, topo.rank, topo.local_size)
         self.topo = topo
         self._params = [p for _, p in self._trainable]
         self._broadcast_parameters()
