@@ -45,7 +45,7 @@ def load(opt, path, *, extra=None, reset_compressor_state: bool = False,
     error-feedback state on another world size. ``load_replicas`` (ShardedOptimizer): also set the model's parameters
     (example: :func:`save`'s)."""
     face = _face(opt, "load")
-    options = {"reset_compressor_state": reset_compressor_state} if reset_compressor_state else {}
+    options: dict = {"reset_compressor_state": reset_compressor_state} if reset_compressor_state else {}
     if load_replicas is not True:
         options["load_replicas"] = load_replicas
     accepted = inspect.signature(face.load_dcp).parameters

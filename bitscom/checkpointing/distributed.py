@@ -57,6 +57,10 @@ def _source_rank(opt, saved_world: int, blobs: dict, reset: bool):
         "optimizer state and step count still load)")
 
 
+def _fresh_reducer(opt) -> dict:
+    return {"states": [opt.compression.init_state(layout).state_dict() for layout in opt.bucket_layouts]}
+
+
 def load_distributed(opt, path, extra=None, reset_compressor_state: bool = False) -> None:
     """Load a :func:`save_distributed` checkpoint into ``opt`` (and ``extra`` in place)."""
     extra = check_extra(extra)
@@ -79,7 +83,7 @@ def load_distributed(opt, path, extra=None, reset_compressor_state: bool = False
     load_dict(state, path, opt.process_group)
     sd = join_tensors(meta["optimizer"], _indexed(state, "bitscom/optimizer/"))
     if source is None:
-        reducer = {"states": [opt.compression.init_state(layout).state_dict() for layout in opt.bucket_layouts]}
+        reducer = _fresh_reducer(opt)
     else:
         reducer = join_tensors(blobs[source]["skeleton"], _indexed(state, f"{_reducer_key(source)}/"))
     sd["bitscom"] = {"reducer": reducer, "steps": meta["steps"], "rank": opt._rank, "world": opt._size}
