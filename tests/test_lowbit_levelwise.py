@@ -245,8 +245,8 @@ def _driver_case(rank, world, settings, sizes, steps, poll_every):
         for b, (f, o) in enumerate(zip(flats, outs)):
             reducer.launch(b, f, o, step)
             if poll_every and b % poll_every == 0:   # rank-dependent polling: order must not depend on it
-                reducer.poll(step)
-        sent = reducer.wait_all(step)
+                reducer.poll()
+        sent = reducer.wait_all()
         results.append((outs, sent, sum(gradient_wire_bytes(cfg, topo, s) for s in sizes)))
         assert not reducer.in_flight
     return results
@@ -313,7 +313,7 @@ def _abort_case(rank, world):
         reducer.launch(b, f, torch.zeros(SIZES[b]), 0)
     assert reducer.in_flight
     reducer.abort()                      # every rank forgets the same work
-    assert not reducer.in_flight and reducer.wait_all(0) == 0
+    assert not reducer.in_flight and reducer.wait_all() == 0
     torch.distributed.barrier()
     return _driver_case(rank, world, {"quantized_gradients": True}, SIZES, 1, 0)
 

@@ -5,7 +5,6 @@ another world size can load where the state allows it (what loads where, and the
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict
 
 __all__ = ["save", "load"]
 
@@ -46,9 +45,7 @@ def load(opt, path, *, extra=None, reset_compressor_state: bool = False,
     error-feedback state on another world size. ``load_replicas`` (ShardedOptimizer): also set the model's parameters
     (example: :func:`save`'s)."""
     face = _face(opt, "load")
-    options: Dict[str, Any] = {}
-    if reset_compressor_state:
-        options["reset_compressor_state"] = reset_compressor_state
+    options: dict = {"reset_compressor_state": reset_compressor_state} if reset_compressor_state else {}
     if load_replicas is not True:
         options["load_replicas"] = load_replicas
     accepted = inspect.signature(face.load_dcp).parameters

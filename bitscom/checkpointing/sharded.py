@@ -68,24 +68,6 @@ def _saved_pieces(entries: dict):
     return masters, states
 
 
-def _check_meta(opt, meta: dict) -> None:
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"checkpoint format {meta.get('format')!r}, expected {FORMAT!r}")
-    mine = {n: tuple(p.shape) for n, p in opt._trainable}
-    if sorted(meta["params"]) != sorted(mine):
-        missing = sorted(set(mine) - set(meta["params"]))[:5]
-        extra = sorted(set(meta["params"]) - set(mine))[:5]
-        raise ValueError(f"checkpoint parameters differ from this model's: missing {missing}, "
-                         f"unexpected {extra}")
-    for n, shape in mine.items():
-        if tuple(meta["params"][n]) != shape:
-            raise ValueError(f"parameter {n!r}: checkpoint shape {tuple(meta['params'][n])}, model "
-                             f"shape {shape}")
-    if len(meta["param_groups"]) != len(opt.optimizer.param_groups):
-        raise ValueError(f"checkpoint has {len(meta['param_groups'])} param groups, the optimizer "
-                         f"{len(opt.optimizer.param_groups)}")
-
-
 def _overlaps(opt, masters) -> Dict[tuple, List[Tuple[int, int]]]:
     """For each of this rank's pieces, the saved pieces that overlap it."""
     out = {}
@@ -128,14 +110,14 @@ def load_sharded(opt, path, extra=None, load_replicas: bool = True) -> None:
         raise ValueError(f"{path!s} is not a bitscom ShardedOptimizer DCP checkpoint (no {_META!r} "
                          "entry); DistributedOptimizer checkpoints load into a DistributedOptimizer")
     meta = unblob(load_dict({_META: b""}, path, opt.topo.group)[_META])
-    _check_meta(opt, meta)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"checkpoint format {meta.get('format')!r}, expected {FORMAT!r}")
+    opt._check_checkpoint(meta["params"], len(meta["param_groups"]))
     masters, states = _saved_pieces(entries)
     overlaps = _overlaps(opt, masters)
-    wanted = set()
-    for (name, _, _), found in overlaps.items():
-        for a, b in found:
-            wanted.add(f"{_P}master/{name}/{_span(a, b)}")
-            wanted.update(states.get((name, a, b), {}).values())
+    spans = {(name, a, b) for (name, _, _), found in overlaps.items() for a, b in found}   # saved pieces to read
+    wanted = {f"{_P}master/{name}/{_span(a, b)}" for name, a, b in spans}
+    wanted.update(k for span in spans for k in states.get(span, {}).values())
     request: Dict[str, Any] = {k: template(entries[k]) for k in sorted(wanted)}
     if load_replicas:
         request.update({f"{_P}replica/{n}": p.detach() for n, p in opt._trainable})

@@ -151,9 +151,7 @@ def _check_levels(ranks, rank, intra, inter) -> None:
     if L * M != len(ranks):
         raise ValueError(f"hierarchy='two_level': intra group ({L} ranks) x inter group ({M} ranks) "
                          f"!= FSDP's reduce-scatter group ({len(ranks)} ranks)")
-    node, local = divmod(rank, L)
-    want_intra = [ranks[node * L + i] for i in range(L)]
-    want_inter = [ranks[n * L + local] for n in range(M)]
+    want_intra, want_inter = runtime.node_layout(ranks, L, rank)
     if _ranks(intra) != want_intra or _ranks(inter) != want_inter:
         raise ValueError(f"hierarchy='two_level': intra group {_ranks(intra)} / inter group {_ranks(inter)} "
                          f"do not match FSDP's ranks {ranks} laid out as nodes of {L} (expected intra "

@@ -128,7 +128,6 @@ class ReplicateAllReduce:
         return False
 
     def _all_reduce(self, reduce_output: torch.Tensor) -> None:
-        n = reduce_output.numel()
         flat = reduce_output.view(-1) if reduce_output.dtype == torch.float32 and reduce_output.is_contiguous() \
             else reduce_output.detach().reshape(-1).to(torch.float32)
         average = self.divide_factor is None or self.divide_factor() is None
@@ -140,5 +139,5 @@ class ReplicateAllReduce:
             reduce_output.copy_(flat.view(reduce_output.shape))
         c = self.counter
         c.inter_sent += comm.bytes_sent
-        c.inter_dense += 4 * n
+        c.inter_dense += 4 * reduce_output.numel()
         c.all_reduces += 1

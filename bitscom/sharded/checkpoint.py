@@ -44,24 +44,19 @@ def join_pieces(contributions: List[dict], shapes: Dict[str, tuple], dtype_of: D
     out = {}
     for name, shape in shapes.items():
         numel = math.prod(shape)
-        master = replica = None
+        master = torch.zeros(numel, dtype=torch.float64 if dtype_of[name] == torch.float64 else torch.float32)
+        replica = torch.zeros(numel, dtype=dtype_of[name])
         state: dict = {}
         elem_keys: set = set()
         covered = 0
         for contrib in contributions:
             for start, stop, m, rep, st in contrib.get(name, []):
-                if master is None or replica is None:     # both unset until the first piece
-                    master = torch.zeros(numel, dtype=m.dtype)
-                    replica = torch.zeros(numel, dtype=dtype_of[name])
                 master[start:stop] = m
                 replica[start:stop] = rep
                 covered += stop - start
                 _put_state(state, elem_keys, st, start, stop, numel)
         if covered != numel:
             raise RuntimeError(f"parameter {name!r}: pieces cover {covered} of {numel} elements")
-        if master is None or replica is None:   # a zero-size parameter: no rank owns a piece of it
-            master = torch.zeros(0, dtype=torch.float64 if dtype_of[name] == torch.float64 else torch.float32)
-            replica = torch.zeros(0, dtype=dtype_of[name])
         out[name] = {"master": master.view(shape), "replica": replica.view(shape),
                      "state": {k: (v.view(shape) if k in elem_keys else v) for k, v in state.items()},
                      "element_keys": sorted(elem_keys)}

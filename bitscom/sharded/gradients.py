@@ -114,17 +114,15 @@ class GradientReducer:
     def _start(self, gen, comms: List[Comm], total: int) -> None:
         self._flights.append(self.channel.submit(Rounds(gen, comms, total=total)))
 
-    def poll(self, step: int, block: bool = False) -> None:
-        """Advance whatever completed; ``block=True`` finishes everything (``step`` is unused)."""
-        if block and self._flights:
-            self.channel.wait(self._flights[-1])
-        else:
-            self.channel.poll()
+    def poll(self) -> None:
+        """Advance whatever completed."""
+        self.channel.poll()
 
-    def wait_all(self, step: int) -> int:
+    def wait_all(self) -> int:
         """Finish every launched bucket; the bytes sent this step. Resets, also on failure."""
         try:
-            self.poll(step, block=True)
+            if self._flights:
+                self.channel.wait(self._flights[-1])
             failed = [f.error for f in self._flights if f.error is not None]
             if failed:
                 raise failed[0]

@@ -65,10 +65,6 @@ class ShardPlan:
     def master_numel(self) -> int:
         return sum(b.shard_numel for b in self.buckets)
 
-    @property
-    def total_numel(self) -> int:
-        return sum(b.numel for b in self.buckets)
-
     def describe(self) -> list:
         return [b.describe() for b in self.buckets]
 
@@ -92,20 +88,15 @@ def plan_shards(params: Sequence[Tuple[str, Tuple[int, ...], int]], world: int, 
     dtype = {8: torch.float64, 4: torch.float32, 2: torch.float16}[element_size]
     index_of = {name: i for i, (name, _, _) in enumerate(params)}
     stand_ins = [(name, torch.empty(tuple(shape), dtype=dtype, device="meta")) for name, shape, _ in params]
-    groups = [[(index_of[s.name], s.name, tuple(s.shape), s.numel) for s in layout.slots]
-              for layout in plan_buckets(stand_ins, threshold_bytes)]
     buckets, pieces, master_offset = [], [], 0
-    for group in groups:
-        slots, off = [], 0
-        for index, name, shape, numel in group:
-            slots.append(Slot(name, off, numel, shape, index))
-            off += numel
-        shard = max(unit, -(-off // (world * unit)) * unit)
+    for layout in plan_buckets(stand_ins, threshold_bytes):
+        slots = [Slot(s.name, s.offset, s.numel, s.shape, index_of[s.name]) for s in layout.slots]
+        shard = max(unit, -(-layout.numel // (world * unit)) * unit)
         lo, hi = rank * shard, (rank + 1) * shard
         for s in slots:
             a, b = max(lo, s.offset), min(hi, s.end)
             if a < b:
                 pieces.append(Piece(s.index, s.name, a - s.offset, b - s.offset, master_offset + a - lo))
-        buckets.append(BucketShard(tuple(slots), off, shard, master_offset))
+        buckets.append(BucketShard(tuple(slots), layout.numel, shard, master_offset))
         master_offset += shard
     return ShardPlan(world, rank, tuple(buckets), tuple(pieces))

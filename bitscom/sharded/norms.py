@@ -5,32 +5,33 @@ reduction all-gathers (why: docs/sharded.md, Internals).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Sequence
 
 import torch
 
-from ..comm import Comm
+from ..comm import Comm, wait
 from ..validate import number
 
 __all__ = ["norm_summary", "global_norm", "clip_coefficient"]
 
 _SUMSQ, _SUMABS, _MAX, _NEGMIN = range(4)
 _N = 4
+_EMPTY = (0.0, 0.0, 0.0, -math.inf)     # the summary of no elements
+
+
+def _combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two summaries as one: the sums add, the maxima take the larger (NaN stays NaN)."""
+    return torch.cat([a[:_MAX] + b[:_MAX], torch.maximum(a[_MAX:], b[_MAX:])])
 
 
 def _local_summary(grads: Sequence[torch.Tensor], device) -> torch.Tensor:
-    out = torch.zeros(_N, dtype=torch.float64, device=device)
-    out[_MAX] = 0.0
-    out[_NEGMIN] = -math.inf
+    out = torch.tensor(_EMPTY, dtype=torch.float64, device=device)
     for g in grads:
-        if g.numel() == 0:
-            continue
-        a = g.detach().double().abs()
-        out[_SUMSQ] += (a ** 2.0).sum()
-        out[_SUMABS] += a.sum()
-        out[_MAX] = torch.maximum(out[_MAX], a.max())
-        out[_NEGMIN] = torch.maximum(out[_NEGMIN], -a.min())
+        if g.numel():
+            a = g.detach().double().abs()
+            out = _combine(out, torch.stack([(a ** 2.0).sum(), a.sum(), a.max(), -a.min()]))
     return out
 
 
@@ -40,24 +41,13 @@ def norm_summary(grads: Sequence[torch.Tensor], device, topo) -> torch.Tensor:
     if topo.world == 1:
         return mine
     everyone = torch.empty(topo.world * _N, dtype=torch.float64, device=device)
-    work = Comm(topo.group).all_gather(everyone, mine)
-    if work is not None:
-        work.wait()
-    rows = everyone.view(topo.world, _N)
-    total = rows[0].clone()
-    for r in range(1, topo.world):
-        total[_SUMSQ] += rows[r, _SUMSQ]
-        total[_SUMABS] += rows[r, _SUMABS]
-        total[_MAX] = torch.maximum(total[_MAX], rows[r, _MAX])
-        total[_NEGMIN] = torch.maximum(total[_NEGMIN], rows[r, _NEGMIN])
-    return total
+    wait(Comm(topo.group).all_gather(everyone, mine))
+    return functools.reduce(_combine, everyone.view(topo.world, _N))     # in rank order
 
 
 def _all_reduce(t: torch.Tensor, topo) -> torch.Tensor:
     if topo.world > 1:
-        work = Comm(topo.group).all_reduce(t)
-        if work is not None:
-            work.wait()
+        wait(Comm(topo.group).all_reduce(t))
     return t
 
 
@@ -87,9 +77,7 @@ def global_norm(grads: Sequence[torch.Tensor], norm_type: float, summary: Option
     if norm_type == 0.0:
         return _nonzero_parameters(grads, owners, n_params, device, topo)
     local = torch.zeros(1, dtype=torch.float64, device=device)
-    for g in grads:
-        if g.numel():
-            local += (g.detach().double().abs() ** norm_type).sum()
+    local += sum((g.detach().double().abs() ** norm_type).sum() for g in grads if g.numel())
     return _all_reduce(local, topo).reshape(()) ** (1.0 / norm_type)
 
 

@@ -41,17 +41,17 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _resolve_topology(process_group, intra_group, inter_group, local_size):
-    """(topology, "consistent" or this rank's layout problem, node size of groups yet to build)."""
+    """(topology, "consistent" or this rank's layout problem); no intra group: one still to build."""
     if process_group is None:
-        return Topology(None, None, None, 1, 0, 1), "consistent", None
+        return Topology(None, None, None, 1, 0, 1), "consistent"
     world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
     intra_group, inter_group, local_size = _node_choice(process_group, intra_group, inter_group, local_size)
     if intra_group is None:
         if world % local_size:
             raise ValueError(f"local_size={local_size!r} must be an int >= 1 dividing the world size {world}")
-        return Topology(process_group, None, None, world, rank, local_size), "consistent", local_size
+        return Topology(process_group, None, None, world, rank, local_size), "consistent"
     topology = Topology(process_group, intra_group, inter_group, world, rank, dist.get_world_size(intra_group))
-    return topology, _layout_problem(topology), None
+    return topology, _layout_problem(topology)
 
 
 def _node_choice(process_group, intra_group, inter_group, local_size):
@@ -152,7 +152,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._param_dtype = self._trainable[0][1].dtype
         self._master_dtype = torch.float64 if self._param_dtype == torch.float64 else torch.float32
         device = self._trainable[0][1].device
-        topo, layout, pending_local = _resolve_topology(self.process_group, intra_group, inter_group, local_size)
+        topo, layout = _resolve_topology(self.process_group, intra_group, inter_group, local_size)
         self.process_group = topo.group
         self.plan = plan_shards([(n, tuple(p.shape), p.numel()) for n, p in self._trainable], topo.world, topo.rank,
                                 self.config.fusion_threshold_bytes, self.config.gradient_alltoall_pipeline,
@@ -164,12 +164,11 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         if layout != "consistent":
             raise RuntimeError(layout)
         self._refuse_ddp(self._ddp)
-        if pending_local is not None and topo.world > 1 and self.config.quantized_gradients:
-            intra, inter = node_groups(topo.group, pending_local)
-            topo = Topology(topo.group, intra, inter, topo.world, topo.rank, pending_local)
+        if topo.intra is None and topo.world > 1 and self.config.quantized_gradients:
+            intra, inter = node_groups(topo.group, topo.local_size)
+            topo = Topology(topo.group, intra, inter, topo.world, topo.rank, topo.local_size)
         self.topo = topo
         self._params = [p for _, p in self._trainable]
-        self._names = [n for n, _ in self._trainable]
         self._broadcast_parameters()
         self._build_master(device)
         self.optimizer = optimizer
@@ -226,28 +225,20 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
 
     def _take_over(self, optimizer) -> None:
         """Re-point ``optimizer`` at this rank's pieces, slicing any state it already has."""
-        index_of = {id(p): i for i, p in enumerate(self._params)}
-        pieces_of = defaultdict(list)
-        for k, piece in enumerate(self.plan.pieces):
-            pieces_of[piece.index].append(k)
-        old_state = optimizer.state
+        owned = defaultdict(list)      # id(parameter) -> its (piece, master view) pairs; frozen: none
+        for piece, tensor in zip(self.plan.pieces, self._pieces):
+            owned[id(self._params[piece.index])].append((piece, tensor))
         new_state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
         for group in optimizer.param_groups:
-            new_params = []
             for p in group["params"]:
-                i = index_of.get(id(p))
-                if i is None:
-                    continue  # frozen parameter: never updated
-                for k in pieces_of[i]:
-                    piece, tensor = self.plan.pieces[k], self._pieces[k]
-                    new_params.append(tensor)
-                    st = {key: piece_state(self._names[i], key, v, p.numel())
-                          for key, v in old_state.get(p, {}).items()}
+                for piece, tensor in owned[id(p)]:
+                    st = {key: piece_state(piece.name, key, v, p.numel())
+                          for key, v in optimizer.state.get(p, {}).items()}
                     if st:
                         entry = {"master": p.detach(), "state": {key: v for key, (_, v) in st.items()},
                                  "element_keys": [key for key, (kind, _) in st.items() if kind == "elements"]}
                         new_state[tensor] = split_state(entry, piece.start, piece.stop)
-            group["params"] = new_params
+            group["params"] = [tensor for p in group["params"] for _, tensor in owned[id(p)]]
         optimizer.state = new_state
 
     # -- delegation so schedulers see a normal optimizer --------------------------------------
@@ -290,7 +281,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         if last_pass:
             self._mark_ready(bi, slot.index)
             self._launch_ready()
-        self._reducer.poll(self._step_count)
+        self._reducer.poll()
 
     def _mark_ready(self, bi: int, index: int) -> None:
         if not self._ready[index]:
@@ -316,7 +307,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                         self._buckets[bi][s.offset:s.end].zero_()
                     self._mark_ready(bi, s.index)
             self._launch_ready()
-            sent = self._reducer.wait_all(self._step_count)
+            sent = self._reducer.wait_all()
             for piece, tensor in zip(self.plan.pieces, self._pieces):
                 tensor.grad = self._master_grad[piece.master_offset:piece.master_offset + piece.numel]
             self._norms = norm_summary([cast(torch.Tensor, t.grad) for t in self._pieces], self._master.device, self.topo)
@@ -336,8 +327,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
         self._passes = [0] * len(self._params)
         self._ready = [False] * len(self._params)
         self._pending = [len(b.slots) for b in self.plan.buckets]
-        if hasattr(self, "_life"):
-            self._life.reset_collectives()
+        self._life.reset_collectives()
 
     def shadow_step(self) -> None:
         """Join the others' step with zero gradients (join()): their all-gather needs this shard."""
@@ -535,18 +525,21 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
                                       for k, (kind, v) in st.items()}))
         return dict(mine)
 
-    def _check_consolidated_params(self, params: dict) -> None:
-        """A consolidated checkpoint holds this model's parameters, by name and shape."""
+    def _check_checkpoint(self, shapes: dict, n_groups: int) -> None:
+        """A checkpoint (consolidated or DCP) holds this model's parameters and param group count."""
         names = [n for n, _ in self._trainable]
-        if sorted(params) != sorted(names):
-            missing = sorted(set(names) - set(params))[:5]
-            extra = sorted(set(params) - set(names))[:5]
+        if sorted(shapes) != sorted(names):
+            missing = sorted(set(names) - set(shapes))[:5]
+            extra = sorted(set(shapes) - set(names))[:5]
             raise ValueError(f"checkpoint parameters differ from this model's: missing {missing}, "
                              f"unexpected {extra}")
         for n, p in self._trainable:
-            if tuple(params[n]["master"].shape) != tuple(p.shape):
-                raise ValueError(f"parameter {n!r}: checkpoint shape {tuple(params[n]['master'].shape)}, "
+            if tuple(shapes[n]) != tuple(p.shape):
+                raise ValueError(f"parameter {n!r}: checkpoint shape {tuple(shapes[n])}, "
                                  f"model shape {tuple(p.shape)}")
+        if n_groups != len(self.optimizer.param_groups):
+            raise ValueError(f"checkpoint has {n_groups} param groups, the "
+                             f"optimizer {len(self.optimizer.param_groups)}")
 
     def load_consolidated_state_dict(self, state_dict: dict, load_replicas: bool = True) -> None:
         """Load a :meth:`consolidated_state_dict` of any world size (and the replicas)."""
@@ -554,10 +547,7 @@ class ShardedOptimizer(StepFace, torch.optim.Optimizer):
             raise ValueError(f"not a consolidated ShardedOptimizer checkpoint (format "
                              f"{state_dict.get('format')!r}, expected {FORMAT!r})")
         params = state_dict["params"]
-        self._check_consolidated_params(params)
-        if len(state_dict["param_groups"]) != len(self.optimizer.param_groups):
-            raise ValueError(f"checkpoint has {len(state_dict['param_groups'])} param groups, the "
-                             f"optimizer {len(self.optimizer.param_groups)}")
+        self._check_checkpoint({n: e["master"].shape for n, e in params.items()}, len(state_dict["param_groups"]))
         new_state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
         with torch.no_grad():
             for piece, tensor in zip(self.plan.pieces, self._pieces):

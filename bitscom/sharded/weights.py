@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
 from ..comm import Comm, drive
+from ..lowbit.codec import Codec
 from ..lowbit.weight_delta import add_delta, delta_codec, encode_delta
 from ..lowbit.seeds import mix_seed
 from .config import ShardedConfig
@@ -42,24 +43,21 @@ def replica_shard(plan: ShardPlan, bucket: int, params: Sequence[torch.Tensor]) 
     return out
 
 
-def _encode(cfg: ShardedConfig, topo: Topology, plan: ShardPlan, master: torch.Tensor,
+def _encode(codec: Optional[Codec], cfg: ShardedConfig, topo: Topology, plan: ShardPlan, master: torch.Tensor,
             params: List[torch.Tensor], step: int, i: int) -> torch.Tensor:
     """What this rank sends for bucket ``i``: ``Q(master - replica)``, or its master shard."""
     b = plan.buckets[i]
     mine = master[b.master_offset:b.master_offset + b.shard_numel]
-    if cfg.quantized_weights and topo.world > 1:
-        codec = delta_codec(cfg.weight_quantization_bits, cfg.wq_group_size)
+    if codec is not None:
         row = torch.empty(codec.row_bytes(b.shard_numel), dtype=torch.uint8, device=master.device)
         encode_delta(codec, mine, replica_shard(plan, i, params), row, mix_seed(cfg.seed, step, topo.rank, i, 0, 3))
         return row
     return mine.to(params[0].dtype).contiguous()
 
 
-def _apply(cfg: ShardedConfig, world: int, b, R: int, out: torch.Tensor, params: List[torch.Tensor]) -> None:
+def _apply(codec: Optional[Codec], world: int, b, R: int, out: torch.Tensor, params: List[torch.Tensor]) -> None:
     """Bring bucket ``b``'s parameters up to date from the gathered rows ``out``."""
-    quantized = cfg.quantized_weights and world > 1
-    if quantized:
-        codec = delta_codec(cfg.weight_quantization_bits, cfg.wq_group_size)
+    if codec is not None:
         rows = out.view(world, R)
         full = torch.empty(world * b.shard_numel, dtype=torch.float32, device=out.device)
         for j in range(world):
@@ -67,21 +65,23 @@ def _apply(cfg: ShardedConfig, world: int, b, R: int, out: torch.Tensor, params:
     with torch.no_grad():
         for s in b.slots:
             p = params[s.index]
-            new = add_delta(p.detach().reshape(-1), full[s.offset:s.end]) if quantized else out[s.offset:s.end]
+            new = out[s.offset:s.end] if codec is None else add_delta(p.detach().reshape(-1), full[s.offset:s.end])
             p.detach().copy_(new.view(p.shape))
 
 
 def _gather_rounds(cfg, topo, plan, master, params, step, comm: Comm):
     """Round generator: every bucket's all-gather in one round (bucket order), then the updates."""
+    quantized = cfg.quantized_weights and topo.world > 1
+    codec = delta_codec(cfg.weight_quantization_bits, cfg.wq_group_size) if quantized else None
     launched, works = [], []
     for i, b in enumerate(plan.buckets):
-        row = _encode(cfg, topo, plan, master, params, step, i)
+        row = _encode(codec, cfg, topo, plan, master, params, step, i)
         out = torch.empty(topo.world * row.numel(), dtype=row.dtype, device=master.device)
         works.append(comm.all_gather(out, row))
         launched.append((b, row.numel(), out))
     yield works
     for b, R, out in launched:
-        _apply(cfg, topo.world, b, R, out, params)
+        _apply(codec, topo.world, b, R, out, params)
 
 
 def gather_parameters(cfg: ShardedConfig, topo: Topology, plan: ShardPlan, master: torch.Tensor,
