@@ -32,7 +32,7 @@ from .comm import resolve_group
 
 __all__ = ["Face", "require_group", "check_trainable", "ddp_owner", "live_objects", "describe_parameters",
            "raise_problem", "load_all_or_nothing", "own_entry", "rank_key", "pack_entry", "unpack_entry", "release_all",
-           "dense_bytes", "report", "ByteLedger", "group_alive", "renamed"]
+           "dense_bytes", "report", "ByteLedger", "group_alive", "renamed", "has_tensor"]
 
 _live: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -216,6 +216,13 @@ def own_entry(saved: Dict[str, Any], rank: int, map_location=None) -> Dict[str, 
         return saved
     entry = unpack_entry(saved[ranked.get(rank, ranked[min(ranked)])], map_location)
     return {**{k: v for k, v in saved.items() if k not in ranked.values()}, **entry}
+
+
+def has_tensor(obj: Any) -> bool:
+    """Whether a nested state (dicts, lists, tuples) holds a tensor: per-rank state such as residuals."""
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    return isinstance(obj, torch.Tensor) or (isinstance(obj, (list, tuple)) and any(has_tensor(v) for v in obj))
 
 
 def pack_entry(own: Dict[str, Any]) -> bytes:

@@ -16,7 +16,7 @@ from . import runtime
 from .agreement import check_agreement, describe_state
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .checkpointing.distributed import load_distributed, save_distributed
-from .face import ByteLedger, dense_bytes, live_objects
+from .face import ByteLedger, dense_bytes, has_tensor, live_objects
 from .lifecycle import StepFace, StepLifecycle
 from .buckets import FlatBucket, plan_buckets, plan_groups
 from .compressors import Compression, resolve as resolve_compressor
@@ -454,8 +454,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         if self._life.in_step or self._next_launch:
             raise RuntimeError("load_state_dict() was called in the middle of a step; call it "
                                "between steps")
-        if extra is not None and not self._check_envelope(
-                extra, any(isinstance(v, torch.Tensor) for v in _leaves(extra["reducer"]["states"]))):
+        if extra is not None and not self._check_envelope(extra, has_tensor(extra["reducer"]["states"])):
             self._life.loaded(None)             # the next step raises the problem on every rank
             return
         backup = self._reducer.state_dict() if extra is not None else None
@@ -529,14 +528,6 @@ def _split_state_dict(state_dict):
         return {k: v for k, v in state_dict.items() if k != "bitscom"}, state_dict.get("bitscom")
     raise ValueError("not an optimizer state dict: expected the keys 'state' and "
                      f"'param_groups', got {sorted(map(str, state_dict))}")
-
-
-def _leaves(obj):
-    if isinstance(obj, (dict, list, tuple)):
-        for v in (obj.values() if isinstance(obj, dict) else obj):
-            yield from _leaves(v)
-    else:
-        yield obj
 
 
 def _groups(groups, num_groups):
