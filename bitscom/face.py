@@ -368,13 +368,11 @@ class Face:
         self._face_resumed = True
 
     def _agree_if_resumed(self, describe: Callable[[], Dict[str, Any]], what: str) -> None:
-        if self._face_resumed:
-            self._face_resumed = False
-            self._agree_resumed(describe(), what)
-
-    def _agree_resumed(self, description: Dict[str, Any], what: str) -> None:
         """After a load: the ranks compare what they resumed and any deferred problem."""
-        desc = dict(description, **self._deferred_problem())
+        if not self._face_resumed:
+            return
+        self._face_resumed = False
+        desc = dict(describe(), **self._deferred_problem())
         if self._size > 1:
             check_agreement(desc, self.process_group, what=what)
         raise_problem(desc)
