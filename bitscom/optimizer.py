@@ -217,7 +217,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
     def _launch(self, b: int) -> None:
         self._life.begin(True, self._state_description)
         flat = self._buckets[b].flat
-        if self.op is Average and self.gradient_predivide_factor != 1.0:
+        if self.gradient_predivide_factor != 1.0:     # op=Average (a Sum's factor is 1)
             flat.div_(self.gradient_predivide_factor)
         self._reducer.launch(b, flat)
 
@@ -264,19 +264,14 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             raise
         finally:
             self._reset_buckets()
-        post = 1.0
-        if self.op is Average and self.gradient_predivide_factor != 1.0:
-            post = self.gradient_predivide_factor
-        elif self.op is Sum:
-            post = float(self._size)
-        dense = 0
+        # the compressors average: Average multiplies the predivided f back, Sum multiplies by size
+        post = self.gradient_predivide_factor if self.op is Average else float(self._size)
         for bucket in self._buckets:
             if post != 1.0:
                 bucket.flat.mul_(post)
             bucket.write_back()
-            dense += dense_bytes(bucket.layout.numel)
         hand_back_sparse(sparse_back)            # sparse_as_dense=True: agreed on every rank
-        self._bytes.add(sent, dense)
+        self._bytes.add(sent, sum(dense_bytes(b.layout.numel) for b in self._buckets))
         self._life.completed = True
         if self._sparse_grads is not None and self._sparse_grads.params:
             self._sparse_grads.finish(self)      # every rank, plan order: sparse p.grad
