@@ -149,10 +149,8 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
     def _build_buckets(self) -> None:
         by_name = dict(self._trainable)
         self._buckets = [FlatBucket(l, [by_name[s.name] for s in l.slots]) for l in self._layouts]
-        self._slot: Dict[int, tuple] = {}
-        for b, bucket in enumerate(self._buckets):
-            for s, p in enumerate(bucket.params):
-                self._slot[id(p)] = (b, s)
+        self._slot: Dict[int, tuple] = {id(p): (b, s) for b, bucket in enumerate(self._buckets)
+                                         for s, p in enumerate(bucket.params)}
         self._next_launch = 0
         self._should_sync = True
 
@@ -331,9 +329,8 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             with opt.skip_synchronize():
                 opt.step()
         """
-        if self._size == 1 or self._life.completed:
-            return
-        self._finish()
+        if self._size > 1 and not self._life.completed:
+            self._finish()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -388,16 +385,12 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
     def _solo_momentum(self) -> None:
         """One process owes MomentumCorrection's ``p.grad ← u = m·u + g`` (u in the optimizer state)."""
         m = self.compression.momentum
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                u = state.get("bitscom_velocity")
-                if u is None:
-                    u = state["bitscom_velocity"] = torch.zeros_like(p.grad, dtype=torch.float32)
-                u.mul_(m).add_(p.grad)
-                p.grad.copy_(u)
+        for p in [p for group in self.param_groups for p in group["params"] if p.grad is not None]:
+            u = self.state[p].get("bitscom_velocity")
+            if u is None:
+                u = self.state[p]["bitscom_velocity"] = torch.zeros_like(p.grad, dtype=torch.float32)
+            u.mul_(m).add_(p.grad)
+            p.grad.copy_(u)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero ``p.grad`` and forget this step's passes (also after a skipped step)."""
