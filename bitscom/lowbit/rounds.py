@@ -30,8 +30,7 @@ def scatter(x, comm, codec, seed, offset, sent=None, row_stride=None):
     send = torch.empty(P, R, dtype=torch.uint8, device=x.device)
     for j in range(P):
         codec.encode(x[j * m:(j + 1) * m], send[j], seed, offset + j * step)
-    if sent is not None:
-        for j in range(P):
+        if sent is not None:
             codec.decode(send[j], m, sent[j * m:(j + 1) * m])
     recv = torch.empty_like(send)
     yield comm.all_to_all(recv.view(-1), send.view(-1))
