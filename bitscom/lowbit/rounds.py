@@ -166,9 +166,10 @@ def pipeline(gens: Sequence[Iterator[Any]]) -> Generator[List[Any], None, List[A
 
 
 def pad(flat: torch.Tensor, unit: int, cfg: LowBitConfig, state: LowBitState) -> torch.Tensor:
+    """``flat`` zero-padded to whole ``unit``s (then rotated with ``cfg.hadamard``) in ``state``'s reused buffer."""
     n = flat.numel()
     N = max(unit, -(-n // unit) * unit)
-    x = state.workspace(N, flat.device)
+    x = state.scratch("workspace", (N,), torch.float32, flat.device)
     x[:n].copy_(flat.reshape(-1))
     x[n:].zero_()
     if cfg.hadamard:
