@@ -40,7 +40,8 @@ _live: "weakref.WeakSet" = weakref.WeakSet()
 def release_all() -> None:
     """Drop every live face's process groups: the world is gone (runtime calls it)."""
     for face in list(_live):
-        face._release_world()
+        face.process_group = None
+        face._release_groups()
 
 
 runtime.on_world_gone(release_all)
@@ -318,10 +319,6 @@ class Face:
                 + (", and bitscom.init() started a new one" if dist.is_initialized() else "")
                 + f"); its groups are gone. Build a new {self._face_name} (and its model replicas) "
                 "after bitscom.init()")
-
-    def _release_world(self) -> None:
-        self.process_group = None
-        self._release_groups()
 
     def _release_groups(self) -> None:
         """Faces drop whatever else holds groups (their reducers, lifecycles); overridden."""
