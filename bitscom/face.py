@@ -302,8 +302,7 @@ class Face:
         """Compare ``description`` across ranks; then raise ``error`` (on every rank alike)."""
         desc: Dict[str, Any] = {"settings error": None if error is None else f"{type(error).__name__}: {error}"}
         if error is None:
-            desc.update({"face": self._face_name, "world size": self._size})
-            desc.update(description)
+            desc.update({"face": self._face_name, "world size": self._size, **description})
         if self._size > 1:
             check_agreement(desc, self.process_group, what=what or f"{self._face_name} plan")
         if error is not None:
