@@ -127,7 +127,6 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._wrapped_name = type(optimizer).__name__
         named = named_parameters_of(optimizer, named_parameters)
         self._face_init("DistributedOptimizer", process_group, named)
-        process_group = self.process_group
         self._trainable = [(n, p) for n, p in named if p.requires_grad]
 
         self._layouts, fusion_threshold_mb = self._plan(groups, fusion_threshold_mb, auto_fusion, compression)
@@ -140,10 +139,10 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         # Names this optimizer to the other ranks (bitscom.join): the same for the same plan.
         self._uid = zlib.crc32(repr(self._description()).encode()) & 0x3FFFFFFF
         self._bytes = ByteLedger()
-        self._life = StepLifecycle(self, "DistributedOptimizer", process_group, backward_passes_per_step)
+        self._life = StepLifecycle(self, "DistributedOptimizer", self.process_group, backward_passes_per_step)
         self._life.agree()                      # every rank, before any other collective
         self._refuse_ddp(self._ddp)
-        self._reducer = Reducer(compression, self._layouts, runtime.channel(process_group, later=self._size > 1))
+        self._reducer = Reducer(compression, self._layouts, runtime.channel(self.process_group, later=self._size > 1))
         self._life.attach([p for _, p in self._trainable])
 
     def _build_buckets(self) -> None:
