@@ -121,7 +121,7 @@ class ErrorFeedback:
         saved = state.get("residual")
         if self.enabled and self.residual is None:  # a lazy residual: take the saved one
             self.residual = None if saved is None else saved.detach().clone().float().reshape(-1)
-        elif self.enabled:
+        elif self.enabled and self.residual is not None:
             if saved is None or saved.numel() != self.residual.numel():
                 got = None if saved is None else saved.numel()
                 raise ValueError(f"checkpoint residual has {got} elements, this bucket "
