@@ -22,14 +22,10 @@ def plan_buckets(params: Sequence[Tuple[str, torch.Tensor]], threshold_bytes: in
     for name, p in reversed(list(params)):
         key = (p.dtype, p.device)
         nbytes = p.numel() * p.element_size()
-        current = open_buckets.get(key)
-        if current is not None and (threshold_bytes == 0 or used[key] + nbytes > threshold_bytes):
-            current = None
-        if current is None:
-            current = []
-            open_buckets[key], used[key] = current, 0
-            order.append(current)
-        current.append((name, p))
+        if key not in open_buckets or threshold_bytes == 0 or used[key] + nbytes > threshold_bytes:
+            open_buckets[key], used[key] = [], 0
+            order.append(open_buckets[key])
+        open_buckets[key].append((name, p))
         used[key] += nbytes
     return _layouts(order)
 
@@ -100,8 +96,7 @@ class FlatBucket:
 
     def reset(self) -> None:
         """Forget this step's fills (the buffer keeps its bytes; every slot is refilled)."""
-        for i in range(len(self.filled)):
-            self.filled[i] = False
+        self.filled = [False] * len(self.params)
         self.pending = len(self.params)
 
     def fill(self, slot: int, grad) -> None:

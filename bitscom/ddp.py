@@ -27,14 +27,11 @@ def _layout(bucket, index: int, names: Optional[Dict[int, str]] = None) -> Bucke
     params = bucket.parameters() if names is not None else []
     slots, offset = [], 0
     for j, grad in enumerate(bucket.gradients()):
-        name = f"ddp.bucket{index}.{j}"
-        if names is not None:
-            named = names.get(id(params[j]))
-            if named is None:
-                raise RuntimeError(f"DDP bucket {index} holds a parameter of shape "
-                                   f"{tuple(grad.shape)} that is not in the named_parameters given "
-                                   "to ddp_comm_hook; pass the DDP model's own named_parameters()")
-            name = named
+        name = f"ddp.bucket{index}.{j}" if names is None else names.get(id(params[j]))
+        if name is None:
+            raise RuntimeError(f"DDP bucket {index} holds a parameter of shape "
+                               f"{tuple(grad.shape)} that is not in the named_parameters given "
+                               "to ddp_comm_hook; pass the DDP model's own named_parameters()")
         slots.append(TensorSlot(name, offset, grad.numel(), tuple(grad.shape)))
         offset += grad.numel()
     if offset != flat.numel():          # DDP packs gradients densely; fall back if that changes
@@ -70,7 +67,7 @@ class DDPCommState(Face):
         # layouts and states filled in lazily, per DDP bucket index
         channel = runtime.channel(self.process_group, later=self._size > 1)
         self._reducer = Reducer(compressor, [], channel)
-        self._keys: List[Optional[tuple]] = []
+        self._keys: Dict[int, tuple] = {}          # index -> (parameter ids, layout) of the bucket seen
         self._loaded: Dict[int, tuple] = {}       # index -> (shapes, state dict) awaiting a bucket
         self._pending: List[Tuple[torch.futures.Future, torch.Tensor]] = []
         self._bytes = ByteLedger()
@@ -89,9 +86,7 @@ class DDPCommState(Face):
         index = bucket.index()
         layout = _layout(bucket, index, self._names)
         key = (tuple(id(p) for p in bucket.parameters()), layout)
-        while len(self._keys) <= index:
-            self._keys.append(None)
-        if self._keys[index] != key:               # first sight, or DDP rebuilt this bucket
+        if self._keys.get(index) != key:               # first sight, or DDP rebuilt this bucket
             state = self._reducer.set_bucket(index, layout)
             saved = self._loaded.get(index)
             if saved is not None and saved[0] == _shapes(layout):
@@ -150,10 +145,8 @@ class DDPCommState(Face):
 
     def state_dict(self) -> dict:
         """Per-bucket compressor state with each bucket's gradient shapes, and the settings."""
-        buckets = {}
-        for i, (layout, state) in enumerate(zip(self._reducer.layouts, self._reducer.states)):
-            if state is not None:
-                buckets[i] = (_shapes(layout), state.state_dict())
+        buckets = {i: (_shapes(layout), state.state_dict())
+                   for i, (layout, state) in enumerate(zip(self._reducer.layouts, self._reducer.states)) if state is not None}
         for i, saved in self._loaded.items():       # loaded but not used yet: keep it
             buckets.setdefault(i, saved)
         return {"compressor": self.compressor.fingerprint(), "buckets": buckets,

@@ -62,8 +62,7 @@ class DensifiedGradients:
         channel.wait(work)
         marks = work.result
         assert isinstance(marks, torch.Tensor), "the layout round returns the reduced marks"
-        agreed = marks.tolist()
-        return [p for p, sparse in zip(self.params, agreed) if sparse], work.bytes_sent
+        return [p for p, sparse in zip(self.params, marks.tolist()) if sparse], work.bytes_sent
 
     def forget(self, channel) -> None:
         """Drop this step's marks and an unfinished layout round (a step abandoned or failed)."""

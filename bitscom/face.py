@@ -32,7 +32,7 @@ from .comm import resolve_group
 
 __all__ = ["Face", "require_group", "check_trainable", "ddp_owner", "live_objects", "describe_parameters",
            "raise_problem", "load_all_or_nothing", "own_entry", "rank_key", "pack_entry", "unpack_entry", "release_all",
-           "dense_bytes", "report", "ByteLedger", "group_alive", "renamed"]
+           "dense_bytes", "report", "ByteLedger", "group_alive", "renamed", "has_tensor"]
 
 _live: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -40,7 +40,8 @@ _live: "weakref.WeakSet" = weakref.WeakSet()
 def release_all() -> None:
     """Drop every live face's process groups: the world is gone (runtime calls it)."""
     for face in list(_live):
-        face._release_world()
+        face.process_group = None
+        face._release_groups()
 
 
 runtime.on_world_gone(release_all)
@@ -218,6 +219,13 @@ def own_entry(saved: Dict[str, Any], rank: int, map_location=None) -> Dict[str, 
     return {**{k: v for k, v in saved.items() if k not in ranked.values()}, **entry}
 
 
+def has_tensor(obj: Any) -> bool:
+    """Whether a nested state (dicts, lists, tuples) holds a tensor: per-rank state such as residuals."""
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    return isinstance(obj, torch.Tensor) or (isinstance(obj, (list, tuple)) and any(has_tensor(v) for v in obj))
+
+
 def pack_entry(own: Dict[str, Any]) -> bytes:
     """A rank's own state as one opaque value: DCP refuses tensors where a template has None."""
     buffer = io.BytesIO()
@@ -294,8 +302,7 @@ class Face:
         """Compare ``description`` across ranks; then raise ``error`` (on every rank alike)."""
         desc: Dict[str, Any] = {"settings error": None if error is None else f"{type(error).__name__}: {error}"}
         if error is None:
-            desc.update({"face": self._face_name, "world size": self._size})
-            desc.update(description)
+            desc.update({"face": self._face_name, "world size": self._size, **description})
         if self._size > 1:
             check_agreement(desc, self.process_group, what=what or f"{self._face_name} plan")
         if error is not None:
@@ -311,10 +318,6 @@ class Face:
                 + (", and bitscom.init() started a new one" if dist.is_initialized() else "")
                 + f"); its groups are gone. Build a new {self._face_name} (and its model replicas) "
                 "after bitscom.init()")
-
-    def _release_world(self) -> None:
-        self.process_group = None
-        self._release_groups()
 
     def _release_groups(self) -> None:
         """Faces drop whatever else holds groups (their reducers, lifecycles); overridden."""
@@ -361,13 +364,11 @@ class Face:
         self._face_resumed = True
 
     def _agree_if_resumed(self, describe: Callable[[], Dict[str, Any]], what: str) -> None:
-        if self._face_resumed:
-            self._face_resumed = False
-            self._agree_resumed(describe(), what)
-
-    def _agree_resumed(self, description: Dict[str, Any], what: str) -> None:
         """After a load: the ranks compare what they resumed and any deferred problem."""
-        desc = dict(description, **self._deferred_problem())
+        if not self._face_resumed:
+            return
+        self._face_resumed = False
+        desc = dict(describe(), **self._deferred_problem())
         if self._size > 1:
             check_agreement(desc, self.process_group, what=what)
         raise_problem(desc)

@@ -27,9 +27,7 @@ from .face import Face, raise_problem
 
 __all__ = ["StepLifecycle", "StepFace"]
 
-log = logging.getLogger("bitscom")
-"""bitscom's diagnostics: the plan and compressor of every optimizer at DEBUG (enable with
-``logging.getLogger("bitscom").setLevel(logging.DEBUG)`` and a handler)."""
+log = logging.getLogger("bitscom")     # at DEBUG: each optimizer's plan and compressor (docs/api.md)
 
 
 def _weakly(ref, method: str, *args) -> None:

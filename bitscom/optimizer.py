@@ -16,7 +16,7 @@ from . import runtime
 from .agreement import check_agreement, describe_state
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .checkpointing.distributed import load_distributed, save_distributed
-from .face import ByteLedger, dense_bytes, live_objects
+from .face import ByteLedger, dense_bytes, has_tensor, live_objects
 from .lifecycle import StepFace, StepLifecycle
 from .buckets import FlatBucket, plan_buckets, plan_groups
 from .compressors import Compression, resolve as resolve_compressor
@@ -127,7 +127,6 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         self._wrapped_name = type(optimizer).__name__
         named = named_parameters_of(optimizer, named_parameters)
         self._face_init("DistributedOptimizer", process_group, named)
-        process_group = self.process_group
         self._trainable = [(n, p) for n, p in named if p.requires_grad]
 
         self._layouts, fusion_threshold_mb = self._plan(groups, fusion_threshold_mb, auto_fusion, compression)
@@ -140,19 +139,17 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         # Names this optimizer to the other ranks (bitscom.join): the same for the same plan.
         self._uid = zlib.crc32(repr(self._description()).encode()) & 0x3FFFFFFF
         self._bytes = ByteLedger()
-        self._life = StepLifecycle(self, "DistributedOptimizer", process_group, backward_passes_per_step)
+        self._life = StepLifecycle(self, "DistributedOptimizer", self.process_group, backward_passes_per_step)
         self._life.agree()                      # every rank, before any other collective
         self._refuse_ddp(self._ddp)
-        self._reducer = Reducer(compression, self._layouts, runtime.channel(process_group, later=self._size > 1))
+        self._reducer = Reducer(compression, self._layouts, runtime.channel(self.process_group, later=self._size > 1))
         self._life.attach([p for _, p in self._trainable])
 
     def _build_buckets(self) -> None:
         by_name = dict(self._trainable)
         self._buckets = [FlatBucket(l, [by_name[s.name] for s in l.slots]) for l in self._layouts]
-        self._slot: Dict[int, tuple] = {}
-        for b, bucket in enumerate(self._buckets):
-            for s, p in enumerate(bucket.params):
-                self._slot[id(p)] = (b, s)
+        self._slot: Dict[int, tuple] = {id(p): (b, s) for b, bucket in enumerate(self._buckets)
+                                         for s, p in enumerate(bucket.params)}
         self._next_launch = 0
         self._should_sync = True
 
@@ -217,7 +214,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
     def _launch(self, b: int) -> None:
         self._life.begin(True, self._state_description)
         flat = self._buckets[b].flat
-        if self.op is Average and self.gradient_predivide_factor != 1.0:
+        if self.gradient_predivide_factor != 1.0:     # op=Average (a Sum's factor is 1)
             flat.div_(self.gradient_predivide_factor)
         self._reducer.launch(b, flat)
 
@@ -264,19 +261,14 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             raise
         finally:
             self._reset_buckets()
-        post = 1.0
-        if self.op is Average and self.gradient_predivide_factor != 1.0:
-            post = self.gradient_predivide_factor
-        elif self.op is Sum:
-            post = float(self._size)
-        dense = 0
+        # the compressors average: Average multiplies the predivided f back, Sum multiplies by size
+        post = self.gradient_predivide_factor if self.op is Average else float(self._size)
         for bucket in self._buckets:
             if post != 1.0:
                 bucket.flat.mul_(post)
             bucket.write_back()
-            dense += dense_bytes(bucket.layout.numel)
         hand_back_sparse(sparse_back)            # sparse_as_dense=True: agreed on every rank
-        self._bytes.add(sent, dense)
+        self._bytes.add(sent, sum(dense_bytes(b.layout.numel) for b in self._buckets))
         self._life.completed = True
         if self._sparse_grads is not None and self._sparse_grads.params:
             self._sparse_grads.finish(self)      # every rank, plan order: sparse p.grad
@@ -336,9 +328,8 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
             with opt.skip_synchronize():
                 opt.step()
         """
-        if self._size == 1 or self._life.completed:
-            return
-        self._finish()
+        if self._size > 1 and not self._life.completed:
+            self._finish()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -393,16 +384,12 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
     def _solo_momentum(self) -> None:
         """One process owes MomentumCorrection's ``p.grad ← u = m·u + g`` (u in the optimizer state)."""
         m = self.compression.momentum
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                u = state.get("bitscom_velocity")
-                if u is None:
-                    u = state["bitscom_velocity"] = torch.zeros_like(p.grad, dtype=torch.float32)
-                u.mul_(m).add_(p.grad)
-                p.grad.copy_(u)
+        for p in [p for group in self.param_groups for p in group["params"] if p.grad is not None]:
+            u = self.state[p].get("bitscom_velocity")
+            if u is None:
+                u = self.state[p]["bitscom_velocity"] = torch.zeros_like(p.grad, dtype=torch.float32)
+            u.mul_(m).add_(p.grad)
+            p.grad.copy_(u)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero ``p.grad`` and forget this step's passes (also after a skipped step)."""
@@ -454,8 +441,7 @@ class DistributedOptimizer(StepFace, torch.optim.Optimizer):
         if self._life.in_step or self._next_launch:
             raise RuntimeError("load_state_dict() was called in the middle of a step; call it "
                                "between steps")
-        if extra is not None and not self._check_envelope(
-                extra, any(isinstance(v, torch.Tensor) for v in _leaves(extra["reducer"]["states"]))):
+        if extra is not None and not self._check_envelope(extra, has_tensor(extra["reducer"]["states"])):
             self._life.loaded(None)             # the next step raises the problem on every rank
             return
         backup = self._reducer.state_dict() if extra is not None else None
@@ -529,14 +515,6 @@ def _split_state_dict(state_dict):
         return {k: v for k, v in state_dict.items() if k != "bitscom"}, state_dict.get("bitscom")
     raise ValueError("not an optimizer state dict: expected the keys 'state' and "
                      f"'param_groups', got {sorted(map(str, state_dict))}")
-
-
-def _leaves(obj):
-    if isinstance(obj, (dict, list, tuple)):
-        for v in (obj.values() if isinstance(obj, dict) else obj):
-            yield from _leaves(v)
-    else:
-        yield obj
 
 
 def _groups(groups, num_groups):

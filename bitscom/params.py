@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List
 
 import torch
 
@@ -26,12 +26,8 @@ def checked_pairs(named_parameters) -> List[tuple]:
 
 def named_parameters_of(optimizer: torch.optim.Optimizer, named_parameters) -> List[tuple]:
     """Checked (name, parameter) pairs of ``optimizer``, registration order (else ``param.<i>``)."""
-    opt_params, seen = [], set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                opt_params.append(p)
+    seen = {id(p): p for group in optimizer.param_groups for p in group["params"]}   # each once, in order
+    opt_params = list(seen.values())
     if named_parameters is None:
         return [(f"param.{i}", p) for i, p in enumerate(opt_params)]
     named = checked_pairs(named_parameters)
@@ -39,7 +35,7 @@ def named_parameters_of(optimizer: torch.optim.Optimizer, named_parameters) -> L
     return [(n, p) for n, p in named if id(p) in seen]
 
 
-def _check_same_parameters(named: List[tuple], opt_params: list, seen: set) -> None:
+def _check_same_parameters(named: List[tuple], opt_params: list, seen: Dict[int, torch.Tensor]) -> None:
     by_id = {id(p): n for n, p in named}
     missing_from_opt = [n for n, p in named if id(p) not in seen and p.requires_grad]
     if missing_from_opt:

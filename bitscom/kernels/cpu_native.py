@@ -83,8 +83,7 @@ def _problem(st: os.stat_result, kind: str) -> Optional[str]:
 
 
 def _above_problem(st: os.stat_result) -> Optional[str]:
-    """Why a directory above the cache (from ``os.lstat``) must not be trusted, or None. One others
-    can write to is fine only when root's and sticky (``/tmp``): nobody may rename what is not theirs."""
+    """Why a directory above the cache (from ``os.lstat``) must not be trusted, or None (docs/format.md)."""
     if stat.S_ISLNK(st.st_mode):
         return "it is a symbolic link"      # only seen if it is swapped in while we look
     if not stat.S_ISDIR(st.st_mode):
@@ -105,9 +104,7 @@ def _make_private(path: pathlib.Path) -> os.stat_result:
 
 
 def _walk(d: pathlib.Path) -> tuple:
-    """Create and check every directory from ``/`` down to the cache ``d``: ``(resolved path,
-    problem or None)``. Links above the cache are resolved once, up front, and only the resolved
-    path is checked and used, so a link changed afterwards points nowhere bitscom looks."""
+    """Create and check every directory from ``/`` down to the cache ``d``: ``(resolved path, problem or None)``."""
     parent = pathlib.Path(os.path.realpath(d.parent))
     for p in [*reversed(parent.parents), parent]:
         problem = _above_problem(_make_private(p))
@@ -118,11 +115,8 @@ def _walk(d: pathlib.Path) -> tuple:
 
 
 def cache_dir(root: Optional[pathlib.Path] = None) -> Optional[pathlib.Path]:
-    """The private directory compiled kernels live in (``~/.cache/bitscom`` by default), created
-    with mode 0700, symbolic links above it resolved; None, with a warning (the torch path is used
-    instead), when it or a directory above it could be replaced by another user (the rules:
-    ``docs/format.md``, "The kernel cache"). Deliberately no fallback to a shared temporary
-    directory: a library planted there by another local user would run inside this process."""
+    """The private directory compiled kernels live in (``~/.cache/bitscom`` by default); None, with a warning,
+    when another user could replace it or a directory above it (``docs/format.md``, "The kernel cache")."""
     d = pathlib.Path.home() / ".cache" / "bitscom" if root is None else pathlib.Path(root)
     d = pathlib.Path(os.path.abspath(d))
     try:

@@ -116,20 +116,14 @@ def quantize_pack(x: torch.Tensor, bits: int, block_size: int, stochastic: bool,
     return payload, scales
 
 
-def dequantize_rows(payloads: torch.Tensor, scales: torch.Tensor, numel: int, bits: int,
-                    block_size: int) -> torch.Tensor:
-    """[P, bytes] payloads and [P, nblocks] scales -> float32 [P, numel] values."""
+def unpack_dequantize_accumulate(payloads, scales, numel, bits, block_size, out, accumulate):
+    """out = [out +] v_0 + ... + v_{P-1} ([P, bytes] payloads, [P, nblocks] scales), left to right in float32."""
     nb, P = fmt.num_blocks(numel, block_size), payloads.shape[0]
     pb = fmt.payload_bytes(numel, bits, block_size)
     codes = unpack_codes(payloads[:, :pb].reshape(-1), bits, P * nb * block_size).view(P, nb, block_size)
     s = scales[:, :nb].to(torch.float32).unsqueeze(2)
     v = ((1 - 2 * codes) if bits == 1 else (codes - fmt.qmax(bits))).to(torch.float32) * s
-    return v.view(P, nb * block_size)[:, :numel]
-
-
-def unpack_dequantize_accumulate(payloads, scales, numel, bits, block_size, out, accumulate):
-    """out = [out +] v_0 + v_1 + ... + v_{P-1}, added left to right in float32."""
-    v = dequantize_rows(payloads, scales, numel, bits, block_size)
+    v = v.view(P, nb * block_size)[:, :numel]
     if not accumulate:
         out.copy_(v[0])
     for p in range(0 if accumulate else 1, v.shape[0]):

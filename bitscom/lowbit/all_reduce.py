@@ -3,6 +3,7 @@ the two-stage algorithm and its hierarchies: ``docs/lowbit.md``)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Generator, Iterator, Optional
 
@@ -171,12 +172,8 @@ def all_reduce_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: Option
     state.bind(n)
     unit = math.prod(sizes) * cfg.block_size
     rank = world_rank(comm if hier == "none" else intra)
-    step, kid = state.step, key_id(key)
+    seeds = functools.partial(stage_seed, cfg.seed, key_id(key), state.step, rank)   # seeds(stage)
     state.step += 1
-
-    def seeds(stage):
-        return stage_seed(cfg.seed, kid, step, rank, stage)
-
     if _fast_flat(cfg, hier, flat, max(unit, -(-n // unit) * unit), unit):
         yield from _flat_rounds(flat, comm, cfg, state, alpha, seeds, unit)
         return

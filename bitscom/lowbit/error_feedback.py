@@ -52,12 +52,10 @@ class ErrorFeedback:
     @classmethod
     def lazy(cls: type[_EF]) -> _EF:
         """An enabled residual whose buffer the first :meth:`compensate` makes (zeros)."""
-        ef = cls(0, enabled=True)
-        ef.residual = None
-        return ef
+        return cls.over(None)
 
     @classmethod
-    def over(cls: type[_EF], residual: torch.Tensor) -> _EF:
+    def over(cls: type[_EF], residual: Optional[torch.Tensor]) -> _EF:
         """Error feedback whose residual *is* ``residual`` (e.g. one chunk's view of a larger one)."""
         ef = cls(0, enabled=True)
         ef.residual = residual

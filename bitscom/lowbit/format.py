@@ -40,7 +40,7 @@ class Quantized:
 
     @property
     def nbytes(self) -> int:
-        return self.payload.numel() * self.payload.element_size() + self.scales.numel() * self.scales.element_size()
+        return self.payload.nbytes + self.scales.nbytes
 
     @property
     def nblocks(self) -> int:

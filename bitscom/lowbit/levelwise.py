@@ -32,15 +32,11 @@ def default_order(levels: int) -> Tuple[int, ...]:
     return tuple(reversed(range(levels)))
 
 
-def _check_levels(levels) -> None:
+def _check(flat, out, levels, chunks, order, hadamard, hadamard_backend):
     if not levels:
         raise ValueError("levels must list at least one (comm, codec) pair")
     for i, (_, codec) in enumerate(levels):
         instance(f"levels[{i}] codec", codec, Codec, "a bitscom.lowbit.Codec (levels are (comm, Codec) pairs)")
-
-
-def _check(flat, out, levels, chunks, order, hadamard, hadamard_backend):
-    _check_levels(levels)
     world = math.prod(comm.size for comm, _ in levels)
     if not (flat.is_floating_point() and out.is_floating_point()):
         raise TypeError(f"level-wise reduce-scatter needs floating tensors, got {flat.dtype} -> {out.dtype}")

@@ -30,8 +30,7 @@ def scatter(x, comm, codec, seed, offset, sent=None, row_stride=None):
     send = torch.empty(P, R, dtype=torch.uint8, device=x.device)
     for j in range(P):
         codec.encode(x[j * m:(j + 1) * m], send[j], seed, offset + j * step)
-    if sent is not None:
-        for j in range(P):
+        if sent is not None:
             codec.decode(send[j], m, sent[j * m:(j + 1) * m])
     recv = torch.empty_like(send)
     yield comm.all_to_all(recv.view(-1), send.view(-1))
@@ -167,9 +166,10 @@ def pipeline(gens: Sequence[Iterator[Any]]) -> Generator[List[Any], None, List[A
 
 
 def pad(flat: torch.Tensor, unit: int, cfg: LowBitConfig, state: LowBitState) -> torch.Tensor:
+    """``flat`` zero-padded to whole ``unit``s (then rotated with ``cfg.hadamard``) in ``state``'s reused buffer."""
     n = flat.numel()
     N = max(unit, -(-n // unit) * unit)
-    x = state.workspace(N, flat.device)
+    x = state.scratch("workspace", (N,), torch.float32, flat.device)
     x[:n].copy_(flat.reshape(-1))
     x[n:].zero_()
     if cfg.hadamard:

@@ -32,10 +32,6 @@ class LowBitState:
         """A buffer kept between steps (contents undefined): a fresh one would page-fault each step."""
         return self._scratch.get(name, shape, dtype, device)
 
-    def workspace(self, numel: int, device) -> torch.Tensor:
-        """The padded float32 send buffer of ``numel`` elements (a :meth:`scratch` buffer)."""
-        return self.scratch("workspace", (numel,), torch.float32, device)
-
     def estimate(self, name: str, numel: int, device) -> torch.Tensor:
         """The EF21 estimate ``name`` (zeros on first use)."""
         t = getattr(self, name)
