@@ -80,7 +80,9 @@ class DDPCommState(Face):
         self._reducer.abort()
 
     def _release_groups(self) -> None:
-        self._reducer.abort()
+        reducer = getattr(self, "_reducer", None)      # None: construction failed before it
+        if reducer is not None:
+            reducer.abort()
 
     def _prepare(self, bucket) -> int:
         index = bucket.index()

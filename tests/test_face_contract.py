@@ -266,6 +266,25 @@ def test_a_face_whose_world_is_gone_is_a_clear_error_on_every_rank(own_pool, nam
         assert total == 2.0
 
 
+def _failed_builds_then_shutdown(rank, world):
+    kept = []
+    for spec in SPECS:
+        setting = spec.mismatch if rank == 1 else {}
+        try:
+            build(spec, rank, **setting)
+        except RuntimeError as err:     # its traceback keeps the half-built face alive
+            kept.append(err)
+    shutdown = _outcome(bitscom.shutdown)
+    bitscom.init(timeout=datetime.timedelta(seconds=60))   # leave the pool a world
+    return len(kept), shutdown
+
+
+def test_a_face_that_failed_to_build_does_not_break_shutdown(own_pool):
+    """A face registers before its constructor can fail; the world's end must still release it."""
+    results = own_pool.run(_failed_builds_then_shutdown, timeout=150)
+    assert results == [(len(SPECS), ("ok", None))] * 2, results
+
+
 # -- a stalled peer: an error within init's timeout, never a hang ----------------------------------
 
 def _stalled_peer(rank, world, port, queue, release):

@@ -181,6 +181,25 @@ def test_twenty_cycles_leak_no_groups_threads_or_fds(pools, name):
 # -- the world goes away -------------------------------------------------------------------------------
 
 
+def _failed_builds_then_shutdown(rank, world):
+    kept = []
+    for spec in SPECS:
+        kwargs = dict(spec.mismatch) if rank == 1 else {}
+        try:
+            spec.build(**kwargs).step(rank)
+        except RuntimeError as err:     # its traceback keeps the half-built face alive
+            kept.append(err)
+    shutdown = _outcome(bitscom.shutdown)
+    bitscom.init(timeout=datetime.timedelta(seconds=60))   # leave the pool a world
+    return len(kept), shutdown
+
+
+def test_a_face_that_failed_to_build_does_not_break_shutdown(own_pool):
+    """A face registers before its constructor can fail; the world's end must still release it."""
+    results = own_pool.run(_failed_builds_then_shutdown, timeout=150)
+    assert results == [(len(SPECS), ("ok", None))] * 2, results
+
+
 def _after_shutdown(rank, world, name, reinit):
     face = BY_NAME[name].build()
     face.step(rank)

@@ -16,13 +16,13 @@ from ..buckets import FlatBucket
 from ..compressors import resolve as resolve_compressor
 from ..compressors.lowbit import LowBit
 from ..engine import Reducer
-from ..face import Face, check_trainable, dense_bytes, renamed, report
+from ..face import Face, check_trainable, dense_bytes, has_tensor, renamed, report
 from ..lifecycle import StepFace
 from ..params import named_parameters_of
 from ..validate import instance, number
 from .config import DiLoCoConfig
 from .fragments import plan_fragments
-from .state import has_tensor, load_checked
+from .state import load_checked
 from .streaming import Flight, FragmentReducers, saved_flights
 
 __all__ = ["DiLoCo", "DEFAULT_COMPRESSION"]

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ..face import load_all_or_nothing
 
-__all__ = ["has_tensor", "load_checked"]
-
-
-def has_tensor(obj: Any) -> bool:
-    """Whether a nested state holds a tensor (per-rank state such as error-feedback residuals)."""
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    return isinstance(obj, torch.Tensor) or (isinstance(obj, (list, tuple)) and any(has_tensor(v) for v in obj))
+__all__ = ["load_checked"]
 
 
 def load_checked(opt, inner: dict, extra: dict) -> None:

@@ -33,6 +33,10 @@ class OneBitBase(Face, torch.optim.Optimizer):
     _NAME = "OneBitBase"
     _CONFIG: Any = None
     _step_supports_amp_scaling = True   # GradScaler hands over grad_scale / found_inf (see step)
+    # None until overlap=True attaches them; also what a constructor that failed early leaves for
+    # the world's end to release (the face registered first).
+    _buckets: Optional[OverlapBuckets] = None
+    _life: Optional[StepLifecycle] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -74,8 +78,6 @@ class OneBitBase(Face, torch.optim.Optimizer):
         self._last_step: Tuple[int, int] = (0, 0)     # (bytes sent, dense bytes) of the last step
         self._dense_per_step = dense_bytes(self._numel) if self._size > 1 else 0
         self._sent: Optional[str] = None      # this step's 1-bit all-reduce already ran from the hooks
-        self._buckets: Optional[OverlapBuckets] = None
-        self._life: Optional[StepLifecycle] = None
         overlapped = self.overlap_config.overlap and self._size > 1
         # Overlapped buckets finish at different moments per rank: their later rounds need the
         # channel's later group (see bitscom.channel), made here, on every rank at once.
