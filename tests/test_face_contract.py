@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import bitscom
-from contract_tools import assert_no_growth
+from contract_tools import assert_no_growth, failed_builds_then_shutdown
 from contract_tools import outcome as _outcome, resource_counts as _counts
 from face_specs import SPECS, build, flat_parameters, train_step
 
@@ -267,16 +267,7 @@ def test_a_face_whose_world_is_gone_is_a_clear_error_on_every_rank(own_pool, nam
 
 
 def _failed_builds_then_shutdown(rank, world):
-    kept = []
-    for spec in SPECS:
-        setting = spec.mismatch if rank == 1 else {}
-        try:
-            build(spec, rank, **setting)
-        except RuntimeError as err:     # its traceback keeps the half-built face alive
-            kept.append(err)
-    shutdown = _outcome(bitscom.shutdown)
-    bitscom.init(timeout=datetime.timedelta(seconds=60))   # leave the pool a world
-    return len(kept), shutdown
+    return failed_builds_then_shutdown(SPECS, lambda spec: build(spec, rank, **(spec.mismatch if rank == 1 else {})))
 
 
 def test_a_face_that_failed_to_build_does_not_break_shutdown(own_pool):

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import bitscom
-from contract_tools import assert_no_growth
+from contract_tools import assert_no_growth, failed_builds_then_shutdown
 from contract_tools import outcome as _outcome, resource_counts as _counts
 from face_specs_collectives import NUMEL, SPECS
 
@@ -182,16 +182,8 @@ def test_twenty_cycles_leak_no_groups_threads_or_fds(pools, name):
 
 
 def _failed_builds_then_shutdown(rank, world):
-    kept = []
-    for spec in SPECS:
-        kwargs = dict(spec.mismatch) if rank == 1 else {}
-        try:
-            spec.build(**kwargs).step(rank)
-        except RuntimeError as err:     # its traceback keeps the half-built face alive
-            kept.append(err)
-    shutdown = _outcome(bitscom.shutdown)
-    bitscom.init(timeout=datetime.timedelta(seconds=60))   # leave the pool a world
-    return len(kept), shutdown
+    return failed_builds_then_shutdown(SPECS, lambda spec: spec.build(**(dict(spec.mismatch) if rank == 1 else {}))
+                                       .step(rank))
 
 
 def test_a_face_that_failed_to_build_does_not_break_shutdown(own_pool):
