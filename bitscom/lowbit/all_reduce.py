@@ -130,8 +130,8 @@ def _flat_rounds(flat: torch.Tensor, comm, cfg: LowBitConfig, state: LowBitState
     buf = state.scratch("row", (r2,), torch.uint8, dev)
     if cfg.stage2_error_feedback:                 # server error feedback (1-bit Adam's stage 2)
         shard = decode_sum_scaled(c1, recv, m, alpha, state.scratch("stage2", (m,), torch.float32, dev))
-        e2 = ErrorFeedback.over(state.stage2_residual.ensure(m, dev))
-        encode_with_feedback(shard, c2, buf, seeds(1), comm.rank * m, e2)
+        state.stage2_residual.ensure(m, dev)
+        encode_with_feedback(shard, c2, buf, seeds(1), comm.rank * m, state.stage2_residual)
     else:
         c1.decode_sum_encode(recv, m, alpha, c2, buf, seeds(1), comm.rank * m)
     gathered = state.scratch("gathered", (P * r2,), torch.uint8, dev)
